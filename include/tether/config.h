@@ -1,0 +1,30 @@
+// Every knob of an Endpoint. Each field has a TETHER_* environment override,
+// applied by Config::from_env() on top of the defaults (explicit options win over both).
+// Defaults are the measured ones recorded in docs/PERFORMANCE.md.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace tether {
+
+struct Config {
+  std::string host = "127.0.0.1";   // TETHER_HOST: listen address ("0.0.0.0" for every interface)
+  uint16_t port = 0;                // TETHER_PORT: 0 = ephemeral
+  uint32_t channels = 2;            // TETHER_CHANNELS: lanes (progress threads) per peer
+  uint32_t sockets_per_channel = 1; // TETHER_SOCKETS_PER_CHANNEL
+  uint64_t chunk_bytes = 1 << 20;   // TETHER_CHUNK_BYTES: unit of pipelining and scheduling
+  uint32_t window = 32;             // TETHER_WINDOW: chunks in flight (un-acknowledged) per peer
+  uint32_t socket_buffer = 4 << 20; // TETHER_SOCKET_BUFFER: SO_SNDBUF/SO_RCVBUF bytes, 0 = kernel default
+  uint32_t connect_timeout_ms = 5000;  // TETHER_CONNECT_TIMEOUT_MS
+  uint32_t peer_timeout_ms = 10000;    // TETHER_PEER_TIMEOUT_MS: silence after which a peer is dead
+  uint32_t heartbeat_ms = 1000;        // TETHER_HEARTBEAT_MS
+  uint32_t handshake_timeout_ms = 2000;// TETHER_HANDSHAKE_TIMEOUT_MS: unfinished handshakes are dropped
+  uint32_t spin_us = 20;            // TETHER_SPIN_US: wait() spins this long before sleeping
+  std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
+  std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
+
+  // Defaults overridden by TETHER_* variables that are set.
+  static Config from_env();
+};
+
+}  // namespace tether

@@ -1,0 +1,157 @@
+// tether's public C++ API: Endpoint, Region, RemoteRegion, Peer, Transfer.
+// The same words name the same things in Python (python/tether) and in the docs.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tether/config.h"
+#include "tether/status.h"
+
+namespace tether {
+
+namespace core {
+struct RegionState;
+struct TransferState;
+class PeerState;
+class EndpointImpl;
+}  // namespace core
+
+enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
+
+using EndpointId = std::array<uint8_t, 16>;
+
+// A registered memory range of this process. Copyable handle; deregistration is explicit.
+class Region {
+ public:
+  Region() = default;
+  uint32_t id() const;
+  void* data() const;
+  uint64_t size() const;
+  MemoryKind kind() const;
+  bool readonly() const;
+  bool valid() const { return state_ != nullptr; }
+  // Bytes granting access to [offset, offset+length) of this region and nothing else.
+  // length == UINT64_MAX means "to the end".
+  Result<std::string> descriptor(uint64_t offset = 0, uint64_t length = UINT64_MAX) const;
+
+  explicit Region(std::shared_ptr<core::RegionState> s) : state_(std::move(s)) {}
+  const std::shared_ptr<core::RegionState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<core::RegionState> state_;
+};
+
+// A parsed descriptor: a range of a region that lives in another endpoint.
+struct RemoteRegion {
+  EndpointId endpoint{};
+  uint32_t region_id = 0;
+  uint64_t offset = 0;   // start of the granted range inside the region
+  uint64_t length = 0;   // length of the granted range
+  uint64_t key = 0;      // MAC over (region_id, offset, length) under the region's secret
+  MemoryKind kind = MemoryKind::kHost;
+  int32_t device = -1;
+  static constexpr size_t kEncodedSize = 64;
+  static Result<RemoteRegion> parse(std::string_view bytes);
+  std::string encode() const;
+};
+
+// One entry of a vectored transfer.
+struct IoEntry {
+  Region local;
+  uint64_t local_offset = 0;
+  RemoteRegion remote;
+  uint64_t remote_offset = 0;  // relative to the descriptor's range
+  uint64_t length = 0;
+};
+
+// Handle to one asynchronous operation.
+class Transfer {
+ public:
+  Transfer() = default;
+  explicit Transfer(std::shared_ptr<core::TransferState> s) : state_(std::move(s)) {}
+  bool done() const;
+  // Waits up to timeout_ms (negative: forever). Returns the transfer's status, or kTimeout
+  // if it is still running (it keeps running).
+  Status wait(int64_t timeout_ms = -1) const;
+  Status status() const;   // kTimeout-free: ok while running
+  uint64_t bytes() const;  // payload bytes of the operation (for recv: the message length)
+  const std::shared_ptr<core::TransferState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<core::TransferState> state_;
+};
+
+// The link to another endpoint.
+class Peer {
+ public:
+  Peer() = default;
+  explicit Peer(std::shared_ptr<core::PeerState> s) : state_(std::move(s)) {}
+
+  Transfer write(const Region& local, uint64_t local_offset, const RemoteRegion& remote,
+                 uint64_t remote_offset, uint64_t length, std::string notify = {});
+  Transfer read(const Region& local, uint64_t local_offset, const RemoteRegion& remote,
+                uint64_t remote_offset, uint64_t length);
+  Transfer writev(std::vector<IoEntry> entries, std::string notify = {});
+  Transfer readv(std::vector<IoEntry> entries);
+  Transfer send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag = 0);
+  Transfer recv(const Region& local, uint64_t offset, uint64_t length, uint64_t tag = 0);
+  Transfer notify(std::string data);
+
+  uint64_t id() const;
+  std::string name() const;
+  EndpointId endpoint_id() const;
+  bool connected() const;
+  Status error() const;  // why the peer is gone, ok while connected
+  void close();          // fails in-flight transfers with kCancelled and drops the link
+  const std::shared_ptr<core::PeerState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<core::PeerState> state_;
+};
+
+struct Notification {
+  uint64_t peer_id = 0;
+  std::string peer_name;
+  std::string data;
+};
+
+struct EndpointStats {
+  uint64_t bytes_sent = 0, bytes_received = 0, chunks_sent = 0, chunks_received = 0;
+  uint64_t transfers_completed = 0, transfers_failed = 0, rejected_requests = 0;
+};
+
+class Endpoint {
+ public:
+  static Result<std::unique_ptr<Endpoint>> create(const Config& config);
+  ~Endpoint();
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+
+  std::string address() const;    // "host:port" it listens on
+  std::string metadata() const;   // bytes a peer passes to connect()
+  EndpointId id() const;
+  std::string name() const;
+  const Config& config() const;
+
+  // metadata bytes from metadata(), or "host:port".
+  Result<Peer> connect(std::string_view target, int64_t timeout_ms = -1);
+  Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind = MemoryKind::kHost,
+                                 int device = -1, bool readonly = false);
+  Status deregister(const Region& region);
+  std::vector<Notification> notifications();   // drains what has arrived
+  // Blocks up to timeout_ms for at least one notification.
+  std::vector<Notification> wait_notifications(int64_t timeout_ms);
+  std::vector<Peer> peers() const;
+  EndpointStats stats() const;
+  void close();  // idempotent; fails in-flight transfers with kCancelled
+
+ private:
+  explicit Endpoint(std::unique_ptr<core::EndpointImpl> impl);
+  std::unique_ptr<core::EndpointImpl> impl_;
+};
+
+}  // namespace tether

@@ -1,0 +1,278 @@
+"""The Python surface of tether: Endpoint, Region, Peer, Transfer (same words as the C++ API)."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from tether import _tether
+
+Remote = Union[bytes, _tether.RemoteRegion]
+
+# Constructor options -> Config fields (each also has a TETHER_* environment override).
+_OPTIONS = {
+    "host": "host", "port": "port", "channels": "channels",
+    "sockets_per_channel": "sockets_per_channel", "chunk_bytes": "chunk_bytes",
+    "window": "window", "socket_buffer": "socket_buffer", "spin_us": "spin_us",
+    "auth_token": "auth_token", "name": "name",
+}
+_SECONDS = {  # options given in seconds, stored in milliseconds
+    "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",
+    "heartbeat": "heartbeat_ms", "handshake_timeout": "handshake_timeout_ms",
+}
+
+
+class Notification(NamedTuple):
+    peer_id: int
+    peer_name: str
+    data: bytes
+
+
+class Transfer:
+    """One asynchronous operation. `wait()` raises the transfer's typed error, if any."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, t: _tether.Transfer):
+        self._t = t
+
+    def done(self) -> bool:
+        return self._t.done()
+
+    def wait(self, timeout: Optional[float] = None) -> "Transfer":
+        """Blocks until done (or `timeout` seconds: raises TransferTimeout, the transfer goes on)."""
+        self._t._wait(-1.0 if timeout is None else float(timeout))
+        return self
+
+    @property
+    def status(self) -> str:
+        """"running", "ok" or "error" (see `error`)."""
+        if not self._t.done():
+            return "running"
+        return "ok" if self._t._code == 0 else "error"
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._t._message if self._t.done() and self._t._code != 0 else None
+
+    @property
+    def bytes(self) -> int:
+        """Payload bytes of the operation (for recv: the length of the message received)."""
+        return self._t.bytes
+
+    def __repr__(self) -> str:
+        return f"Transfer(status={self.status!r}, bytes={self.bytes})"
+
+
+class Region:
+    """A registered memory range. Keeps the registered object alive until deregistered."""
+
+    __slots__ = ("_r", "_obj", "__weakref__")
+
+    def __init__(self, r: _tether.Region, obj: Any):
+        self._r = r
+        self._obj = obj
+
+    id = property(lambda self: self._r.id)
+    size = property(lambda self: self._r.size)
+    ptr = property(lambda self: self._r.ptr)
+    readonly = property(lambda self: self._r.readonly)
+    kind = property(lambda self: self._r.kind)
+
+    def descriptor(self, offset: int = 0, length: Optional[int] = None) -> bytes:
+        """Bytes (a RemoteRegion) granting access to [offset, offset+length) and nothing else."""
+        return self._r.descriptor(offset, length)
+
+    def __repr__(self) -> str:
+        return f"Region(id={self.id}, size={self.size}, kind={self.kind!r})"
+
+
+def _remote(r: Remote) -> _tether.RemoteRegion:
+    return r if isinstance(r, _tether.RemoteRegion) else _tether.RemoteRegion(bytes(r))
+
+
+class Peer:
+    """The link to another endpoint. Every operation is asynchronous and returns a Transfer."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, p: _tether.Peer):
+        self._p = p
+
+    id = property(lambda self: self._p.id)
+    name = property(lambda self: self._p.name)
+    connected = property(lambda self: self._p.connected)
+    error = property(lambda self: self._p.error)
+
+    def write(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
+              length: Optional[int] = None, notify: Optional[bytes] = None) -> Transfer:
+        """Local [local_offset, +length) -> remote [remote_offset, +length). Default length: the
+        rest of the remote range. `notify` reaches the target only after the data is in place."""
+        if length is None:
+            remote = _remote(remote)
+            length = remote.length - remote_offset
+        return Transfer(self._p.write(local._r, local_offset, remote, remote_offset, length, notify or b""))
+
+    def read(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
+             length: Optional[int] = None) -> Transfer:
+        """Remote [remote_offset, +length) -> local [local_offset, +length)."""
+        if length is None:
+            remote = _remote(remote)
+            length = remote.length - remote_offset
+        return Transfer(self._p.read(local._r, local_offset, remote, remote_offset, length))
+
+    def writev(self, entries: Sequence[Tuple[Region, int, Remote, int, int]],
+               notify: Optional[bytes] = None) -> Transfer:
+        """Many (local region, local offset, remote, remote offset, length) as one transfer."""
+        return Transfer(self._p.writev(entries, notify or b""))
+
+    def readv(self, entries: Sequence[Tuple[Region, int, Remote, int, int]]) -> Transfer:
+        return Transfer(self._p.readv(entries))
+
+    def send(self, local: Region, *, offset: int = 0, length: Optional[int] = None, tag: int = 0) -> Transfer:
+        """Two-sided: matched by the peer's recv with the same tag, in posting order."""
+        if length is None:
+            length = local.size - offset
+        return Transfer(self._p.send(local._r, offset, length, tag))
+
+    def recv(self, local: Region, *, offset: int = 0, length: Optional[int] = None, tag: int = 0) -> Transfer:
+        """Posts room for one message; `Transfer.bytes` is its length once done."""
+        if length is None:
+            length = local.size - offset
+        return Transfer(self._p.recv(local._r, offset, length, tag))
+
+    def notify(self, data: bytes) -> Transfer:
+        return Transfer(self._p.notify(bytes(data)))
+
+    # Blocking conveniences.
+    def write_sync(self, *args, timeout: Optional[float] = None, **kw) -> Transfer:
+        return self.write(*args, **kw).wait(timeout)
+
+    def read_sync(self, *args, timeout: Optional[float] = None, **kw) -> Transfer:
+        return self.read(*args, **kw).wait(timeout)
+
+    def close(self) -> None:
+        """Drops the link; transfers still running on it fail with Cancelled."""
+        self._p.close()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Peer) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        return f"Peer(id={self.id}, name={self.name!r}, connected={self.connected})"
+
+
+def _as_host_bytes(obj: Any) -> Tuple[int, int, bool]:
+    """(pointer, nbytes, readonly) of a C-contiguous host buffer (buffer protocol or DLPack)."""
+    if hasattr(obj, "__cuda_array_interface__"):
+        raise _tether.Unavailable("GPU memory is not supported by this build yet")
+    try:
+        arr = np.asarray(memoryview(obj))
+    except TypeError:
+        if not hasattr(obj, "__dlpack__"):
+            raise _tether.InvalidArgument(
+                f"cannot register {type(obj).__name__}: expected the buffer protocol, DLPack, or (pointer, nbytes)")
+        if hasattr(obj, "__dlpack_device__") and obj.__dlpack_device__()[0] != 1:
+            raise _tether.Unavailable("GPU memory is not supported by this build yet")
+        arr = np.from_dlpack(obj)
+    if not arr.flags.c_contiguous:
+        raise _tether.InvalidArgument("cannot register a non-contiguous buffer")
+    return arr.ctypes.data, arr.nbytes, not arr.flags.writeable
+
+
+class Endpoint:
+    """One per process. Listens, accepts peers by itself, owns regions, peers and progress threads.
+
+    Options (each with a TETHER_* environment override): host, port, channels, sockets_per_channel,
+    chunk_bytes, window, socket_buffer, spin_us, auth_token, name, and in seconds connect_timeout,
+    peer_timeout, heartbeat, handshake_timeout.
+    """
+
+    def __init__(self, host: Optional[str] = None, port: Optional[int] = None, **options: Any):
+        cfg = _tether.Config.from_env()
+        options.update({k: v for k, v in (("host", host), ("port", port)) if v is not None})
+        for key, value in options.items():
+            if value is None:
+                continue
+            if key in _OPTIONS:
+                setattr(cfg, _OPTIONS[key], value)
+            elif key in _SECONDS:
+                setattr(cfg, _SECONDS[key], int(value * 1000))
+            else:
+                raise TypeError(f"Endpoint() got an unknown option {key!r}")
+        self.config = cfg
+        self._ep = _tether.Endpoint.create(cfg)
+        self._regions: dict[int, Region] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        """"host:port" this endpoint listens on."""
+        return self._ep.address
+
+    @property
+    def name(self) -> str:
+        return self._ep.name
+
+    def metadata(self) -> bytes:
+        """Bytes another endpoint passes to connect()."""
+        return self._ep.metadata()
+
+    def connect(self, target: Union[bytes, str], timeout: Optional[float] = None) -> Peer:
+        """Connects to metadata bytes or "host:port". Raises ConnectionLost, AuthError, ..."""
+        if isinstance(target, str):
+            target = target.encode()
+        return Peer(self._ep.connect(bytes(target), -1.0 if timeout is None else float(timeout)))
+
+    def register(self, obj: Any, *, readonly: Optional[bool] = None) -> Region:
+        """Registers a numpy array, any buffer-protocol or DLPack object, or (pointer, nbytes)."""
+        if isinstance(obj, tuple):
+            if len(obj) != 2:
+                raise _tether.InvalidArgument("expected (pointer, nbytes)")
+            ptr, nbytes = int(obj[0]), int(obj[1])
+            ro = bool(readonly)
+        else:
+            ptr, nbytes, ro = _as_host_bytes(obj)
+            if readonly is not None:
+                if ro and not readonly:
+                    raise _tether.InvalidArgument("the object is read-only; it cannot be registered writable")
+                ro = readonly
+        region = Region(self._ep.register_memory(ptr, nbytes, False, -1, ro), obj)
+        with self._lock:
+            self._regions[region.id] = region
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Withdraws the region; waits for accesses in flight, then releases the object."""
+        self._ep.deregister(region._r)
+        with self._lock:
+            self._regions.pop(region.id, None)
+
+    def notifications(self, timeout: float = 0) -> list[Notification]:
+        """What arrived since the last call, and from whom; waits up to `timeout` s for the first."""
+        return [Notification(*n) for n in self._ep.notifications(float(timeout))]
+
+    def peers(self) -> list[Peer]:
+        return [Peer(p) for p in self._ep.peers()]
+
+    def stats(self) -> dict:
+        return self._ep.stats()
+
+    def close(self) -> None:
+        """Idempotent. Transfers still running fail with Cancelled."""
+        self._ep.close()
+        with self._lock:
+            self._regions.clear()
+
+    def __enter__(self) -> "Endpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Endpoint(address={self.address!r}, name={self.name!r})"

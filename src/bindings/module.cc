@@ -1,0 +1,225 @@
+// Python module tether._tether: thin bindings over the C++ API. The Pythonic surface
+// (keyword defaults, object registration, typed exceptions) lives in python/tether/.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/unique_ptr.h>
+
+#include "tether/endpoint.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace tether;
+
+namespace {
+
+PyObject* g_errors[int(Code::kInternal) + 1] = {};
+
+[[noreturn]] void raise(const Status& s) {
+  PyObject* cls = g_errors[int(s.code())];
+  PyErr_SetString(cls ? cls : PyExc_RuntimeError, s.message().c_str());
+  throw nb::python_error();
+}
+
+void check(const Status& s) {
+  if (!s.is_ok()) raise(s);
+}
+
+template <typename T>
+T take(Result<T> r) {
+  if (!r.is_ok()) raise(r.status());
+  return r.take();
+}
+
+std::string as_string(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
+nb::bytes as_bytes(const std::string& s) { return nb::bytes(s.data(), s.size()); }
+
+RemoteRegion parse_remote(const nb::object& o) {
+  if (nb::isinstance<RemoteRegion>(o)) return nb::cast<RemoteRegion>(o);
+  if (nb::isinstance<nb::bytes>(o)) return take(RemoteRegion::parse(as_string(nb::cast<nb::bytes>(o))));
+  raise(Status(Code::kInvalidArgument, "remote must be descriptor bytes or a RemoteRegion"));
+}
+
+std::vector<IoEntry> parse_entries(const nb::sequence& seq) {
+  std::vector<IoEntry> out;
+  out.reserve(nb::len(seq));
+  for (nb::handle h : seq) {
+    auto t = nb::cast<nb::tuple>(h);
+    if (nb::len(t) != 5) raise(Status(Code::kInvalidArgument, "each entry is (local region, local offset, remote, remote offset, length)"));
+    IoEntry e;
+    nb::handle local = t[0];
+    if (!nb::isinstance<Region>(local) && nb::hasattr(local, "_r")) local = local.attr("_r");
+    e.local = nb::cast<Region>(local);
+    e.local_offset = nb::cast<uint64_t>(t[1]);
+    e.remote = parse_remote(nb::borrow<nb::object>(t[2]));
+    e.remote_offset = nb::cast<uint64_t>(t[3]);
+    e.length = nb::cast<uint64_t>(t[4]);
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+}  // namespace
+
+NB_MODULE(_tether, m) {
+  m.doc() = "tether core (C++)";
+
+  // Typed exceptions: every Code has its class; all derive from TetherError.
+  PyObject* base = PyErr_NewException("tether.TetherError", PyExc_RuntimeError, nullptr);
+  m.attr("TetherError") = nb::handle(base);
+  struct Spec { Code code; const char* name; PyObject* also; };
+  const Spec specs[] = {
+      {Code::kInvalidArgument, "InvalidArgument", PyExc_ValueError},
+      {Code::kNotFound, "RegionNotFound", PyExc_LookupError},
+      {Code::kAccessDenied, "AccessDenied", PyExc_PermissionError},
+      {Code::kOutOfRange, "OutOfRange", PyExc_IndexError},
+      {Code::kTimeout, "TransferTimeout", PyExc_TimeoutError},
+      {Code::kConnectionLost, "ConnectionLost", PyExc_ConnectionError},
+      {Code::kProtocolError, "ProtocolError", nullptr},
+      {Code::kAuthFailed, "AuthError", PyExc_PermissionError},
+      {Code::kCancelled, "Cancelled", nullptr},
+      {Code::kTruncated, "Truncated", nullptr},
+      {Code::kUnavailable, "Unavailable", nullptr},
+      {Code::kInternal, "InternalError", nullptr},
+  };
+  for (const Spec& s : specs) {
+    PyObject* bases = s.also ? PyTuple_Pack(2, base, s.also) : PyTuple_Pack(1, base);
+    std::string qual = std::string("tether.") + s.name;
+    PyObject* cls = PyErr_NewException(qual.c_str(), bases, nullptr);
+    Py_DECREF(bases);
+    g_errors[int(s.code)] = cls;
+    m.attr(s.name) = nb::handle(cls);
+  }
+
+  nb::class_<Config>(m, "Config")
+      .def(nb::init<>())
+      .def_static("from_env", &Config::from_env)
+      .def_rw("host", &Config::host)
+      .def_rw("port", &Config::port)
+      .def_rw("channels", &Config::channels)
+      .def_rw("sockets_per_channel", &Config::sockets_per_channel)
+      .def_rw("chunk_bytes", &Config::chunk_bytes)
+      .def_rw("window", &Config::window)
+      .def_rw("socket_buffer", &Config::socket_buffer)
+      .def_rw("connect_timeout_ms", &Config::connect_timeout_ms)
+      .def_rw("peer_timeout_ms", &Config::peer_timeout_ms)
+      .def_rw("heartbeat_ms", &Config::heartbeat_ms)
+      .def_rw("handshake_timeout_ms", &Config::handshake_timeout_ms)
+      .def_rw("spin_us", &Config::spin_us)
+      .def_rw("auth_token", &Config::auth_token)
+      .def_rw("name", &Config::name);
+
+  nb::class_<RemoteRegion>(m, "RemoteRegion")
+      .def("__init__", [](RemoteRegion* self, nb::bytes b) { new (self) RemoteRegion(take(RemoteRegion::parse(as_string(b)))); })
+      .def_ro("region_id", &RemoteRegion::region_id)
+      .def_ro("offset", &RemoteRegion::offset)
+      .def_ro("length", &RemoteRegion::length)
+      .def_prop_ro("device", [](const RemoteRegion& r) { return r.device; })
+      .def_prop_ro("kind", [](const RemoteRegion& r) { return r.kind == MemoryKind::kHost ? "host" : "cuda"; })
+      .def("__bytes__", [](const RemoteRegion& r) { return as_bytes(r.encode()); })
+      .def("__repr__", [](const RemoteRegion& r) {
+        return "RemoteRegion(region=" + std::to_string(r.region_id) + ", offset=" + std::to_string(r.offset) +
+               ", length=" + std::to_string(r.length) + ")";
+      });
+
+  nb::class_<Region>(m, "Region")
+      .def_prop_ro("id", &Region::id)
+      .def_prop_ro("size", &Region::size)
+      .def_prop_ro("ptr", [](const Region& r) { return reinterpret_cast<uintptr_t>(r.data()); })
+      .def_prop_ro("readonly", &Region::readonly)
+      .def_prop_ro("kind", [](const Region& r) { return r.kind() == MemoryKind::kHost ? "host" : "cuda"; })
+      .def("descriptor", [](const Region& r, uint64_t offset, std::optional<uint64_t> length) {
+            return as_bytes(take(r.descriptor(offset, length.value_or(UINT64_MAX))));
+          }, "offset"_a = 0, "length"_a = nb::none());
+
+  nb::class_<Transfer>(m, "Transfer")
+      .def("done", &Transfer::done)
+      .def("_wait", [](const Transfer& t, double timeout) {
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = t.wait(timeout < 0 ? -1 : int64_t(timeout * 1000.0));
+            }
+            check(s);
+          }, "timeout"_a)
+      .def_prop_ro("_code", [](const Transfer& t) { return int(t.status().code()); })
+      .def_prop_ro("_message", [](const Transfer& t) { return t.status().message(); })
+      .def_prop_ro("bytes", &Transfer::bytes);
+
+  nb::class_<Peer>(m, "Peer")
+      .def("write", [](Peer& p, const Region& l, uint64_t lo, nb::object r, uint64_t ro, uint64_t len, nb::bytes notify) {
+            RemoteRegion rr = parse_remote(r);
+            return p.write(l, lo, rr, ro, len, as_string(notify));
+          })
+      .def("read", [](Peer& p, const Region& l, uint64_t lo, nb::object r, uint64_t ro, uint64_t len) {
+            RemoteRegion rr = parse_remote(r);
+            return p.read(l, lo, rr, ro, len);
+          })
+      .def("writev", [](Peer& p, nb::sequence entries, nb::bytes notify) { return p.writev(parse_entries(entries), as_string(notify)); })
+      .def("readv", [](Peer& p, nb::sequence entries) { return p.readv(parse_entries(entries)); })
+      .def("send", &Peer::send)
+      .def("recv", &Peer::recv)
+      .def("notify", [](Peer& p, nb::bytes data) { return p.notify(as_string(data)); })
+      .def_prop_ro("id", &Peer::id)
+      .def_prop_ro("name", &Peer::name)
+      .def_prop_ro("connected", &Peer::connected)
+      .def_prop_ro("error", [](const Peer& p) { return p.error().to_string(); })
+      .def("close", &Peer::close);
+
+  nb::class_<Endpoint>(m, "Endpoint")
+      .def_static("create", [](const Config& c) { return take(Endpoint::create(c)); })
+      .def_prop_ro("address", &Endpoint::address)
+      .def_prop_ro("name", &Endpoint::name)
+      .def("metadata", [](const Endpoint& e) { return as_bytes(e.metadata()); })
+      .def("connect", [](Endpoint& e, nb::bytes target, double timeout) {
+            std::string t = as_string(target);
+            Result<Peer> r = Status();
+            {
+              nb::gil_scoped_release release;
+              r = e.connect(t, timeout < 0 ? -1 : int64_t(timeout * 1000.0));
+            }
+            return take(std::move(r));
+          })
+      .def("register_memory", [](Endpoint& e, uintptr_t ptr, uint64_t size, bool cuda, int device, bool readonly) {
+            return take(e.register_memory(reinterpret_cast<void*>(ptr), size, cuda ? MemoryKind::kCuda : MemoryKind::kHost, device, readonly));
+          })
+      .def("deregister", [](Endpoint& e, const Region& r) {
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = e.deregister(r);
+            }
+            check(s);
+          })
+      .def("notifications", [](Endpoint& e, double timeout) {
+            std::vector<Notification> n;
+            {
+              nb::gil_scoped_release release;
+              n = timeout > 0 ? e.wait_notifications(int64_t(timeout * 1000.0)) : e.notifications();
+            }
+            nb::list out;
+            for (auto& x : n) out.append(nb::make_tuple(x.peer_id, x.peer_name, as_bytes(x.data)));
+            return out;
+          })
+      .def("peers", &Endpoint::peers)
+      .def("stats", [](const Endpoint& e) {
+            EndpointStats s = e.stats();
+            nb::dict d;
+            d["bytes_sent"] = s.bytes_sent;
+            d["bytes_received"] = s.bytes_received;
+            d["chunks_sent"] = s.chunks_sent;
+            d["chunks_received"] = s.chunks_received;
+            d["transfers_completed"] = s.transfers_completed;
+            d["transfers_failed"] = s.transfers_failed;
+            d["rejected_requests"] = s.rejected_requests;
+            return d;
+          })
+      .def("close", [](Endpoint& e) {
+            nb::gil_scoped_release release;
+            e.close();
+          });
+
+  m.attr("WIRE_VERSION") = 1;
+}

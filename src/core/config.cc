@@ -1,0 +1,38 @@
+#include "tether/config.h"
+
+#include <cstdlib>
+#include <string>
+
+namespace tether {
+namespace {
+
+template <typename T>
+void env_uint(const char* name, T& field) {
+  if (const char* v = std::getenv(name); v && *v) field = static_cast<T>(std::strtoull(v, nullptr, 0));
+}
+void env_str(const char* name, std::string& field) {
+  if (const char* v = std::getenv(name)) field = v;
+}
+
+}  // namespace
+
+Config Config::from_env() {
+  Config c;
+  env_str("TETHER_HOST", c.host);
+  env_uint("TETHER_PORT", c.port);
+  env_uint("TETHER_CHANNELS", c.channels);
+  env_uint("TETHER_SOCKETS_PER_CHANNEL", c.sockets_per_channel);
+  env_uint("TETHER_CHUNK_BYTES", c.chunk_bytes);
+  env_uint("TETHER_WINDOW", c.window);
+  env_uint("TETHER_SOCKET_BUFFER", c.socket_buffer);
+  env_uint("TETHER_CONNECT_TIMEOUT_MS", c.connect_timeout_ms);
+  env_uint("TETHER_PEER_TIMEOUT_MS", c.peer_timeout_ms);
+  env_uint("TETHER_HEARTBEAT_MS", c.heartbeat_ms);
+  env_uint("TETHER_HANDSHAKE_TIMEOUT_MS", c.handshake_timeout_ms);
+  env_uint("TETHER_SPIN_US", c.spin_us);
+  env_str("TETHER_AUTH_TOKEN", c.auth_token);
+  env_str("TETHER_NAME", c.name);
+  return c;
+}
+
+}  // namespace tether

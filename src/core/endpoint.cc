@@ -1,0 +1,675 @@
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "core/crypto.h"
+#include "core/endpoint_impl.h"
+#include "sys/net.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace tether::core {
+namespace {
+
+constexpr uint32_t kMetadataMagic = 0x4d525454;  // "TTRM"
+constexpr uint32_t kMaxLanes = 256;
+constexpr uint64_t kListenTag = 1ull << 62, kEventTag = 2ull << 62, kPendingTag = 3ull << 62;
+constexpr uint64_t kTagMask = 3ull << 62;
+
+#pragma pack(push, 1)
+struct MetadataHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t port;
+  uint8_t endpoint[16];
+  uint8_t host_id[32];
+  uint16_t host_len;      // listen host, then hostname, follow
+  uint16_t hostname_len;
+};
+#pragma pack(pop)
+
+bool wildcard(const std::string& h) { return h.empty() || h == "0.0.0.0" || h == "::" || h == "[::]"; }
+
+void copy_name(char (&dst)[64], const std::string& src) {
+  std::memset(dst, 0, sizeof dst);
+  std::memcpy(dst, src.data(), std::min(src.size(), sizeof dst - 1));
+}
+
+std::string read_name(const char (&src)[64]) { return std::string(src, strnlen(src, sizeof src)); }
+
+crypto::Digest proof(const std::string& token, const char* who, const uint8_t* cn, const uint8_t* sn,
+                     uint64_t session = 0, uint32_t lane = 0) {
+  uint8_t msg[16 + 16 + 16 + 8 + 4] = {};
+  std::memcpy(msg, who, std::min<size_t>(16, std::strlen(who)));
+  std::memcpy(msg + 16, cn, 16);
+  std::memcpy(msg + 32, sn, 16);
+  std::memcpy(msg + 48, &session, 8);
+  std::memcpy(msg + 56, &lane, 4);
+  return crypto::hmac_sha256(token, msg, sizeof msg);
+}
+
+}  // namespace
+
+struct EndpointImpl::Pending {
+  int fd = -1;
+  int stage = 0;  // 0: reading ClientHello, 1: reading ClientProof
+  size_t have = 0;
+  uint8_t buf[sizeof(wire::ClientHello)];
+  wire::ClientHello hello{};
+  uint8_t server_nonce[16];
+  int64_t deadline_ms = 0;
+};
+
+// ---------------------------------------------------------------- lifecycle
+
+EndpointImpl::EndpointImpl(const Config& config, const EndpointId& id) : config_(config), id_(id), registry_(id) {}
+
+Result<std::unique_ptr<EndpointImpl>> EndpointImpl::create(const Config& config) {
+  if (config.chunk_bytes == 0 || config.window == 0 || config.channels == 0 || config.sockets_per_channel == 0)
+    return Status(Code::kInvalidArgument, "chunk_bytes, window, channels and sockets_per_channel must be positive");
+  if (uint64_t(config.channels) * config.sockets_per_channel > kMaxLanes)
+    return Status(Code::kInvalidArgument, "channels x sockets_per_channel must be at most 256");
+  EndpointId id;
+  crypto::random_bytes(id.data(), id.size());
+  std::unique_ptr<EndpointImpl> ep(new EndpointImpl(config, id));
+  ep->host_id_ = sys::host_id();
+  ep->name_ = config.name.empty() ? sys::hostname() + ":" + std::to_string(::getpid()) : config.name;
+
+  auto lfd = sys::listen_tcp(config.host, config.port);
+  if (!lfd.is_ok()) return lfd.status();
+  ep->listen_fd_ = lfd.value();
+  ep->port_ = sys::local_port(ep->listen_fd_);
+  ep->epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  ep->event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kListenTag;
+  ::epoll_ctl(ep->epoll_fd_, EPOLL_CTL_ADD, ep->listen_fd_, &ev);
+  ev.data.u64 = kEventTag;
+  ::epoll_ctl(ep->epoll_fd_, EPOLL_CTL_ADD, ep->event_fd_, &ev);
+  ep->transport_ = std::make_unique<transport::TcpTransport>(ep.get());
+  ep->control_thread_ = std::thread([p = ep.get()] { p->control_loop(); });
+  return ep;
+}
+
+EndpointImpl::~EndpointImpl() { close(); }
+
+void EndpointImpl::close() {
+  if (closing_.exchange(true)) return;
+  wake_control();
+  if (control_thread_.joinable()) control_thread_.join();
+  std::vector<std::shared_ptr<PeerState>> all;
+  {
+    std::lock_guard lock(peers_mu_);
+    for (auto& [id, p] : peers_) all.push_back(p);
+    for (auto& p : to_adopt_) all.push_back(p);
+    for (auto& [s, p] : accepting_) all.push_back(p);
+  }
+  for (auto& p : all) p->fail(Status(Code::kCancelled, "endpoint closed"));
+  transport_->stop();  // lanes answer their in-flight chunks; every transfer finishes
+  {
+    std::lock_guard lock(peers_mu_);
+    peers_.clear();
+    to_adopt_.clear();
+    accepting_.clear();
+  }
+  for (auto& [fd, p] : pending_) ::close(fd);
+  pending_.clear();
+  registry_.clear();
+  sys::close_fd(listen_fd_);
+  sys::close_fd(epoll_fd_);
+  sys::close_fd(event_fd_);
+  notes_cv_.notify_all();
+}
+
+std::string EndpointImpl::address() const {
+  const std::string& h = config_.host;
+  return (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(port_);
+}
+
+std::string EndpointImpl::metadata() const {
+  const std::string host = config_.host, hn = sys::hostname();
+  MetadataHeader m{};
+  m.magic = kMetadataMagic;
+  m.version = wire::kVersion;
+  m.port = port_;
+  std::memcpy(m.endpoint, id_.data(), 16);
+  std::memcpy(m.host_id, host_id_.data(), 32);
+  m.host_len = uint16_t(host.size());
+  m.hostname_len = uint16_t(hn.size());
+  std::string out(reinterpret_cast<const char*>(&m), sizeof m);
+  return out + host + hn;
+}
+
+void EndpointImpl::wake_control() {
+  if (event_fd_ < 0) return;
+  uint64_t one = 1;
+  ssize_t rc = ::write(event_fd_, &one, sizeof one);
+  (void)rc;
+}
+
+void EndpointImpl::push_notification(const PeerInfo& from, std::string data) {
+  {
+    std::lock_guard lock(notes_mu_);
+    notes_.push_back(Notification{from.id, from.name, std::move(data)});
+  }
+  notes_cv_.notify_all();
+}
+
+std::vector<Notification> EndpointImpl::notifications(int64_t timeout_ms) {
+  std::unique_lock lock(notes_mu_);
+  if (timeout_ms > 0)
+    notes_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return !notes_.empty() || closing_.load(); });
+  std::vector<Notification> out(std::make_move_iterator(notes_.begin()), std::make_move_iterator(notes_.end()));
+  notes_.clear();
+  return out;
+}
+
+void EndpointImpl::count_finished(bool ok) {
+  (ok ? stats_.transfers_completed : stats_.transfers_failed).fetch_add(1, std::memory_order_relaxed);
+}
+
+void EndpointImpl::peer_failed(PeerState* peer) {
+  {
+    std::lock_guard lock(peers_mu_);
+    to_reap_.push_back(peer->info().id);
+  }
+  wake_control();
+}
+
+std::vector<Peer> EndpointImpl::peers() const {
+  std::lock_guard lock(peers_mu_);
+  std::vector<Peer> out;
+  for (auto& [id, p] : peers_) out.emplace_back(p);
+  return out;
+}
+
+// ---------------------------------------------------------------- connect (initiator side)
+
+namespace {
+
+struct Target {
+  std::string host;
+  uint16_t port = 0;
+  bool has_id = false;
+  EndpointId id{};
+};
+
+Status client_handshake(int fd, const wire::ClientHello& ch, const std::string& token, int64_t deadline,
+                        wire::ServerHello* sh) {
+  Status s = sys::write_all(fd, &ch, sizeof ch, deadline);
+  if (s.is_ok()) s = sys::read_all(fd, sh, sizeof *sh, deadline);
+  if (!s.is_ok()) return Status(s.code(), "handshake: " + s.message());
+  if (sh->magic != wire::kMagic) return Status(Code::kProtocolError, "handshake: the other side is not a tether endpoint");
+  if (sh->version != wire::kVersion || sh->status == uint8_t(wire::HelloStatus::kVersionMismatch))
+    return Status(Code::kProtocolError, "handshake: peer speaks wire version " + std::to_string(sh->version) +
+                                            ", this build speaks " + std::to_string(wire::kVersion));
+  if (sh->status == uint8_t(wire::HelloStatus::kClosing)) return Status(Code::kConnectionLost, "handshake: peer is closing");
+  if (sh->status != 0) return Status(Code::kProtocolError, "handshake: peer rejected the request");
+  if (!token.empty()) {
+    if (!sh->has_token) return Status(Code::kAuthFailed, "peer does not authenticate, but an auth token is set here");
+    auto expect = proof(token, "tether-server", ch.nonce, sh->nonce);
+    if (!crypto::equal(expect.data(), sh->proof, 32))
+      return Status(Code::kAuthFailed, "peer failed to prove it holds the auth token");
+  } else if (sh->has_token) {
+    return Status(Code::kAuthFailed, "peer requires an auth token (set TETHER_AUTH_TOKEN or auth_token=)");
+  }
+  wire::ClientProof cp{};
+  if (!token.empty()) {
+    auto p = proof(token, "tether-client", ch.nonce, sh->nonce, ch.session, ch.lane);
+    std::memcpy(cp.proof, p.data(), 32);
+  }
+  wire::ServerDone done{};
+  s = sys::write_all(fd, &cp, sizeof cp, deadline);
+  if (s.is_ok()) s = sys::read_all(fd, &done, sizeof done, deadline);
+  if (!s.is_ok()) return Status(token.empty() ? s.code() : Code::kAuthFailed, "handshake: " + s.message());
+  if (done.status == uint8_t(wire::HelloStatus::kAuthFailed))
+    return Status(Code::kAuthFailed, "peer refused our auth token");
+  if (done.status != 0) return Status(Code::kProtocolError, "handshake: peer rejected the connection");
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeout_ms) {
+  if (closing_.load()) return Status(Code::kCancelled, "endpoint closed");
+  const int64_t deadline = sys::now_ms() + (timeout_ms < 0 ? int64_t(config_.connect_timeout_ms) : timeout_ms);
+  Target t;
+  if (target_bytes.size() >= sizeof(MetadataHeader) &&
+      std::memcmp(target_bytes.data(), &kMetadataMagic, 4) == 0) {
+    MetadataHeader m;
+    std::memcpy(&m, target_bytes.data(), sizeof m);
+    if (m.version != wire::kVersion)
+      return Status(Code::kProtocolError, "metadata from wire version " + std::to_string(m.version) +
+                                              ", this build speaks " + std::to_string(wire::kVersion));
+    if (target_bytes.size() != sizeof m + m.host_len + m.hostname_len)
+      return Status(Code::kInvalidArgument, "metadata is truncated or malformed");
+    std::string host(target_bytes.substr(sizeof m, m.host_len));
+    std::string hn(target_bytes.substr(sizeof m + m.host_len, m.hostname_len));
+    const bool same_host = std::memcmp(m.host_id, host_id_.data(), 32) == 0;
+    t.host = !wildcard(host) ? host : same_host ? "127.0.0.1" : hn;
+    t.port = m.port;
+    t.has_id = true;
+    std::memcpy(t.id.data(), m.endpoint, 16);
+  } else {
+    Status s = sys::split_host_port(target_bytes, &t.host, &t.port);
+    if (!s.is_ok()) return Status(Code::kInvalidArgument, "connect: expected metadata bytes or \"host:port\"; " + s.message());
+  }
+
+  const uint32_t lanes = config_.channels * config_.sockets_per_channel;
+  wire::ClientHello ch{};
+  ch.magic = wire::kMagic;
+  ch.version = wire::kVersion;
+  ch.kind = uint8_t(wire::SocketKind::kControl);
+  ch.has_token = !config_.auth_token.empty();
+  std::memcpy(ch.endpoint_id, id_.data(), 16);
+  ch.session = crypto::random_u64();
+  ch.lanes = lanes;
+  std::memcpy(ch.host_id, host_id_.data(), 32);
+  copy_name(ch.name, name_);
+
+  std::vector<int> fds;
+  auto cleanup = [&] { for (int fd : fds) ::close(fd); };
+  wire::ServerHello sh{};
+  for (uint32_t lane = 0; lane <= lanes; ++lane) {
+    auto fd = sys::connect_tcp(t.host, t.port, deadline);
+    if (!fd.is_ok()) { cleanup(); return fd.status(); }
+    fds.push_back(fd.value());
+    crypto::random_bytes(ch.nonce, sizeof ch.nonce);
+    ch.kind = uint8_t(lane == 0 ? wire::SocketKind::kControl : wire::SocketKind::kData);
+    ch.lane = lane == 0 ? 0 : lane - 1;
+    Status s = client_handshake(fd.value(), ch, config_.auth_token, deadline, &sh);
+    if (!s.is_ok()) { cleanup(); return s; }
+    if (t.has_id && std::memcmp(sh.endpoint_id, t.id.data(), 16) != 0) {
+      cleanup();
+      return Status(Code::kInvalidArgument, "the endpoint at " + t.host + ":" + std::to_string(t.port) +
+                                                " is not the one the metadata names (it restarted?)");
+    }
+  }
+  PeerInfo info;
+  info.id = next_peer_id_.fetch_add(1);
+  std::memcpy(info.endpoint.data(), sh.endpoint_id, 16);
+  info.name = read_name(sh.name);
+  info.same_host = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
+  info.initiator = true;
+  auto peer = std::make_shared<PeerState>(this, info, lanes);
+  peer->control_fd = fds[0];
+  peer->lane_fds.assign(fds.begin() + 1, fds.end());
+  for (int fd : peer->lane_fds) sys::tune_data_socket(fd, config_.socket_buffer);
+  {
+    std::lock_guard lock(peers_mu_);
+    if (closing_.load()) {
+      return Status(Code::kCancelled, "endpoint closed");  // peer's destructor closes the sockets
+    }
+    to_adopt_.push_back(peer);
+  }
+  wake_control();
+  return Peer(peer);
+}
+
+void EndpointImpl::adopt_peer(const std::shared_ptr<PeerState>& peer) {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.u64 = peer->info().id;
+  ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, peer->control_fd, &ev);
+  {
+    std::lock_guard lock(peers_mu_);
+    peers_[peer->info().id] = peer;
+  }
+  transport_->attach(peer, peer->lane_fds);
+}
+
+// ---------------------------------------------------------------- control thread
+
+void EndpointImpl::control_loop() {
+  epoll_event events[64];
+  const int tick_ms = int(std::max<uint32_t>(10, std::min<uint32_t>(config_.heartbeat_ms, 200)));
+  while (!closing_.load()) {
+    int n = ::epoll_wait(epoll_fd_, events, 64, tick_ms);
+    for (int i = 0; i < n && !closing_.load(); ++i) {
+      const uint64_t tag = events[i].data.u64;
+      if (tag == kListenTag) {
+        accept_all();
+      } else if (tag == kEventTag) {
+        uint64_t v;
+        ssize_t rc = ::read(event_fd_, &v, sizeof v);
+        (void)rc;
+      } else if ((tag & kTagMask) == kPendingTag) {
+        advance_handshake(int(tag & ~kTagMask));
+      } else {
+        std::shared_ptr<PeerState> p;
+        {
+          std::lock_guard lock(peers_mu_);
+          if (auto it = peers_.find(tag); it != peers_.end()) p = it->second;
+        }
+        if (p && !p->failed()) control_readable(*p);
+      }
+    }
+    std::vector<std::shared_ptr<PeerState>> adopt;
+    {
+      std::lock_guard lock(peers_mu_);
+      adopt.swap(to_adopt_);
+    }
+    for (auto& p : adopt) adopt_peer(p);
+    reap();
+    std::vector<std::shared_ptr<PeerState>> all;
+    {
+      std::lock_guard lock(peers_mu_);
+      for (auto& [id, p] : peers_) all.push_back(p);
+    }
+    for (auto& p : all) flush_control(*p);
+    if (sys::now_ms() - last_tick_ms_ >= tick_ms) tick(all);
+  }
+}
+
+
+void EndpointImpl::accept_all() {
+  for (;;) {
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;  // EAGAIN, or a transient error (EMFILE): the next event retries
+    auto p = std::make_unique<Pending>();
+    p->fd = fd;
+    p->deadline_ms = sys::now_ms() + config_.handshake_timeout_ms;
+    crypto::random_bytes(p->server_nonce, 16);
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.u64 = kPendingTag | uint64_t(fd);
+    ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
+    pending_[fd] = std::move(p);
+  }
+}
+
+void EndpointImpl::advance_handshake(int fd) {
+  auto it = pending_.find(fd);
+  if (it == pending_.end()) return;
+  Pending& p = *it->second;
+  auto drop = [&] {
+    ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+    ::close(fd);
+    pending_.erase(it);
+  };
+  const size_t need = p.stage == 0 ? sizeof(wire::ClientHello) : sizeof(wire::ClientProof);
+  while (p.have < need) {
+    ssize_t n = ::recv(fd, p.buf + p.have, need - p.have, MSG_DONTWAIT);
+    if (n > 0) { p.have += size_t(n); continue; }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    drop();  // closed or failed mid-handshake
+    return;
+  }
+  // Replies are a few hundred bytes on a fresh socket: they fit its buffer; a short write is garbage.
+  auto reply = [&](const void* data, size_t len) {
+    return ::send(fd, data, len, MSG_NOSIGNAL | MSG_DONTWAIT) == ssize_t(len);
+  };
+  const std::string& token = config_.auth_token;
+  if (p.stage == 0) {
+    std::memcpy(&p.hello, p.buf, sizeof p.hello);
+    const wire::ClientHello& h = p.hello;
+    if (h.magic != wire::kMagic) { drop(); return; }  // not a tether peer: say nothing
+    wire::ServerHello sh{};
+    sh.magic = wire::kMagic;
+    sh.version = wire::kVersion;
+    sh.has_token = !token.empty();
+    std::memcpy(sh.endpoint_id, id_.data(), 16);
+    std::memcpy(sh.nonce, p.server_nonce, 16);
+    std::memcpy(sh.host_id, host_id_.data(), 32);
+    copy_name(sh.name, name_);
+    bool bad = false;
+    if (h.version != wire::kVersion) {
+      sh.status = uint8_t(wire::HelloStatus::kVersionMismatch);
+      bad = true;
+    } else if (closing_.load()) {
+      sh.status = uint8_t(wire::HelloStatus::kClosing);
+      bad = true;
+    } else if ((h.kind != uint8_t(wire::SocketKind::kControl) && h.kind != uint8_t(wire::SocketKind::kData)) ||
+               h.lanes == 0 || h.lanes > kMaxLanes || h.lane >= h.lanes) {
+      sh.status = uint8_t(wire::HelloStatus::kBadRequest);
+      bad = true;
+    }
+    if (!token.empty()) {
+      auto pr = proof(token, "tether-server", h.nonce, p.server_nonce);
+      std::memcpy(sh.proof, pr.data(), 32);
+    }
+    if (!reply(&sh, sizeof sh) || bad) { drop(); return; }
+    p.stage = 1;
+    p.have = 0;
+    return;
+  }
+  wire::ClientProof cp;
+  std::memcpy(&cp, p.buf, sizeof cp);
+  wire::ServerDone done{};
+  if (!token.empty()) {
+    auto expect = proof(token, "tether-client", p.hello.nonce, p.server_nonce, p.hello.session, p.hello.lane);
+    if (!crypto::equal(expect.data(), cp.proof, 32)) done.status = uint8_t(wire::HelloStatus::kAuthFailed);
+  }
+  if (done.status == 0) {
+    ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
+    std::unique_ptr<Pending> owned = std::move(it->second);
+    pending_.erase(it);
+    finish_accept(*owned);  // takes the fd
+    return;
+  }
+  reply(&done, sizeof done);
+  drop();
+}
+
+void EndpointImpl::finish_accept(Pending& p) {
+  const wire::ClientHello& h = p.hello;
+  wire::ServerDone done{};
+  int fd = p.fd;
+  if (h.kind == uint8_t(wire::SocketKind::kControl)) {
+    PeerInfo info;
+    info.id = next_peer_id_.fetch_add(1);
+    std::memcpy(info.endpoint.data(), h.endpoint_id, 16);
+    info.name = read_name(h.name);
+    info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
+    auto peer = std::make_shared<PeerState>(this, info, h.lanes);
+    peer->control_fd = fd;
+    peer->lane_fds.assign(h.lanes, -1);
+    peer->accept_deadline_ms = sys::now_ms() + config_.handshake_timeout_ms;
+    if (::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT) != ssize_t(sizeof done)) return;  // peer closes fd
+    accepting_[h.session] = peer;
+    return;
+  }
+  auto it = accepting_.find(h.session);
+  if (it == accepting_.end() || std::memcmp(it->second->info().endpoint.data(), h.endpoint_id, 16) != 0 ||
+      it->second->lane_fds.size() != h.lanes || it->second->lane_fds[h.lane] != -1) {
+    done.status = uint8_t(wire::HelloStatus::kBadRequest);
+    ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ::close(fd);
+    return;
+  }
+  auto peer = it->second;
+  peer->lane_fds[h.lane] = fd;
+  sys::tune_data_socket(fd, config_.socket_buffer);
+  ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
+  for (int lfd : peer->lane_fds)
+    if (lfd < 0) return;
+  accepting_.erase(it);
+  adopt_peer(peer);
+}
+
+void EndpointImpl::control_readable(PeerState& peer) {
+  char buf[64 << 10];
+  for (;;) {
+    ssize_t n = ::recv(peer.control_fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n > 0) {
+      peer.ctl_in.append(buf, size_t(n));
+      continue;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) break;
+    peer.fail(Status(Code::kConnectionLost, n == 0 ? "peer '" + peer.info().name + "' closed the connection"
+                                                   : "control connection to peer '" + peer.info().name + "': " + std::strerror(errno)));
+    return;
+  }
+  size_t pos = 0;
+  while (peer.ctl_in.size() - pos >= sizeof(wire::ControlHeader)) {
+    wire::ControlHeader h;
+    std::memcpy(&h, peer.ctl_in.data() + pos, sizeof h);
+    if (h.length > wire::kMaxControlBody || h.pad[0] || h.pad[1] || h.pad[2]) {
+      peer.fail(Status(Code::kProtocolError, "peer '" + peer.info().name + "' sent garbage on the control connection"));
+      return;
+    }
+    if (peer.ctl_in.size() - pos < sizeof h + h.length) break;
+    peer.on_control(static_cast<wire::ControlType>(h.type),
+                    reinterpret_cast<const uint8_t*>(peer.ctl_in.data() + pos + sizeof h), h.length);
+    pos += sizeof h + h.length;
+    if (peer.failed()) return;
+  }
+  peer.ctl_in.erase(0, pos);
+}
+
+void EndpointImpl::flush_control(PeerState& peer) {
+  if (peer.failed()) return;
+  if (peer.take_control_output(&peer.ctl_pending)) peer.last_sent_ms = sys::now_ms();
+  while (peer.ctl_sent < peer.ctl_pending.size()) {
+    ssize_t n = ::send(peer.control_fd, peer.ctl_pending.data() + peer.ctl_sent, peer.ctl_pending.size() - peer.ctl_sent,
+                       MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) { peer.ctl_sent += size_t(n); continue; }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) break;
+    peer.fail(Status(Code::kConnectionLost, "control connection to peer '" + peer.info().name + "': " + std::strerror(errno)));
+    return;
+  }
+  if (peer.ctl_sent == peer.ctl_pending.size()) {
+    peer.ctl_pending.clear();
+    peer.ctl_sent = 0;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | (peer.ctl_pending.empty() ? 0u : uint32_t(EPOLLOUT));
+  ev.data.u64 = peer.info().id;
+  if (!peer.ctl_pending.empty() || peer.ctl_epollout) {
+    ::epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, peer.control_fd, &ev);
+    peer.ctl_epollout = !peer.ctl_pending.empty();
+  }
+}
+
+void EndpointImpl::tick(const std::vector<std::shared_ptr<PeerState>>& peers) {
+  const int64_t now = sys::now_ms();
+  last_tick_ms_ = now;
+  for (auto& p : peers) {
+    if (p->failed()) continue;
+    if (now - p->last_heard_ms() > int64_t(config_.peer_timeout_ms)) {
+      p->fail(Status(Code::kConnectionLost, "peer '" + p->info().name + "' silent for " +
+                                                std::to_string(now - p->last_heard_ms()) + " ms (peer_timeout_ms)"));
+      continue;
+    }
+    if (now - p->last_sent_ms >= int64_t(config_.heartbeat_ms)) p->send_control(wire::ControlType::kHeartbeat, nullptr, 0);
+  }
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (now > it->second->deadline_ms) {
+      ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, it->first, nullptr);
+      ::close(it->first);
+      it = pending_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = accepting_.begin(); it != accepting_.end();) {
+    if (now > it->second->accept_deadline_ms) {
+      it->second->fail(Status(Code::kTimeout, "peer never opened all its data connections"));
+      it = accepting_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void EndpointImpl::reap() {
+  std::vector<uint64_t> ids;
+  std::vector<std::shared_ptr<PeerState>> gone;
+  {
+    std::lock_guard lock(peers_mu_);
+    ids.swap(to_reap_);
+    for (uint64_t id : ids) {
+      if (auto it = peers_.find(id); it != peers_.end()) {
+        gone.push_back(it->second);
+        peers_.erase(it);
+      }
+    }
+  }
+  for (auto& p : gone) ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p->control_fd, nullptr);
+}
+
+}  // namespace tether::core
+
+// ---------------------------------------------------------------- public API
+
+namespace tether {
+
+Endpoint::Endpoint(std::unique_ptr<core::EndpointImpl> impl) : impl_(std::move(impl)) {}
+Endpoint::~Endpoint() { close(); }
+
+Result<std::unique_ptr<Endpoint>> Endpoint::create(const Config& config) {
+  auto impl = core::EndpointImpl::create(config);
+  if (!impl.is_ok()) return impl.status();
+  return std::unique_ptr<Endpoint>(new Endpoint(impl.take()));
+}
+
+std::string Endpoint::address() const { return impl_->address(); }
+std::string Endpoint::metadata() const { return impl_->metadata(); }
+EndpointId Endpoint::id() const { return impl_->id(); }
+std::string Endpoint::name() const { return impl_->name(); }
+const Config& Endpoint::config() const { return impl_->config(); }
+Result<Peer> Endpoint::connect(std::string_view target, int64_t timeout_ms) { return impl_->connect(target, timeout_ms); }
+Result<Region> Endpoint::register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly) {
+  return impl_->registry().add(ptr, size, kind, device, readonly);
+}
+Status Endpoint::deregister(const Region& region) { return impl_->registry().remove(region); }
+std::vector<Notification> Endpoint::notifications() { return impl_->notifications(0); }
+std::vector<Notification> Endpoint::wait_notifications(int64_t timeout_ms) { return impl_->notifications(timeout_ms); }
+std::vector<Peer> Endpoint::peers() const { return impl_->peers(); }
+void Endpoint::close() {
+  if (impl_) impl_->close();
+}
+
+EndpointStats Endpoint::stats() const {
+  auto& s = impl_->stats();
+  EndpointStats o;
+  o.bytes_sent = s.bytes_sent.load();
+  o.bytes_received = s.bytes_received.load();
+  o.chunks_sent = s.chunks_sent.load();
+  o.chunks_received = s.chunks_received.load();
+  o.transfers_completed = s.transfers_completed.load();
+  o.transfers_failed = s.transfers_failed.load();
+  o.rejected_requests = s.rejected_requests.load();
+  return o;
+}
+
+// Peer
+Transfer Peer::write(const Region& local, uint64_t local_offset, const RemoteRegion& remote, uint64_t remote_offset,
+                     uint64_t length, std::string notify) {
+  return state_->post_rma(core::OpKind::kWrite, {IoEntry{local, local_offset, remote, remote_offset, length}}, std::move(notify));
+}
+Transfer Peer::read(const Region& local, uint64_t local_offset, const RemoteRegion& remote, uint64_t remote_offset,
+                    uint64_t length) {
+  return state_->post_rma(core::OpKind::kRead, {IoEntry{local, local_offset, remote, remote_offset, length}}, {});
+}
+Transfer Peer::writev(std::vector<IoEntry> entries, std::string notify) {
+  return state_->post_rma(core::OpKind::kWrite, std::move(entries), std::move(notify));
+}
+Transfer Peer::readv(std::vector<IoEntry> entries) { return state_->post_rma(core::OpKind::kRead, std::move(entries), {}); }
+Transfer Peer::send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
+  return state_->post_send(local, offset, length, tag);
+}
+Transfer Peer::recv(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
+  return state_->post_recv(local, offset, length, tag);
+}
+Transfer Peer::notify(std::string data) { return state_->post_notify(std::move(data)); }
+uint64_t Peer::id() const { return state_->info().id; }
+std::string Peer::name() const { return state_->info().name; }
+EndpointId Peer::endpoint_id() const { return state_->info().endpoint; }
+bool Peer::connected() const { return !state_->failed(); }
+Status Peer::error() const { return state_->error(); }
+void Peer::close() { state_->fail(Status(Code::kCancelled, "peer closed locally")); }
+
+// Transfer
+bool Transfer::done() const { return state_->is_finished(); }
+Status Transfer::wait(int64_t timeout_ms) const {
+  return state_->wait(timeout_ms, state_->peer ? state_->peer->spin_us() : 0);
+}
+Status Transfer::status() const { return state_->is_finished() ? state_->final_status() : Status::ok(); }
+uint64_t Transfer::bytes() const { return state_->bytes; }
+
+}  // namespace tether

@@ -1,0 +1,94 @@
+// EndpointImpl: owns the listening socket, the control thread (accepts, handshakes, control
+// messages, heartbeats, peer timeouts), the region registry, the transports and the peers.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "core/peer.h"
+#include "core/region.h"
+#include "core/wire.h"
+#include "tether/endpoint.h"
+#include "transport/transport.h"
+
+namespace tether::core {
+
+struct AtomicStats {
+  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, chunks_sent{0}, chunks_received{0};
+  std::atomic<uint64_t> transfers_completed{0}, transfers_failed{0}, rejected_requests{0};
+};
+
+class EndpointImpl {
+ public:
+  static Result<std::unique_ptr<EndpointImpl>> create(const Config& config);
+  ~EndpointImpl();
+
+  const Config& config() const { return config_; }
+  RegionRegistry& registry() { return registry_; }
+  AtomicStats& stats() { return stats_; }
+  const EndpointId& id() const { return id_; }
+  const std::string& name() const { return name_; }
+  std::string address() const;
+  std::string metadata() const;
+
+  Result<Peer> connect(std::string_view target, int64_t timeout_ms);
+  std::vector<Notification> notifications(int64_t timeout_ms);
+  std::vector<Peer> peers() const;
+  void close();
+
+  // Called by peers and transports.
+  void wake_lanes(PeerState* peer) { transport_->wake(peer); }
+  void wake_control();
+  void push_notification(const PeerInfo& from, std::string data);
+  void count_finished(bool ok);
+  void peer_failed(PeerState* peer);
+
+ private:
+  struct Pending;  // a socket whose handshake is under way (listener side)
+  EndpointImpl(const Config& config, const EndpointId& id);
+  void control_loop();
+  void accept_all();
+  void advance_handshake(int fd);
+  void finish_accept(Pending& p);
+  void adopt_peer(const std::shared_ptr<PeerState>& peer);
+  void control_readable(PeerState& peer);
+  void flush_control(PeerState& peer);
+  void tick(const std::vector<std::shared_ptr<PeerState>>& peers);
+  void reap();
+
+  Config config_;
+  EndpointId id_{};
+  std::string name_;
+  std::array<uint8_t, 32> host_id_{};
+  RegionRegistry registry_;
+  AtomicStats stats_;
+  std::unique_ptr<transport::Transport> transport_;
+
+  int listen_fd_ = -1, epoll_fd_ = -1, event_fd_ = -1;
+  uint16_t port_ = 0;
+  std::thread control_thread_;
+  std::atomic<bool> closing_{false};
+  std::atomic<uint64_t> next_peer_id_{1};
+
+  mutable std::mutex peers_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<PeerState>> peers_;
+  std::vector<std::shared_ptr<PeerState>> to_adopt_;  // from connect(), for the control thread
+  std::vector<uint64_t> to_reap_;
+
+  // Control-thread-only.
+  std::unordered_map<int, std::unique_ptr<Pending>> pending_;
+  std::unordered_map<uint64_t, std::shared_ptr<PeerState>> accepting_;  // session -> peer awaiting lanes
+  int64_t last_tick_ms_ = 0;
+
+  std::mutex notes_mu_;
+  std::condition_variable notes_cv_;
+  std::deque<Notification> notes_;
+};
+
+}  // namespace tether::core

@@ -1,0 +1,568 @@
+#include "core/peer.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "core/endpoint_impl.h"
+
+namespace tether::core {
+namespace {
+
+Transfer invalid(const std::shared_ptr<PeerState>& p, OpKind op, Status s) {
+  auto t = std::make_shared<TransferState>();
+  t->op = op;
+  t->pending.store(0);
+  t->finish(std::move(s));
+  (void)p;
+  return Transfer(t);
+}
+
+const char* op_name(OpKind op) {
+  switch (op) {
+    case OpKind::kWrite: return "write";
+    case OpKind::kRead: return "read";
+    case OpKind::kSend: return "send";
+    case OpKind::kRecv: return "recv";
+    case OpKind::kNotify: return "notify";
+  }
+  return "?";
+}
+
+}  // namespace
+
+int64_t PeerState::now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+PeerState::PeerState(EndpointImpl* endpoint, PeerInfo info, uint32_t lanes)
+    : endpoint_(endpoint),
+      info_(std::move(info)),
+      lanes_(lanes),
+      lane_window_(std::max<uint32_t>(1, endpoint->config().window / std::max<uint32_t>(1, lanes))),
+      last_heard_ms_(now_ms()) {
+  slots_.resize(size_t(lane_window_) * lanes_);
+  free_slots_.reserve(slots_.size());
+  for (uint32_t i = 0; i < slots_.size(); ++i) free_slots_.push_back(uint32_t(slots_.size()) - 1 - i);
+  lane_inflight_.assign(lanes_, 0);
+}
+
+uint32_t PeerState::spin_us() const { return endpoint_->config().spin_us; }
+
+PeerState::~PeerState() {
+  // Closed only here, once no thread can still hold the numbers (see TcpTransport retire()).
+  if (control_fd >= 0) ::close(control_fd);
+  for (int fd : lane_fds)
+    if (fd >= 0) ::close(fd);
+}
+
+Status PeerState::error() const {
+  std::lock_guard lock(mu_);
+  return error_;
+}
+
+// ---------------------------------------------------------------- user side
+
+Transfer PeerState::start(std::shared_ptr<TransferState> t) {
+  t->peer = shared_from_this();
+  t->self = t;
+  return Transfer(std::move(t));
+}
+
+Transfer PeerState::post_rma(OpKind op, std::vector<IoEntry> entries, std::string notify) {
+  const bool write = op == OpKind::kWrite;
+  if (!write && !notify.empty())
+    return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "notify= is only allowed on writes"));
+  if (notify.size() > wire::kMaxNotify)
+    return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "notification larger than 1 MiB"));
+  auto t = std::make_shared<TransferState>();
+  t->op = op;
+  t->notify = std::move(notify);
+  t->segments.reserve(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const IoEntry& e = entries[i];
+    const std::string where = entries.size() > 1 ? " (entry " + std::to_string(i) + ")" : "";
+    const auto& l = e.local.state();
+    if (!l) return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "no local region" + where));
+    if (!l->live.load()) return invalid(shared_from_this(), op, Status(Code::kNotFound, "local region " + std::to_string(l->id) + " is deregistered" + where));
+    if (!in_bounds(e.local_offset, e.length, l->size))
+      return invalid(shared_from_this(), op, Status(Code::kOutOfRange, "local range [" + std::to_string(e.local_offset) + ", +" +
+                                               std::to_string(e.length) + ") exceeds local region of " + std::to_string(l->size) + " bytes" + where));
+    if (!write && l->readonly)
+      return invalid(shared_from_this(), op, Status(Code::kAccessDenied, "read into a read-only local region" + where));
+    if (e.remote.endpoint != info_.endpoint)
+      return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "descriptor belongs to another endpoint, not peer '" + info_.name + "'" + where));
+    if (!in_bounds(e.remote_offset, e.length, e.remote.length))
+      return invalid(shared_from_this(), op, Status(Code::kOutOfRange, "remote range [" + std::to_string(e.remote_offset) + ", +" +
+                                               std::to_string(e.length) + ") exceeds the descriptor's " + std::to_string(e.remote.length) + " bytes" + where));
+    if (e.length == 0) continue;
+    Segment s;
+    s.local = l->base + e.local_offset;
+    s.length = e.length;
+    s.region_id = e.remote.region_id;
+    s.key = e.remote.key;
+    s.desc_offset = e.remote.offset;
+    s.desc_length = e.remote.length;
+    s.remote_offset = e.remote.offset + e.remote_offset;
+    t->segments.push_back(s);
+    t->bytes += e.length;
+    if (t->local_pins.empty() || t->local_pins.back() != l) t->local_pins.push_back(l);
+  }
+  for (auto& r : t->local_pins) r->pins.fetch_add(1, std::memory_order_acquire);
+  Transfer handle = start(t);
+  if (t->segments.empty()) {
+    t->release();  // nothing to move: straight to completion (and notification)
+  } else {
+    enqueue(t.get());
+  }
+  return handle;
+}
+
+Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
+  const auto& l = local.state();
+  if (!l || !l->live.load()) return invalid(shared_from_this(), OpKind::kSend, Status(Code::kNotFound, "send: local region is not registered"));
+  if (!in_bounds(offset, length, l->size))
+    return invalid(shared_from_this(), OpKind::kSend, Status(Code::kOutOfRange, "send: range exceeds local region of " + std::to_string(l->size) + " bytes"));
+  auto t = std::make_shared<TransferState>();
+  t->op = OpKind::kSend;
+  t->tag = tag;
+  t->bytes = length;
+  t->segments.push_back(Segment{l->base + offset, length, 0, 0, 0, length, 0});
+  t->local_pins.push_back(l);
+  l->pins.fetch_add(1);
+  Transfer handle = start(t);
+  wire::RtsBody rts{};
+  {
+    std::lock_guard lock(mu_);
+    if (failed_.load()) {
+      t->record_error(error_);
+    } else {
+      rts = {next_msg_id_++, tag, length};
+      t->msg_id = rts.msg_id;
+      awaiting_cts_[rts.msg_id] = t.get();
+    }
+  }
+  if (rts.msg_id == 0) {
+    t->release();
+  } else {
+    send_control(wire::ControlType::kRts, &rts, sizeof rts);
+  }
+  return handle;
+}
+
+Transfer PeerState::post_recv(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
+  const auto& l = local.state();
+  if (!l || !l->live.load()) return invalid(shared_from_this(), OpKind::kRecv, Status(Code::kNotFound, "recv: local region is not registered"));
+  if (l->readonly) return invalid(shared_from_this(), OpKind::kRecv, Status(Code::kAccessDenied, "recv into a read-only region"));
+  if (!in_bounds(offset, length, l->size))
+    return invalid(shared_from_this(), OpKind::kRecv, Status(Code::kOutOfRange, "recv: range exceeds local region of " + std::to_string(l->size) + " bytes"));
+  auto t = std::make_shared<TransferState>();
+  t->op = OpKind::kRecv;
+  t->tag = tag;
+  t->segments.push_back(Segment{l->base + offset, length, 0, 0, 0, 0, 0});
+  t->local_pins.push_back(l);
+  l->pins.fetch_add(1);
+  Transfer handle = start(t);
+  wire::CtsBody cts{};
+  bool matched = false;
+  TransferState* release_now = nullptr;
+  {
+    std::lock_guard lock(mu_);
+    if (failed_.load()) {
+      t->record_error(error_);
+      release_now = t.get();
+    } else if (auto it = unexpected_.find(tag); it != unexpected_.end() && !it->second.empty()) {
+      wire::RtsBody rts = it->second.front();
+      it->second.pop_front();
+      if (it->second.empty()) unexpected_.erase(it);
+      cts = match(t.get(), rts, &release_now);
+      matched = true;
+    } else {
+      posted_recvs_[tag].push_back(t.get());
+    }
+  }
+  if (matched) send_control(wire::ControlType::kCts, &cts, sizeof cts);
+  if (release_now) release_now->release();
+  return handle;
+}
+
+Transfer PeerState::post_notify(std::string data) {
+  if (data.size() > wire::kMaxNotify)
+    return invalid(shared_from_this(), OpKind::kNotify, Status(Code::kInvalidArgument, "notification larger than 1 MiB"));
+  auto t = std::make_shared<TransferState>();
+  t->op = OpKind::kNotify;
+  t->notify = std::move(data);
+  Transfer handle = start(t);
+  t->release();  // drained at once: transfer_drained() sends the notification
+  return handle;
+}
+
+void PeerState::enqueue(TransferState* t) {
+  {
+    std::lock_guard lock(mu_);
+    if (!failed_.load()) {
+      t->next_queued = nullptr;
+      if (queue_tail_) {
+        queue_tail_->next_queued = t;
+      } else {
+        queue_head_.store(t, std::memory_order_release);
+      }
+      queue_tail_ = t;
+      t = nullptr;
+    } else {
+      t->record_error(error_);
+    }
+  }
+  if (t) {
+    t->release();
+    return;
+  }
+  endpoint_->wake_lanes(this);
+}
+
+// ---------------------------------------------------------------- transport side
+
+bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
+  TransferState* drained = nullptr;
+  {
+    std::lock_guard lock(mu_);
+    TransferState* t = queue_head_.load(std::memory_order_relaxed);
+    if (!t || lane_inflight_[lane] >= lane_window_ || free_slots_.empty()) return false;
+    const Segment& seg = t->segments[t->cur_segment];
+    const uint64_t len = std::min<uint64_t>(endpoint_->config().chunk_bytes, seg.length - t->cur_offset);
+    const uint32_t idx = free_slots_.back();
+    free_slots_.pop_back();
+    Slot& s = slots_[idx];
+    s.used = true;
+    s.transfer = t;
+    s.lane = lane;
+    s.length = len;
+    s.local = seg.local + t->cur_offset;
+    ++lane_inflight_[lane];
+
+    wire::FrameHeader& h = op->hdr;
+    h = {};
+    h.type = static_cast<uint8_t>(t->op == OpKind::kWrite  ? wire::FrameType::kWrite
+                                  : t->op == OpKind::kRead ? wire::FrameType::kReadReq
+                                                           : wire::FrameType::kSendData);
+    h.slot = idx;
+    h.gen = s.gen;
+    h.region_id = seg.region_id;
+    h.key = seg.key;
+    h.desc_offset = seg.desc_offset;
+    h.desc_length = seg.desc_length;
+    h.offset = seg.remote_offset + t->cur_offset;
+    h.length = len;
+    const bool has_payload = t->op != OpKind::kRead;
+    op->payload = has_payload ? s.local : nullptr;
+    op->length = has_payload ? len : 0;
+    t->pending.fetch_add(1, std::memory_order_relaxed);
+
+    t->cur_offset += len;
+    if (t->cur_offset == seg.length) {
+      t->cur_offset = 0;
+      if (++t->cur_segment == t->segments.size()) {
+        queue_head_.store(t->next_queued, std::memory_order_release);
+        if (!t->next_queued) queue_tail_ = nullptr;
+        drained = t;
+      }
+    }
+  }
+  if (drained) drained->release();  // the hold; this chunk keeps it pending
+  return true;
+}
+
+Status PeerState::chunk_error(const Slot& s, uint8_t status) const {
+  const Code c = static_cast<Code>(status);
+  const char* what = s.transfer ? op_name(s.transfer->op) : "chunk";
+  std::string msg = std::string(what) + " of " + std::to_string(s.length) + " bytes refused by peer '" + info_.name + "': ";
+  switch (c) {
+    case Code::kNotFound: msg += "the remote region is not registered (deregistered, or the descriptor names none)"; break;
+    case Code::kAccessDenied: msg += "the key does not grant this access (wrong key, or read-only region)"; break;
+    case Code::kOutOfRange: msg += "the range lies outside the region"; break;
+    default: msg += code_name(c);
+  }
+  return Status(c, msg);
+}
+
+Code PeerState::answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t status) {
+  TransferState* t;
+  Status err;
+  {
+    std::lock_guard lock(mu_);
+    if (slot >= slots_.size()) return Code::kProtocolError;
+    Slot& s = slots_[slot];
+    if (!s.used || s.gen != gen || s.lane != lane) return Code::kProtocolError;
+    if (status != 0) err = chunk_error(s, status);
+    t = s.transfer;
+    s.used = false;
+    s.transfer = nullptr;
+    ++s.gen;
+    free_slots_.push_back(slot);
+    --lane_inflight_[lane];
+  }
+  if (!err.is_ok()) t->record_error(err);
+  t->release();
+  return Code::kOk;
+}
+
+Code PeerState::read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest) {
+  std::lock_guard lock(mu_);
+  if (slot >= slots_.size()) return Code::kProtocolError;
+  Slot& s = slots_[slot];
+  if (!s.used || s.gen != gen || s.lane != lane || s.length != length || !s.transfer ||
+      s.transfer->op != OpKind::kRead)
+    return Code::kProtocolError;
+  *dest = s.local;
+  return Code::kOk;
+}
+
+Code PeerState::resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint8_t** dest,
+                                  TransferState** recv) {
+  std::lock_guard lock(mu_);
+  auto it = matched_.find(token);
+  if (it == matched_.end()) return Code::kNotFound;
+  TransferState* r = it->second;
+  if (!in_bounds(offset, length, r->bytes)) return Code::kOutOfRange;
+  r->pending.fetch_add(1, std::memory_order_relaxed);
+  *dest = r->segments[0].local + offset;
+  *recv = r;
+  return Code::kOk;
+}
+
+void PeerState::send_data_placed(TransferState* recv, uint64_t length) {
+  const uint64_t total = recv->received.fetch_add(length, std::memory_order_acq_rel) + length;
+  if (total == recv->bytes) {
+    size_t erased;
+    {
+      std::lock_guard lock(mu_);
+      erased = matched_.erase(static_cast<uint32_t>(recv->msg_id));
+    }
+    if (erased) recv->release();  // the hold: the whole message is in place (else fail() took it)
+  }
+  recv->release();    // this piece
+}
+
+void PeerState::release_lane(uint32_t lane, Code code) {
+  std::vector<TransferState*> orphans;
+  Status why;
+  {
+    std::lock_guard lock(mu_);
+    why = error_.is_ok() ? Status(code, "connection to peer '" + info_.name + "' lost") : error_;
+    for (uint32_t i = 0; i < slots_.size(); ++i) {
+      Slot& s = slots_[i];
+      if (!s.used || s.lane != lane) continue;
+      orphans.push_back(s.transfer);
+      s.used = false;
+      s.transfer = nullptr;
+      ++s.gen;
+      free_slots_.push_back(i);
+    }
+    lane_inflight_[lane] = 0;
+  }
+  for (TransferState* t : orphans) {
+    t->record_error(why);
+    t->release();
+  }
+}
+
+// ---------------------------------------------------------------- completion
+
+void PeerState::transfer_drained(TransferState* t) {
+  Status err = t->error();
+  if (!err.is_ok()) {
+    t->finish(err);
+    return;
+  }
+  const bool notify = t->op == OpKind::kNotify || (t->op == OpKind::kWrite && !t->notify.empty());
+  if (!notify) {
+    t->finish(Status::ok());
+    return;
+  }
+  uint64_t id = 0;
+  {
+    std::lock_guard lock(mu_);
+    if (failed_.load()) {
+      err = error_;
+    } else {
+      id = next_msg_id_++;
+      awaiting_ack_[id] = t;
+    }
+  }
+  if (id == 0) {
+    t->finish(err);
+    return;
+  }
+  std::string body(8 + t->notify.size(), '\0');
+  std::memcpy(body.data(), &id, 8);
+  std::memcpy(body.data() + 8, t->notify.data(), t->notify.size());
+  send_control(wire::ControlType::kNotify, body.data(), uint32_t(body.size()));
+}
+
+void PeerState::count_finished(bool ok) { endpoint_->count_finished(ok); }
+
+// ---------------------------------------------------------------- control side
+
+void PeerState::send_control(wire::ControlType type, const void* body, uint32_t length) {
+  wire::ControlHeader h{length, static_cast<uint8_t>(type), {}};
+  {
+    std::lock_guard lock(out_mu_);
+    control_out_.append(reinterpret_cast<const char*>(&h), sizeof h);
+    control_out_.append(static_cast<const char*>(body), length);
+  }
+  endpoint_->wake_control();
+}
+
+bool PeerState::take_control_output(std::string* out) {
+  std::lock_guard lock(out_mu_);
+  if (control_out_.empty()) return false;
+  out->append(control_out_);
+  control_out_.clear();
+  return true;
+}
+
+wire::CtsBody PeerState::match(TransferState* recv, const wire::RtsBody& rts, TransferState** release_now) {
+  wire::CtsBody cts{};
+  cts.msg_id = rts.msg_id;
+  const uint64_t room = recv->segments[0].length;
+  if (rts.length > room) {
+    recv->record_error(Status(Code::kTruncated, "recv posted " + std::to_string(room) + " bytes for tag " +
+                                                    std::to_string(rts.tag) + " but the message has " +
+                                                    std::to_string(rts.length)));
+    cts.status = static_cast<uint8_t>(Code::kTruncated);
+    *release_now = recv;
+    return cts;
+  }
+  recv->bytes = rts.length;
+  if (rts.length == 0) {
+    *release_now = recv;
+    return cts;
+  }
+  uint32_t token = next_token_++;
+  if (token == 0) token = next_token_++;
+  recv->msg_id = token;
+  matched_[token] = recv;
+  cts.token = token;
+  return cts;
+}
+
+void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t length) {
+  touch();
+  switch (type) {
+    case wire::ControlType::kHeartbeat:
+      return;
+    case wire::ControlType::kNotify: {
+      if (length < 8) break;
+      uint64_t id;
+      std::memcpy(&id, body, 8);
+      endpoint_->push_notification(info_, std::string(reinterpret_cast<const char*>(body) + 8, length - 8));
+      send_control(wire::ControlType::kNotifyAck, &id, 8);
+      return;
+    }
+    case wire::ControlType::kNotifyAck: {
+      if (length != 8) break;
+      uint64_t id;
+      std::memcpy(&id, body, 8);
+      TransferState* t = nullptr;
+      {
+        std::lock_guard lock(mu_);
+        if (auto it = awaiting_ack_.find(id); it != awaiting_ack_.end()) {
+          t = it->second;
+          awaiting_ack_.erase(it);
+        }
+      }
+      if (!t) break;
+      t->finish(Status::ok());
+      return;
+    }
+    case wire::ControlType::kRts: {
+      if (length != sizeof(wire::RtsBody)) break;
+      wire::RtsBody rts;
+      std::memcpy(&rts, body, sizeof rts);
+      wire::CtsBody cts{};
+      bool matched = false;
+      TransferState* release_now = nullptr;
+      {
+        std::lock_guard lock(mu_);
+        auto it = posted_recvs_.find(rts.tag);
+        if (it != posted_recvs_.end() && !it->second.empty()) {
+          TransferState* r = it->second.front();
+          it->second.pop_front();
+          if (it->second.empty()) posted_recvs_.erase(it);
+          cts = match(r, rts, &release_now);
+          matched = true;
+        } else {
+          unexpected_[rts.tag].push_back(rts);
+        }
+      }
+      if (matched) send_control(wire::ControlType::kCts, &cts, sizeof cts);
+      if (release_now) release_now->release();
+      return;
+    }
+    case wire::ControlType::kCts: {
+      if (length != sizeof(wire::CtsBody)) break;
+      wire::CtsBody cts;
+      std::memcpy(&cts, body, sizeof cts);
+      TransferState* t = nullptr;
+      {
+        std::lock_guard lock(mu_);
+        if (auto it = awaiting_cts_.find(cts.msg_id); it != awaiting_cts_.end()) {
+          t = it->second;
+          awaiting_cts_.erase(it);
+        }
+      }
+      if (!t) break;
+      if (cts.status != 0) {
+        t->record_error(Status(static_cast<Code>(cts.status),
+                               "peer '" + info_.name + "' posted a recv too small for this " +
+                                   std::to_string(t->bytes) + "-byte message (tag " + std::to_string(t->tag) + ")"));
+        t->release();
+      } else if (t->bytes == 0) {
+        t->release();
+      } else {
+        t->segments[0].region_id = cts.token;
+        enqueue(t);
+      }
+      return;
+    }
+  }
+  fail(Status(Code::kProtocolError, "peer '" + info_.name + "' sent a malformed control message (type " +
+                                        std::to_string(int(type)) + ", " + std::to_string(length) + " bytes)"));
+}
+
+void PeerState::fail(Status s) {
+  std::vector<TransferState*> release, finish;
+  {
+    std::lock_guard lock(mu_);
+    if (failed_.load()) return;
+    error_ = s;
+    failed_.store(true, std::memory_order_release);
+    for (TransferState* t = queue_head_.load(); t; t = t->next_queued) release.push_back(t);
+    queue_head_.store(nullptr);
+    queue_tail_ = nullptr;
+    for (auto& [id, t] : awaiting_cts_) release.push_back(t);
+    for (auto& [tag, q] : posted_recvs_) release.insert(release.end(), q.begin(), q.end());
+    for (auto& [token, t] : matched_) release.push_back(t);
+    for (auto& [id, t] : awaiting_ack_) finish.push_back(t);
+    awaiting_cts_.clear();
+    posted_recvs_.clear();
+    unexpected_.clear();
+    matched_.clear();
+    awaiting_ack_.clear();
+  }
+  for (TransferState* t : release) {
+    t->record_error(s);
+    t->release();  // the hold; chunks on lanes are answered by release_lane()
+  }
+  for (TransferState* t : finish) t->finish(s);
+  // Wake every thread that owns one of our sockets: they see the shutdown and let go.
+  if (control_fd >= 0) ::shutdown(control_fd, SHUT_RDWR);
+  for (int fd : lane_fds)
+    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+  endpoint_->peer_failed(this);
+}
+
+}  // namespace tether::core

@@ -1,0 +1,164 @@
+#include "core/region.h"
+
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "core/crypto.h"
+
+namespace tether::core {
+
+constexpr uint32_t kDescriptorMagic = 0x44525454;  // "TTRD"
+constexpr uint8_t kDescriptorVersion = 1;
+
+#pragma pack(push, 1)
+struct EncodedDescriptor {
+  uint32_t magic;
+  uint8_t version;
+  uint8_t kind;
+  uint16_t reserved;
+  uint8_t endpoint[16];
+  uint32_t region_id;
+  int32_t device;
+  uint64_t offset;
+  uint64_t length;
+  uint64_t key;
+  uint64_t reserved2;
+};
+#pragma pack(pop)
+static_assert(sizeof(EncodedDescriptor) == RemoteRegion::kEncodedSize);
+
+uint64_t RegionState::key_for(uint64_t offset, uint64_t length) const {
+  uint8_t msg[20];
+  std::memcpy(msg, &id, 4);
+  std::memcpy(msg + 4, &offset, 8);
+  std::memcpy(msg + 12, &length, 8);
+  return crypto::siphash24(secret, msg, sizeof msg);
+}
+
+Result<Region> RegionRegistry::add(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly) {
+  if (ptr == nullptr && size > 0) return Status(Code::kInvalidArgument, "register: null pointer");
+  if (size == 0) return Status(Code::kInvalidArgument, "register: zero-length region");
+  auto s = std::make_shared<RegionState>();
+  s->base = static_cast<uint8_t*>(ptr);
+  s->size = size;
+  s->kind = kind;
+  s->device = device;
+  s->readonly = readonly;
+  s->endpoint = endpoint_;
+  crypto::random_bytes(s->secret, sizeof s->secret);
+  std::unique_lock lock(mu_);
+  s->id = next_id_++;
+  regions_.emplace(s->id, s);
+  return Region(s);
+}
+
+Status RegionRegistry::remove(const Region& region) {
+  const auto& s = region.state();
+  if (!s) return Status(Code::kInvalidArgument, "deregister: empty region handle");
+  {
+    std::unique_lock lock(mu_);
+    auto it = regions_.find(s->id);
+    if (it == regions_.end() || it->second != s)
+      return Status(Code::kNotFound, "deregister: region " + std::to_string(s->id) + " is not registered");
+    regions_.erase(it);
+    s->live.store(false, std::memory_order_release);
+  }
+  // Remote accesses pin for one chunk at most; a stalled peer is cut off by peer_timeout_ms.
+  while (s->pins.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  return Status::ok();
+}
+
+Code RegionRegistry::resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
+                             uint64_t offset, uint64_t length, bool write, RegionState** out) const {
+  std::shared_lock lock(mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) return Code::kNotFound;
+  RegionState* r = it->second.get();
+  if (r->key_for(desc_offset, desc_length) != key) return Code::kAccessDenied;
+  if (write && r->readonly) return Code::kAccessDenied;
+  if (!in_bounds(desc_offset, desc_length, r->size)) return Code::kOutOfRange;
+  if (offset < desc_offset || !in_bounds(offset - desc_offset, length, desc_length)) return Code::kOutOfRange;
+  r->pins.fetch_add(1, std::memory_order_acquire);
+  *out = r;
+  return Code::kOk;
+}
+
+void RegionRegistry::clear() {
+  std::unique_lock lock(mu_);
+  for (auto& [id, s] : regions_) s->live.store(false);
+  regions_.clear();
+}
+
+}  // namespace tether::core
+
+// ---- public Region / RemoteRegion ----
+namespace tether {
+using core::EncodedDescriptor;
+using core::in_bounds;
+
+uint32_t Region::id() const { return state_ ? state_->id : 0; }
+void* Region::data() const { return state_ ? state_->base : nullptr; }
+uint64_t Region::size() const { return state_ ? state_->size : 0; }
+MemoryKind Region::kind() const { return state_ ? state_->kind : MemoryKind::kHost; }
+bool Region::readonly() const { return state_ && state_->readonly; }
+
+Result<std::string> Region::descriptor(uint64_t offset, uint64_t length) const {
+  if (!state_) return Status(Code::kInvalidArgument, "descriptor: empty region handle");
+  if (!state_->live.load()) return Status(Code::kNotFound, "descriptor: region is deregistered");
+  if (offset > state_->size)
+    return Status(Code::kOutOfRange, "descriptor: offset " + std::to_string(offset) + " beyond region of " +
+                                         std::to_string(state_->size) + " bytes");
+  if (length == UINT64_MAX) length = state_->size - offset;
+  if (!in_bounds(offset, length, state_->size))
+    return Status(Code::kOutOfRange, "descriptor: [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                                         ") exceeds region of " + std::to_string(state_->size) + " bytes");
+  RemoteRegion r;
+  r.endpoint = state_->endpoint;
+  r.region_id = state_->id;
+  r.offset = offset;
+  r.length = length;
+  r.key = state_->key_for(offset, length);
+  r.kind = state_->kind;
+  r.device = state_->device;
+  return r.encode();
+}
+
+std::string RemoteRegion::encode() const {
+  EncodedDescriptor d{};
+  d.magic = core::kDescriptorMagic;
+  d.version = core::kDescriptorVersion;
+  d.kind = static_cast<uint8_t>(kind);
+  std::memcpy(d.endpoint, endpoint.data(), 16);
+  d.region_id = region_id;
+  d.device = device;
+  d.offset = offset;
+  d.length = length;
+  d.key = key;
+  return std::string(reinterpret_cast<const char*>(&d), sizeof d);
+}
+
+Result<RemoteRegion> RemoteRegion::parse(std::string_view bytes) {
+  if (bytes.size() != sizeof(EncodedDescriptor))
+    return Status(Code::kInvalidArgument, "descriptor: expected " + std::to_string(sizeof(EncodedDescriptor)) +
+                                              " bytes, got " + std::to_string(bytes.size()));
+  EncodedDescriptor d;
+  std::memcpy(&d, bytes.data(), sizeof d);
+  if (d.magic != core::kDescriptorMagic) return Status(Code::kInvalidArgument, "descriptor: not a tether descriptor");
+  if (d.version != core::kDescriptorVersion)
+    return Status(Code::kInvalidArgument, "descriptor: version " + std::to_string(d.version) + " not supported");
+  if (d.kind > 1 || d.reserved != 0 || d.reserved2 != 0)
+    return Status(Code::kInvalidArgument, "descriptor: malformed");
+  if (d.offset + d.length < d.offset) return Status(Code::kInvalidArgument, "descriptor: range overflows");
+  RemoteRegion r;
+  std::memcpy(r.endpoint.data(), d.endpoint, 16);
+  r.region_id = d.region_id;
+  r.offset = d.offset;
+  r.length = d.length;
+  r.key = d.key;
+  r.kind = static_cast<MemoryKind>(d.kind);
+  r.device = d.device;
+  return r;
+}
+
+}  // namespace tether

@@ -1,0 +1,53 @@
+// Region registry: what this endpoint exposes, and the check every remote access passes
+// before a byte is touched (region, key, bounds).
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "tether/endpoint.h"
+
+namespace tether::core {
+
+struct RegionState {
+  uint32_t id = 0;
+  uint8_t* base = nullptr;
+  uint64_t size = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  int32_t device = -1;
+  bool readonly = false;
+  EndpointId endpoint{};
+  uint8_t secret[16];              // keys descriptors; never leaves this process
+  std::atomic<bool> live{true};
+  std::atomic<int32_t> pins{0};    // in-flight remote accesses; deregister waits for zero
+
+  uint64_t key_for(uint64_t offset, uint64_t length) const;
+  void unpin() { pins.fetch_sub(1, std::memory_order_release); }
+};
+
+class RegionRegistry {
+ public:
+  explicit RegionRegistry(const EndpointId& endpoint) : endpoint_(endpoint) {}
+  Result<Region> add(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
+  // Unpublishes the region, then waits until no remote access is using it.
+  Status remove(const Region& region);
+  // Validates a remote access and pins the region. On success *out is pinned: call unpin().
+  Code resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
+               uint64_t offset, uint64_t length, bool write, RegionState** out) const;
+  void clear();
+
+ private:
+  EndpointId endpoint_;
+  mutable std::shared_mutex mu_;
+  uint32_t next_id_ = 1;
+  std::unordered_map<uint32_t, std::shared_ptr<RegionState>> regions_;
+};
+
+// Local-side bounds check shared by every operation: [offset, offset+length) within size.
+inline bool in_bounds(uint64_t offset, uint64_t length, uint64_t size) {
+  return offset <= size && length <= size - offset;
+}
+
+}  // namespace tether::core

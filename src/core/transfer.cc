@@ -1,0 +1,81 @@
+#include "core/transfer.h"
+
+#include <chrono>
+
+#include "core/peer.h"
+
+namespace tether::core {
+
+bool TransferState::record_error(const Status& s) {
+  uint8_t expected = 0;
+  if (!first_error.compare_exchange_strong(expected, static_cast<uint8_t>(s.code()))) return false;
+  std::lock_guard lock(mu_);
+  error_ = s;
+  return true;
+}
+
+Status TransferState::error() const {
+  if (first_error.load(std::memory_order_acquire) == 0) return Status::ok();
+  std::lock_guard lock(mu_);
+  return error_;
+}
+
+void TransferState::release(int64_t n) {
+  if (pending.fetch_sub(n, std::memory_order_acq_rel) != n) return;
+  if (peer) {
+    peer->transfer_drained(this);
+  } else {
+    finish(error());
+  }
+}
+
+void TransferState::finish(Status s) {
+  if (finishing_.exchange(true, std::memory_order_acq_rel)) return;
+  for (auto& r : local_pins) r->unpin();
+  local_pins.clear();
+  {
+    std::lock_guard lock(mu_);
+    final_ = std::move(s);
+  }
+  std::shared_ptr<TransferState> keep = std::move(self);  // may be the last engine reference
+  finished_.store(true, std::memory_order_seq_cst);
+  if (waiters_.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard lock(mu_);
+    cv_.notify_all();
+  }
+  if (peer) peer->count_finished(final_.is_ok());
+}
+
+Status TransferState::final_status() const {
+  std::lock_guard lock(mu_);
+  return final_;
+}
+
+Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  if (!is_finished() && spin_us > 0) {
+    const auto spin_end = start + std::chrono::microseconds(spin_us);
+    while (!is_finished() && Clock::now() < spin_end) {
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    }
+  }
+  if (!is_finished()) {
+    std::unique_lock lock(mu_);
+    waiters_.fetch_add(1, std::memory_order_seq_cst);
+    auto pred = [&] { return finished_.load(std::memory_order_seq_cst); };
+    if (timeout_ms < 0) {
+      cv_.wait(lock, pred);
+    } else {
+      cv_.wait_until(lock, start + std::chrono::milliseconds(timeout_ms), pred);
+    }
+    waiters_.fetch_sub(1);
+    if (!finished_.load()) return Status(Code::kTimeout, "transfer still running after " + std::to_string(timeout_ms) + " ms");
+    return final_;
+  }
+  return final_status();
+}
+
+}  // namespace tether::core

@@ -1,0 +1,75 @@
+// Transfer state: one user operation, cut into chunks by the peer's scheduler and
+// completed when every chunk has been answered by the target.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/region.h"
+#include "tether/status.h"
+
+namespace tether::core {
+
+class PeerState;
+
+enum class OpKind : uint8_t { kWrite, kRead, kSend, kRecv, kNotify };
+
+// One contiguous piece of a transfer: local bytes <-> a remote range.
+struct Segment {
+  uint8_t* local = nullptr;
+  uint64_t length = 0;
+  uint32_t region_id = 0;      // remote region (or recv token for send)
+  uint64_t key = 0, desc_offset = 0, desc_length = 0;
+  uint64_t remote_offset = 0;  // absolute offset in the remote region / message
+};
+
+struct TransferState {
+  OpKind op = OpKind::kWrite;
+  uint64_t bytes = 0;
+  std::vector<Segment> segments;
+  std::vector<std::shared_ptr<RegionState>> local_pins;  // unpinned when finished
+  std::string notify;          // delivered after the data (writes) or alone (kNotify)
+  std::shared_ptr<PeerState> peer;
+
+  // Scheduler cursor, guarded by the peer's lock.
+  size_t cur_segment = 0;
+  uint64_t cur_offset = 0;
+  TransferState* next_queued = nullptr;
+
+  // Chunks issued and not yet answered, plus one "hold" released when issuing ends.
+  std::atomic<int64_t> pending{1};
+  std::atomic<uint8_t> first_error{0};
+
+  // Two-sided bookkeeping.
+  uint64_t tag = 0;
+  uint64_t msg_id = 0;
+  std::atomic<uint64_t> received{0};   // recv: payload bytes placed so far
+
+  // Keeps the state alive while the engine owns it; dropped by finish().
+  std::shared_ptr<TransferState> self;
+
+  // Records an error (the first one wins). Returns true if this call set it.
+  bool record_error(const Status& s);
+  Status error() const;
+  // One chunk (or the hold) answered; finishes the transfer on the last one.
+  void release(int64_t n = 1);
+  void finish(Status s);
+  bool is_finished() const { return finished_.load(std::memory_order_acquire); }
+  Status wait(int64_t timeout_ms, uint32_t spin_us);
+  Status final_status() const;
+
+ private:
+  std::atomic<bool> finishing_{false};
+  std::atomic<bool> finished_{false};
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<int> waiters_{0};
+  Status error_;        // guarded by mu_ until finished
+  Status final_;
+};
+
+}  // namespace tether::core

@@ -1,0 +1,31 @@
+// Socket plumbing shared by the handshake and the TCP transport.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "tether/status.h"
+
+namespace tether::sys {
+
+Result<int> listen_tcp(const std::string& host, uint16_t port);
+uint16_t local_port(int fd);
+// Non-blocking connect bounded by deadline_ms (absolute, steady clock ms).
+Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline_ms);
+// Exact reads/writes on a non-blocking socket, bounded by an absolute deadline.
+Status write_all(int fd, const void* buf, size_t len, int64_t deadline_ms);
+Status read_all(int fd, void* buf, size_t len, int64_t deadline_ms);
+// Non-blocking, TCP_NODELAY, socket buffers (0 keeps the kernel's).
+void tune_data_socket(int fd, uint32_t buffer_bytes);
+void set_nonblocking(int fd);
+void close_fd(int& fd);
+
+// "host:port" -> parts. IPv6 literals as "[::1]:port".
+Status split_host_port(std::string_view s, std::string* host, uint16_t* port);
+// Same boot and same network namespace <=> equal ids: loopback reaches the other side.
+std::array<uint8_t, 32> host_id();
+std::string hostname();
+int64_t now_ms();
+
+}  // namespace tether::sys

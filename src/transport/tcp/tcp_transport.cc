@@ -1,0 +1,495 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "core/endpoint_impl.h"
+#include "core/peer.h"
+#include "core/region.h"
+
+namespace tether::transport {
+
+using core::ChunkOp;
+using core::PeerState;
+using core::RegionState;
+using core::TransferState;
+using wire::FrameHeader;
+using wire::FrameType;
+
+namespace {
+
+constexpr size_t kRxBuffer = 64 << 10;
+constexpr size_t kTxRing = 1024;            // frames queued per lane (chunks + answers)
+constexpr size_t kMaxIov = 64;
+constexpr uint64_t kRxBudget = 16ull << 20;  // bytes per lane per turn, for fairness
+constexpr uint64_t kTxBudget = 16ull << 20;
+
+struct TxItem {
+  FrameHeader hdr;
+  const uint8_t* payload;
+  uint64_t length;
+  RegionState* pin;  // read responses keep their region pinned until sent
+};
+
+enum class RxState { kHeader, kPayload, kDiscard };
+
+}  // namespace
+
+// One data socket to one peer.
+struct Lane {
+  std::shared_ptr<PeerState> peer;
+  uint32_t index = 0;
+  int fd = -1;
+  bool dead = false;
+  uint32_t epoll_events = 0;
+
+  std::vector<TxItem> tx = std::vector<TxItem>(kTxRing);
+  size_t tx_head = 0, tx_count = 0;
+  uint64_t tx_head_sent = 0;   // bytes of the head item (header + payload) already sent
+  uint64_t tx_unsent = 0;      // bytes queued and not yet sent
+
+  std::unique_ptr<uint8_t[]> rx = std::make_unique<uint8_t[]>(kRxBuffer);
+  size_t rx_begin = 0, rx_end = 0;
+  RxState rx_state = RxState::kHeader;
+  FrameHeader rx_hdr{};
+  uint8_t* rx_dest = nullptr;  // null while discarding
+  uint64_t rx_left = 0;
+  uint8_t rx_status = 0;
+  RegionState* rx_pin = nullptr;
+  TransferState* rx_recv = nullptr;
+  bool rx_paused = false;
+
+  bool tx_full_for_answer() const { return tx_count + 1 >= kTxRing; }
+  void push(const TxItem& it) {
+    tx[(tx_head + tx_count) % kTxRing] = it;
+    ++tx_count;
+    tx_unsent += sizeof(FrameHeader) + it.length;
+  }
+};
+
+class ProgressThread {
+ public:
+  ProgressThread(core::EndpointImpl* ep, uint32_t index) : ep_(ep), index_(index) {
+    epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+    evfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = nullptr;
+    ::epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~ProgressThread() {
+    stop();
+    ::close(epfd_);
+    ::close(evfd_);
+  }
+
+  void adopt(std::unique_ptr<Lane> lane) {
+    {
+      std::lock_guard lock(mu_);
+      incoming_.push_back(std::move(lane));
+    }
+    kick();
+  }
+  void wake() {
+    work_hint_.store(true, std::memory_order_seq_cst);
+    if (sleeping_.load(std::memory_order_seq_cst)) kick();
+  }
+  void stop() {
+    if (stop_.exchange(true)) return;
+    kick();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void kick() {
+    uint64_t one = 1;
+    ssize_t rc = ::write(evfd_, &one, sizeof one);
+    (void)rc;
+  }
+
+  void run();
+  void take_incoming();
+  void set_events(Lane& l, uint32_t events);
+  void update_events(Lane& l);
+  void do_rx(Lane& l);
+  bool on_header(Lane& l);
+  void payload_done(Lane& l);
+  void do_tx(Lane& l);
+  void kill(Lane& l, Status why);
+  void retire(Lane& l);
+
+  core::EndpointImpl* ep_;
+  const uint32_t index_;
+  int epfd_ = -1, evfd_ = -1;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> sleeping_{false};
+  std::atomic<bool> work_hint_{false};
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Lane>> incoming_;
+  std::vector<std::unique_ptr<Lane>> lanes_;  // owned by this thread only
+};
+
+void ProgressThread::set_events(Lane& l, uint32_t events) {
+  if (events == l.epoll_events) return;
+  epoll_event ev{};
+  ev.events = events;
+  ev.data.ptr = &l;
+  ::epoll_ctl(epfd_, EPOLL_CTL_MOD, l.fd, &ev);
+  l.epoll_events = events;
+}
+
+void ProgressThread::update_events(Lane& l) {
+  uint32_t ev = EPOLLRDHUP;
+  if (!l.rx_paused) ev |= EPOLLIN;
+  if (l.tx_count > 0) ev |= EPOLLOUT;
+  set_events(l, ev);
+}
+
+void ProgressThread::take_incoming() {
+  std::vector<std::unique_ptr<Lane>> fresh;
+  {
+    std::lock_guard lock(mu_);
+    fresh.swap(incoming_);
+  }
+  for (auto& l : fresh) {
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.ptr = l.get();
+    l->epoll_events = ev.events;
+    ::epoll_ctl(epfd_, EPOLL_CTL_ADD, l->fd, &ev);
+    lanes_.push_back(std::move(l));
+  }
+}
+
+void ProgressThread::run() {
+  epoll_event events[64];
+  while (!stop_.load(std::memory_order_acquire)) {
+    sleeping_.store(true, std::memory_order_seq_cst);
+    const bool hinted = work_hint_.exchange(false, std::memory_order_seq_cst);
+    int n = ::epoll_wait(epfd_, events, 64, hinted ? 0 : 1000);
+    sleeping_.store(false, std::memory_order_relaxed);
+    work_hint_.store(false, std::memory_order_relaxed);
+    for (int i = 0; i < n; ++i) {
+      auto* l = static_cast<Lane*>(events[i].data.ptr);
+      if (!l) {
+        uint64_t v;
+        ssize_t rc = ::read(evfd_, &v, sizeof v);
+        (void)rc;
+        take_incoming();
+        continue;
+      }
+      if (l->dead) continue;
+      if (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP | EPOLLRDHUP)) do_rx(*l);
+    }
+    for (auto& l : lanes_) {
+      if (!l->dead && l->peer->failed()) kill(*l, l->peer->error());
+      if (!l->dead) do_tx(*l);
+      if (!l->dead && l->rx_paused && !l->tx_full_for_answer()) {
+        l->rx_paused = false;
+        do_rx(*l);  // resume what backpressure held back
+      }
+      if (!l->dead) update_events(*l);
+    }
+    for (size_t i = 0; i < lanes_.size();) {
+      if (lanes_[i]->dead) {
+        retire(*lanes_[i]);
+        lanes_[i] = std::move(lanes_.back());
+        lanes_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  take_incoming();
+  for (auto& l : lanes_) {
+    if (!l->dead) kill(*l, Status(Code::kCancelled, "endpoint closed"));
+    retire(*l);
+  }
+  lanes_.clear();
+}
+
+void ProgressThread::kill(Lane& l, Status why) {
+  if (l.dead) return;
+  l.dead = true;
+  l.peer->fail(std::move(why));  // no-op if already failed; shuts down every socket of the peer
+}
+
+void ProgressThread::retire(Lane& l) {
+  ::epoll_ctl(epfd_, EPOLL_CTL_DEL, l.fd, nullptr);
+  if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
+  if (l.rx_recv) {
+    l.rx_recv->record_error(l.peer->error());
+    l.rx_recv->release();
+    l.rx_recv = nullptr;
+  }
+  for (size_t i = 0; i < l.tx_count; ++i) {
+    TxItem& it = l.tx[(l.tx_head + i) % kTxRing];
+    if (it.pin) it.pin->unpin();
+  }
+  l.tx_count = 0;
+  l.peer->release_lane(l.index, Code::kConnectionLost);
+  // The fd itself is closed with the PeerState, so no number is reused while others may shut it down.
+}
+
+// ---------------------------------------------------------------- receive
+
+void ProgressThread::do_rx(Lane& l) {
+  uint64_t budget = kRxBudget;
+  while (!l.dead && !l.rx_paused && budget > 0) {
+    const size_t buffered = l.rx_end - l.rx_begin;
+    if (l.rx_state != RxState::kHeader) {
+      size_t n;
+      if (buffered > 0) {
+        n = size_t(std::min<uint64_t>(buffered, l.rx_left));
+        if (l.rx_dest) std::memcpy(l.rx_dest, l.rx.get() + l.rx_begin, n);
+        l.rx_begin += n;
+      } else {
+        // Payload goes straight to its destination; discarded bytes through the buffer.
+        void* dst = l.rx_dest ? static_cast<void*>(l.rx_dest) : static_cast<void*>(l.rx.get());
+        size_t want = size_t(std::min<uint64_t>(l.rx_left, l.rx_dest ? l.rx_left : kRxBuffer));
+        ssize_t r = ::recv(l.fd, dst, want, MSG_DONTWAIT);
+        if (r == 0) { kill(l, Status(Code::kConnectionLost, "peer '" + l.peer->info().name + "' closed a data connection")); return; }
+        if (r < 0) {
+          if (errno == EAGAIN || errno == EINTR) return;
+          kill(l, Status(Code::kConnectionLost, "data connection to peer '" + l.peer->info().name + "': " + std::strerror(errno)));
+          return;
+        }
+        n = size_t(r);
+        l.rx_begin = l.rx_end = 0;
+      }
+      if (l.rx_dest) l.rx_dest += n;
+      l.rx_left -= n;
+      budget -= std::min<uint64_t>(budget, n);
+      if (l.rx_left == 0) payload_done(l);
+      continue;
+    }
+    if (buffered >= sizeof(FrameHeader)) {
+      std::memcpy(&l.rx_hdr, l.rx.get() + l.rx_begin, sizeof(FrameHeader));
+      if (!on_header(l)) return;  // paused (no room to answer) or dead
+      l.rx_begin += sizeof(FrameHeader);
+      budget -= std::min<uint64_t>(budget, sizeof(FrameHeader));
+      continue;
+    }
+    if (l.rx_begin > 0) {
+      std::memmove(l.rx.get(), l.rx.get() + l.rx_begin, buffered);
+      l.rx_begin = 0;
+      l.rx_end = buffered;
+    }
+    ssize_t r = ::recv(l.fd, l.rx.get() + l.rx_end, kRxBuffer - l.rx_end, MSG_DONTWAIT);
+    if (r == 0) { kill(l, Status(Code::kConnectionLost, "peer '" + l.peer->info().name + "' closed a data connection")); return; }
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EINTR) return;
+      kill(l, Status(Code::kConnectionLost, "data connection to peer '" + l.peer->info().name + "': " + std::strerror(errno)));
+      return;
+    }
+    l.rx_end += size_t(r);
+  }
+}
+
+// Returns false if the header was not consumed (paused for backpressure, or lane killed).
+bool ProgressThread::on_header(Lane& l) {
+  const FrameHeader& h = l.rx_hdr;
+  auto protocol_error = [&](const char* what) {
+    kill(l, Status(Code::kProtocolError, std::string("peer '") + l.peer->info().name + "' sent " + what));
+    return false;
+  };
+  if (h.reserved != 0) return protocol_error("a malformed frame");
+  const auto type = static_cast<FrameType>(h.type);
+  const bool needs_answer = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kReadReq;
+  if (needs_answer && l.tx_full_for_answer()) {
+    l.rx_paused = true;  // resumes once answers have drained
+    return false;
+  }
+  auto& stats = ep_->stats();
+  switch (type) {
+    case FrameType::kWrite:
+    case FrameType::kSendData: {
+      RegionState* pin = nullptr;
+      TransferState* recv = nullptr;
+      uint8_t* dest = nullptr;
+      Code c;
+      if (type == FrameType::kWrite) {
+        c = ep_->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, true, &pin);
+        if (c == Code::kOk) dest = pin->base + h.offset;
+      } else {
+        c = l.peer->resolve_send_data(h.region_id, h.offset, h.length, &dest, &recv);
+      }
+      if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+      l.rx_status = static_cast<uint8_t>(c);
+      l.rx_pin = pin;
+      l.rx_recv = recv;
+      l.rx_dest = dest;  // null: discard the payload, then answer with the error
+      l.rx_left = h.length;
+      l.rx_state = c == Code::kOk ? RxState::kPayload : RxState::kDiscard;
+      if (l.rx_left == 0) payload_done(l);
+      return true;
+    }
+    case FrameType::kReadReq: {
+      RegionState* pin = nullptr;
+      Code c = ep_->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, false, &pin);
+      TxItem it{};
+      it.hdr.type = static_cast<uint8_t>(FrameType::kReadResp);
+      it.hdr.status = static_cast<uint8_t>(c);
+      it.hdr.slot = h.slot;
+      it.hdr.gen = h.gen;
+      if (c == Code::kOk) {
+        it.hdr.length = h.length;
+        it.payload = pin->base + h.offset;
+        it.length = h.length;
+        it.pin = pin;
+      } else {
+        stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+      }
+      l.push(it);
+      return true;
+    }
+    case FrameType::kAck: {
+      if (l.peer->answer(l.index, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
+      return true;
+    }
+    case FrameType::kReadResp: {
+      if (h.status != 0) {
+        if (l.peer->answer(l.index, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
+        return true;
+      }
+      uint8_t* dest = nullptr;
+      if (l.peer->read_destination(l.index, h.slot, h.gen, h.length, &dest) != Code::kOk)
+        return protocol_error("read data for no read");
+      l.rx_dest = dest;
+      l.rx_left = h.length;
+      l.rx_status = 0;
+      l.rx_state = RxState::kPayload;
+      if (l.rx_left == 0) payload_done(l);
+      return true;
+    }
+  }
+  return protocol_error("a frame of unknown type");
+}
+
+void ProgressThread::payload_done(Lane& l) {
+  const FrameHeader& h = l.rx_hdr;
+  l.rx_state = RxState::kHeader;
+  l.rx_dest = nullptr;
+  auto& stats = ep_->stats();
+  const auto type = static_cast<FrameType>(h.type);
+  if (type == FrameType::kReadResp) {
+    stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+    stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    if (l.peer->answer(l.index, h.slot, h.gen, 0) != Code::kOk)
+      kill(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
+    return;
+  }
+  if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
+  if (l.rx_recv) {
+    l.peer->send_data_placed(l.rx_recv, h.length);
+    l.rx_recv = nullptr;
+  }
+  if (l.rx_status == 0) {
+    stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+    stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+  }
+  TxItem ack{};
+  ack.hdr.type = static_cast<uint8_t>(FrameType::kAck);
+  ack.hdr.status = l.rx_status;
+  ack.hdr.slot = h.slot;
+  ack.hdr.gen = h.gen;
+  l.push(ack);
+}
+
+// ---------------------------------------------------------------- send
+
+void ProgressThread::do_tx(Lane& l) {
+  const uint64_t chunk = ep_->config().chunk_bytes;
+  uint64_t budget = kTxBudget;
+  while (!l.dead && budget > 0) {
+    // Pull only when what this socket holds has (almost) drained: faster sockets pull more.
+    ChunkOp op;
+    while (l.tx_unsent < chunk && l.tx_count < kTxRing / 2 && l.peer->next_chunk(l.index, &op))
+      l.push(TxItem{op.hdr, op.payload, op.length, nullptr});
+    if (l.tx_count == 0) return;
+
+    iovec iov[kMaxIov];
+    size_t niov = 0;
+    uint64_t skip = l.tx_head_sent;
+    for (size_t i = 0; i < l.tx_count && niov + 2 <= kMaxIov; ++i) {
+      TxItem& it = l.tx[(l.tx_head + i) % kTxRing];
+      if (skip < sizeof(FrameHeader)) {
+        iov[niov++] = {reinterpret_cast<uint8_t*>(&it.hdr) + skip, sizeof(FrameHeader) - skip};
+        skip = 0;
+      } else {
+        skip -= sizeof(FrameHeader);
+      }
+      if (it.length > skip) iov[niov++] = {const_cast<uint8_t*>(it.payload) + skip, it.length - skip};
+      skip = 0;
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = niov;
+    ssize_t n = ::sendmsg(l.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EINTR) return;
+      kill(l, Status(Code::kConnectionLost, "data connection to peer '" + l.peer->info().name + "': " + std::strerror(errno)));
+      return;
+    }
+    uint64_t sent = uint64_t(n);
+    budget -= std::min(budget, sent);
+    l.tx_unsent -= sent;
+    auto& stats = ep_->stats();
+    while (sent > 0) {
+      TxItem& it = l.tx[l.tx_head];
+      const uint64_t total = sizeof(FrameHeader) + it.length;
+      const uint64_t take = std::min(sent, total - l.tx_head_sent);
+      l.tx_head_sent += take;
+      sent -= take;
+      if (l.tx_head_sent == total) {
+        if (it.length > 0) {
+          stats.bytes_sent.fetch_add(it.length, std::memory_order_relaxed);
+          stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
+        }
+        if (it.pin) it.pin->unpin();
+        l.tx_head = (l.tx_head + 1) % kTxRing;
+        --l.tx_count;
+        l.tx_head_sent = 0;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- transport
+
+TcpTransport::TcpTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
+  const uint32_t n = std::max<uint32_t>(1, endpoint->config().channels);
+  for (uint32_t i = 0; i < n; ++i) threads_.push_back(std::make_unique<ProgressThread>(endpoint, i));
+}
+
+TcpTransport::~TcpTransport() { stop(); }
+
+void TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& fds) {
+  const uint32_t per_channel = std::max<uint32_t>(1, endpoint_->config().sockets_per_channel);
+  for (uint32_t i = 0; i < fds.size(); ++i) {
+    auto lane = std::make_unique<Lane>();
+    lane->peer = peer;
+    lane->index = i;
+    lane->fd = fds[i];
+    threads_[(i / per_channel) % threads_.size()]->adopt(std::move(lane));
+  }
+}
+
+void TcpTransport::wake(PeerState*) {
+  for (auto& t : threads_) t->wake();
+}
+
+void TcpTransport::stop() {
+  if (stopped_.exchange(true)) return;
+  for (auto& t : threads_) t->stop();
+}
+
+}  // namespace tether::transport

@@ -1,0 +1,39 @@
+// TCP transport: kernel sockets driven by progress threads.
+// Lane l of every peer belongs to progress thread (l / sockets_per_channel) % threads.
+// Each lane pulls chunks only when its socket has drained what it had, so a slow socket
+// carries proportionally less (no static split). Payload is received straight into the
+// destination region; headers and small frames go through a per-lane 64 KiB buffer.
+#pragma once
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace tether::core {
+class EndpointImpl;
+}
+
+namespace tether::transport {
+
+class ProgressThread;
+
+class TcpTransport final : public Transport {
+ public:
+  explicit TcpTransport(core::EndpointImpl* endpoint);
+  ~TcpTransport() override;
+  const char* name() const override { return "tcp"; }
+  Caps caps() const override { return Caps{true, false, false, false}; }
+  void attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& fds) override;
+  void wake(core::PeerState* peer) override;
+  void stop() override;
+
+ private:
+  core::EndpointImpl* endpoint_;
+  std::vector<std::unique_ptr<ProgressThread>> threads_;
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace tether::transport
