@@ -1,0 +1,189 @@
+"""Command line: `tether bench` and `tether doctor`."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
+
+
+def _csv(kind):
+    def parse(text: str):
+        return [kind(x) for x in text.split(",") if x.strip()]
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tether.bench import parse_size
+
+    p = argparse.ArgumentParser(prog="tether", description="tether: point-to-point transfer engine")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("bench", help="measure transfers between two local processes")
+    b.add_argument("--transport", default="auto", choices=["auto", "tcp", "ipc", "fabric", "netplugin"])
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
+    b.add_argument("--local-gpu-idx", type=int, default=0)
+    b.add_argument("--remote-gpu-idx", type=int, default=0)
+    b.add_argument("--sizes", type=_csv(parse_size), default=None, help=f"comma list, K/M/G suffixes (default {DEFAULT_SIZES})")
+    b.add_argument("--num-iovs", type=_csv(int), default=[1], help="blocks per vectored op (comma list)")
+    b.add_argument("--iters", type=int, default=None, help="measured ops per case (default: by size)")
+    b.add_argument("--warmup", type=int, default=None, help="unmeasured ops first (default: 10%% of iters, at least 1)")
+    b.add_argument("--mode", type=_csv(str), default=["write"], help="write,read,send (comma list)")
+    b.add_argument("--async-api", action="store_true", help="keep --depth ops in flight instead of one at a time")
+    b.add_argument("--depth", type=int, default=8, help="ops in flight with --async-api")
+    b.add_argument("--check", action="store_true", help="random source, poisoned destination, every byte verified")
+    b.add_argument("--json", metavar="PATH")
+    b.add_argument("--plot", metavar="PATH", help="PNG: GB/s against size, a line per configuration")
+    b.add_argument("--channels", type=_csv(int), default=None)
+    b.add_argument("--sockets-per-channel", type=_csv(int), default=None)
+    b.add_argument("--chunk-bytes", type=_csv(parse_size), default=None)
+    b.add_argument("--window", type=_csv(int), default=None)
+    b.add_argument("--unpack", choices=["kernel", "d2d", "host"], default=None)
+    b.add_argument("--nics", default=None)
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    d = sub.add_parser("doctor", help="what this machine offers and what tether will use")
+    d.add_argument("--json", action="store_true")
+    return p
+
+
+def _gpu_present() -> bool:
+    return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl"))
+
+
+def bench(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from tether import bench as B
+
+    console = Console(stderr=True)
+    device = args.device
+    if device == "auto":
+        device = "cpu"  # GPU regions arrive with the GPU-over-TCP transport
+    if device == "gpu":
+        console.print("[red]--device gpu: GPU memory is not supported by this build yet[/red]")
+        return 2
+    if args.transport not in ("auto", "tcp"):
+        console.print(f"[red]--transport {args.transport}: not available in this build (tcp only)[/red]")
+        return 2
+    if args.unpack or args.nics:
+        console.print("[yellow]--unpack/--nics have no effect on host-memory TCP transfers[/yellow]")
+    modes = args.mode
+    for m in modes:
+        if m not in ("write", "read", "send"):
+            console.print(f"[red]unknown mode {m!r}[/red]")
+            return 2
+    sizes = args.sizes or _csv(B.parse_size)(DEFAULT_SIZES)
+    knobs = {
+        "channels": args.channels, "sockets_per_channel": args.sockets_per_channel,
+        "chunk_bytes": args.chunk_bytes, "window": args.window,
+    }
+    names = [k for k, v in knobs.items() if v]
+    combos = [dict(zip(names, values)) for values in itertools.product(*(knobs[k] for k in names))] or [{}]
+    capacity = max(sizes) * max(args.num_iovs)
+
+    results: list = []
+    cases_per_combo = [
+        B.Case(mode=m, size=s, num_iovs=n, iters=args.iters or B.auto_iters(s, n),
+               warmup=args.warmup if args.warmup is not None else max(1, (args.iters or B.auto_iters(s, n)) // 10),
+               async_depth=args.depth if args.async_api else 0, check=args.check)
+        for m in modes for n in args.num_iovs for s in sizes if not (m == "send" and n != 1)
+    ]
+    total_ops = len(combos) * sum(c.iters * (2 if c.check else 1) for c in cases_per_combo)
+    t_start = time.perf_counter()
+    with Progress(console=console, transient=True, disable=args.quiet) as progress:
+        task = progress.add_task("bench", total=total_ops)
+        for combo in combos:
+            pair = B.LocalPair(combo, capacity)
+            try:
+                for case in cases_per_combo:
+                    progress.update(task, description=f"{case.mode} {B.human(case.size)} x{case.num_iovs} {combo or ''}")
+                    r = B.run_case(pair, case, progress=lambda: progress.advance(task))
+                    r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
+                    results.append(r)
+            finally:
+                pair.close()
+
+    table = Table(title=f"tether bench ({time.perf_counter() - t_start:.1f} s)")
+    for col in ("mode", "transport", "device", "size", "num_iovs", "GB/s", "p50 µs", "p99 µs", "CPU% client", "CPU% server", "check"):
+        table.add_column(col, justify="right")
+    if len(combos) > 1:
+        table.add_column("config")
+    for r in results:
+        row = [r.mode, r.transport, r.device, B.human(r.size), str(r.num_iovs), f"{r.gbps:.2f}",
+               f"{r.lat_p50_us:.1f}", f"{r.lat_p99_us:.1f}", f"{r.cpu_client:.0f}",
+               "-" if r.cpu_server != r.cpu_server else f"{r.cpu_server:.0f}",
+               {None: "-", True: "ok", False: "[red]FAILED[/red]"}[r.check]]
+        if len(combos) > 1:
+            row.append(" ".join(f"{k}={v}" for k, v in r.config.items() if k != "connect_ms"))
+        table.add_row(*row)
+    Console().print(table)
+
+    if args.json:
+        doc = {
+            "version": 1, "machine": B.machine_info(),
+            "config": {"transport": "tcp", "device": device, "async_api": args.async_api, "combos": combos},
+            "results": [dict(B.result_dict(r), config=r.config) for r in results],
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    if args.plot:
+        _plot(results, args.plot)
+    failed = [r for r in results if r.check is False]
+    if failed:
+        console.print(f"[red]--check found corrupted bytes in {len(failed)} case(s)[/red]")
+        return 1
+    return 0
+
+
+def _plot(results, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict = {}
+    for r in results:
+        key = f"{r.mode} {r.transport} {r.device} iovs={r.num_iovs} " + " ".join(
+            f"{k}={v}" for k, v in r.config.items() if k != "connect_ms")
+        lines.setdefault(key, []).append((r.size, r.gbps))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key, pts in lines.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key.strip())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("size per block (bytes)")
+    ax.set_ylabel("GB/s")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def doctor(args) -> int:
+    from tether import doctor as D
+
+    report = D.collect()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        D.render(report)
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return bench(args)
+    return doctor(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

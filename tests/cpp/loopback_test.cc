@@ -1,0 +1,110 @@
+// The C++ API end to end: two endpoints in one process over loopback TCP.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "tether/endpoint.h"
+
+using namespace tether;
+
+namespace {
+
+std::unique_ptr<Endpoint> make(Config c = {}) {
+  auto r = Endpoint::create(c);
+  EXPECT_TRUE(r.is_ok()) << r.status().to_string();
+  return r.take();
+}
+
+std::vector<uint8_t> random_bytes(size_t n) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<uint8_t> v(n);
+  for (auto& b : v) b = uint8_t(rng());
+  return v;
+}
+
+}  // namespace
+
+TEST(Loopback, WriteReadVectoredAndNotify) {
+  Config c;
+  c.chunk_bytes = 64 << 10;  // many chunks across both lanes
+  auto a = make(c), b = make(c);
+  auto peer = a->connect(b->metadata());
+  ASSERT_TRUE(peer.is_ok()) << peer.status().to_string();
+  const size_t n = (4 << 20) + 3;
+  auto src = random_bytes(n);
+  std::vector<uint8_t> dst(n, 0xA5), back(n, 0x5A);
+  Region rs = a->register_memory(src.data(), n).take();
+  Region rb = a->register_memory(back.data(), n).take();
+  Region rd = b->register_memory(dst.data(), n).take();
+  RemoteRegion d = RemoteRegion::parse(rd.descriptor().value()).take();
+
+  ASSERT_TRUE(peer.value().write(rs, 0, d, 0, n, "done").wait(10000).is_ok());
+  EXPECT_EQ(dst, src);
+  auto notes = b->wait_notifications(5000);
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0].data, "done");
+
+  ASSERT_TRUE(peer.value().read(rb, 0, d, 0, n).wait(10000).is_ok());
+  EXPECT_EQ(back, src);
+
+  std::fill(dst.begin(), dst.end(), 0xA5);
+  std::vector<IoEntry> entries;
+  for (size_t i = 0; i < 100; ++i) entries.push_back(IoEntry{rs, i * 1000, d, (99 - i) * 1000, 1000});
+  ASSERT_TRUE(peer.value().writev(entries).wait(10000).is_ok());
+  for (size_t i = 0; i < 100; ++i)
+    ASSERT_TRUE(std::equal(src.begin() + i * 1000, src.begin() + (i + 1) * 1000, dst.begin() + (99 - i) * 1000));
+  EXPECT_EQ(dst[100 * 1000], 0xA5);  // nothing beyond what was written
+}
+
+TEST(Loopback, SendRecvMatchesByTag) {
+  auto a = make(), b = make();
+  auto peer = a->connect(b->address()).take();
+  auto src = random_bytes(100000);
+  std::vector<uint8_t> dst(200000, 0);
+  Region rs = a->register_memory(src.data(), src.size()).take();
+  Region rd = b->register_memory(dst.data(), dst.size()).take();
+  Transfer s2 = peer.send(rs, 0, 50000, 2);
+  Transfer s1 = peer.send(rs, 50000, 50000, 1);
+  auto accepted = b->peers();
+  ASSERT_EQ(accepted.size(), 1u);
+  Transfer r1 = accepted[0].recv(rd, 0, 100000, 1);
+  Transfer r2 = accepted[0].recv(rd, 100000, 100000, 2);
+  ASSERT_TRUE(r1.wait(10000).is_ok());
+  ASSERT_TRUE(r2.wait(10000).is_ok());
+  ASSERT_TRUE(s1.wait(10000).is_ok() && s2.wait(10000).is_ok());
+  EXPECT_EQ(r1.bytes(), 50000u);
+  EXPECT_TRUE(std::equal(src.begin() + 50000, src.end(), dst.begin()));
+  EXPECT_TRUE(std::equal(src.begin(), src.begin() + 50000, dst.begin() + 100000));
+}
+
+TEST(Loopback, ErrorsAreStatusesNotCrashes) {
+  auto a = make(), b = make();
+  auto peer = a->connect(b->address()).take();
+  std::vector<uint8_t> buf(1024);
+  Region r = a->register_memory(buf.data(), buf.size()).take();
+  Region t = b->register_memory(buf.data(), buf.size()).take();
+  RemoteRegion d = RemoteRegion::parse(t.descriptor(0, 512).value()).take();
+  EXPECT_EQ(peer.write(r, 0, d, 0, 513).wait(1000).code(), Code::kOutOfRange);
+  EXPECT_EQ(peer.write(r, 1000, d, 0, 100).wait(1000).code(), Code::kOutOfRange);
+  RemoteRegion bad = d;
+  bad.key ^= 42;
+  EXPECT_EQ(peer.write(r, 0, bad, 0, 10).wait(5000).code(), Code::kAccessDenied);
+  ASSERT_TRUE(b->deregister(t).is_ok());
+  EXPECT_EQ(peer.write(r, 0, d, 0, 10).wait(5000).code(), Code::kNotFound);
+  EXPECT_EQ(a->connect("127.0.0.1:1").status().code(), Code::kConnectionLost);
+  EXPECT_EQ(a->connect("nonsense").status().code(), Code::kInvalidArgument);
+  b->close();
+  Status s = peer.write(r, 0, d, 0, 10).wait(5000);
+  EXPECT_FALSE(s.is_ok());
+}
+
+TEST(Loopback, AuthTokenMustMatch) {
+  Config good, bad;
+  good.auth_token = "secret";
+  bad.auth_token = "guess";
+  auto server = make(good), ok = make(good), wrong = make(bad), none = make();
+  EXPECT_TRUE(ok->connect(server->address()).is_ok());
+  EXPECT_EQ(wrong->connect(server->address()).status().code(), Code::kAuthFailed);
+  EXPECT_EQ(none->connect(server->address()).status().code(), Code::kAuthFailed);
+}

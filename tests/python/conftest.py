@@ -1,0 +1,91 @@
+"""Fixtures for the tether tests: endpoint pairs, child processes, and a per-test watchdog.
+
+The watchdog bounds every test even without pytest-timeout: if a test runs longer than its
+budget (default 45 s; `@pytest.mark.budget(seconds)` changes it), faulthandler dumps every
+thread's stack and ends the run (a hang is a failure, never a stuck CI job).
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tether  # noqa: E402
+from tether_testutil import Child, MiB, rand_bytes  # noqa: E402
+
+DEFAULT_BUDGET_S = 45.0
+
+# Configurations exercised by the correctness tests.
+CONFIGS = {
+    "c1s1": dict(channels=1, sockets_per_channel=1),
+    "c2s2": dict(channels=2, sockets_per_channel=2),
+    "chunk64k": dict(chunk_bytes=64 << 10),
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "budget(seconds): wall-clock budget of one test (watchdog)")
+
+
+@pytest.fixture(autouse=True)
+def _watchdog(request):
+    m = request.node.get_closest_marker("budget")
+    budget = float(m.args[0]) if m else DEFAULT_BUDGET_S
+    faulthandler.dump_traceback_later(budget, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+def endpoints():
+    """Factory: endpoints(**options) -> Endpoint; every one is closed at teardown."""
+    made = []
+
+    def make(**kw):
+        ep = tether.Endpoint(**kw)
+        made.append(ep)
+        return ep
+
+    yield make
+    for ep in reversed(made):
+        ep.close()
+
+
+@pytest.fixture(params=list(CONFIGS), ids=list(CONFIGS))
+def config(request):
+    return CONFIGS[request.param]
+
+
+@pytest.fixture
+def pair(endpoints, config):
+    """(a, b, peer a->b) in this process with the parametrized configuration on both sides."""
+    a = endpoints(name="ep-a", **config)
+    b = endpoints(name="ep-b", **config)
+    return a, b, a.connect(b.metadata(), timeout=5)
+
+
+@pytest.fixture
+def children():
+    """Factory: children(name=...) -> Child process; all are SIGCONT'ed and SIGKILL'ed at teardown."""
+    made = []
+
+    def make(name="child", env=None):
+        c = Child(name, env)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.cleanup()
+
+
+@pytest.fixture(scope="session")
+def big_random():
+    """64 MiB of random bytes (seed 64), shared by the large-transfer tests (read-only use)."""
+    a = rand_bytes(64, 64 * MiB)
+    a.flags.writeable = False
+    return a

@@ -1,0 +1,432 @@
+"""Shared helpers for the tether Python tests.
+
+* random / poison buffers and byte-exact comparison with a useful failure message;
+* `Child`: a real second process (multiprocessing "spawn" context) running `agent_main`, a small
+  command loop that owns its own tether.Endpoint. The parent drives it over a Pipe; every call is
+  bounded by a timeout, and the process is SIGCONT'ed + SIGKILL'ed at cleanup.
+* raw-socket helpers to craft handshake messages (wire.h layouts).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+import numpy as np
+
+POISON = 0xA5
+KiB = 1 << 10
+MiB = 1 << 20
+
+# Layouts from src/core/wire.h.
+WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
+CLIENT_HELLO_SIZE = 152
+SERVER_HELLO_SIZE = 168
+SERVER_DONE_SIZE = 8
+HELLO_VERSION_MISMATCH = 1
+HELLO_AUTH_FAILED = 2
+HELLO_BAD_REQUEST = 3
+SOCKET_CONTROL = 1
+SOCKET_DATA = 2
+
+# Descriptor layout (64 bytes): magic u32, version u8, kind u8, reserved u16, endpoint id 16 B,
+# region_id u32 @24, device i32 @28, offset u64 @32, length u64 @40, key u64 @48, reserved u64 @56.
+DESC_SIZE = 64
+DESC_REGION_ID = 24
+DESC_OFFSET = 32
+DESC_LENGTH = 40
+DESC_KEY = 48
+
+
+# --------------------------------------------------------------------------- data
+
+
+def rand_bytes(seed: int, n: int) -> np.ndarray:
+    """Deterministic random bytes (both processes can regenerate the same data from a seed)."""
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def poisoned(n: int, value: int = POISON) -> np.ndarray:
+    return np.full(n, value, dtype=np.uint8)
+
+
+def first_mismatch(a: np.ndarray, b: np.ndarray) -> Optional[int]:
+    a = np.asarray(a, dtype=np.uint8).reshape(-1)
+    b = np.asarray(b, dtype=np.uint8).reshape(-1)
+    if a.size != b.size:
+        return min(a.size, b.size)
+    diff = np.flatnonzero(a != b)
+    return int(diff[0]) if diff.size else None
+
+
+def assert_bytes_equal(actual, expected, what: str = "buffer") -> None:
+    """Compares every byte; reports the first differing offset and how many differ."""
+    actual = np.asarray(actual, dtype=np.uint8).reshape(-1)
+    expected = np.asarray(expected, dtype=np.uint8).reshape(-1)
+    assert actual.size == expected.size, f"{what}: size {actual.size} != expected {expected.size}"
+    diff = np.flatnonzero(actual != expected)
+    if diff.size:
+        i = int(diff[0])
+        raise AssertionError(
+            f"{what}: {diff.size} of {actual.size} bytes differ; first at offset {i}: "
+            f"got {actual[i:i + 8].tolist()} expected {expected[i:i + 8].tolist()}")
+
+
+def assert_poison(buf, what: str = "buffer", value: int = POISON) -> None:
+    buf = np.asarray(buf, dtype=np.uint8).reshape(-1)
+    bad = np.flatnonzero(buf != value)
+    if bad.size:
+        raise AssertionError(f"{what}: {bad.size} bytes were modified; first at offset {int(bad[0])}")
+
+
+def set_u64(desc: bytes, at: int, value: int) -> bytes:
+    b = bytearray(desc)
+    struct.pack_into("<Q", b, at, value)
+    return bytes(b)
+
+
+def set_u32(desc: bytes, at: int, value: int) -> bytes:
+    b = bytearray(desc)
+    struct.pack_into("<I", b, at, value)
+    return bytes(b)
+
+
+def get_u64(desc: bytes, at: int) -> int:
+    return struct.unpack_from("<Q", desc, at)[0]
+
+
+def wait_error(transfer, timeout: float = 10.0) -> BaseException:
+    """Waits for a transfer that must fail; returns its exception (fails the test if it succeeds)."""
+    try:
+        transfer.wait(timeout)
+    except Exception as e:  # noqa: BLE001
+        import tether
+        if isinstance(e, tether.TransferTimeout):
+            raise AssertionError(f"transfer still running after {timeout} s") from e
+        return e
+    raise AssertionError(f"transfer unexpectedly succeeded: {transfer!r}")
+
+
+def outcome(transfer, timeout: float = 10.0) -> str:
+    """'ok' or the exception class name; 'TIMEOUT' if still running after `timeout`."""
+    import tether
+    try:
+        transfer.wait(timeout)
+        return "ok"
+    except tether.TransferTimeout:
+        return "TIMEOUT"
+    except tether.TetherError as e:
+        return type(e).__name__
+
+
+def wait_until(pred, timeout: float, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+# --------------------------------------------------------------------------- raw sockets
+
+
+def client_hello(version: int = 1, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
+                 has_token: int = 0, magic: int = WIRE_MAGIC, name: bytes = b"raw") -> bytes:
+    """A ClientHello (152 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
+    nonce 16, session u64, lane u32, lanes u32, host id 32, name 64."""
+    msg = struct.pack("<IHBB16s16sQII32s64s", magic, version, kind, has_token, os.urandom(16),
+                      os.urandom(16), int.from_bytes(os.urandom(8), "little"), lane, lanes, bytes(32),
+                      name.ljust(64, b"\0")[:64])
+    assert len(msg) == CLIENT_HELLO_SIZE
+    return msg
+
+
+def parse_server_hello(b: bytes) -> dict:
+    magic, version, status, has_token = struct.unpack_from("<IHBB", b, 0)
+    return {"magic": magic, "version": version, "status": status, "has_token": has_token,
+            "name": b[104:168].split(b"\0")[0].decode(errors="replace")}
+
+
+def recv_exact(s: socket.socket, n: int, timeout: float = 5.0) -> bytes:
+    s.settimeout(timeout)
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def recv_until_closed(s: socket.socket, timeout: float = 5.0) -> bytes:
+    """Reads until EOF (or reset). Raises socket.timeout if the peer keeps the connection open."""
+    s.settimeout(timeout)
+    out = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def raw_connect(address: str, timeout: float = 5.0) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+# --------------------------------------------------------------------------- child process
+
+
+class ChildError(AssertionError):
+    pass
+
+
+class Child:
+    """A second process running `agent_main`; `call(cmd, ...)` runs a command there and returns
+    its result (exceptions inside the child come back as ChildError with the child's traceback)."""
+
+    _ctx = mp.get_context("spawn")
+
+    def __init__(self, name: str = "child", env: Optional[dict] = None):
+        self.parent_conn, child_conn = self._ctx.Pipe()
+        self.proc = self._ctx.Process(target=agent_main, args=(child_conn, env or {}), name=name, daemon=True)
+        self.proc.start()
+        child_conn.close()
+        self._busy = False
+        self.call("ping", timeout=30)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self, cmd: str, *args: Any, **kw: Any) -> None:
+        """Starts a command without waiting; collect it with result()."""
+        assert not self._busy, "a command is already running in the child"
+        self.parent_conn.send((cmd, args, kw))
+        self._busy = True
+
+    def result(self, timeout: float = 30.0) -> Any:
+        if not self.parent_conn.poll(timeout):
+            raise ChildError(f"child {self.proc.name} (pid {self.pid}) did not answer within {timeout} s")
+        try:
+            ok, value = self.parent_conn.recv()
+        except EOFError as e:
+            raise ChildError(f"child {self.proc.name} died (exit code {self.proc.exitcode})") from e
+        self._busy = False
+        if not ok:
+            raise ChildError(f"child command failed:\n{value}")
+        return value
+
+    def call(self, cmd: str, *args: Any, timeout: float = 30.0, **kw: Any) -> Any:
+        self.start(cmd, *args, **kw)
+        return self.result(timeout)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.is_alive():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def cleanup(self) -> None:
+        if self.proc.is_alive():
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            self.kill(signal.SIGKILL)
+        self.proc.join(10)
+        self.parent_conn.close()
+
+
+def _status_of(transfer, timeout: float) -> tuple:
+    import tether
+    try:
+        transfer.wait(timeout)
+        return ("ok", transfer.bytes)
+    except tether.TetherError as e:
+        return (type(e).__name__, str(e))
+
+
+class _Agent:
+    """Runs inside the child process. Every cmd_* method is a command."""
+
+    def __init__(self, conn):
+        import tether
+        self.tether = tether
+        self.conn = conn
+        self.ep = None
+        self.peer = None
+        self.buffers: dict[str, np.ndarray] = {}
+        self.regions: dict[str, Any] = {}
+        self.background: list[threading.Thread] = []
+        self.bg_state: dict[str, Any] = {}
+
+    # -- setup
+    def cmd_ping(self):
+        return os.getpid()
+
+    def cmd_endpoint(self, **kw):
+        self.ep = self.tether.Endpoint(**kw)
+        return {"metadata": self.ep.metadata(), "address": self.ep.address, "name": self.ep.name}
+
+    def cmd_register(self, name, size, fill=("poison", POISON), readonly=None, as_bytes=False):
+        kind, arg = fill
+        buf = rand_bytes(arg, size) if kind == "seed" else poisoned(size, arg)
+        obj = bytes(buf.tobytes()) if as_bytes else buf
+        self.buffers[name] = buf if not as_bytes else np.frombuffer(obj, dtype=np.uint8)
+        self.regions[name] = self.ep.register(obj, readonly=readonly)
+        return self.regions[name].descriptor()
+
+    def cmd_descriptor(self, name, offset=0, length=None):
+        return self.regions[name].descriptor(offset, length)
+
+    def cmd_deregister(self, name):
+        self.ep.deregister(self.regions.pop(name))
+
+    def cmd_get(self, name, offset=0, length=None):
+        b = self.buffers[name]
+        end = b.size if length is None else offset + length
+        return b[offset:end].tobytes()
+
+    def cmd_fill(self, name, fill):
+        kind, arg = fill
+        b = self.buffers[name]
+        b[:] = rand_bytes(arg, b.size) if kind == "seed" else arg
+
+    def cmd_connect(self, target, timeout=10.0):
+        self.peer = self.ep.connect(target, timeout=timeout)
+        return self.peer.name
+
+    def _peer(self, accepted):
+        if not accepted:
+            return self.peer
+        assert wait_until(lambda: len(self.ep.peers()) > 0, 5.0), "no accepted peer"
+        return self.ep.peers()[0]
+
+    # -- operations (bounded waits; status tuples instead of exceptions)
+    def cmd_write(self, local, remote, local_offset=0, remote_offset=0, length=None, notify=None,
+                  accepted=False, timeout=20.0):
+        t = self._peer(accepted).write(self.regions[local], remote, local_offset=local_offset,
+                                       remote_offset=remote_offset, length=length, notify=notify)
+        return _status_of(t, timeout)
+
+    def cmd_read(self, local, remote, local_offset=0, remote_offset=0, length=None, accepted=False,
+                 timeout=20.0):
+        t = self._peer(accepted).read(self.regions[local], remote, local_offset=local_offset,
+                                      remote_offset=remote_offset, length=length)
+        return _status_of(t, timeout)
+
+    def cmd_send(self, local, offset=0, length=None, tag=0, accepted=False, timeout=20.0):
+        t = self._peer(accepted).send(self.regions[local], offset=offset, length=length, tag=tag)
+        return _status_of(t, timeout)
+
+    def cmd_recv(self, local, offset=0, length=None, tag=0, accepted=False, timeout=20.0):
+        t = self._peer(accepted).recv(self.regions[local], offset=offset, length=length, tag=tag)
+        st = _status_of(t, timeout)
+        n = t.bytes if st[0] == "ok" else 0
+        return st + (self.buffers[local][offset:offset + n].tobytes(),)
+
+    def cmd_notify(self, data, accepted=False, timeout=10.0):
+        return _status_of(self._peer(accepted).notify(data), timeout)
+
+    def cmd_notifications(self, count=1, timeout=10.0):
+        out = []
+        deadline = time.monotonic() + timeout
+        while len(out) < count and time.monotonic() < deadline:
+            out += self.ep.notifications(timeout=max(0.001, deadline - time.monotonic()))
+        return [tuple(n) for n in out]
+
+    def cmd_check_on_notify(self, name, seed, offset, nbytes, timeout=20.0):
+        """Waits for one notification; the moment it arrives, checks that the data it announces
+        ([offset, +nbytes) == rand_bytes(seed, nbytes)) is already complete in `name`."""
+        buf = self.buffers[name]
+        expected = rand_bytes(seed, nbytes)
+        deadline = time.monotonic() + timeout
+        notes = []
+        while not notes and time.monotonic() < deadline:
+            notes = self.ep.notifications(timeout=max(0.001, deadline - time.monotonic()))
+        if not notes:
+            return {"notes": [], "mismatch": None, "timed_out": True}
+        snapshot = buf[offset:offset + nbytes].copy()  # what was there when the note arrived
+        return {"notes": [tuple(n) for n in notes], "mismatch": first_mismatch(snapshot, expected),
+                "timed_out": False}
+
+    def cmd_peers(self):
+        return [(p.id, p.name, p.connected, p.error) for p in self.ep.peers()]
+
+    def cmd_start_stream(self, op, local, remote, length, accepted=False):
+        """Background thread: keeps `op` ("write"/"read") of `length` bytes in flight (8 at a time)
+        until the process dies. Returns once the first one has completed."""
+        peer = self._peer(accepted)
+        region = self.regions[local]
+        first = threading.Event()
+        self.bg_state["errors"] = []
+
+        def loop():
+            inflight = []
+            while True:
+                while len(inflight) < 8:
+                    f = peer.write if op == "write" else peer.read
+                    inflight.append(f(region, remote, length=length))
+                t = inflight.pop(0)
+                try:
+                    t.wait(30)
+                except self.tether.TetherError as e:  # noqa: BLE001
+                    self.bg_state["errors"].append(repr(e))
+                    first.set()
+                    return
+                first.set()
+
+        th = threading.Thread(target=loop, daemon=True)
+        th.start()
+        self.background.append(th)
+        return first.wait(20)
+
+    def cmd_close(self):
+        if self.ep is not None:
+            self.ep.close()
+
+    def cmd_exit(self):
+        self.cmd_close()
+        return True
+
+
+def agent_main(conn, env: dict) -> None:
+    os.environ.update(env)
+    agent = _Agent(conn)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break
+        cmd, args, kw = msg
+        try:
+            value = getattr(agent, "cmd_" + cmd)(*args, **kw)
+            conn.send((True, value))
+        except BaseException:  # noqa: BLE001
+            conn.send((False, traceback.format_exc()))
+            continue
+        if cmd == "exit":
+            break
+    conn.close()
+    sys.stdout.flush()
