@@ -124,7 +124,7 @@ def bench(args) -> int:
         if len(combos) > 1:
             row.append(" ".join(f"{k}={v}" for k, v in r.config.items() if k != "connect_ms"))
         table.add_row(*row)
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
     if args.json:
         doc = {

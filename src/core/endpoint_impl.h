@@ -43,7 +43,7 @@ class EndpointImpl {
   void close();
 
   // Called by peers and transports.
-  void wake_lanes(PeerState* peer) { transport_->wake(peer); }
+  void wake_lanes(PeerState* peer, uint64_t chunks) { transport_->wake(peer, chunks); }
   void wake_control();
   void push_notification(const PeerInfo& from, std::string data);
   void count_finished(bool ok);

@@ -201,6 +201,12 @@ Transfer PeerState::post_notify(std::string data) {
 }
 
 void PeerState::enqueue(TransferState* t) {
+  const uint64_t chunk = endpoint_->config().chunk_bytes;
+  uint64_t chunks = 0;
+  for (const Segment& s : t->segments) {
+    chunks += (s.length + chunk - 1) / chunk;
+    if (chunks >= lanes_) break;
+  }
   {
     std::lock_guard lock(mu_);
     if (!failed_.load()) {
@@ -220,7 +226,7 @@ void PeerState::enqueue(TransferState* t) {
     t->release();
     return;
   }
-  endpoint_->wake_lanes(this);
+  endpoint_->wake_lanes(this, chunks);
 }
 
 // ---------------------------------------------------------------- transport side

@@ -4,6 +4,7 @@
 // Chunking, windows, scheduling across lanes, notifications and completion accounting live once
 // in the core (src/core/peer.*). Adding a transport is one folder and one line in endpoint.cc.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -29,8 +30,8 @@ class Transport {
   virtual Caps caps() const = 0;
   // Takes ownership of a peer's connected, handshaken lane sockets (lane i = fds[i]).
   virtual void attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& fds) = 0;
-  // New chunks are queued on `peer`; lanes with room should pull them.
-  virtual void wake(core::PeerState* peer) = 0;
+  // `chunks` new chunks are queued on `peer`; up to that many lanes with room should pull them.
+  virtual void wake(core::PeerState* peer, uint64_t chunks) = 0;
   // Stops every progress thread; lanes answer what they had in flight with kCancelled.
   virtual void stop() = 0;
 };

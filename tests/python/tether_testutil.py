@@ -318,10 +318,12 @@ class _Agent:
         return self.peer.name
 
     def _peer(self, accepted):
+        """Our own connected peer, or (accepted=True) the newest connected peer in ep.peers()."""
         if not accepted:
             return self.peer
-        assert wait_until(lambda: len(self.ep.peers()) > 0, 5.0), "no accepted peer"
-        return self.ep.peers()[0]
+        live = lambda: [p for p in self.ep.peers() if p.connected and p != self.peer]  # noqa: E731
+        assert wait_until(lambda: len(live()) > 0, 5.0), "no accepted peer"
+        return max(live(), key=lambda p: p.id)
 
     # -- operations (bounded waits; status tuples instead of exceptions)
     def cmd_write(self, local, remote, local_offset=0, remote_offset=0, length=None, notify=None,

@@ -483,8 +483,12 @@ void TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vec
   }
 }
 
-void TcpTransport::wake(PeerState*) {
-  for (auto& t : threads_) t->wake();
+void TcpTransport::wake(PeerState*, uint64_t chunks) {
+  // A one-chunk transfer wakes one thread, not all: on few cores a spurious wake costs a core.
+  const size_t n = threads_.size();
+  const size_t k = size_t(std::min<uint64_t>(std::max<uint64_t>(chunks, 1), n));
+  const uint32_t first = next_wake_.fetch_add(1, std::memory_order_relaxed);
+  for (size_t i = 0; i < k; ++i) threads_[(first + i) % n]->wake();
 }
 
 void TcpTransport::stop() {

@@ -27,13 +27,14 @@ class TcpTransport final : public Transport {
   const char* name() const override { return "tcp"; }
   Caps caps() const override { return Caps{true, false, false, false}; }
   void attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& fds) override;
-  void wake(core::PeerState* peer) override;
+  void wake(core::PeerState* peer, uint64_t chunks) override;
   void stop() override;
 
  private:
   core::EndpointImpl* endpoint_;
   std::vector<std::unique_ptr<ProgressThread>> threads_;
   std::atomic<bool> stopped_{false};
+  std::atomic<uint32_t> next_wake_{0};
 };
 
 }  // namespace tether::transport

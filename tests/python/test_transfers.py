@@ -1,0 +1,679 @@
+"""Correctness of one-sided (write/read/writev/readv) and two-sided (send/recv) transfers and of
+notifications: between two endpoints of one process, and between two real processes.
+
+Every test uses random data, poisons destinations first, and checks every byte, including the
+bytes around the written ranges (which must stay poison).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import tether
+from conftest import CONFIGS
+from tether_testutil import (
+    POISON, Child, KiB, MiB, assert_bytes_equal, assert_poison, outcome, poisoned, rand_bytes,
+    wait_error, wait_until,
+)
+
+SIZES = [1, 4 * KiB + 3, 1 * MiB, 64 * MiB]
+SIZE_IDS = ["1B", "4KiB+3", "1MiB", "64MiB"]
+T = 20.0  # generous bound for any single wait()
+
+
+def _layout(rng, n, lo, hi, gap_max=37):
+    """n (offset, size) pairs, disjoint, sizes odd in [lo, hi), separated by random gaps."""
+    sizes = rng.integers(lo, hi, n) | 1
+    gaps = rng.integers(1, gap_max, n)
+    offsets = np.cumsum(gaps + np.concatenate([[0], sizes[:-1]]))
+    return [(int(o), int(s)) for o, s in zip(offsets, sizes)], int(offsets[-1] + sizes[-1] + 13)
+
+
+# =========================================================================== one process
+
+
+@pytest.mark.parametrize("size", SIZES, ids=SIZE_IDS)
+def test_write_then_read_back(pair, size):
+    a, b, peer = pair
+    lo, ro, pad = 5, 11, 9  # non-zero local and remote offsets, and bytes past the end
+    src = rand_bytes(size, size + lo + pad)
+    dst = poisoned(size + ro + pad)
+    rs, rd = a.register(src), b.register(dst)
+
+    t = peer.write(rs, rd.descriptor(), local_offset=lo, remote_offset=ro, length=size)
+    t.wait(T)
+    assert t.status == "ok" and t.error is None and t.bytes == size
+    assert_bytes_equal(dst[ro:ro + size], src[lo:lo + size], "written range")
+    assert_poison(dst[:ro], "bytes before the written range")
+    assert_poison(dst[ro + size:], "bytes after the written range")
+
+    back = poisoned(size + 7 + pad)
+    rb = a.register(back)
+    t = peer.read(rb, rd.descriptor(), local_offset=7, remote_offset=ro, length=size)
+    t.wait(T)
+    assert t.status == "ok" and t.bytes == size
+    assert_bytes_equal(back[7:7 + size], src[lo:lo + size], "read range")
+    assert_poison(back[:7], "bytes before the read range")
+    assert_poison(back[7 + size:], "bytes after the read range")
+
+
+def test_sub_descriptor_offsets_are_relative(pair):
+    """remote_offset is relative to the descriptor's own offset."""
+    a, b, peer = pair
+    src = rand_bytes(1, 5000)
+    dst = poisoned(20000)
+    rs, rd = a.register(src), b.register(dst)
+    desc = rd.descriptor(offset=3001, length=9000)
+    peer.write(rs, desc, local_offset=17, remote_offset=333, length=4000).wait(T)
+    assert_bytes_equal(dst[3334:7334], src[17:4017])
+    assert_poison(dst[:3334])
+    assert_poison(dst[7334:])
+    # Default length: the rest of the descriptor's range from remote_offset.
+    big = rand_bytes(2, 9000)
+    t = peer.write(a.register(big), desc, remote_offset=8000)
+    t.wait(T)
+    assert t.bytes == 1000
+    assert_bytes_equal(dst[11001:12001], big[:1000])
+    assert_poison(dst[12001:])
+
+
+def test_zero_length_write_and_read(pair):
+    a, b, peer = pair
+    src, dst, sink = rand_bytes(3, 64), poisoned(64), poisoned(64)
+    rs, rd, rk = a.register(src), b.register(dst), a.register(sink)
+    for t in (peer.write(rs, rd.descriptor(), remote_offset=64, length=0),
+              peer.read(rk, rd.descriptor(), remote_offset=64, length=0),
+              peer.write(rs, rd.descriptor(), remote_offset=64)):  # default length: 0 left
+        t.wait(T)
+        assert t.status == "ok" and t.bytes == 0
+    assert_poison(dst)
+    assert_poison(sink)
+
+
+def _scatter(rng, a, b, peer, n, lo, hi, gap_max):
+    """writev n entries from two local regions to two remote descriptors (a whole-region one and a
+    sub-range one), local and remote layouts shuffled independently; then readv them back."""
+    remote_layout, remote_size = _layout(rng, n, lo, hi, gap_max)
+    sizes = [s for _, s in remote_layout]
+    perm = rng.permutation(n)  # local order differs from remote order
+    local_layout, off = [None] * n, 3
+    for i in perm:
+        local_layout[i] = off
+        off += sizes[i] + int(rng.integers(0, gap_max))
+    src = [rand_bytes(int(rng.integers(1 << 30)), off + 5) for _ in range(2)]
+    dst = poisoned(remote_size + 4096)
+    rsrc = [a.register(s) for s in src]
+    rd = b.register(dst)
+    base = 1000  # the sub-range descriptor starts here
+    whole, sub = rd.descriptor(), None
+    # Shift the remote layout by `base` so both descriptors can address every entry.
+    sub = rd.descriptor(offset=base, length=remote_size + 4096 - base)
+    entries, expected = [], poisoned(dst.size)
+    for i, (roff, size) in enumerate(remote_layout):
+        roff += base
+        which = i % 2
+        loff = local_layout[i]
+        if i % 3 == 0:
+            entries.append((rsrc[which], loff, sub, roff - base, size))
+        else:
+            entries.append((rsrc[which], loff, whole, roff, size))
+        expected[roff:roff + size] = src[which][loff:loff + size]
+    t = peer.writev(entries)
+    t.wait(T)
+    assert t.status == "ok"
+    assert t.bytes == sum(sizes)
+    assert_bytes_equal(dst, expected, "remote buffer after writev (entries and gaps)")
+
+    # readv the same ranges into a fresh poisoned buffer, in a third layout.
+    back = poisoned(sum(sizes) + 2 * n + 10)
+    rb = a.register(back)
+    read_entries, off, expected_back = [], 1, poisoned(back.size)
+    for i in rng.permutation(n):
+        _, _, desc, roff, size = entries[i]
+        read_entries.append((rb, off, desc, roff, size))
+        absolute = roff + (base if desc is sub else 0)
+        expected_back[off:off + size] = dst[absolute:absolute + size]
+        off += size + 2
+    t = peer.readv(read_entries)
+    t.wait(T)
+    assert t.status == "ok" and t.bytes == sum(sizes)
+    assert_bytes_equal(back, expected_back, "local buffer after readv (entries and gaps)")
+
+
+def test_writev_readv_128_odd_entries(pair):
+    a, b, peer = pair
+    _scatter(np.random.default_rng(128), a, b, peer, 128, 1, 40000, 4000)
+
+
+def test_writev_readv_1000_tiny_entries(pair):
+    a, b, peer = pair
+    _scatter(np.random.default_rng(1000), a, b, peer, 1000, 1, 4, 3)
+
+
+def test_writev_entries_larger_than_chunk(endpoints):
+    """Entries of several chunks each (chunk 64 KiB, window 4): segments split across lanes."""
+    a = endpoints(chunk_bytes=64 * KiB, window=4, channels=2, sockets_per_channel=2)
+    b = endpoints()
+    peer = a.connect(b.metadata(), timeout=5)
+    _scatter(np.random.default_rng(7), a, b, peer, 12, 100 * KiB, 700 * KiB, 5000)
+
+
+@pytest.mark.parametrize("opts", [dict(window=1, chunk_bytes=4096, channels=1),
+                                  dict(window=2, chunk_bytes=4099, channels=3, sockets_per_channel=2)],
+                         ids=["window1-chunk4k", "window2-chunk4099-6lanes"])
+def test_small_window_odd_chunk(endpoints, opts):
+    a, b = endpoints(**opts), endpoints()
+    peer = a.connect(b.metadata(), timeout=5)
+    src, dst = rand_bytes(9, 3 * MiB + 1), poisoned(3 * MiB + 10)
+    peer.write(a.register(src), b.register(dst).descriptor(), remote_offset=4, length=src.size).wait(T)
+    assert_bytes_equal(dst[4:4 + src.size], src)
+    assert_poison(dst[:4])
+    assert_poison(dst[4 + src.size:])
+
+
+def test_many_async_writes_from_threads(pair):
+    """4 threads x 50 async writes to disjoint ranges, all in flight together, then verify."""
+    a, b, peer = pair
+    threads_n, per_thread, slot = 4, 50, 40 * KiB
+    rng = np.random.default_rng(4)
+    sizes = (rng.integers(1, slot - 8, (threads_n, per_thread)) | 1).tolist()
+    src = rand_bytes(44, threads_n * per_thread * slot)
+    dst = poisoned(src.size)
+    rs, rd = a.register(src), b.register(dst)
+    desc = rd.descriptor()
+    transfers = [[] for _ in range(threads_n)]
+    barrier = threading.Barrier(threads_n)
+    errors = []
+
+    def worker(k):
+        try:
+            barrier.wait(5)
+            for i in range(per_thread):
+                off = (k * per_thread + i) * slot + 3
+                # local and remote offsets differ: local is shifted by one slot (mod the buffer)
+                loff = (off + slot) % (src.size - slot)
+                transfers[k].append((peer.write(rs, desc, local_offset=loff, remote_offset=off,
+                                                 length=sizes[k][i]), loff, off, sizes[k][i]))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    ths = [threading.Thread(target=worker, args=(k,)) for k in range(threads_n)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(20)
+    assert not errors, errors
+    expected = poisoned(dst.size)
+    for k in range(threads_n):
+        assert len(transfers[k]) == per_thread
+        for t, loff, off, n in transfers[k]:
+            t.wait(T)
+            assert t.status == "ok" and t.bytes == n
+            expected[off:off + n] = src[loff:loff + n]
+    assert_bytes_equal(dst, expected, "destination after 200 concurrent writes")
+
+
+def test_concurrent_reads_and_writes_from_threads(pair):
+    """2 threads write into one half, 2 threads read the other (pre-filled) half, concurrently."""
+    a, b, peer = pair
+    half = 8 * MiB
+    remote = poisoned(2 * half)
+    remote[half:] = rand_bytes(5, half)
+    rr = b.register(remote)
+    src = rand_bytes(6, half)
+    rs = a.register(src)
+    sink = poisoned(half)
+    rk = a.register(sink)
+    desc = rr.descriptor()
+    piece = 64 * KiB + 1
+    errors = []
+
+    def writer(k):
+        try:
+            ts = [peer.write(rs, desc, local_offset=o, remote_offset=o, length=min(piece, half - o))
+                  for o in range(k * piece, half, 2 * piece)]
+            for t in ts:
+                t.wait(T)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    def reader(k):
+        try:
+            ts = [peer.read(rk, desc, local_offset=o, remote_offset=half + o, length=min(piece, half - o))
+                  for o in range(k * piece, half, 2 * piece)]
+            for t in ts:
+                t.wait(T)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    ths = [threading.Thread(target=f, args=(k,)) for f in (writer, reader) for k in (0, 1)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(30)
+    assert not errors, errors
+    assert_bytes_equal(remote[:half], src, "written half")
+    assert_bytes_equal(sink, remote[half:], "read half")
+
+
+# --------------------------------------------------------------------------- send / recv
+
+
+def test_send_recv_out_of_order_tags(pair):
+    a, b, peer = pair
+    bp = _accepted(b)
+    msgs = {tag: rand_bytes(tag, 1000 * tag + 1) for tag in (1, 2, 3)}
+    sends = [peer.send(a.register(m), tag=tag) for tag, m in msgs.items()]
+    bufs = {tag: poisoned(10000) for tag in msgs}
+    # recvs posted after the sends, in a different order than the sends
+    recvs = {tag: bp.recv(b.register(bufs[tag]), offset=5, tag=tag) for tag in (3, 1, 2)}
+    for t in sends:
+        t.wait(T)
+    for tag, t in recvs.items():
+        t.wait(T)
+        n = msgs[tag].size
+        assert t.bytes == n
+        assert_bytes_equal(bufs[tag][5:5 + n], msgs[tag], f"message tag {tag}")
+        assert_poison(bufs[tag][:5])
+        assert_poison(bufs[tag][5 + n:])
+
+
+def test_recv_posted_before_send_and_fifo_per_tag(pair):
+    a, b, peer = pair
+    bp = _accepted(b)
+    r1, r2 = poisoned(5000), poisoned(5000)
+    t1 = bp.recv(b.register(r1), tag=7)
+    t2 = bp.recv(b.register(r2), tag=7)
+    assert not t1.done()
+    m1, m2 = rand_bytes(71, 3000), rand_bytes(72, 4000)
+    s1 = peer.send(a.register(m1), tag=7)
+    s2 = peer.send(a.register(m2), tag=7)
+    for t in (s1, s2, t1, t2):
+        t.wait(T)
+    # same tag: matched in posting order
+    assert t1.bytes == 3000 and t2.bytes == 4000
+    assert_bytes_equal(r1[:3000], m1)
+    assert_poison(r1[3000:])
+    assert_bytes_equal(r2[:4000], m2)
+    assert_poison(r2[4000:])
+
+
+def test_send_recv_both_directions_and_large(pair):
+    """A 16 MiB message (many chunks) each way; the accepted side sends too."""
+    a, b, peer = pair
+    bp = _accepted(b)
+    m_ab, m_ba = rand_bytes(81, 16 * MiB + 3), rand_bytes(82, 16 * MiB - 3)
+    in_b, in_a = poisoned(17 * MiB), poisoned(17 * MiB)
+    rb = bp.recv(b.register(in_b), offset=1, tag=99)
+    ra = peer.recv(a.register(in_a), tag=98)
+    sa = peer.send(a.register(m_ab), tag=99)
+    sb = bp.send(b.register(m_ba), tag=98)
+    for t in (sa, sb, ra, rb):
+        t.wait(T)
+    assert rb.bytes == m_ab.size and ra.bytes == m_ba.size
+    assert_bytes_equal(in_b[1:1 + m_ab.size], m_ab)
+    assert_poison(in_b[1 + m_ab.size:])
+    assert_bytes_equal(in_a[:m_ba.size], m_ba)
+    assert_poison(in_a[m_ba.size:])
+
+
+def test_zero_length_message(pair):
+    a, b, peer = pair
+    bp = _accepted(b)
+    buf = poisoned(100)
+    r = bp.recv(b.register(buf), tag=5)
+    s = peer.send(a.register(rand_bytes(1, 10)), length=0, tag=5)
+    s.wait(T)
+    r.wait(T)
+    assert r.status == "ok" and r.bytes == 0 and s.bytes == 0
+    assert_poison(buf)
+    # posted after the send, too
+    s = peer.send(a.register(rand_bytes(1, 10)), offset=10, length=0, tag=6)
+    r = bp.recv(b.register(buf), tag=6)
+    s.wait(T)
+    r.wait(T)
+    assert r.bytes == 0
+    assert_poison(buf)
+
+
+@pytest.mark.parametrize("recv_first", [True, False], ids=["recv-first", "send-first"])
+def test_message_larger_than_recv_is_truncated_on_both_sides(pair, recv_first):
+    a, b, peer = pair
+    bp = _accepted(b)
+    buf = poisoned(1000)
+    rb = b.register(buf)
+    msg = a.register(rand_bytes(3, 1001))
+    if recv_first:
+        r = bp.recv(rb, length=999, tag=1)
+        s = peer.send(msg, tag=1)
+    else:
+        s = peer.send(msg, tag=1)
+        r = bp.recv(rb, length=999, tag=1)
+    assert isinstance(wait_error(s), tether.Truncated)
+    assert isinstance(wait_error(r), tether.Truncated)
+    assert_poison(buf, "recv buffer after a truncated message")
+    # The link still works afterwards, on the same tag.
+    ok = rand_bytes(4, 999)
+    r = bp.recv(rb, length=999, tag=1)
+    peer.send(a.register(ok), tag=1).wait(T)
+    r.wait(T)
+    assert r.bytes == 999
+    assert_bytes_equal(buf[:999], ok)
+
+
+# --------------------------------------------------------------------------- notifications
+
+
+def test_write_notify_arrives_after_data_with_sender_name(pair):
+    a, b, peer = pair
+    src, dst = rand_bytes(11, 8 * MiB + 5), poisoned(8 * MiB + 5)
+    rs, rd = a.register(src), b.register(dst)
+    t = peer.write(rs, rd.descriptor(), notify=b"data-ready\x00\xff")
+    notes = b.notifications(timeout=T)
+    # Whenever the notification is visible, the data must be complete.
+    assert_bytes_equal(dst, src, "data when its notification arrived")
+    t.wait(T)
+    assert len(notes) == 1
+    n = notes[0]
+    assert isinstance(n, tether.Notification)
+    assert n.data == b"data-ready\x00\xff"
+    assert n.peer_name == "ep-a"
+    assert wait_until(lambda: len(b.peers()) == 1, 5)
+    assert n.peer_id == b.peers()[0].id
+    assert b.notifications() == []  # consumed
+
+
+def test_writev_notify_and_standalone_notify_in_order(pair):
+    a, b, peer = pair
+    src, dst = rand_bytes(12, 50000), poisoned(50000)
+    rs, rd = a.register(src), b.register(dst)
+    desc = rd.descriptor()
+    t = peer.writev([(rs, i * 1000, desc, i * 1000, 999) for i in range(50)], notify=b"v")
+    got = b.notifications(timeout=T)
+    for i in range(50):
+        assert_bytes_equal(dst[i * 1000:i * 1000 + 999], src[i * 1000:i * 1000 + 999])
+    t.wait(T)
+    assert [n.data for n in got] == [b"v"]
+    ts = [peer.notify(b"n%03d" % i) for i in range(30)]
+    for t in ts:
+        t.wait(T)
+    notes = []
+    assert wait_until(lambda: notes.extend(b.notifications(timeout=0.05)) or len(notes) >= 30, 10)
+    assert [n.data for n in notes] == [b"n%03d" % i for i in range(30)]
+    assert {n.peer_name for n in notes} == {"ep-a"}
+
+
+def test_notify_size_limits(pair):
+    a, b, peer = pair
+    biggest = bytes(rand_bytes(13, (1 << 20) - 8))
+    peer.notify(biggest).wait(T)
+    got = b.notifications(timeout=T)
+    assert len(got) == 1 and got[0].data == biggest
+    assert isinstance(wait_error(peer.notify(biggest + b"x")), tether.InvalidArgument)
+    # notify= is only for writes
+    with pytest.raises(TypeError):
+        peer.read(a.register(poisoned(8)), b.register(poisoned(8)).descriptor(), notify=b"x")
+    empty = peer.notify(b"")
+    empty.wait(T)
+    got = b.notifications(timeout=T)
+    assert [n.data for n in got] == [b""]
+
+
+def test_accepted_peer_writes_and_reads_back(pair):
+    a, b, peer = pair
+    bp = _accepted(b)
+    assert bp.name == "ep-a" and bp.connected
+    assert peer.name == "ep-b"
+    mine = poisoned(3 * MiB)
+    ra = a.register(mine)
+    theirs = rand_bytes(21, 3 * MiB)
+    rb = b.register(theirs)
+    bp.write(rb, ra.descriptor(), remote_offset=1, length=3 * MiB - 1).wait(T)
+    assert_bytes_equal(mine[1:], theirs[:-1])
+    assert_poison(mine[:1])
+    sink = poisoned(3 * MiB)
+    bp.read(b.register(sink), ra.descriptor()).wait(T)
+    assert_bytes_equal(sink, mine)
+    bp.notify(b"from-b").wait(T)
+    notes = a.notifications(timeout=T)
+    assert [(n.peer_name, n.data) for n in notes] == [("ep-b", b"from-b")]
+    assert notes[0].peer_id == peer.id
+
+
+def _accepted(ep, n=1):
+    assert wait_until(lambda: len(ep.peers()) >= n, 5), "the accepted peer never appeared in peers()"
+    return ep.peers()[-1]
+
+
+# =========================================================================== two processes
+
+
+@pytest.fixture(scope="module")
+def child():
+    """One child process with an endpoint named 'child-ep' (default configuration)."""
+    c = Child("transfer-child")
+    try:
+        info = c.call("endpoint", name="child-ep")
+        c.info = info
+        yield c
+    finally:
+        try:
+            c.call("close", timeout=10)
+        except Exception:  # noqa: BLE001
+            pass
+        c.cleanup()
+
+
+@pytest.fixture
+def to_child(child, endpoints, config):
+    """(local endpoint named 'parent-ep' with the parametrized config, peer -> child)."""
+    ep = endpoints(name="parent-ep", **config)
+    return ep, ep.connect(child.info["metadata"], timeout=5)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=SIZE_IDS)
+def test_cross_process_write_and_read(child, to_child, size):
+    ep, peer = to_child
+    assert peer.name == "child-ep"
+    lo, ro, pad = 3, 1001, 7
+    desc = child.call("register", "dst", size + ro + pad)
+    try:
+        src = rand_bytes(size + 1, size + lo)
+        peer.write(ep.register(src), desc, local_offset=lo, remote_offset=ro, length=size).wait(T)
+        got = np.frombuffer(child.call("get", "dst"), dtype=np.uint8)
+        assert_bytes_equal(got[ro:ro + size], src[lo:], "child buffer, written range")
+        assert_poison(got[:ro], "child buffer before the range")
+        assert_poison(got[ro + size:], "child buffer after the range")
+
+        child.call("fill", "dst", ("seed", 77))
+        expected = rand_bytes(77, size + ro + pad)
+        back = poisoned(size + 2 * lo)
+        peer.read(ep.register(back), desc, local_offset=lo, remote_offset=ro, length=size).wait(T)
+        assert_bytes_equal(back[lo:lo + size], expected[ro:ro + size], "read from the child")
+        assert_poison(back[:lo])
+        assert_poison(back[lo + size:])
+    finally:
+        child.call("deregister", "dst")
+
+
+def test_cross_process_writev_readv(child, to_child):
+    ep, peer = to_child
+    rng = np.random.default_rng(3)
+    layout, remote_size = _layout(rng, 128, 1, 30000, 500)
+    desc = child.call("register", "vec", remote_size)
+    try:
+        src = rand_bytes(31, remote_size + 1000)
+        rs = ep.register(src)
+        entries, expected = [], poisoned(remote_size)
+        shift = 777  # local offset = remote offset + shift
+        for roff, n in layout:
+            entries.append((rs, roff + shift, desc, roff, n))
+            expected[roff:roff + n] = src[roff + shift:roff + shift + n]
+        peer.writev(entries).wait(T)
+        got = np.frombuffer(child.call("get", "vec"), dtype=np.uint8)
+        assert_bytes_equal(got, expected, "child buffer after writev")
+
+        tiny, tiny_size = _layout(rng, 1000, 1, 3, 3)
+        assert tiny_size <= remote_size
+        back = poisoned(tiny_size)
+        rb = ep.register(back)
+        peer.readv([(rb, off, desc, off, n) for off, n in tiny]).wait(T)
+        exp_back = poisoned(tiny_size)
+        for off, n in tiny:
+            exp_back[off:off + n] = got[off:off + n]
+        assert_bytes_equal(back, exp_back, "local buffer after readv of 1000 tiny entries")
+    finally:
+        child.call("deregister", "vec")
+
+
+def test_cross_process_threads_in_flight(child, to_child):
+    ep, peer = to_child
+    slot, per, nthreads = 16 * KiB, 50, 4
+    desc = child.call("register", "many", slot * per * nthreads)
+    try:
+        src = rand_bytes(41, slot * per * nthreads)
+        rs = ep.register(src)
+        out = []
+
+        def worker(k):
+            out.extend(peer.write(rs, desc, local_offset=(k * per + i) * slot, remote_offset=(k * per + i) * slot,
+                                  length=slot - (i % 7)) for i in range(per))
+
+        ths = [threading.Thread(target=worker, args=(k,)) for k in range(nthreads)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(20)
+        assert len(out) == per * nthreads
+        for t in out:
+            t.wait(T)
+        got = np.frombuffer(child.call("get", "many"), dtype=np.uint8)
+        expected = poisoned(src.size)
+        for k in range(nthreads):
+            for i in range(per):
+                o = (k * per + i) * slot
+                expected[o:o + slot - (i % 7)] = src[o:o + slot - (i % 7)]
+        assert_bytes_equal(got, expected)
+    finally:
+        child.call("deregister", "many")
+
+
+def test_cross_process_notification_only_after_data(child, to_child):
+    """In the target process, at the moment a notification is seen, its data must be complete."""
+    ep, peer = to_child
+    n = 16 * MiB
+    desc = child.call("register", "nd", n + 100)
+    try:
+        for rnd in range(4):
+            seed = 500 + rnd
+            src = rand_bytes(seed, n)
+            child.start("check_on_notify", "nd", seed, 50, n, timeout=T)
+            t = peer.write(ep.register(src), desc, remote_offset=50, length=n, notify=b"round-%d" % rnd)
+            res = child.result(T + 5)
+            t.wait(T)
+            assert not res["timed_out"], "the notification never arrived"
+            assert res["mismatch"] is None, (
+                f"round {rnd}: notification seen before the data was complete (first stale byte "
+                f"{res['mismatch']})")
+            assert [(x[1], x[2]) for x in res["notes"]] == [("parent-ep", b"round-%d" % rnd)]
+    finally:
+        child.call("deregister", "nd")
+
+
+def test_cross_process_standalone_notify_and_names(child, to_child):
+    ep, peer = to_child
+    for i in range(10):
+        peer.notify(b"hello-%d" % i).wait(T)
+    notes = child.call("notifications", count=10, timeout=T)
+    assert [x[2] for x in notes] == [b"hello-%d" % i for i in range(10)]
+    assert {x[1] for x in notes} == {"parent-ep"}
+    peers = child.call("peers")
+    ids = [p[0] for p in peers if p[1] == "parent-ep" and p[2]]
+    assert notes[0][0] in ids
+
+
+def test_cross_process_accepted_peer_writes_back(child, to_child):
+    """The child never connects: it writes and reads through the peer it accepted (ep.peers())."""
+    ep, peer = to_child
+    mine = poisoned(2 * MiB + 10)
+    rm = ep.register(mine)
+    child.call("register", "wb", 2 * MiB, fill=("seed", 61))
+    try:
+        st = _child_accepted_op(child, "write", "wb", rm.descriptor(), remote_offset=10, length=2 * MiB)
+        assert st[0] == "ok", st
+        assert_bytes_equal(mine[10:], rand_bytes(61, 2 * MiB))
+        assert_poison(mine[:10])
+        mine[10:20] = 1
+        child.call("fill", "wb", ("poison", POISON))
+        st = _child_accepted_op(child, "read", "wb", rm.descriptor(), length=2 * MiB)
+        assert st[0] == "ok", st
+        got = np.frombuffer(child.call("get", "wb"), dtype=np.uint8)
+        assert_bytes_equal(got, mine[:2 * MiB])
+        st = child.call("notify", b"back", accepted=True)
+        assert st[0] == "ok"
+        notes = ep.notifications(timeout=T)
+        assert [(n.peer_name, n.data) for n in notes] == [("child-ep", b"back")]
+    finally:
+        child.call("deregister", "wb")
+
+
+def _child_accepted_op(child, op, local, desc, **kw):
+    """Runs op in the child through the newest peer it accepted (the one this test connected)."""
+    return child.call(op, local, desc, accepted=True, **kw)
+
+
+def test_cross_process_send_recv(child, to_child):
+    ep, peer = to_child
+    child.call("register", "msg", 5 * MiB, fill=("seed", 91))
+    child.call("register", "inbox", 5 * MiB)
+    try:
+        # parent -> child, recv posted (in the child) after the send
+        m = rand_bytes(92, 3 * MiB + 1)
+        s = peer.send(ep.register(m), tag=42)
+        st = child.call("recv", "inbox", offset=3, tag=42, accepted=True)
+        s.wait(T)
+        assert st[0] == "ok" and st[1] == m.size
+        assert_bytes_equal(np.frombuffer(st[2], dtype=np.uint8), m)
+        # child -> parent, recv posted first
+        box = poisoned(5 * MiB + 2)
+        r = peer.recv(ep.register(box), offset=2, tag=43)
+        st = child.call("send", "msg", length=5 * MiB - 1, tag=43, accepted=True)
+        assert st[0] == "ok"
+        r.wait(T)
+        assert r.bytes == 5 * MiB - 1
+        assert_bytes_equal(box[2:2 + r.bytes], rand_bytes(91, 5 * MiB)[:-1])
+        assert_poison(box[:2])
+        assert_poison(box[2 + r.bytes:])
+        # truncation across processes: both sides see Truncated
+        r = peer.recv(ep.register(poisoned(10)), tag=44)
+        st = child.call("send", "msg", length=11, tag=44, accepted=True)
+        assert st[0] == "Truncated", st
+        assert isinstance(wait_error(r), tether.Truncated)
+    finally:
+        child.call("deregister", "msg")
+        child.call("deregister", "inbox")
+
+
+@pytest.mark.parametrize("size", [1, 64 * MiB], ids=["1B", "64MiB"])
+def test_cross_process_child_initiates(children, endpoints, size):
+    """The child connects and is the initiator; this process is the target."""
+    me = endpoints(name="target-parent")
+    mine = poisoned(size + 20)
+    rm = me.register(mine)
+    c = children("initiator-child")
+    c.call("endpoint", name="init-child")
+    assert c.call("connect", me.metadata()) == "target-parent"
+    c.call("register", "src", size, fill=("seed", 123))
+    st = c.call("write", "src", rm.descriptor(), remote_offset=20, length=size, notify=b"done")
+    assert st == ("ok", size)
+    assert_bytes_equal(mine[20:], rand_bytes(123, size))
+    assert_poison(mine[:20])
+    notes = me.notifications(timeout=T)
+    assert [(n.peer_name, n.data) for n in notes] == [("init-child", b"done")]
+    mine[20:] = rand_bytes(124, size)
+    c.call("fill", "src", ("poison", POISON))
+    st = c.call("read", "src", rm.descriptor(), remote_offset=20, length=size)
+    assert st == ("ok", size)
+    assert_bytes_equal(np.frombuffer(c.call("get", "src"), dtype=np.uint8), mine[20:])
