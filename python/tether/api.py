@@ -1,7 +1,9 @@
 """The Python surface of tether: Endpoint, Region, Peer, Transfer (same words as the C++ API)."""
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from typing import Any, Iterable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -208,6 +210,7 @@ class Endpoint:
         self._ep = _tether.Endpoint.create(cfg)
         self._regions: dict[int, Region] = {}
         self._lock = threading.Lock()
+        _live.add(self)
 
     @property
     def address(self) -> str:
@@ -276,3 +279,14 @@ class Endpoint:
 
     def __repr__(self) -> str:
         return f"Endpoint(address={self.address!r}, name={self.name!r})"
+
+
+_live: "weakref.WeakSet[Endpoint]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, before the interpreter is torn down: close what is still open, so threads waiting on
+    transfers wake with Cancelled while Python can still run them."""
+    for ep in list(_live):
+        ep.close()

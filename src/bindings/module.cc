@@ -7,6 +7,8 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/unique_ptr.h>
 
+#include <unistd.h>
+
 #include "tether/endpoint.h"
 
 namespace nb = nanobind;
@@ -31,6 +33,27 @@ template <typename T>
 T take(Result<T> r) {
   if (!r.is_ok()) raise(r.status());
   return r.take();
+}
+
+bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// Runs f without the GIL. If the interpreter began finalizing meanwhile (a daemon thread waiting
+// at exit), taking the GIL back would end this thread with a forced unwind that no C++ frame can
+// carry; the process is exiting, so the thread parks instead.
+template <typename F>
+auto without_gil(F&& f) {
+  PyThreadState* ts = PyEval_SaveThread();
+  auto r = f();
+  if (finalizing())
+    for (;;) ::pause();
+  PyEval_RestoreThread(ts);
+  return r;
 }
 
 std::string as_string(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
@@ -137,12 +160,7 @@ NB_MODULE(_tether, m) {
   nb::class_<Transfer>(m, "Transfer")
       .def("done", &Transfer::done)
       .def("_wait", [](const Transfer& t, double timeout) {
-            Status s;
-            {
-              nb::gil_scoped_release release;
-              s = t.wait(timeout < 0 ? -1 : int64_t(timeout * 1000.0));
-            }
-            check(s);
+            check(without_gil([&] { return t.wait(timeout < 0 ? -1 : int64_t(timeout * 1000.0)); }));
           }, "timeout"_a)
       .def_prop_ro("_code", [](const Transfer& t) { return int(t.status().code()); })
       .def_prop_ro("_message", [](const Transfer& t) { return t.status().message(); })
@@ -175,30 +193,17 @@ NB_MODULE(_tether, m) {
       .def("metadata", [](const Endpoint& e) { return as_bytes(e.metadata()); })
       .def("connect", [](Endpoint& e, nb::bytes target, double timeout) {
             std::string t = as_string(target);
-            Result<Peer> r = Status();
-            {
-              nb::gil_scoped_release release;
-              r = e.connect(t, timeout < 0 ? -1 : int64_t(timeout * 1000.0));
-            }
-            return take(std::move(r));
+            return take(without_gil([&] { return e.connect(t, timeout < 0 ? -1 : int64_t(timeout * 1000.0)); }));
           })
       .def("register_memory", [](Endpoint& e, uintptr_t ptr, uint64_t size, bool cuda, int device, bool readonly) {
             return take(e.register_memory(reinterpret_cast<void*>(ptr), size, cuda ? MemoryKind::kCuda : MemoryKind::kHost, device, readonly));
           })
       .def("deregister", [](Endpoint& e, const Region& r) {
-            Status s;
-            {
-              nb::gil_scoped_release release;
-              s = e.deregister(r);
-            }
-            check(s);
+            check(without_gil([&] { return e.deregister(r); }));
           })
       .def("notifications", [](Endpoint& e, double timeout) {
-            std::vector<Notification> n;
-            {
-              nb::gil_scoped_release release;
-              n = timeout > 0 ? e.wait_notifications(int64_t(timeout * 1000.0)) : e.notifications();
-            }
+            std::vector<Notification> n = without_gil(
+                [&] { return timeout > 0 ? e.wait_notifications(int64_t(timeout * 1000.0)) : e.notifications(); });
             nb::list out;
             for (auto& x : n) out.append(nb::make_tuple(x.peer_id, x.peer_name, as_bytes(x.data)));
             return out;
@@ -217,8 +222,10 @@ NB_MODULE(_tether, m) {
             return d;
           })
       .def("close", [](Endpoint& e) {
-            nb::gil_scoped_release release;
-            e.close();
+            without_gil([&] {
+              e.close();
+              return 0;
+            });
           });
 
   m.attr("WIRE_VERSION") = 1;

@@ -78,7 +78,7 @@ Result<std::unique_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
   ep->host_id_ = sys::host_id();
   ep->name_ = config.name.empty() ? sys::hostname() + ":" + std::to_string(::getpid()) : config.name;
 
-  auto lfd = sys::listen_tcp(config.host, config.port);
+  auto lfd = sys::listen_tcp(config.host, config.port, config.socket_buffer);
   if (!lfd.is_ok()) return lfd.status();
   ep->listen_fd_ = lfd.value();
   ep->port_ = sys::local_port(ep->listen_fd_);
@@ -109,7 +109,7 @@ void EndpointImpl::close() {
     for (auto& [s, p] : accepting_) all.push_back(p);
   }
   for (auto& p : all) p->fail(Status(Code::kCancelled, "endpoint closed"));
-  transport_->stop();  // lanes answer their in-flight chunks; every transfer finishes
+  if (transport_) transport_->stop();  // lanes answer their in-flight chunks; every transfer finishes
   {
     std::lock_guard lock(peers_mu_);
     peers_.clear();
@@ -275,7 +275,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   auto cleanup = [&] { for (int fd : fds) ::close(fd); };
   wire::ServerHello sh{};
   for (uint32_t lane = 0; lane <= lanes; ++lane) {
-    auto fd = sys::connect_tcp(t.host, t.port, deadline);
+    auto fd = sys::connect_tcp(t.host, t.port, deadline, lane == 0 ? 0 : config_.socket_buffer);
     if (!fd.is_ok()) { cleanup(); return fd.status(); }
     fds.push_back(fd.value());
     crypto::random_bytes(ch.nonce, sizeof ch.nonce);
@@ -298,7 +298,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   auto peer = std::make_shared<PeerState>(this, info, lanes);
   peer->control_fd = fds[0];
   peer->lane_fds.assign(fds.begin() + 1, fds.end());
-  for (int fd : peer->lane_fds) sys::tune_data_socket(fd, config_.socket_buffer);
+  for (int fd : peer->lane_fds) sys::tune_data_socket(fd);
   {
     std::lock_guard lock(peers_mu_);
     if (closing_.load()) {
@@ -308,6 +308,19 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   }
   wake_control();
   return Peer(peer);
+}
+
+Status EndpointImpl::deregister(const Region& region) {
+  Status s = registry_.unpublish(region);
+  if (!s.is_ok()) return s;
+  std::vector<std::shared_ptr<PeerState>> all;
+  {
+    std::lock_guard lock(peers_mu_);
+    for (auto& [id, p] : peers_) all.push_back(p);
+  }
+  for (auto& p : all) p->cancel_region(region.state().get());
+  RegionRegistry::wait_unpinned(region);
+  return Status::ok();
 }
 
 void EndpointImpl::adopt_peer(const std::shared_ptr<PeerState>& peer) {
@@ -483,7 +496,7 @@ void EndpointImpl::finish_accept(Pending& p) {
   }
   auto peer = it->second;
   peer->lane_fds[h.lane] = fd;
-  sys::tune_data_socket(fd, config_.socket_buffer);
+  sys::tune_data_socket(fd);
   ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
   for (int lfd : peer->lane_fds)
     if (lfd < 0) return;
@@ -616,7 +629,7 @@ Result<Peer> Endpoint::connect(std::string_view target, int64_t timeout_ms) { re
 Result<Region> Endpoint::register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly) {
   return impl_->registry().add(ptr, size, kind, device, readonly);
 }
-Status Endpoint::deregister(const Region& region) { return impl_->registry().remove(region); }
+Status Endpoint::deregister(const Region& region) { return impl_->deregister(region); }
 std::vector<Notification> Endpoint::notifications() { return impl_->notifications(0); }
 std::vector<Notification> Endpoint::wait_notifications(int64_t timeout_ms) { return impl_->notifications(timeout_ms); }
 std::vector<Peer> Endpoint::peers() const { return impl_->peers(); }

@@ -38,6 +38,8 @@ class EndpointImpl {
   std::string metadata() const;
 
   Result<Peer> connect(std::string_view target, int64_t timeout_ms);
+  // Unpublishes, cancels two-sided operations still waiting on the region, waits for the rest.
+  Status deregister(const Region& region);
   std::vector<Notification> notifications(int64_t timeout_ms);
   std::vector<Peer> peers() const;
   void close();

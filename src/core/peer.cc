@@ -508,6 +508,27 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
       if (release_now) release_now->release();
       return;
     }
+    case wire::ControlType::kCancel: {
+      if (length != sizeof(uint32_t)) break;
+      uint32_t token;
+      std::memcpy(&token, body, sizeof token);
+      size_t erased = 0;
+      TransferState* r = nullptr;
+      {
+        std::lock_guard lock(mu_);
+        if (auto it = matched_.find(token); it != matched_.end()) {
+          r = it->second;
+          matched_.erase(it);
+          erased = 1;
+        }
+      }
+      if (erased) {
+        r->record_error(Status(Code::kCancelled, "peer '" + info_.name + "' withdrew the message (tag " +
+                                                     std::to_string(r->tag) + ")"));
+        r->release();
+      }
+      return;
+    }
     case wire::ControlType::kCts: {
       if (length != sizeof(wire::CtsBody)) break;
       wire::CtsBody cts;
@@ -520,7 +541,10 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
           awaiting_cts_.erase(it);
         }
       }
-      if (!t) break;
+      if (!t) {  // withdrawn (its region was deregistered): release the receiver's recv
+        if (cts.status == 0 && cts.token != 0) send_control(wire::ControlType::kCancel, &cts.token, sizeof cts.token);
+        return;
+      }
       if (cts.status != 0) {
         t->record_error(Status(static_cast<Code>(cts.status),
                                "peer '" + info_.name + "' posted a recv too small for this " +
@@ -537,6 +561,42 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
   }
   fail(Status(Code::kProtocolError, "peer '" + info_.name + "' sent a malformed control message (type " +
                                         std::to_string(int(type)) + ", " + std::to_string(length) + " bytes)"));
+}
+
+void PeerState::cancel_region(const RegionState* region) {
+  auto uses = [region](const TransferState* t) {
+    for (auto& p : t->local_pins)
+      if (p.get() == region) return true;
+    return false;
+  };
+  std::vector<TransferState*> cancelled;
+  {
+    std::lock_guard lock(mu_);
+    for (auto it = awaiting_cts_.begin(); it != awaiting_cts_.end();) {
+      if (uses(it->second)) {
+        cancelled.push_back(it->second);
+        it = awaiting_cts_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = posted_recvs_.begin(); it != posted_recvs_.end();) {
+      auto& q = it->second;
+      for (auto qi = q.begin(); qi != q.end();) {
+        if (uses(*qi)) {
+          cancelled.push_back(*qi);
+          qi = q.erase(qi);
+        } else {
+          ++qi;
+        }
+      }
+      it = q.empty() ? posted_recvs_.erase(it) : std::next(it);
+    }
+  }
+  for (TransferState* t : cancelled) {
+    t->record_error(Status(Code::kCancelled, "its region was deregistered before the message was matched"));
+    t->release();
+  }
 }
 
 void PeerState::fail(Status s) {

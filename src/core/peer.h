@@ -73,6 +73,8 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   int64_t last_heard_ms() const { return last_heard_ms_.load(std::memory_order_relaxed); }
   void send_control(wire::ControlType type, const void* body, uint32_t length);
 
+  // Fails sends still waiting for a CTS and recvs still unmatched that use `region`.
+  void cancel_region(const RegionState* region);
   // Fails the peer once: every transfer still using it ends with `s`, sockets are shut down.
   void fail(Status s);
   // Called by TransferState when its last chunk is answered.
@@ -81,6 +83,8 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
 
   int control_fd = -1;
   std::vector<int> lane_fds;
+  // The transport's per-peer state (its lanes), opaque to the core; set before the peer is used.
+  std::shared_ptr<void> transport_state;
   // Control-thread-only I/O state.
   std::string ctl_in, ctl_pending;
   size_t ctl_sent = 0;

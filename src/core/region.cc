@@ -53,7 +53,7 @@ Result<Region> RegionRegistry::add(void* ptr, uint64_t size, MemoryKind kind, in
   return Region(s);
 }
 
-Status RegionRegistry::remove(const Region& region) {
+Status RegionRegistry::unpublish(const Region& region) {
   const auto& s = region.state();
   if (!s) return Status(Code::kInvalidArgument, "deregister: empty region handle");
   {
@@ -64,9 +64,13 @@ Status RegionRegistry::remove(const Region& region) {
     regions_.erase(it);
     s->live.store(false, std::memory_order_release);
   }
-  // Remote accesses pin for one chunk at most; a stalled peer is cut off by peer_timeout_ms.
-  while (s->pins.load(std::memory_order_acquire) != 0) std::this_thread::yield();
   return Status::ok();
+}
+
+void RegionRegistry::wait_unpinned(const Region& region) {
+  // Remote accesses pin for one chunk at most, local transfers until they finish; a stalled peer
+  // is cut off by peer_timeout_ms, so this ends.
+  while (region.state()->pins.load(std::memory_order_acquire) != 0) std::this_thread::yield();
 }
 
 Code RegionRegistry::resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,

@@ -31,8 +31,10 @@ class RegionRegistry {
  public:
   explicit RegionRegistry(const EndpointId& endpoint) : endpoint_(endpoint) {}
   Result<Region> add(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
-  // Unpublishes the region, then waits until no remote access is using it.
-  Status remove(const Region& region);
+  // Unpublishes the region: no new remote access resolves to it.
+  Status unpublish(const Region& region);
+  // Waits until every access in flight (remote chunks, local transfers) has let go of it.
+  static void wait_unpinned(const Region& region);
   // Validates a remote access and pins the region. On success *out is pinned: call unpin().
   Code resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
                uint64_t offset, uint64_t length, bool write, RegionState** out) const;

@@ -79,6 +79,7 @@ enum class ControlType : uint8_t {
   kNotifyAck = 3,   // u64 id
   kRts = 4,         // ready to send: u64 msg id, u64 tag, u64 length
   kCts = 5,         // clear to send: u64 msg id, u32 token, u8 status
+  kCancel = 6,      // u32 token: the sender withdrew the message this CTS was for
 };
 struct ControlHeader {
   uint32_t length;     // body bytes

@@ -22,6 +22,13 @@ namespace {
 
 std::string errstr(const char* what) { return std::string(what) + ": " + std::strerror(errno); }
 
+void size_buffers(int fd, uint32_t bytes) {
+  if (bytes == 0) return;
+  int b = int(bytes);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &b, sizeof b);
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &b, sizeof b);
+}
+
 Result<addrinfo*> resolve(const std::string& host, uint16_t port, bool passive) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -60,7 +67,7 @@ void close_fd(int& fd) {
   fd = -1;
 }
 
-Result<int> listen_tcp(const std::string& host, uint16_t port) {
+Result<int> listen_tcp(const std::string& host, uint16_t port, uint32_t buffer_bytes) {
   auto res = resolve(host, port, true);
   if (!res.is_ok()) return res.status();
   addrinfo* ai = res.value();
@@ -70,6 +77,7 @@ Result<int> listen_tcp(const std::string& host, uint16_t port) {
     if (fd < 0) { last = Status(Code::kUnavailable, errstr("socket")); continue; }
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    size_buffers(fd, buffer_bytes);  // accepted sockets inherit them
     if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 512) != 0) {
       last = Status(Code::kUnavailable, errstr(("listen on " + host + ":" + std::to_string(port)).c_str()));
       ::close(fd);
@@ -90,7 +98,7 @@ uint16_t local_port(int fd) {
   return ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
 }
 
-Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline_ms) {
+Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline_ms, uint32_t buffer_bytes) {
   auto res = resolve(host, port, false);
   if (!res.is_ok()) return res.status();
   addrinfo* ai = res.value();
@@ -100,6 +108,7 @@ Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline
     if (fd < 0) { last = Status(Code::kUnavailable, errstr("socket")); continue; }
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    size_buffers(fd, buffer_bytes);
     int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
       Status w = wait_fd(fd, POLLOUT, deadline_ms);
@@ -153,15 +162,10 @@ Status read_all(int fd, void* buf, size_t len, int64_t deadline_ms) {
   return Status::ok();
 }
 
-void tune_data_socket(int fd, uint32_t buffer_bytes) {
+void tune_data_socket(int fd) {
   set_nonblocking(fd);
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  if (buffer_bytes > 0) {
-    int b = int(buffer_bytes);
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &b, sizeof b);
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &b, sizeof b);
-  }
 }
 
 Status split_host_port(std::string_view s, std::string* host, uint16_t* port) {

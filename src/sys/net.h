@@ -9,15 +9,17 @@
 
 namespace tether::sys {
 
-Result<int> listen_tcp(const std::string& host, uint16_t port);
+// buffer_bytes (0 = kernel default) sizes SO_SNDBUF/SO_RCVBUF before listen()/connect(): shrinking
+// them on an established connection makes Linux drop in-window segments and stall.
+Result<int> listen_tcp(const std::string& host, uint16_t port, uint32_t buffer_bytes = 0);
 uint16_t local_port(int fd);
 // Non-blocking connect bounded by deadline_ms (absolute, steady clock ms).
-Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline_ms);
+Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline_ms, uint32_t buffer_bytes = 0);
 // Exact reads/writes on a non-blocking socket, bounded by an absolute deadline.
 Status write_all(int fd, const void* buf, size_t len, int64_t deadline_ms);
 Status read_all(int fd, void* buf, size_t len, int64_t deadline_ms);
-// Non-blocking, TCP_NODELAY, socket buffers (0 keeps the kernel's).
-void tune_data_socket(int fd, uint32_t buffer_bytes);
+// Non-blocking and TCP_NODELAY.
+void tune_data_socket(int fd);
 void set_nonblocking(int fd);
 void close_fd(int& fd);
 

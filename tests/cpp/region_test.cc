@@ -54,9 +54,9 @@ TEST_F(Fixture, WidenedDescriptorIsDenied) {
 
 TEST_F(Fixture, DeregisteredRegionIsNotFound) {
   RemoteRegion d = remote(0, 4096);
-  ASSERT_TRUE(reg.remove(r).is_ok());
+  ASSERT_TRUE(reg.unpublish(r).is_ok());
   EXPECT_EQ(resolve(d, 0, 1), Code::kNotFound);
-  EXPECT_EQ(reg.remove(r).code(), Code::kNotFound);
+  EXPECT_EQ(reg.unpublish(r).code(), Code::kNotFound);
   EXPECT_EQ(r.descriptor().status().code(), Code::kNotFound);
 }
 

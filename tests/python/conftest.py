@@ -10,7 +10,6 @@ import faulthandler
 import os
 import sys
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -31,11 +30,29 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "budget(seconds): wall-clock budget of one test (watchdog)")
 
 
+_REAL_STDERR = []
+
+
+def _real_stderr(config):
+    """The terminal's stderr even while pytest captures fd 2 (else the dump would be lost)."""
+    if not _REAL_STDERR:
+        f = sys.__stderr__
+        try:
+            capman = config.pluginmanager.getplugin("capturemanager")
+            fd = capman._global_capturing.err.targetfd_save  # pytest internals; fallback below
+            f = os.fdopen(os.dup(fd), "w")
+        except Exception:  # noqa: BLE001
+            pass
+        _REAL_STDERR.append(f)
+    return _REAL_STDERR[0]
+
+
 @pytest.fixture(autouse=True)
 def _watchdog(request):
     m = request.node.get_closest_marker("budget")
     budget = float(m.args[0]) if m else DEFAULT_BUDGET_S
-    faulthandler.dump_traceback_later(budget, exit=True)
+    out = _real_stderr(request.config)
+    faulthandler.dump_traceback_later(budget, exit=True, file=out)
     yield
     faulthandler.cancel_dump_traceback_later()
 

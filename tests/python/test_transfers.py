@@ -7,14 +7,14 @@ bytes around the written ranges (which must stay poison).
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import tether
-from conftest import CONFIGS
 from tether_testutil import (
-    POISON, Child, KiB, MiB, assert_bytes_equal, assert_poison, outcome, poisoned, rand_bytes,
+    POISON, Child, KiB, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes,
     wait_error, wait_until,
 )
 
@@ -677,3 +677,199 @@ def test_cross_process_child_initiates(children, endpoints, size):
     st = c.call("read", "src", rm.descriptor(), remote_offset=20, length=size)
     assert st == ("ok", size)
     assert_bytes_equal(np.frombuffer(c.call("get", "src"), dtype=np.uint8), mine[20:])
+
+
+# =========================================================================== more configurations
+
+
+@pytest.mark.parametrize("ca,cb", [
+    (dict(channels=1, sockets_per_channel=4), dict(channels=3)),
+    (dict(channels=4, sockets_per_channel=2, window=3), dict(channels=1)),
+    (dict(channels=1), dict(channels=4, sockets_per_channel=4, chunk_bytes=4096)),
+], ids=["1x4-to-3x1", "4x2w3-to-1x1", "1x1-to-4x4"])
+def test_asymmetric_configurations_both_directions(endpoints, ca, cb):
+    """Lanes are decided by the connector; the acceptor spreads them over its own threads."""
+    a, b = endpoints(name="a", **ca), endpoints(name="b", **cb)
+    peer = a.connect(b.metadata(), timeout=5)
+    n = 6 * MiB + 7
+    src, dst = rand_bytes(1, n), poisoned(n)
+    rs, rd = a.register(src), b.register(dst)
+    peer.write(rs, rd.descriptor()).wait(T)
+    assert_bytes_equal(dst, src)
+    bp = _accepted(b)
+    back, src2 = poisoned(n), rand_bytes(2, n)
+    bp.read(b.register(back), rs.descriptor()).wait(T)
+    assert_bytes_equal(back, src)
+    landing = poisoned(n)
+    bp.write(b.register(src2), a.register(landing).descriptor()).wait(T)
+    assert_bytes_equal(landing, src2)
+
+
+def test_huge_window_many_tiny_entries(endpoints):
+    """window=100000 on one lane: thousands of requests in flight at once, so the target's answer
+    queue fills, its lane pauses reading and must resume as soon as answers drain."""
+    # Regression (fixed): with a window above ~1000 chunks per lane, a readv/writev of 3000 two-byte entries takes
+    # seconds instead of ~10 ms: the target lane pauses rx when its answer ring (512) is full, then
+    # sends everything and goes to sleep in epoll_wait(1000 ms) with rx still paused (EPOLLIN off,
+    # no EPOLLOUT, no wake-up), so every ~1000 requests cost a 1 s stall. Seen with the .so built
+    # from the working tree at 13:54 (AnswerRing / inline-send change in tcp_transport.cc); the
+    # previous build finished 20000 entries in 0.03 s. Repro: Endpoint(window=4096, channels=1) on
+    # both sides, peer.readv([(local, 3*i, desc, 3*i, 2) for i in range(5000)]) -> ~8 s.
+    a, b = endpoints(window=100000, channels=1), endpoints(window=100000, channels=1)
+    peer = a.connect(b.metadata(), timeout=5)
+    n = 3000
+    remote = rand_bytes(5, 3 * n)
+    original = remote.copy()
+    d = b.register(remote).descriptor()
+    local = poisoned(3 * n)
+    t0 = time.monotonic()
+    t = peer.readv([(a.register(local), 3 * i, d, 3 * i + 1, 2) for i in range(n)])
+    try:
+        t.wait(2.0)
+    except tether.TransferTimeout:
+        pytest.fail(f"readv of {n} tiny entries (window=100000) still running after 2 s; normal: ~10 ms")
+    read_s = time.monotonic() - t0
+    expected = poisoned(3 * n)
+    for k in (0, 1):
+        expected[k::3] = original[1 + k::3]
+    assert_bytes_equal(local, expected)
+    src = rand_bytes(6, 3 * n)
+    rs = a.register(src)
+    t0 = time.monotonic()
+    t = peer.writev([(rs, 3 * i, d, 3 * i, 1) for i in range(n)])
+    try:
+        t.wait(2.0)
+    except tether.TransferTimeout:
+        pytest.fail(f"writev of {n} tiny entries (window=100000) still running after 2 s; normal: ~10 ms")
+    write_s = time.monotonic() - t0
+    assert_bytes_equal(remote[0::3], src[0::3])
+    assert_bytes_equal(remote[1::3], original[1::3], "bytes between the written ones")
+    assert_bytes_equal(remote[2::3], original[2::3], "bytes between the written ones")
+    print(f"\n{n} tiny entries with window=100000: readv {read_s * 1e3:.1f} ms, writev {write_s * 1e3:.1f} ms")
+
+
+def test_self_connect(endpoints):
+    ep = endpoints(name="selfie")
+    peer = ep.connect(ep.metadata(), timeout=5)
+    src, dst = rand_bytes(7, 2 * MiB), poisoned(2 * MiB + 1)
+    peer.write(ep.register(src), ep.register(dst).descriptor(), remote_offset=1).wait(T)
+    assert_bytes_equal(dst[1:], src)
+    assert_poison(dst[:1])
+    peer.notify(b"me").wait(T)
+    assert [(n.peer_name, n.data) for n in ep.notifications(timeout=T)] == [("selfie", b"me")]
+    assert sorted(p.name for p in ep.peers()) == ["selfie", "selfie"]
+
+
+def test_stats_count_bytes_exactly(endpoints):
+    a, b = endpoints(chunk_bytes=1 * MiB), endpoints()
+    peer = a.connect(b.metadata(), timeout=5)
+    n = 3 * MiB + 5
+    src, dst = rand_bytes(8, n), poisoned(n)
+    rs, rd = a.register(src), b.register(dst)
+    a0, b0 = a.stats(), b.stats()
+    assert set(a0) == {"bytes_sent", "bytes_received", "chunks_sent", "chunks_received",
+                       "transfers_completed", "transfers_failed", "rejected_requests"}
+    peer.write(rs, rd.descriptor()).wait(T)
+    peer.read(a.register(poisoned(1000)), rd.descriptor(), length=1000).wait(T)
+
+    def delta(ep, base):
+        s = ep.stats()
+        return {k: s[k] - base[k] for k in s}
+
+    want_a = {"bytes_sent": n, "bytes_received": 1000, "chunks_sent": 4, "chunks_received": 1,
+              "transfers_completed": 2, "transfers_failed": 0, "rejected_requests": 0}
+    want_b = {"bytes_sent": 1000, "bytes_received": n, "chunks_sent": 1, "chunks_received": 4,
+              "transfers_completed": 0, "transfers_failed": 0, "rejected_requests": 0}
+    assert wait_until(lambda: delta(a, a0) == want_a and delta(b, b0) == want_b, 2), (delta(a, a0), delta(b, b0))
+    bad = bytearray(rd.descriptor())
+    bad[48] ^= 1
+    wait_error(peer.write(rs, bytes(bad), length=10))
+    assert wait_until(lambda: delta(b, b0)["rejected_requests"] == 1 and delta(a, a0)["transfers_failed"] == 1, 2)
+
+
+def test_tags_extremes_and_many_unexpected_messages(pair):
+    a, b, peer = pair
+    bp = _accepted(b)
+    rng = np.random.default_rng(9)
+    tags = [0, 1, (1 << 64) - 1]
+    msgs = {tag: [rand_bytes(int(rng.integers(1 << 30)), int(rng.integers(1, 3000))) for _ in range(40)]
+            for tag in tags}
+    # all sends first (they wait as unexpected messages), interleaved across tags
+    sends = [peer.send(a.register(msgs[tag][i]), tag=tag) for i in range(40) for tag in tags]
+    # recvs per tag in FIFO order, tags interleaved differently
+    boxes = {tag: [poisoned(3000) for _ in range(40)] for tag in tags}
+    recvs = [(tag, i, bp.recv(b.register(boxes[tag][i]), tag=tag)) for tag in reversed(tags) for i in range(40)]
+    for t in sends:
+        t.wait(T)
+    for tag, i, t in recvs:
+        t.wait(T)
+        m = msgs[tag][i]
+        assert t.bytes == m.size, f"tag {tag} #{i}: got {t.bytes} bytes, expected {m.size} (FIFO per tag)"
+        assert_bytes_equal(boxes[tag][i][:m.size], m, f"tag {tag} message {i}")
+        assert_poison(boxes[tag][i][m.size:])
+
+
+def test_registration_forms(endpoints):
+    a, b = endpoints(), endpoints()
+    peer = a.connect(b.metadata(), timeout=5)
+    src = rand_bytes(10, 4096)
+    rs = a.register(src)
+    # bytearray, memoryview, 2-D float array, (pointer, nbytes)
+    ba = bytearray(4096)
+    mv_target = poisoned(4096)
+    f2 = np.zeros((16, 32), dtype=np.float64)  # 4096 bytes
+    raw = poisoned(4096)
+    targets = [(b.register(ba), lambda: np.frombuffer(ba, dtype=np.uint8)),
+               (b.register(memoryview(mv_target)), lambda: mv_target),
+               (b.register(f2), lambda: f2.view(np.uint8).reshape(-1)),
+               (b.register((raw.ctypes.data, raw.nbytes)), lambda: raw)]
+    for region, view in targets:
+        assert region.size == 4096 and not region.readonly and region.kind == "host"
+        peer.write(rs, region.descriptor()).wait(T)
+        assert_bytes_equal(view(), src, f"target registered as {type(region)}")
+    ro = b.register((raw.ctypes.data, raw.nbytes), readonly=True)
+    assert ro.readonly
+    assert isinstance(wait_error(peer.write(rs, ro.descriptor())), tether.AccessDenied)
+    with pytest.raises(tether.InvalidArgument):
+        b.register(np.zeros(0, np.uint8))
+    with pytest.raises(tether.InvalidArgument):
+        b.register(np.zeros((8, 8), np.uint8)[:, ::2])  # not contiguous
+    with pytest.raises(tether.InvalidArgument):
+        b.register(object())
+    with pytest.raises(tether.InvalidArgument):
+        b.register((0, 100))  # null pointer
+    region = b.register(poisoned(100))
+    with pytest.raises(tether.OutOfRange):
+        region.descriptor(offset=101)
+    with pytest.raises(tether.OutOfRange):
+        region.descriptor(offset=50, length=51)
+    assert tether.RemoteRegion(region.descriptor(offset=100)).length == 0
+
+
+@pytest.mark.parametrize("socket_buffer", [4096, 16384, 0], ids=["4KiB", "16KiB", "kernel-default"])
+def test_socket_buffer_sizes(endpoints, socket_buffer):
+    # Regression (socket_buffer=4096, fixed: buffers are now sized before connect/listen): with a small socket_buffer, a 1 MiB write (one chunk) never completes
+    # (stalls indefinitely; 100 KB takes ~0.7 s). tune_data_socket() sets SO_RCVBUF/SO_SNDBUF on data
+    # sockets *after* connect()/accept(); shrinking SO_RCVBUF on an established connection makes
+    # Linux drop in-window segments, and retransmission backoff stalls the stream (tcp(7): buffer
+    # sizes must be set before listen()/connect()). Plain Python sockets with setsockopt after
+    # connect show the same stall. Repro: Endpoint(socket_buffer=4096, channels=1) on both sides,
+    # peer.write(src_1MiB, desc).wait(3) -> TransferTimeout; bytes_sent stays 0.
+    a = endpoints(socket_buffer=socket_buffer, channels=1)
+    b = endpoints(socket_buffer=socket_buffer, channels=1)
+    peer = a.connect(b.metadata(), timeout=5)
+    src, dst = rand_bytes(3, 1 * MiB), poisoned(1 * MiB)
+    rs, rd = a.register(src), b.register(dst)
+    t = peer.write(rs, rd.descriptor())
+    try:
+        t.wait(3.0)
+    except tether.TransferTimeout:
+        pytest.fail(f"1 MiB write with socket_buffer={socket_buffer} still running after 3 s")
+    assert_bytes_equal(dst, src)
+    back = poisoned(1 * MiB)
+    t = peer.read(a.register(back), rd.descriptor())
+    try:
+        t.wait(3.0)
+    except tether.TransferTimeout:
+        pytest.fail(f"1 MiB read with socket_buffer={socket_buffer} still running after 3 s")
+    assert_bytes_equal(back, src)

@@ -404,6 +404,14 @@ class _Agent:
         self.background.append(th)
         return first.wait(20)
 
+    def cmd_post(self, op, local, remote, count, length=None, accepted=False):
+        """Posts `count` operations and returns at once (they stay in flight, nobody waits)."""
+        peer = self._peer(accepted)
+        f = peer.write if op == "write" else peer.read
+        self.bg_state.setdefault("posted", []).extend(
+            f(self.regions[local], remote, length=length) for _ in range(count))
+        return len(self.bg_state["posted"])
+
     def cmd_close(self):
         if self.ep is not None:
             self.ep.close()
