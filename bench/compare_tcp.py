@@ -67,6 +67,9 @@ def main() -> int:
             ("64 KiB read", B.Case("read", 64 << 10, 1, 5000, 200, 0, args.check)),
             ("64 KiB write, async depth 8", B.Case("write", 64 << 10, 1, 5000, 200, 8, args.check)),
             ("64 KiB read, async depth 8", B.Case("read", 64 << 10, 1, 5000, 200, 8, args.check)),
+            ("64 KiB write, async depth 32", B.Case("write", 64 << 10, 1, 5000, 200, 32, args.check)),
+            ("128 x 64 KiB writev", B.Case("write", 64 << 10, 128, 200, 20, 0, args.check)),
+            ("128 x 64 KiB readv", B.Case("read", 64 << 10, 128, 200, 20, 0, args.check)),
             ("8 B write", B.Case("write", 8, 1, 20000, 1000, 0, args.check)),
         ]
         for name, case in cases:

@@ -19,7 +19,7 @@ struct Config {
   uint32_t peer_timeout_ms = 10000;    // TETHER_PEER_TIMEOUT_MS: silence after which a peer is dead
   uint32_t heartbeat_ms = 1000;        // TETHER_HEARTBEAT_MS
   uint32_t handshake_timeout_ms = 2000;// TETHER_HANDSHAKE_TIMEOUT_MS: unfinished handshakes are dropped
-  uint32_t spin_us = 20;            // TETHER_SPIN_US: wait() spins this long before sleeping
+  uint32_t spin_us = 50;            // TETHER_SPIN_US: wait() on a small transfer spins this long before sleeping
   std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
 

@@ -51,16 +51,26 @@ Status TransferState::final_status() const {
   return final_;
 }
 
+namespace {
+// Threads of this process spinning in wait(): one at most, so spinners never starve the
+// progress threads that must run for the transfer to finish (2-core machines).
+std::atomic<int> g_spinners{0};
+constexpr uint64_t kSpinMaxBytes = 256 << 10;  // larger transfers take long enough to sleep
+}  // namespace
+
 Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  if (!is_finished() && spin_us > 0) {
-    const auto spin_end = start + std::chrono::microseconds(spin_us);
-    while (!is_finished() && Clock::now() < spin_end) {
+  if (!is_finished() && spin_us > 0 && bytes <= kSpinMaxBytes) {
+    if (g_spinners.fetch_add(1, std::memory_order_relaxed) == 0) {
+      const auto spin_end = start + std::chrono::microseconds(spin_us);
+      while (!is_finished() && Clock::now() < spin_end) {
 #if defined(__x86_64__)
-      __builtin_ia32_pause();
+        __builtin_ia32_pause();
 #endif
+      }
     }
+    g_spinners.fetch_sub(1, std::memory_order_relaxed);
   }
   if (!is_finished()) {
     std::unique_lock lock(mu_);
