@@ -10,7 +10,7 @@ namespace tether {
 struct Config {
   std::string host = "127.0.0.1";   // TETHER_HOST: listen address ("0.0.0.0" for every interface)
   uint16_t port = 0;                // TETHER_PORT: 0 = ephemeral
-  uint32_t channels = 2;            // TETHER_CHANNELS: lanes (progress threads) per peer
+  uint32_t channels = 4;            // TETHER_CHANNELS: progress threads; lanes per peer = channels x sockets
   uint32_t sockets_per_channel = 1; // TETHER_SOCKETS_PER_CHANNEL
   uint64_t chunk_bytes = 1 << 20;   // TETHER_CHUNK_BYTES: unit of pipelining and scheduling
   uint32_t window = 32;             // TETHER_WINDOW: chunks in flight (un-acknowledged) per peer
