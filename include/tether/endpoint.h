@@ -150,8 +150,8 @@ class Endpoint {
   void close();  // idempotent; fails in-flight transfers with kCancelled
 
  private:
-  explicit Endpoint(std::unique_ptr<core::EndpointImpl> impl);
-  std::unique_ptr<core::EndpointImpl> impl_;
+  explicit Endpoint(std::shared_ptr<core::EndpointImpl> impl);
+  std::shared_ptr<core::EndpointImpl> impl_;
 };
 
 }  // namespace tether

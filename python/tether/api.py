@@ -286,7 +286,14 @@ _live: "weakref.WeakSet[Endpoint]" = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
-    """At exit, before the interpreter is torn down: close what is still open, so threads waiting on
-    transfers wake with Cancelled while Python can still run them."""
+    """At exit, before the interpreter is torn down: close what is still open so threads waiting in
+    tether wake (with Cancelled), then let them take the GIL back and leave while Python still runs
+    them. From here on no tether call releases the GIL (see without_gil in src/bindings/module.cc)."""
+    import time
+
+    _tether._begin_exit()
     for ep in list(_live):
         ep.close()
+    deadline = time.monotonic() + 5.0
+    while _tether._threads_without_gil() and time.monotonic() < deadline:
+        time.sleep(0.001)

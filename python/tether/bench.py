@@ -1,12 +1,13 @@
 """`tether bench`: transfers between two local processes (or two hosts), measured and verified.
 
 The client process drives; the server process owns the target buffer and answers commands over
-a pipe (local mode) or over tether notifications (two-host mode is not in this module yet).
+a pipe (two local processes) or over tether notifications (two hosts, or torchrun).
 GB/s uses 1 GB = 1e9 B; bytes moved per op = size x num_iovs.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -80,94 +81,197 @@ class Result:
     config: dict = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------- server process
+# ---------------------------------------------------------------- command channels
+# The client drives; the server owns the target buffer and answers commands. Locally the commands
+# travel over a multiprocessing pipe; between hosts they travel as tether notifications (JSON, so a
+# peer's bytes are never unpickled).
 
-def _server_main(conn, options: dict, capacity: int) -> None:
-    """Target side: owns one buffer, answers the client's commands until 'exit'."""
-    ep = tether.Endpoint(**options)
-    buf = np.empty(capacity, dtype=np.uint8)
-    buf.fill(POISON)
-    region = ep.register(buf)
-    conn.send((ep.metadata(), region.descriptor()))
-    peer = None
+def _encode(msg) -> bytes:
+    def enc(x):
+        if isinstance(x, (bytes, bytearray)):
+            return {"__b": bytes(x).hex()}
+        if isinstance(x, (list, tuple)):
+            return [enc(v) for v in x]
+        return x
+    return json.dumps(enc(msg)).encode()
+
+
+def _decode(data: bytes):
+    def dec(x):
+        if isinstance(x, dict) and "__b" in x:
+            return bytes.fromhex(x["__b"])
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        return x
+    return dec(json.loads(data))
+
+
+class PipeChannel:
+    def __init__(self, conn):
+        self.conn = conn
+
+    def send(self, msg) -> None:
+        self.conn.send(msg)
+
+    def recv(self, timeout: float = 300):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("bench peer did not answer")
+        return self.conn.recv()
+
+
+class NotifyChannel:
+    """Commands and replies as tether notifications on an established peer link."""
+
+    def __init__(self, ep: "tether.Endpoint", peer: "Optional[tether.Peer]" = None):
+        self.ep, self.peer = ep, peer
+        self.inbox: list = []
+
+    def send(self, msg) -> None:
+        self.peer.notify(_encode(msg)).wait(60)
+
+    def recv(self, timeout: float = 300):
+        deadline = time.monotonic() + timeout
+        while not self.inbox:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("bench peer did not answer")
+            for n in self.ep.notifications(timeout=min(left, 1.0)):
+                if self.peer is None:
+                    self.peer = next(p for p in self.ep.peers() if p.id == n.peer_id)
+                if n.peer_id == self.peer.id:
+                    self.inbox.append(_decode(n.data))
+        return self.inbox.pop(0)
+
+
+# ---------------------------------------------------------------- server side
+
+def serve(ep: "tether.Endpoint", channel, capacity: int = 0) -> bool:
+    """Target side: answers one client's commands until 'exit' (returns False) or 'shutdown' (True).
+    ('setup', capacity) (re)allocates the target buffer and answers with its descriptor."""
+    buf = region = None
     rng = np.random.default_rng()
+
+    def setup(n: int):
+        nonlocal buf, region
+        if region is not None:
+            ep.deregister(region)
+        buf = np.empty(max(n, 1), dtype=np.uint8)
+        buf.fill(POISON)
+        region = ep.register(buf)
+        return region.descriptor()
+
+    if capacity:
+        setup(capacity)
+    peer = getattr(channel, "peer", None)
+    while True:
+        cmd, *args = channel.recv(timeout=24 * 3600)
+        if cmd in ("exit", "shutdown"):
+            return cmd == "shutdown"
+        if peer is None:
+            peer = getattr(channel, "peer", None) or ep.peers()[0]
+        if cmd == "setup":
+            channel.send(setup(args[0]))
+        elif cmd == "descriptor":
+            channel.send(region.descriptor())
+        elif cmd == "cpu":
+            channel.send(cpu_seconds())
+        elif cmd == "poison":
+            buf[: args[0]].fill(POISON)
+            channel.send(True)
+        elif cmd == "corrupt":  # fault injection, so tests can prove --check catches a bad byte
+            buf[args[0]] ^= 0xFF
+            channel.send(True)
+        elif cmd == "verify":  # [(offset, length), ...], expected digest of their concatenation
+            spans, expect = args
+            h = hashlib.blake2b(digest_size=16)
+            for off, n in spans:
+                h.update(memoryview(buf[off:off + n]))
+            channel.send(h.digest() == expect)
+        elif cmd == "fill":  # random source data for reads; returns the digest of the spans
+            h = hashlib.blake2b(digest_size=16)
+            for off, n in args[0]:
+                buf[off:off + n] = rng.integers(0, 256, n, dtype=np.uint8)
+                h.update(memoryview(buf[off:off + n]))
+            channel.send(h.digest())
+        elif cmd == "recv":  # post `count` receives of `size` bytes, one after another
+            size, count = args
+            channel.send(True)
+            for _ in range(count):
+                peer.recv(region, length=size).wait(300)
+            channel.send(True)
+        elif cmd == "recv_check":
+            size, expect = args
+            buf[:size].fill(POISON)
+            channel.send(True)
+            t = peer.recv(region, length=size).wait(300)
+            channel.send(t.bytes == size and digest(buf[:size]) == expect)
+        else:
+            raise ValueError(f"unknown bench command {cmd!r}")
+
+
+def _local_server(conn, options: dict, capacity: int) -> None:
+    ep = tether.Endpoint(**options)
     try:
-        while True:
-            cmd, *args = conn.recv()
-            if cmd == "exit":
-                break
-            if cmd == "cpu":
-                conn.send(cpu_seconds())
-            elif cmd == "poison":
-                buf[: args[0]].fill(POISON)
-                conn.send(True)
-            elif cmd == "verify":  # [(offset, length), ...], expected digest of their concatenation
-                spans, expect = args
-                h = hashlib.blake2b(digest_size=16)
-                for off, n in spans:
-                    h.update(memoryview(buf[off:off + n]))
-                conn.send(h.digest() == expect)
-            elif cmd == "fill":  # random source data for reads; returns the digest of the spans
-                spans = args[0]
-                h = hashlib.blake2b(digest_size=16)
-                for off, n in spans:
-                    buf[off:off + n] = rng.integers(0, 256, n, dtype=np.uint8)
-                    h.update(memoryview(buf[off:off + n]))
-                conn.send(h.digest())
-            elif cmd == "recv":  # post `count` receives of `size` bytes, one after another
-                size, count = args
-                if peer is None:
-                    peer = ep.peers()[0]
-                conn.send(True)
-                for _ in range(count):
-                    peer.recv(region, length=size).wait(60)
-                conn.send(True)
-            elif cmd == "recv_check":
-                size, expect = args
-                if peer is None:
-                    peer = ep.peers()[0]
-                buf[:size].fill(POISON)
-                conn.send(True)
-                t = peer.recv(region, length=size).wait(60)
-                conn.send(t.bytes == size and digest(buf[:size]) == expect)
+        channel = PipeChannel(conn)
+        conn.send(ep.metadata())
+        serve(ep, channel, 0)
     finally:
         ep.close()
 
 
-# ---------------------------------------------------------------- client
+# ---------------------------------------------------------------- client side
 
-class LocalPair:
-    """A server process plus a connected client endpoint in this process."""
+class Pair:
+    """A connected client endpoint, a source buffer, and a server that owns the target buffer."""
+
+    def __init__(self, ep: "tether.Endpoint", peer: "tether.Peer", channel, capacity: int, connect_ms: float):
+        self.ep, self.peer, self.channel, self.capacity, self.connect_ms = ep, peer, channel, capacity, connect_ms
+        self.remote = self.ask("setup", capacity)
+        self.src = np.empty(capacity, dtype=np.uint8)
+        self.src_region = ep.register(self.src)
+
+    def ask(self, *cmd):
+        self.channel.send(cmd)
+        return self.channel.recv()
+
+    def close(self, shutdown: bool = False) -> None:
+        try:
+            self.channel.send(("shutdown" if shutdown else "exit",))
+        except Exception:  # the server may be gone already; closing must not fail
+            pass
+        self.ep.close()
+
+
+class LocalPair(Pair):
+    """Spawns the server as a second local process."""
 
     def __init__(self, options: dict, capacity: int):
         ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_server_main, args=(child, options, capacity), daemon=True)
+        conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_local_server, args=(child, options, capacity), daemon=True)
         self.proc.start()
-        if not self.conn.poll(60):
-            raise RuntimeError("bench server did not start")
-        metadata, self.remote = self.conn.recv()
-        self.ep = tether.Endpoint(**options)
+        channel = PipeChannel(conn)
+        metadata = channel.recv(timeout=60)
+        ep = tether.Endpoint(**options)
         t0 = time.perf_counter()
-        self.peer = self.ep.connect(metadata)
-        self.connect_ms = (time.perf_counter() - t0) * 1e3
-        self.capacity = capacity
-        self.src = np.empty(capacity, dtype=np.uint8)
-        self.src_region = self.ep.register(self.src)
+        peer = ep.connect(metadata)
+        super().__init__(ep, peer, channel, capacity, (time.perf_counter() - t0) * 1e3)
 
-    def ask(self, *cmd):
-        self.conn.send(cmd)
-        return self.conn.recv()
-
-    def close(self) -> None:
-        try:
-            self.conn.send(("exit",))
-        except (BrokenPipeError, OSError):
-            pass
+    def close(self, shutdown: bool = False) -> None:
+        super().close(shutdown)
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
-        self.ep.close()
+
+
+class RemotePair(Pair):
+    """Connects to a `tether bench --role server` (metadata bytes or "host:port")."""
+
+    def __init__(self, options: dict, capacity: int, target):
+        ep = tether.Endpoint(**options)
+        t0 = time.perf_counter()
+        peer = ep.connect(target, timeout=30)
+        super().__init__(ep, peer, NotifyChannel(ep, peer), capacity, (time.perf_counter() - t0) * 1e3)
 
 
 def _layout(case: Case, capacity: int, rng: np.random.Generator) -> list[tuple[int, int, int]]:
@@ -178,7 +282,7 @@ def _layout(case: Case, capacity: int, rng: np.random.Generator) -> list[tuple[i
     return [(i * case.size, int(order[i]) * case.size, case.size) for i in range(n)]
 
 
-def run_case(pair: LocalPair, case: Case, transport: str = "tcp", progress: Optional[Callable] = None) -> Result:
+def run_case(pair: Pair, case: Case, transport: str = "tcp", progress: Optional[Callable] = None) -> Result:
     rng = np.random.default_rng()
     blocks = _layout(case, pair.capacity, rng)
     total = case.size * case.num_iovs
@@ -208,8 +312,7 @@ def run_case(pair: LocalPair, case: Case, transport: str = "tcp", progress: Opti
                 progress()
         # Timing comes from a separate unchecked pass, so hashing never counts as transfer time.
     if case.mode == "send":
-        pair.conn.send(("recv", total, case.warmup + case.iters))
-        pair.conn.recv()
+        pair.ask("recv", total, case.warmup + case.iters)
     for _ in range(case.warmup):
         post().wait(120)
     lat = np.empty(case.iters)
@@ -238,7 +341,7 @@ def run_case(pair: LocalPair, case: Case, transport: str = "tcp", progress: Opti
     elapsed = time.perf_counter() - t0
     cpu_c = cpu_seconds() - cpu_c0
     if case.mode == "send":
-        pair.conn.recv()
+        pair.channel.recv()  # the server's receives are all done
         cpu_s = float("nan")
     else:
         cpu_s = pair.ask("cpu") - cpu_s0
@@ -249,7 +352,7 @@ def run_case(pair: LocalPair, case: Case, transport: str = "tcp", progress: Opti
         cpu_client=100.0 * cpu_c / elapsed, cpu_server=100.0 * cpu_s / elapsed, check=check_ok)
 
 
-def _checked_iteration(pair: LocalPair, case: Case, blocks, post, rng) -> bool:
+def _checked_iteration(pair: Pair, case: Case, blocks, post, rng) -> bool:
     total = case.size * case.num_iovs
     if case.mode == "write":
         for lo, _, n in blocks:
@@ -270,10 +373,9 @@ def _checked_iteration(pair: LocalPair, case: Case, blocks, post, rng) -> bool:
             h.update(memoryview(pair.src[lo:lo + n]))
         return h.digest() == expect_by_remote
     pair.src[:total] = rng.integers(0, 256, total, dtype=np.uint8)
-    pair.conn.send(("recv_check", total, digest(pair.src[:total])))
-    pair.conn.recv()
+    pair.ask("recv_check", total, digest(pair.src[:total]))
     post().wait(120)
-    return bool(pair.conn.recv())
+    return bool(pair.channel.recv())
 
 
 def auto_iters(size: int, num_iovs: int) -> int:

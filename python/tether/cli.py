@@ -46,14 +46,56 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--unpack", choices=["kernel", "d2d", "host"], default=None)
     b.add_argument("--nics", default=None)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--role", choices=["local", "server", "client"], default=None,
+                   help="local: two processes here (default); server/client: one side each on two hosts. "
+                        "Under torchrun (2 ranks) rank 0 is the client, rank 1 the server.")
+    b.add_argument("--listen", default=None, metavar="HOST:PORT", help="server: where to listen (default 0.0.0.0:0)")
+    b.add_argument("--peer", default=None, metavar="HOST:PORT", help="client: the server's address")
 
     d = sub.add_parser("doctor", help="what this machine offers and what tether will use")
     d.add_argument("--json", action="store_true")
     return p
 
 
-def _gpu_present() -> bool:
-    return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl"))
+def _torchrun_role() -> Optional[tuple[int, int]]:
+    """(rank, world size) when started by torchrun, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def _torch_store():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.distributed_c10d._get_default_store()
+
+
+def _run_server(args, options: dict) -> int:
+    from rich.console import Console
+
+    from tether import bench as B
+    import tether
+
+    console = Console(stderr=True)
+    host, port = "0.0.0.0", 0
+    if args.listen:
+        host, _, p = args.listen.rpartition(":")
+        port = int(p)
+    ep = tether.Endpoint(host=host, port=port, **options)
+    torchrun = _torchrun_role()
+    if torchrun:
+        _torch_store().set("tether/bench/metadata", ep.metadata())
+    console.print(f"tether bench server listening on {ep.address} (Ctrl-C to stop)")
+    try:
+        while not B.serve(ep, B.NotifyChannel(ep)):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ep.close()
+    return 0
 
 
 def bench(args) -> int:
@@ -64,6 +106,16 @@ def bench(args) -> int:
     from tether import bench as B
 
     console = Console(stderr=True)
+    role = args.role
+    torchrun = _torchrun_role()
+    if role is None:
+        role = ("client" if torchrun[0] == 0 else "server") if torchrun else "local"
+    if torchrun and torchrun[1] != 2:
+        console.print("[red]under torchrun, tether bench takes exactly 2 ranks (--nnodes=2 --nproc_per_node=1)[/red]")
+        return 2
+    if role == "client" and not (args.peer or torchrun):
+        console.print("[red]--role client needs --peer HOST:PORT (or torchrun)[/red]")
+        return 2
     device = args.device
     if device == "auto":
         device = "cpu"  # GPU regions arrive with the GPU-over-TCP transport
@@ -81,6 +133,14 @@ def bench(args) -> int:
             console.print(f"[red]unknown mode {m!r}[/red]")
             return 2
     sizes = args.sizes or _csv(B.parse_size)(DEFAULT_SIZES)
+    if role == "server":
+        single = {k: v[0] for k, v in (("channels", args.channels), ("sockets_per_channel", args.sockets_per_channel),
+                                         ("chunk_bytes", args.chunk_bytes), ("window", args.window)) if v}
+        return _run_server(args, single)
+    if role == "client" and torchrun:
+        target = _torch_store().get("tether/bench/metadata")
+    else:
+        target = args.peer
     knobs = {
         "channels": args.channels, "sockets_per_channel": args.sockets_per_channel,
         "chunk_bytes": args.chunk_bytes, "window": args.window,
@@ -100,8 +160,9 @@ def bench(args) -> int:
     t_start = time.perf_counter()
     with Progress(console=console, transient=True, disable=args.quiet) as progress:
         task = progress.add_task("bench", total=total_ops)
-        for combo in combos:
-            pair = B.LocalPair(combo, capacity)
+        for i, combo in enumerate(combos):
+            pair = B.LocalPair(combo, capacity) if role == "local" else B.RemotePair(combo, capacity, target)
+            last = i == len(combos) - 1
             try:
                 for case in cases_per_combo:
                     progress.update(task, description=f"{case.mode} {B.human(case.size)} x{case.num_iovs} {combo or ''}")
@@ -109,7 +170,7 @@ def bench(args) -> int:
                     r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
                     results.append(r)
             finally:
-                pair.close()
+                pair.close(shutdown=last and bool(torchrun))
 
     table = Table(title=f"tether bench ({time.perf_counter() - t_start:.1f} s)")
     for col in ("mode", "transport", "device", "size", "num_iovs", "GB/s", "p50 µs", "p99 µs", "CPU% client", "CPU% server", "check"):

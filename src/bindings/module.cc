@@ -9,6 +9,8 @@
 
 #include <unistd.h>
 
+#include <atomic>
+
 #include "tether/endpoint.h"
 
 namespace nb = nanobind;
@@ -43,16 +45,23 @@ bool finalizing() {
 #endif
 }
 
-// Runs f without the GIL. If the interpreter began finalizing meanwhile (a daemon thread waiting
-// at exit), taking the GIL back would end this thread with a forced unwind that no C++ frame can
-// carry; the process is exiting, so the thread parks instead.
+// A thread that re-takes the GIL after the interpreter began finalizing is ended by CPython with
+// pthread_exit, whose forced unwind cannot pass nanobind's dispatcher (the process aborts). So at
+// exit (python/tether/api.py, atexit) no call releases the GIL any more, endpoints are closed, and
+// the threads still inside a released call are drained before finalization starts.
+std::atomic<bool> g_exiting{false};
+std::atomic<int> g_released{0};
+
 template <typename F>
 auto without_gil(F&& f) {
+  if (g_exiting.load(std::memory_order_acquire)) return f();  // endpoints are closed: returns at once
+  g_released.fetch_add(1);
   PyThreadState* ts = PyEval_SaveThread();
   auto r = f();
-  if (finalizing())
+  if (finalizing())  // the drain at exit timed out on this thread: never touch Python again
     for (;;) ::pause();
   PyEval_RestoreThread(ts);
+  g_released.fetch_sub(1);
   return r;
 }
 
@@ -229,4 +238,6 @@ NB_MODULE(_tether, m) {
           });
 
   m.attr("WIRE_VERSION") = 1;
+  m.def("_begin_exit", [] { g_exiting.store(true, std::memory_order_release); });
+  m.def("_threads_without_gil", [] { return g_released.load(); });
 }

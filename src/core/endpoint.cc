@@ -67,14 +67,14 @@ struct EndpointImpl::Pending {
 
 EndpointImpl::EndpointImpl(const Config& config, const EndpointId& id) : config_(config), id_(id), registry_(id) {}
 
-Result<std::unique_ptr<EndpointImpl>> EndpointImpl::create(const Config& config) {
+Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config) {
   if (config.chunk_bytes == 0 || config.window == 0 || config.channels == 0 || config.sockets_per_channel == 0)
     return Status(Code::kInvalidArgument, "chunk_bytes, window, channels and sockets_per_channel must be positive");
   if (uint64_t(config.channels) * config.sockets_per_channel > kMaxLanes)
     return Status(Code::kInvalidArgument, "channels x sockets_per_channel must be at most 256");
   EndpointId id;
   crypto::random_bytes(id.data(), id.size());
-  std::unique_ptr<EndpointImpl> ep(new EndpointImpl(config, id));
+  std::shared_ptr<EndpointImpl> ep(new EndpointImpl(config, id));
   ep->host_id_ = sys::host_id();
   ep->name_ = config.name.empty() ? sys::hostname() + ":" + std::to_string(::getpid()) : config.name;
 
@@ -295,7 +295,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   info.name = read_name(sh.name);
   info.same_host = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
   info.initiator = true;
-  auto peer = std::make_shared<PeerState>(this, info, lanes);
+  auto peer = std::make_shared<PeerState>(shared_from_this(), info, lanes);
   peer->control_fd = fds[0];
   peer->lane_fds.assign(fds.begin() + 1, fds.end());
   for (int fd : peer->lane_fds) sys::tune_data_socket(fd);
@@ -383,6 +383,7 @@ void EndpointImpl::accept_all() {
   for (;;) {
     int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) return;  // EAGAIN, or a transient error (EMFILE): the next event retries
+    sys::set_nodelay(fd);  // control messages are small: Nagle + delayed ACK would add 40 ms stalls
     auto p = std::make_unique<Pending>();
     p->fd = fd;
     p->deadline_ms = sys::now_ms() + config_.handshake_timeout_ms;
@@ -478,7 +479,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     std::memcpy(info.endpoint.data(), h.endpoint_id, 16);
     info.name = read_name(h.name);
     info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
-    auto peer = std::make_shared<PeerState>(this, info, h.lanes);
+    auto peer = std::make_shared<PeerState>(shared_from_this(), info, h.lanes);
     peer->control_fd = fd;
     peer->lane_fds.assign(h.lanes, -1);
     peer->accept_deadline_ms = sys::now_ms() + config_.handshake_timeout_ms;
@@ -611,7 +612,7 @@ void EndpointImpl::reap() {
 
 namespace tether {
 
-Endpoint::Endpoint(std::unique_ptr<core::EndpointImpl> impl) : impl_(std::move(impl)) {}
+Endpoint::Endpoint(std::shared_ptr<core::EndpointImpl> impl) : impl_(std::move(impl)) {}
 Endpoint::~Endpoint() { close(); }
 
 Result<std::unique_ptr<Endpoint>> Endpoint::create(const Config& config) {
@@ -625,16 +626,27 @@ std::string Endpoint::metadata() const { return impl_->metadata(); }
 EndpointId Endpoint::id() const { return impl_->id(); }
 std::string Endpoint::name() const { return impl_->name(); }
 const Config& Endpoint::config() const { return impl_->config(); }
-Result<Peer> Endpoint::connect(std::string_view target, int64_t timeout_ms) { return impl_->connect(target, timeout_ms); }
+// Blocking calls hold their own reference: the Endpoint may be destroyed while they wait.
+Result<Peer> Endpoint::connect(std::string_view target, int64_t timeout_ms) {
+  auto impl = impl_;
+  return impl->connect(target, timeout_ms);
+}
 Result<Region> Endpoint::register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly) {
   return impl_->registry().add(ptr, size, kind, device, readonly);
 }
-Status Endpoint::deregister(const Region& region) { return impl_->deregister(region); }
+Status Endpoint::deregister(const Region& region) {
+  auto impl = impl_;
+  return impl->deregister(region);
+}
 std::vector<Notification> Endpoint::notifications() { return impl_->notifications(0); }
-std::vector<Notification> Endpoint::wait_notifications(int64_t timeout_ms) { return impl_->notifications(timeout_ms); }
+std::vector<Notification> Endpoint::wait_notifications(int64_t timeout_ms) {
+  auto impl = impl_;
+  return impl->notifications(timeout_ms);
+}
 std::vector<Peer> Endpoint::peers() const { return impl_->peers(); }
 void Endpoint::close() {
-  if (impl_) impl_->close();
+  auto impl = impl_;
+  if (impl) impl->close();
 }
 
 EndpointStats Endpoint::stats() const {

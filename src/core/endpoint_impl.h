@@ -24,9 +24,12 @@ struct AtomicStats {
   std::atomic<uint64_t> transfers_completed{0}, transfers_failed{0}, rejected_requests{0};
 };
 
-class EndpointImpl {
+// Shared ownership: the public Endpoint, every PeerState (so user-held Peer and Transfer handles
+// never dangle) and any thread blocked in one of its calls. close() drops the peers, so no cycle
+// outlives it, and ~Endpoint always calls close().
+class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
  public:
-  static Result<std::unique_ptr<EndpointImpl>> create(const Config& config);
+  static Result<std::shared_ptr<EndpointImpl>> create(const Config& config);
   ~EndpointImpl();
 
   const Config& config() const { return config_; }

@@ -38,11 +38,11 @@ int64_t PeerState::now_ms() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-PeerState::PeerState(EndpointImpl* endpoint, PeerInfo info, uint32_t lanes)
-    : endpoint_(endpoint),
+PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint32_t lanes)
+    : endpoint_(std::move(endpoint)),
       info_(std::move(info)),
       lanes_(lanes),
-      lane_window_(std::max<uint32_t>(1, endpoint->config().window / std::max<uint32_t>(1, lanes))),
+      lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
       last_heard_ms_(now_ms()) {
   slots_.resize(size_t(lane_window_) * lanes_);
   free_slots_.reserve(slots_.size());

@@ -36,7 +36,7 @@ struct PeerInfo {
 
 class PeerState : public std::enable_shared_from_this<PeerState> {
  public:
-  PeerState(EndpointImpl* endpoint, PeerInfo info, uint32_t lanes);
+  PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint32_t lanes);
   ~PeerState();
 
   const PeerInfo& info() const { return info_; }
@@ -110,7 +110,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   wire::CtsBody match(TransferState* recv, const wire::RtsBody& rts, TransferState** release_now);
   Status chunk_error(const Slot& s, uint8_t status) const;
 
-  EndpointImpl* endpoint_;
+  const std::shared_ptr<EndpointImpl> endpoint_;
   PeerInfo info_;
   const uint32_t lanes_;
   const uint32_t lane_window_;

@@ -62,6 +62,11 @@ int64_t now_ms() {
 
 void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
+void set_nodelay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
 void close_fd(int& fd) {
   if (fd >= 0) ::close(fd);
   fd = -1;
@@ -164,8 +169,7 @@ Status read_all(int fd, void* buf, size_t len, int64_t deadline_ms) {
 
 void tune_data_socket(int fd) {
   set_nonblocking(fd);
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  set_nodelay(fd);
 }
 
 Status split_host_port(std::string_view s, std::string* host, uint16_t* port) {

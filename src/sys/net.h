@@ -21,6 +21,7 @@ Status read_all(int fd, void* buf, size_t len, int64_t deadline_ms);
 // Non-blocking and TCP_NODELAY.
 void tune_data_socket(int fd);
 void set_nonblocking(int fd);
+void set_nodelay(int fd);
 void close_fd(int& fd);
 
 // "host:port" -> parts. IPv6 literals as "[::1]:port".

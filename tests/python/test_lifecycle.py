@@ -22,7 +22,8 @@ from tether_testutil import (
 )
 
 T = 20.0
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# Children import tether from wherever this process did (source tree with a built module, or site-packages).
+TETHER_PATH = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
 
 
 def test_connect_time(endpoints, children):
@@ -299,7 +300,7 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", ["return", "waiter", "sysexit"])
 def test_process_exit_without_close(mode):
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=TETHER_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.monotonic()
     try:
         r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, mode], env=env, capture_output=True,
@@ -366,7 +367,7 @@ def test_process_exit_with_daemon_thread_in_wait():
     # during finalization calls pthread_exit(); its forced unwind through the noexcept frame calls
     # std::terminate (src/bindings/module.cc, Transfer._wait; same pattern in connect/notifications/
     # deregister/close). Reproduces 5/5 with DAEMON_WAIT_SCRIPT.
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=TETHER_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         r = subprocess.run([sys.executable, "-c", DAEMON_WAIT_SCRIPT], env=env, capture_output=True,
                            timeout=30, text=True)
@@ -400,7 +401,7 @@ def test_endpoint_creation_failure_raises(what):
         print("no error", flush=True)
         sys.exit(3)
     """)
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=TETHER_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", script, what], env=env, capture_output=True, timeout=30, text=True)
     assert r.returncode != 3, "a second endpoint could listen on a busy port / bad host"
     assert r.returncode == 0, f"Endpoint({what}) killed the process: exit code {r.returncode}; {r.stderr[-500:]}"
@@ -656,7 +657,7 @@ def test_close_in_random_orders_under_mixed_load(seed):
     """3 threads post writes/reads/sends/recvs/notifies (and the accepted side sends and writes
     back) while the endpoints and the peer are closed in a random order; 25 rounds. No crash,
     no hang, no transfer left running. Runs in a subprocess so a crash is reported, not fatal."""
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=TETHER_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         r = subprocess.run([sys.executable, "-c", STRESS_SCRIPT, "25", str(seed)], env=env,
                            capture_output=True, timeout=45, text=True)
