@@ -1,0 +1,182 @@
+"""`tether bench` / `tether doctor`: argument parsing, --check catching a planted corruption,
+--json output, the two-host roles, and an idle endpoint not burning CPU."""
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import tether
+from tether import bench as B
+from tether import cli
+
+TETHER_PATH = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
+ENV = dict(os.environ, PYTHONPATH=TETHER_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "tether", *args], env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("text,value", [("4K", 4096), ("4KiB", 4096), ("1M", 1 << 20), ("1MiB", 1 << 20),
+                                        ("2G", 2 << 30), ("1.5M", 3 << 19), ("123", 123), ("64kib", 65536)])
+def test_parse_size(text, value):
+    assert B.parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "0", "-4K", "1.3", "abc", "4X"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        B.parse_size(bad)
+
+
+def test_parser_lists_and_defaults():
+    a = cli.build_parser().parse_args(["bench", "--sizes", "4K,1MiB", "--num-iovs", "1,128", "--mode", "write,read",
+                                       "--channels", "1,2", "--chunk-bytes", "256K", "--check", "--async-api"])
+    assert a.sizes == [4096, 1 << 20] and a.num_iovs == [1, 128] and a.mode == ["write", "read"]
+    assert a.channels == [1, 2] and a.chunk_bytes == [256 << 10] and a.check and a.async_api
+    d = cli.build_parser().parse_args(["bench"])
+    assert d.sizes is None and d.mode == ["write"] and d.num_iovs == [1] and d.transport == "auto"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--transport", "carrier-pigeon"])
+
+
+def test_unavailable_choices_fail_clearly():
+    r = run_cli("bench", "--transport", "fabric", "--quiet")
+    assert r.returncode == 2 and "not available" in r.stderr
+    r = run_cli("bench", "--mode", "teleport", "--quiet")
+    assert r.returncode == 2 and "unknown mode" in r.stderr
+    r = run_cli("bench", "--role", "client", "--quiet")
+    assert r.returncode == 2 and "--peer" in r.stderr
+
+
+def test_json_output_and_check(tmp_path):
+    out = tmp_path / "r.json"
+    r = run_cli("bench", "--quiet", "--sizes", "4K,1M", "--mode", "write,read,send", "--num-iovs", "1",
+                "--iters", "4", "--check", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert {"version", "machine", "config", "results"} <= doc.keys()
+    assert len(doc["results"]) == 6
+    for res in doc["results"]:
+        assert {"mode", "transport", "device", "size", "num_iovs", "iters", "gbps", "lat_p50_us", "lat_p99_us",
+                "check"} <= res.keys()
+        assert res["check"] is True and res["gbps"] > 0 and res["iters"] == 4
+    assert "GB/s" in r.stdout  # the table
+
+
+def test_json_check_is_null_when_not_asked(tmp_path):
+    out = tmp_path / "r.json"
+    r = run_cli("bench", "--quiet", "--sizes", "64K", "--iters", "3", "--num-iovs", "1,4", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [x["num_iovs"] for x in results] == [1, 4] and all(x["check"] is None for x in results)
+
+
+class CorruptingPair(B.LocalPair):
+    """Flips one byte at the target between the transfer and the verification."""
+
+    def ask(self, *cmd):
+        if cmd[0] == "verify":
+            spans = cmd[1]
+            self.channel.send(("corrupt", spans[len(spans) // 2][0] + 7))
+            self.channel.recv()
+        return super().ask(*cmd)
+
+
+@pytest.mark.parametrize("num_iovs", [1, 16])
+def test_check_catches_planted_corruption(num_iovs):
+    pair = CorruptingPair({}, 1 << 20)
+    try:
+        bad = B.run_case(pair, B.Case("write", 32 << 10, num_iovs, 2, 0, 0, True))
+    finally:
+        pair.close()
+    assert bad.check is False
+    pair = B.LocalPair({}, 1 << 20)
+    try:
+        good = B.run_case(pair, B.Case("write", 32 << 10, num_iovs, 2, 0, 0, True))
+    finally:
+        pair.close()
+    assert good.check is True
+
+
+def test_failed_check_exits_nonzero(monkeypatch, capsys):
+    monkeypatch.setattr(B, "LocalPair", CorruptingPair)
+    rc = cli.main(["bench", "--quiet", "--sizes", "4K", "--iters", "2", "--check"])
+    assert rc == 1
+    assert "corrupted" in capsys.readouterr().err
+
+
+def test_server_and_client_roles():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "tether", "bench", "--role", "server", "--listen",
+                               f"127.0.0.1:{port}"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        r = None
+        while time.monotonic() < deadline:  # the server needs a moment to import and listen
+            r = run_cli("bench", "--quiet", "--role", "client", "--peer", f"127.0.0.1:{port}", "--sizes", "64K,2M",
+                        "--mode", "write,read,send", "--iters", "3", "--check")
+            if "Connection refused" not in r.stderr:
+                break
+            time.sleep(0.3)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.count(" ok ") == 6
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_doctor_json():
+    r = run_cli("doctor", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["transports"]["tcp"]["available"] is True
+    assert d["cpus"] >= 1 and isinstance(d["nics"], list) and "lo" in [n["name"] for n in d["nics"]]
+    assert "TOKEN" not in json.dumps(d["env"])  # secrets are never printed
+    r = run_cli("doctor")
+    assert r.returncode == 0 and "Transports" in r.stdout
+
+
+def test_idle_endpoints_do_not_burn_cpu():
+    a, b = tether.Endpoint(), tether.Endpoint()
+    try:
+        a.connect(b.metadata(), timeout=5)
+        time.sleep(0.2)
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.monotonic()
+        time.sleep(2.0)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+        # two endpoints, 4 progress threads each, one connected peer: heartbeats only
+        assert cpu / (time.monotonic() - t0) < 0.02, f"idle endpoints used {cpu:.3f} s of CPU in 2 s"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_torchrun_two_ranks():
+    pytest.importorskip("torch", reason="torch not installed: the torchrun recipe is not exercised here")
+    import shutil
+    import socket
+
+    if not shutil.which("torchrun"):
+        pytest.skip("torchrun not on PATH")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run(["torchrun", "--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                        f"--master_port={port}", "-m", "tether", "bench", "--quiet", "--sizes", "64K",
+                        "--mode", "write,read", "--iters", "3", "--check"],
+                       env=ENV, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count(" ok ") == 2
