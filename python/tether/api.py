@@ -90,6 +90,12 @@ class Region:
         return f"Region(id={self.id}, size={self.size}, kind={self.kind!r})"
 
 
+def _notify_arg(notify: Optional[bytes]) -> bytes:
+    if notify is not None and len(notify) == 0:
+        raise _tether.InvalidArgument("notify= must not be empty (None means no notification)")
+    return bytes(notify) if notify is not None else b""
+
+
 def _remote(r: Remote) -> _tether.RemoteRegion:
     return r if isinstance(r, _tether.RemoteRegion) else _tether.RemoteRegion(bytes(r))
 
@@ -114,7 +120,7 @@ class Peer:
         if length is None:
             remote = _remote(remote)
             length = remote.length - remote_offset
-        return Transfer(self._p.write(local._r, local_offset, remote, remote_offset, length, notify or b""))
+        return Transfer(self._p.write(local._r, local_offset, remote, remote_offset, length, _notify_arg(notify)))
 
     def read(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
              length: Optional[int] = None) -> Transfer:
@@ -127,7 +133,7 @@ class Peer:
     def writev(self, entries: Sequence[Tuple[Region, int, Remote, int, int]],
                notify: Optional[bytes] = None) -> Transfer:
         """Many (local region, local offset, remote, remote offset, length) as one transfer."""
-        return Transfer(self._p.writev(entries, notify or b""))
+        return Transfer(self._p.writev(entries, _notify_arg(notify)))
 
     def readv(self, entries: Sequence[Tuple[Region, int, Remote, int, int]]) -> Transfer:
         return Transfer(self._p.readv(entries))

@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -144,6 +145,12 @@ std::string EndpointImpl::metadata() const {
   return out + host + hn;
 }
 
+uint32_t EndpointImpl::heartbeat_for(uint32_t remote_timeout_ms) const {
+  // Four heartbeats per remote timeout, so a peer with a short timeout never mistakes us for dead.
+  const uint32_t needed = std::max<uint32_t>(10, remote_timeout_ms / 4);
+  return std::min(config_.heartbeat_ms, remote_timeout_ms ? needed : config_.heartbeat_ms);
+}
+
 void EndpointImpl::wake_control() {
   if (event_fd_ < 0) return;
   uint64_t one = 1;
@@ -268,6 +275,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   std::memcpy(ch.endpoint_id, id_.data(), 16);
   ch.session = crypto::random_u64();
   ch.lanes = lanes;
+  ch.peer_timeout_ms = config_.peer_timeout_ms;
   std::memcpy(ch.host_id, host_id_.data(), 32);
   copy_name(ch.name, name_);
 
@@ -295,6 +303,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   info.name = read_name(sh.name);
   info.same_host = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
   info.initiator = true;
+  info.heartbeat_ms = heartbeat_for(sh.peer_timeout_ms);
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, lanes);
   peer->control_fd = fds[0];
   peer->lane_fds.assign(fds.begin() + 1, fds.end());
@@ -339,7 +348,7 @@ void EndpointImpl::adopt_peer(const std::shared_ptr<PeerState>& peer) {
 
 void EndpointImpl::control_loop() {
   epoll_event events[64];
-  const int tick_ms = int(std::max<uint32_t>(10, std::min<uint32_t>(config_.heartbeat_ms, 200)));
+  const int tick_ms = int(std::max<uint32_t>(10, std::min<uint32_t>({config_.heartbeat_ms, config_.peer_timeout_ms / 4, uint32_t(200)})));
   while (!closing_.load()) {
     int n = ::epoll_wait(epoll_fd_, events, 64, tick_ms);
     for (int i = 0; i < n && !closing_.load(); ++i) {
@@ -426,6 +435,7 @@ void EndpointImpl::advance_handshake(int fd) {
     sh.magic = wire::kMagic;
     sh.version = wire::kVersion;
     sh.has_token = !token.empty();
+    sh.peer_timeout_ms = config_.peer_timeout_ms;
     std::memcpy(sh.endpoint_id, id_.data(), 16);
     std::memcpy(sh.nonce, p.server_nonce, 16);
     std::memcpy(sh.host_id, host_id_.data(), 32);
@@ -479,6 +489,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     std::memcpy(info.endpoint.data(), h.endpoint_id, 16);
     info.name = read_name(h.name);
     info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
+    info.heartbeat_ms = heartbeat_for(h.peer_timeout_ms);
     auto peer = std::make_shared<PeerState>(shared_from_this(), info, h.lanes);
     peer->control_fd = fd;
     peer->lane_fds.assign(h.lanes, -1);
@@ -569,7 +580,7 @@ void EndpointImpl::tick(const std::vector<std::shared_ptr<PeerState>>& peers) {
                                                 std::to_string(now - p->last_heard_ms()) + " ms (peer_timeout_ms)"));
       continue;
     }
-    if (now - p->last_sent_ms >= int64_t(config_.heartbeat_ms)) p->send_control(wire::ControlType::kHeartbeat, nullptr, 0);
+    if (now - p->last_sent_ms >= int64_t(p->info().heartbeat_ms)) p->send_control(wire::ControlType::kHeartbeat, nullptr, 0);
   }
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (now > it->second->deadline_ms) {

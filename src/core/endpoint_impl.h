@@ -65,6 +65,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void control_readable(PeerState& peer);
   void flush_control(PeerState& peer);
   void tick(const std::vector<std::shared_ptr<PeerState>>& peers);
+  uint32_t heartbeat_for(uint32_t remote_timeout_ms) const;
   void reap();
 
   Config config_;

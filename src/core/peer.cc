@@ -11,12 +11,13 @@
 namespace tether::core {
 namespace {
 
+// A transfer refused before any byte moved: finished at once, counted as failed.
 Transfer invalid(const std::shared_ptr<PeerState>& p, OpKind op, Status s) {
   auto t = std::make_shared<TransferState>();
   t->op = op;
+  t->peer = p;
   t->pending.store(0);
   t->finish(std::move(s));
-  (void)p;
   return Transfer(t);
 }
 

@@ -27,6 +27,7 @@ struct ClientHello {           // connector -> listener
   uint64_t session;            // random; names the peer link all its sockets join
   uint32_t lane;               // data socket index (0 for control)
   uint32_t lanes;              // number of data sockets that will follow the control socket
+  uint32_t peer_timeout_ms;    // the connector declares us dead after this much silence
   uint8_t host_id[32];         // boot id + network namespace: equal means same host, same netns
   char name[64];
 };
@@ -38,6 +39,7 @@ struct ServerHello {           // listener -> connector
   uint8_t endpoint_id[16];
   uint8_t nonce[16];
   uint8_t proof[32];           // HMAC(token, "tether-server" | client nonce | server nonce)
+  uint32_t peer_timeout_ms;    // the listener declares us dead after this much silence
   uint8_t host_id[32];
   char name[64];
 };
@@ -90,8 +92,8 @@ struct RtsBody { uint64_t msg_id, tag, length; };
 struct CtsBody { uint64_t msg_id; uint32_t token; uint8_t status; uint8_t pad[3]; };
 #pragma pack(pop)
 
-static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 32 + 64);
-static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 32 + 64);
+static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64);
+static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64);
 static_assert(sizeof(FrameHeader) == 56);
 static_assert(sizeof(ControlHeader) == 8);
 

@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import tether
@@ -664,3 +665,25 @@ def test_close_in_random_orders_under_mixed_load(seed):
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"stress run hung: {e.stdout!r}")
     assert r.returncode == 0 and "ok" in r.stdout, f"rc={r.returncode} {r.stdout[-500:]} {r.stderr[-1500:]}"
+
+
+def test_short_peer_timeout_on_one_side_only(endpoints):
+    """A peer with the default heartbeat must not be declared dead by a side with a short
+    peer_timeout: the handshake tells it how often to speak."""
+    strict = endpoints(name="strict", peer_timeout=0.4)
+    relaxed = endpoints(name="relaxed")  # heartbeat 1 s by default
+    peer = relaxed.connect(strict.metadata(), timeout=5)
+    time.sleep(1.5)  # idle for several of strict's timeouts
+    assert peer.connected and all(p.connected for p in strict.peers())
+    back = strict.peers()[0]
+    buf = np.zeros(16, np.uint8)
+    back.write(strict.register(np.ones(16, np.uint8)), relaxed.register(buf).descriptor()).wait(5)
+    assert buf.sum() == 16
+
+
+def test_empty_notify_on_write_is_rejected(endpoints):
+    a, b = endpoints(), endpoints()
+    peer = a.connect(b.metadata(), timeout=5)
+    dst = b.register(np.zeros(8, np.uint8))
+    with pytest.raises(tether.InvalidArgument):
+        peer.write(a.register(np.ones(8, np.uint8)), dst.descriptor(), notify=b"")

@@ -352,7 +352,7 @@ def _random_not_magic(n):
 
 GARBAGE = {
     "random-4k": lambda: _random_not_magic(4096),
-    "random-152": lambda: _random_not_magic(CLIENT_HELLO_SIZE),
+    "random-hello-size": lambda: _random_not_magic(CLIENT_HELLO_SIZE),
     "random-1MiB": lambda: _random_not_magic(1 << 20),
     "http": lambda: b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n",
     "magic-only": lambda: struct.pack("<I", WIRE_MAGIC),

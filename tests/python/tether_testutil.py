@@ -27,8 +27,8 @@ MiB = 1 << 20
 
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
-CLIENT_HELLO_SIZE = 152
-SERVER_HELLO_SIZE = 168
+CLIENT_HELLO_SIZE = 156
+SERVER_HELLO_SIZE = 172
 SERVER_DONE_SIZE = 8
 HELLO_VERSION_MISMATCH = 1
 HELLO_AUTH_FAILED = 2
@@ -148,10 +148,10 @@ def thread_count() -> int:
 
 def client_hello(version: int = 1, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
                  has_token: int = 0, magic: int = WIRE_MAGIC, name: bytes = b"raw") -> bytes:
-    """A ClientHello (152 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
-    nonce 16, session u64, lane u32, lanes u32, host id 32, name 64."""
-    msg = struct.pack("<IHBB16s16sQII32s64s", magic, version, kind, has_token, os.urandom(16),
-                      os.urandom(16), int.from_bytes(os.urandom(8), "little"), lane, lanes, bytes(32),
+    """A ClientHello (156 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
+    nonce 16, session u64, lane u32, lanes u32, peer timeout ms u32, host id 32, name 64."""
+    msg = struct.pack("<IHBB16s16sQIII32s64s", magic, version, kind, has_token, os.urandom(16),
+                      os.urandom(16), int.from_bytes(os.urandom(8), "little"), lane, lanes, 10000, bytes(32),
                       name.ljust(64, b"\0")[:64])
     assert len(msg) == CLIENT_HELLO_SIZE
     return msg
@@ -160,7 +160,7 @@ def client_hello(version: int = 1, kind: int = SOCKET_CONTROL, lanes: int = 1, l
 def parse_server_hello(b: bytes) -> dict:
     magic, version, status, has_token = struct.unpack_from("<IHBB", b, 0)
     return {"magic": magic, "version": version, "status": status, "has_token": has_token,
-            "name": b[104:168].split(b"\0")[0].decode(errors="replace")}
+            "name": b[108:172].split(b"\0")[0].decode(errors="replace")}
 
 
 def recv_exact(s: socket.socket, n: int, timeout: float = 5.0) -> bytes:
