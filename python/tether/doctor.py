@@ -32,6 +32,68 @@ def _nics() -> list[dict[str, Any]]:
     return out
 
 
+def _gpus() -> list[dict[str, Any]]:
+    """GPUs from nvidia-smi (index, name, PCI bus id, memory), with their sysfs PCI path and NUMA node."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,pci.bus_id,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        idx, name, bus, mem = [x.strip() for x in line.split(",")]
+        bus = bus.lower()
+        if bus.count(":") == 2 and len(bus.split(":")[0]) == 8:  # 00000000:18:00.0 -> 0000:18:00.0
+            bus = bus[4:]
+        sysfs = f"/sys/bus/pci/devices/{bus}"
+        gpus.append({
+            "index": int(idx), "name": name, "pci_bus_id": bus, "memory": mem,
+            "pci_path": os.path.realpath(sysfs) if os.path.exists(sysfs) else None,
+            "numa_node": int(_read(f"{sysfs}/numa_node", "-1") or -1),
+        })
+    return gpus
+
+
+def _nvlink_matrix() -> str:
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return ""
+    try:
+        return subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (subprocess.SubprocessError, OSError):
+        return ""
+
+
+def _pci_closeness(a: str | None, b: str | None) -> int:
+    """Shared leading components of two sysfs PCI paths: more means fewer bridges between them."""
+    if not a or not b:
+        return 0
+    n = 0
+    for x, y in zip(a.split("/"), b.split("/")):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def affinity(gpus: list[dict], nics: list[dict]) -> dict[int, list[str]]:
+    """Per GPU, physical NICs ordered nearest first: same NUMA node, then PCI closeness."""
+    physical = [n for n in nics if n["pci_path"]]
+    out = {}
+    for g in gpus:
+        ranked = sorted(physical, key=lambda n: (n["numa_node"] != g["numa_node"],
+                                                 -_pci_closeness(g["pci_path"], n["pci_path"])))
+        out[g["index"]] = [n["name"] for n in ranked]
+    return out
+
+
 SYSCTLS = {
     "net.core.rmem_max": (8 << 20, "raise to >= 8 MiB so large socket buffers take effect"),
     "net.core.wmem_max": (8 << 20, "raise to >= 8 MiB so large socket buffers take effect"),
@@ -60,13 +122,17 @@ def collect() -> dict[str, Any]:
         "fabric": {"available": False, "why": "not in this build yet" + ("" if fabric else "; libfabric.so not found")},
         "netplugin": {"available": False, "why": "not in this build yet"},
     }
+    nics = _nics()
+    gpus = _gpus()
     return {
         "tether": tether.__version__,
         "wire_version": tether.WIRE_VERSION,
         "cpus": os.cpu_count(),
         "numa_nodes": len(glob.glob("/sys/devices/system/node/node[0-9]*")) or 1,
-        "nics": _nics(),
-        "gpus": sorted(os.path.basename(p) for p in glob.glob("/dev/nvidia[0-9]*")),
+        "nics": nics,
+        "gpus": gpus,
+        "nvlink_topology": _nvlink_matrix(),
+        "gpu_nic_affinity": {str(k): v for k, v in affinity(gpus, nics).items()},
         "cuda": bool(cuda),
         "libfabric": fabric,
         "sysctls": sysctls,
@@ -81,8 +147,20 @@ def render(report: dict[str, Any]) -> None:
 
     c = Console()
     c.print(f"[bold]tether {report['tether']}[/bold] (wire version {report['wire_version']})")
-    c.print(f"CPUs: {report['cpus']}, NUMA nodes: {report['numa_nodes']}; GPUs: {', '.join(report['gpus']) or 'none'};"
+    c.print(f"CPUs: {report['cpus']}, NUMA nodes: {report['numa_nodes']}; GPUs: {len(report['gpus']) or 'none'};"
             f" CUDA: {'yes' if report['cuda'] else 'no'}; libfabric: {report['libfabric'] or 'not found'}")
+    if report["gpus"]:
+        t = Table(title="GPUs")
+        for col in ("index", "name", "memory", "PCI", "NUMA", "nearest NICs"):
+            t.add_column(col)
+        for g in report["gpus"]:
+            near = report["gpu_nic_affinity"].get(str(g["index"]), [])
+            t.add_row(str(g["index"]), g["name"], g["memory"], g["pci_bus_id"], str(g["numa_node"]),
+                      ", ".join(near[:4]) or "-")
+        c.print(t)
+    if report["nvlink_topology"]:
+        c.print("[bold]GPU topology (nvidia-smi topo -m)[/bold]")
+        c.print(report["nvlink_topology"], markup=False)
     t = Table(title="NICs")
     for col in ("name", "state", "speed", "NUMA", "PCI path"):
         t.add_column(col)
