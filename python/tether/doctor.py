@@ -94,11 +94,13 @@ def affinity(gpus: list[dict], nics: list[dict]) -> dict[int, list[str]]:
     return out
 
 
+# tether asks for socket_buffer (4 MiB by default) per data socket; the kernel caps it at these.
+SOCKET_BUFFER = 4 << 20
 SYSCTLS = {
-    "net.core.rmem_max": (8 << 20, "raise to >= 8 MiB so large socket buffers take effect"),
-    "net.core.wmem_max": (8 << 20, "raise to >= 8 MiB so large socket buffers take effect"),
-    "net.ipv4.tcp_rmem": (None, "max (third value) >= 8 MiB recommended"),
-    "net.ipv4.tcp_wmem": (None, "max (third value) >= 8 MiB recommended"),
+    "net.core.rmem_max": "raise to >= socket_buffer (4 MiB by default), or the kernel caps tether's buffers",
+    "net.core.wmem_max": "raise to >= socket_buffer (4 MiB by default), or the kernel caps tether's buffers",
+    "net.ipv4.tcp_rmem": "max (third value) >= 4 MiB recommended for fast or long links",
+    "net.ipv4.tcp_wmem": "max (third value) >= 4 MiB recommended for fast or long links",
 }
 
 
@@ -106,13 +108,10 @@ def collect() -> dict[str, Any]:
     import tether
 
     sysctls = {}
-    for key, (minimum, advice) in SYSCTLS.items():
+    for key, advice in SYSCTLS.items():
         value = _read("/proc/sys/" + key.replace(".", "/"))
         numbers = [int(x) for x in value.split()] if value else []
-        ok = True
-        if numbers:
-            top = numbers[-1]
-            ok = top >= (minimum or (8 << 20))
+        ok = not numbers or numbers[-1] >= SOCKET_BUFFER
         sysctls[key] = {"value": value, "ok": ok, "advice": None if ok else advice}
     cuda = ctypes.util.find_library("cuda") or (os.path.exists("/dev/nvidiactl") and "libcuda (driver present)")
     fabric = ctypes.util.find_library("fabric")

@@ -1,0 +1,140 @@
+"""What every driver shares: the workloads, the target process's command loop, the checked write
+and the timing loop. Timing follows tether.bench.run_case (so rows are comparable): a warm-up, then
+`iters` ops; p50/p99 are per-op issue-to-completion times; GB/s = bytes moved / elapsed / 1e9.
+
+A driver is run by run.py as its own process (`python bench/peers/X_driver.py [variant]`) and prints
+one `ROW {json}` line per finished workload, so rows finished before a hang or a crash still count.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+CAPACITY = 256 << 20  # source and target buffers; the largest workload fills them
+POISON = 0xA5
+PIPE_TIMEOUT = 60.0  # seconds a driver waits on its target process before giving up
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    size: int      # bytes per block
+    blocks: int    # blocks per op (one vectored/batched op when > 1)
+    iters: int
+    warmup: int
+    depth: int     # 0: one op at a time; N: up to N ops in flight
+
+
+# Iterations are sized so the slowest peer (about 0.3 GB/s, 120 µs per small op here) finishes a
+# workload in seconds and the whole run stays under about three minutes.
+WORKLOADS = [
+    Workload("256 MiB write", 256 << 20, 1, 8, 2, 0),
+    Workload("128 x 1.15 MB writev", 1179648, 128, 8, 2, 0),
+    Workload("64 KiB write", 64 << 10, 1, 2000, 100, 0),
+    Workload("64 KiB write, 8 in flight", 64 << 10, 1, 2000, 100, 8),
+    Workload("8 B write", 8, 1, 5000, 200, 0),
+]
+
+
+def layout(w: Workload, rng: np.random.Generator) -> list[tuple[int, int, int]]:
+    """(local offset, remote offset, length) per block; blocks land in shuffled order remotely
+    (as tether.bench does), so a vectored op cannot pass as one contiguous copy."""
+    order = rng.permutation(w.blocks) if w.blocks > 1 else [0]
+    return [(i * w.size, int(order[i]) * w.size, w.size) for i in range(w.blocks)]
+
+
+# ---------------------------------------------------------------- target side
+
+def serve(conn, buf: np.ndarray) -> None:
+    """The target's command loop over a multiprocessing pipe, until 'exit' or the pipe closes.
+    Transfers land in `buf` without the target doing anything; it only poisons and hashes."""
+    while True:
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:
+            return
+        if cmd == "exit":
+            return
+        if cmd == "poison":
+            buf.fill(POISON)
+            conn.send(True)
+        elif cmd == "digest":  # [(offset, length), ...] in remote-offset order
+            h = hashlib.blake2b(digest_size=16)
+            for off, n in args[0]:
+                h.update(memoryview(buf[off:off + n]))
+            conn.send(h.digest())
+
+
+# ---------------------------------------------------------------- initiator side
+
+def ask(conn, *cmd):
+    conn.send(cmd)
+    if not conn.poll(PIPE_TIMEOUT):
+        raise TimeoutError(f"target did not answer {cmd[0]!r} in {PIPE_TIMEOUT:.0f} s")
+    return conn.recv()
+
+
+def checked_write(conn, src: np.ndarray, blocks, write_once: Callable[[], None], rng) -> bool:
+    """Random source bytes, poisoned target, one write, then the target's hash of the written spans
+    against the source's: a peer that silently does nothing (or writes elsewhere) fails here."""
+    for lo, _, n in blocks:
+        src[lo:lo + n] = rng.integers(0, 256, n, dtype=np.uint8)
+    ask(conn, "poison")
+    write_once()
+    spans = sorted((ro, lo, n) for lo, ro, n in blocks)
+    h = hashlib.blake2b(digest_size=16)
+    for _, lo, n in spans:
+        h.update(memoryview(src[lo:lo + n]))
+    return ask(conn, "digest", [(ro, n) for ro, _, n in spans]) == h.digest()
+
+
+def measure(w: Workload, post: Callable[[int], object], wait: Callable[[object], None]) -> dict:
+    """post(i) issues op i (a sync API may finish it right there and return None); wait(h) completes
+    it. With depth N the oldest op is waited for once N are in flight, as in tether.bench."""
+    for i in range(w.warmup):
+        wait(post(i))
+    lat = np.empty(w.iters)
+    t0 = time.perf_counter()
+    if w.depth <= 0:
+        for i in range(w.iters):
+            s = time.perf_counter()
+            wait(post(i))
+            lat[i] = time.perf_counter() - s
+    else:
+        inflight: list[tuple[object, float, int]] = []
+        for i in range(w.iters):
+            if len(inflight) >= w.depth:
+                h, s, j = inflight.pop(0)
+                wait(h)
+                lat[j] = time.perf_counter() - s
+            inflight.append((post(i), time.perf_counter(), i))
+        for h, s, j in inflight:
+            wait(h)
+            lat[j] = time.perf_counter() - s
+    elapsed = time.perf_counter() - t0
+    return {"gbps": w.size * w.blocks * w.iters / elapsed / 1e9,
+            "p50_us": float(np.percentile(lat, 50) * 1e6), "p99_us": float(np.percentile(lat, 99) * 1e6)}
+
+
+_rows_out = sys.stdout
+
+
+def emit(system: str, workload: str, verified: Optional[bool] = None, **fields) -> None:
+    """One result (or one 'why not' row, with note=...) for run.py, flushed at once."""
+    row = {"system": system, "workload": workload, "verified": verified, **fields}
+    print("ROW " + json.dumps(row), file=_rows_out, flush=True)
+
+
+def quiet_stdout() -> None:
+    """Native libraries may log to stdout: keep the real stdout for ROW lines only (a private
+    duplicate of fd 1) and point fd 1 at stderr, which run.py shows only when a driver fails."""
+    global _rows_out
+    _rows_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
