@@ -140,18 +140,24 @@ def collect() -> dict[str, Any]:
     }
 
 
+def _table(title: str, *columns: str):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col)
+    return t
+
+
 def render(report: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     c = Console()
     c.print(f"[bold]tether {report['tether']}[/bold] (wire version {report['wire_version']})")
     c.print(f"CPUs: {report['cpus']}, NUMA nodes: {report['numa_nodes']}; GPUs: {len(report['gpus']) or 'none'};"
             f" CUDA: {'yes' if report['cuda'] else 'no'}; libfabric: {report['libfabric'] or 'not found'}")
     if report["gpus"]:
-        t = Table(title="GPUs")
-        for col in ("index", "name", "memory", "PCI", "NUMA", "nearest NICs"):
-            t.add_column(col)
+        t = _table("GPUs", "index", "name", "memory", "PCI", "NUMA", "nearest NICs")
         for g in report["gpus"]:
             near = report["gpu_nic_affinity"].get(str(g["index"]), [])
             t.add_row(str(g["index"]), g["name"], g["memory"], g["pci_bus_id"], str(g["numa_node"]),
@@ -160,24 +166,16 @@ def render(report: dict[str, Any]) -> None:
     if report["nvlink_topology"]:
         c.print("[bold]GPU topology (nvidia-smi topo -m)[/bold]")
         c.print(report["nvlink_topology"], markup=False)
-    t = Table(title="NICs")
-    for col in ("name", "state", "speed", "NUMA", "PCI path"):
-        t.add_column(col)
+    t = _table("NICs", "name", "state", "speed", "NUMA", "PCI path")
     for n in report["nics"]:
         t.add_row(n["name"], n["state"], f"{n['speed_mbps']} Mb/s" if n["speed_mbps"] else "-",
                   str(n["numa_node"]) if n["numa_node"] is not None else "-", n["pci_path"] or "virtual")
     c.print(t)
-    t = Table(title="Transports")
-    t.add_column("transport")
-    t.add_column("available")
-    t.add_column("why")
+    t = _table("Transports", "transport", "available", "why")
     for name, v in report["transports"].items():
         t.add_row(name, "[green]yes[/green]" if v["available"] else "[red]no[/red]", v["why"])
     c.print(t)
-    t = Table(title="sysctls")
-    t.add_column("key")
-    t.add_column("value")
-    t.add_column("advice")
+    t = _table("sysctls", "key", "value", "advice")
     for k, v in report["sysctls"].items():
         t.add_row(k, v["value"] or "?", "[green]ok[/green]" if v["ok"] else f"[yellow]{v['advice']}[/yellow]")
     c.print(t)
