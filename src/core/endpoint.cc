@@ -313,6 +313,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
     if (closing_.load()) {
       return Status(Code::kCancelled, "endpoint closed");  // peer's destructor closes the sockets
     }
+    transport_->attach(peer, peer->lane_fds);  // before anyone can post on the peer
     to_adopt_.push_back(peer);
   }
   wake_control();
@@ -332,16 +333,15 @@ Status EndpointImpl::deregister(const Region& region) {
   return Status::ok();
 }
 
+// Control thread: starts serving the peer's control socket and publishes it in peers().
+// Its lanes are attached to the transport before this, so posting on it is safe at once.
 void EndpointImpl::adopt_peer(const std::shared_ptr<PeerState>& peer) {
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP;
   ev.data.u64 = peer->info().id;
   ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, peer->control_fd, &ev);
-  {
-    std::lock_guard lock(peers_mu_);
-    peers_[peer->info().id] = peer;
-  }
-  transport_->attach(peer, peer->lane_fds);
+  std::lock_guard lock(peers_mu_);
+  peers_[peer->info().id] = peer;
 }
 
 // ---------------------------------------------------------------- control thread
@@ -513,6 +513,7 @@ void EndpointImpl::finish_accept(Pending& p) {
   for (int lfd : peer->lane_fds)
     if (lfd < 0) return;
   accepting_.erase(it);
+  transport_->attach(peer, peer->lane_fds);
   adopt_peer(peer);
 }
 
@@ -706,6 +707,6 @@ Status Transfer::wait(int64_t timeout_ms) const {
   return state_->wait(timeout_ms, state_->peer ? state_->peer->spin_us() : 0);
 }
 Status Transfer::status() const { return state_->is_finished() ? state_->final_status() : Status::ok(); }
-uint64_t Transfer::bytes() const { return state_->bytes; }
+uint64_t Transfer::bytes() const { return state_->bytes.load(std::memory_order_acquire); }
 
 }  // namespace tether

@@ -109,7 +109,7 @@ Transfer PeerState::post_rma(OpKind op, std::vector<IoEntry> entries, std::strin
     s.desc_length = e.remote.length;
     s.remote_offset = e.remote.offset + e.remote_offset;
     t->segments.push_back(s);
-    t->bytes += e.length;
+    t->bytes.fetch_add(e.length, std::memory_order_relaxed);
     if (t->local_pins.empty() || t->local_pins.back() != l) t->local_pins.push_back(l);
   }
   for (auto& r : t->local_pins) r->pins.fetch_add(1, std::memory_order_acquire);
@@ -333,7 +333,7 @@ Code PeerState::resolve_send_data(uint32_t token, uint64_t offset, uint64_t leng
   auto it = matched_.find(token);
   if (it == matched_.end()) return Code::kNotFound;
   TransferState* r = it->second;
-  if (!in_bounds(offset, length, r->bytes)) return Code::kOutOfRange;
+  if (!in_bounds(offset, length, r->bytes.load(std::memory_order_acquire))) return Code::kOutOfRange;
   r->pending.fetch_add(1, std::memory_order_relaxed);
   *dest = r->segments[0].local + offset;
   *recv = r;
@@ -342,7 +342,7 @@ Code PeerState::resolve_send_data(uint32_t token, uint64_t offset, uint64_t leng
 
 void PeerState::send_data_placed(TransferState* recv, uint64_t length) {
   const uint64_t total = recv->received.fetch_add(length, std::memory_order_acq_rel) + length;
-  if (total == recv->bytes) {
+  if (total == recv->bytes.load(std::memory_order_acquire)) {
     size_t erased;
     {
       std::lock_guard lock(mu_);
@@ -443,7 +443,7 @@ wire::CtsBody PeerState::match(TransferState* recv, const wire::RtsBody& rts, Tr
     *release_now = recv;
     return cts;
   }
-  recv->bytes = rts.length;
+  recv->bytes.store(rts.length, std::memory_order_release);
   if (rts.length == 0) {
     *release_now = recv;
     return cts;
@@ -549,9 +549,9 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
       if (cts.status != 0) {
         t->record_error(Status(static_cast<Code>(cts.status),
                                "peer '" + info_.name + "' posted a recv too small for this " +
-                                   std::to_string(t->bytes) + "-byte message (tag " + std::to_string(t->tag) + ")"));
+                                   std::to_string(t->bytes.load()) + "-byte message (tag " + std::to_string(t->tag) + ")"));
         t->release();
-      } else if (t->bytes == 0) {
+      } else if (t->bytes.load() == 0) {
         t->release();
       } else {
         t->segments[0].region_id = cts.token;

@@ -61,7 +61,7 @@ constexpr uint64_t kSpinMaxBytes = 256 << 10;  // larger transfers take long eno
 Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  if (!is_finished() && spin_us > 0 && bytes <= kSpinMaxBytes) {
+  if (!is_finished() && spin_us > 0 && bytes.load(std::memory_order_relaxed) <= kSpinMaxBytes) {
     if (g_spinners.fetch_add(1, std::memory_order_relaxed) == 0) {
       const auto spin_end = start + std::chrono::microseconds(spin_us);
       while (!is_finished() && Clock::now() < spin_end) {

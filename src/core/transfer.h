@@ -29,7 +29,8 @@ struct Segment {
 
 struct TransferState {
   OpKind op = OpKind::kWrite;
-  uint64_t bytes = 0;
+  // Payload bytes; for a recv, set by the control thread when a message matches (so atomic).
+  std::atomic<uint64_t> bytes{0};
   std::vector<Segment> segments;
   std::vector<std::shared_ptr<RegionState>> local_pins;  // unpinned when finished
   std::string notify;          // delivered after the data (writes) or alone (kNotify)

@@ -1,0 +1,151 @@
+"""NIXL with its UCX backend, host memory (DRAM descriptors), between two local processes.
+
+    python nixl_driver.py tcp      # UCX_TLS=tcp UCX_NET_DEVICES=lo: the TCP row
+    python nixl_driver.py default  # UCX picks; on one host that is a same-host copy path, not TCP
+
+Each op is one NIXL transfer request, prepared once per workload and re-posted (NIXL's intended
+use); the 128-block batch is one request with 128 descriptors; "8 in flight" keeps 8 requests.
+Which UCX transport actually carried the writes is read from UCX's own protocol report
+(UCX_PROTO_INFO) and shown in the system name.
+"""
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import re
+import sys
+import tempfile
+
+import numpy as np
+
+from common import CAPACITY, PIPE_TIMEOUT, POISON, WORKLOADS, checked_write, emit, layout, measure, quiet_stdout, serve
+
+VARIANTS = {"tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "default": {}}
+
+
+def _agent(name: str, progress_thread: bool):
+    from nixl._api import nixl_agent, nixl_agent_config
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+
+
+def _register(agent, buf: np.ndarray) -> None:
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+
+
+def target(conn) -> None:
+    try:
+        # The target's Python thread only waits on its pipe, so UCX needs the progress thread to take
+        # in TCP data. It busy-polls (the Python API sets no delay): one core, all the time.
+        agent = _agent("bench-target", progress_thread=True)
+        buf = np.full(CAPACITY, POISON, dtype=np.uint8)
+        _register(agent, buf)
+        conn.send(("ok", agent.get_agent_metadata(), buf.ctypes.data))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}", 0))
+        os._exit(0)
+    serve(conn, buf)
+    os._exit(0)  # nixl-cu13 1.5.1 segfaults in its exit-time teardown, even for an idle agent
+
+
+def put_paths(logdir: str) -> str:
+    """UCX transports chosen for ucp_put to the other process ('cma/memory', 'tcp/lo', ...), from
+    the UCX_PROTO_INFO tables: a header '<worker> <intra-node|inter-node|self> cfg#N', then
+    '| remote memory write by ucp_put* ...', then rows '| range | description | transport |'."""
+    found: set[str] = set()
+    for path in glob.glob(os.path.join(logdir, "*")):
+        lines = open(path, errors="replace").read().splitlines()
+        for i, line in enumerate(lines):
+            if "remote memory write by ucp_put" not in line or " self " in lines[i - 1]:
+                continue
+            started = False  # data rows come after the column titles; the table ends with them
+            for row in lines[i + 1:]:
+                cells = [c.strip() for c in row.split("|")[1:-1]]
+                if len(cells) == 3 and re.match(r"\d", cells[0]):
+                    found.add(cells[2])
+                    started = True
+                elif started:
+                    break
+    return ", ".join(sorted(found)) or "path not reported"
+
+
+def main(variant: str) -> int:
+    quiet_stdout()
+    for key in ("UCX_TLS", "UCX_NET_DEVICES"):
+        os.environ.pop(key, None)
+    os.environ.update(VARIANTS[variant])
+    logdir = tempfile.mkdtemp(prefix="nixl-ucx-")
+    os.environ.update(UCX_PROTO_INFO="y", UCX_LOG_FILE=os.path.join(logdir, "ucx.%p.log"))
+    system = "NIXL/UCX " + ("UCX_TLS=tcp" if variant == "tcp" else "default")
+    try:
+        import nixl._api  # noqa: F401
+    except Exception as e:
+        emit(system, "not run", note=f"import nixl._api failed: {e}")
+        return 0
+    ctx = mp.get_context("spawn")  # the target inherits the UCX environment set above
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child,), daemon=True)
+    proc.start()
+    try:
+        if not conn.poll(PIPE_TIMEOUT):
+            raise TimeoutError("target agent did not start")
+        status, metadata, raddr = conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"target: {metadata}")
+        # No progress thread here: a second spinning thread on a 2-core host pushed 64 KiB writes
+        # from ~0.1 ms to 4-8 ms. The initiator progresses UCX itself in check_xfer_state().
+        agent = _agent("bench-initiator", progress_thread=False)
+        src = np.zeros(CAPACITY, dtype=np.uint8)
+        _register(agent, src)
+        remote_name = agent.add_remote_agent(metadata)
+    except Exception as e:
+        emit(system, "not run", note=f"start failed: {type(e).__name__}: {e}")
+        proc.kill()
+        return 0
+
+    rng = np.random.default_rng()
+    base = src.ctypes.data
+    named = False
+    for w in WORKLOADS:
+        handles = []
+        try:
+            blocks = layout(w, rng)
+            local = agent.get_xfer_descs([(base + lo, n, 0) for lo, _, n in blocks], "DRAM")
+            remote = agent.get_xfer_descs([(raddr + ro, n, 0) for _, ro, n in blocks], "DRAM")
+            handles = [agent.initialize_xfer("WRITE", local, remote, remote_name) for _ in range(max(1, w.depth))]
+
+            def post(i):
+                h = handles[i % len(handles)]  # measure() has waited for op i - depth already
+                s = agent.transfer(h)
+                if s == "ERR":
+                    raise RuntimeError("transfer() returned ERR")
+                return h if s == "PROC" else None
+
+            def wait(h):
+                if h is None:  # done inside transfer() already
+                    return
+                while (s := agent.check_xfer_state(h)) == "PROC":
+                    os.sched_yield()  # as for Mooncake: leave the CPU to UCX's threads
+                if s != "DONE":
+                    raise RuntimeError(f"check_xfer_state returned {s}")
+
+            ok = checked_write(conn, src, blocks, lambda: wait(post(0)), rng)
+            if not named:  # the first write has made UCX choose (and report) its put transport
+                system += f" ({put_paths(logdir)})"
+                named = True
+            emit(system, w.name, ok, **measure(w, post, wait))
+        except Exception as e:
+            emit(system, w.name, note=f"{type(e).__name__}: {e}")
+        for h in handles:
+            h.release()
+    conn.send(("exit",))
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see target(): skip the teardown that crashes
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "tcp"))

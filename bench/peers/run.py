@@ -1,0 +1,126 @@
+"""tether beside its peers: the same workloads, one run, one machine, TCP loopback, one table.
+
+    cd /work/main && PYTHONPATH=python python3 bench/peers/run.py [--json PATH] [--only NAME ...]
+
+Rows: iperf3 (the raw TCP ceiling), tether, Mooncake Transfer Engine (tcp), NIXL/UCX forced onto
+TCP, NIXL/UCX with UCX's own choice (a same-host copy path, not TCP: shown so, for reference), and
+NCCL send/recv where there are two GPUs. Each system runs in its own driver process (X_driver.py)
+under a time limit; a peer that is missing, fails or hangs becomes a row saying so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+HERE = Path(__file__).resolve().parent
+DRIVER_TIMEOUT = 150  # seconds per driver; the slowest (NIXL over TCP) needs about a minute
+
+# (name for --only, driver file, its arguments, system name for a row if it yields none)
+DRIVERS = [
+    ("tether", "tether_driver.py", [], "tether (tcp)"),
+    ("mooncake", "mooncake_driver.py", [], "Mooncake TE (tcp)"),
+    ("nixl-tcp", "nixl_driver.py", ["tcp"], "NIXL/UCX UCX_TLS=tcp"),
+    ("nixl-default", "nixl_driver.py", ["default"], "NIXL/UCX default"),
+    ("nccl", "nccl_driver.py", [], "NCCL send/recv"),
+]
+PACKAGES = ["mooncake-transfer-engine-non-cuda", "nixl", "nixl-cu13", "torch", "numpy"]
+
+
+def iperf3_row() -> dict:
+    row = {"system": "iperf3 (1 stream, -l 1M, 5 s)", "workload": "TCP stream", "verified": None}
+    try:
+        sys.path.insert(0, str(HERE.parent))
+        from compare_tcp import iperf3
+        gbps = iperf3()
+    except Exception as e:  # a failed iperf3 is a row, not a crash
+        return {**row, "note": f"failed: {type(e).__name__}: {e}"}
+    return {**row, "gbps": gbps} if gbps else {**row, "note": "iperf3 not installed"}
+
+
+def run_driver(script: str, args: list[str], system: str, console: Console) -> list[dict]:
+    """Runs one driver in its own session (so a hung peer and its children can be killed as a
+    group) and returns the rows it printed, plus a row saying why if it failed or timed out."""
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, str(HERE / script), *args], stdout=subprocess.PIPE,
+                            stderr=err, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=DRIVER_TIMEOUT)
+        problem = f"driver exited with {proc.returncode}" if proc.returncode else None
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        problem = f"killed after {DRIVER_TIMEOUT} s"
+    rows = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
+    if problem or not rows:
+        err.seek(0)
+        tail = [line for line in err.read().decode(errors="replace").splitlines() if line.strip()][-1:]
+        note = "; ".join([problem or "driver printed no rows", *tail])
+        console.print(f"[yellow]{script} {' '.join(args)}: {note}[/]")
+        rows.append({"system": rows[-1]["system"] if rows else system, "workload": "stopped",
+                     "verified": None, "note": note})
+    return rows
+
+
+def fmt_us(v) -> str:
+    return "" if v is None else f"{v:.1f}" if v < 1000 else f"{v:,.0f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="also write the rows and the machine's details here")
+    ap.add_argument("--only", nargs="+", choices=["iperf3"] + [d[0] for d in DRIVERS], help="run only these")
+    args = ap.parse_args()
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    log = Console(stderr=True)
+    wanted = set(args.only or ["iperf3"] + [d[0] for d in DRIVERS])
+    t0 = time.time()
+    rows = []
+    if "iperf3" in wanted:
+        log.log("iperf3")
+        rows.append(iperf3_row())
+    for name, script, dargs, system in DRIVERS:
+        if name in wanted:
+            log.log(name)
+            rows.extend(run_driver(script, dargs, system, log))
+
+    table = Table(title=f"tether vs peers, TCP loopback, two processes, host memory — {os.cpu_count()} CPUs, "
+                        f"{time.strftime('%Y-%m-%d %H:%M')}, {time.time() - t0:.0f} s")
+    for col in ("system", "workload", "GB/s", "p50 µs", "p99 µs", "verified"):
+        table.add_column(col, justify="left" if col in ("system", "workload") else "right")
+    for i, r in enumerate(rows):
+        workload = r["workload"] + (f": {r['note']}" if r.get("note") else "")
+        small = r["workload"].startswith("8 B")  # a latency workload: its GB/s says nothing
+        gbps = "" if small or r.get("gbps") is None else f"{r['gbps']:.2f}"
+        verified = {None: "-", True: "ok", False: "FAILED"}[r["verified"]]
+        first = i == 0 or rows[i - 1]["system"] != r["system"]
+        last = i == len(rows) - 1 or rows[i + 1]["system"] != r["system"]
+        table.add_row(r["system"] if first else "", workload, gbps, fmt_us(r.get("p50_us")),
+                      fmt_us(r.get("p99_us")), verified, end_section=last)
+    console.print(table)
+    if args.json:
+        versions = {}
+        for p in PACKAGES:
+            try:
+                versions[p] = metadata.version(p)
+            except metadata.PackageNotFoundError:
+                versions[p] = None
+        machine = {"hostname": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                   "python": platform.python_version(), "packages": versions, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    return 1 if any(r["verified"] is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

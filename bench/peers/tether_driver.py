@@ -1,0 +1,43 @@
+"""tether over TCP loopback (default options), driven by its own bench module so its rows match
+`tether bench` and bench/compare_tcp.py. Each workload runs twice: a one-op case with check=True
+(random source, poisoned target, target-side hash compared with the source's), then the timed case.
+"""
+from __future__ import annotations
+
+import sys
+
+from common import CAPACITY, WORKLOADS, emit, quiet_stdout
+
+SYSTEM = "tether (tcp)"
+
+
+def main() -> int:
+    quiet_stdout()
+    try:
+        from tether import bench as B
+    except Exception as e:
+        emit(SYSTEM, "not run", note=f"import tether failed (PYTHONPATH=python?): {e}")
+        return 0
+    try:
+        pair = B.LocalPair({}, CAPACITY)
+    except Exception as e:
+        emit(SYSTEM, "not run", note=f"start failed: {type(e).__name__}: {e}")
+        return 0
+    try:
+        for w in WORKLOADS:
+            def case(check: bool, iters: int, warmup: int):
+                return B.Case(mode="write", size=w.size, num_iovs=w.blocks, iters=iters, warmup=warmup,
+                              async_depth=w.depth, check=check)
+            try:
+                ok = B.run_case(pair, case(True, 1, 0)).check
+                r = B.run_case(pair, case(False, w.iters, w.warmup))
+                emit(SYSTEM, w.name, ok, gbps=r.gbps, p50_us=r.lat_p50_us, p99_us=r.lat_p99_us)
+            except Exception as e:
+                emit(SYSTEM, w.name, note=f"{type(e).__name__}: {e}")
+    finally:
+        pair.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
