@@ -509,12 +509,14 @@ void EndpointImpl::finish_accept(Pending& p) {
   auto peer = it->second;
   peer->lane_fds[h.lane] = fd;
   sys::tune_data_socket(fd);
+  bool complete = true;
+  for (int lfd : peer->lane_fds) complete &= lfd >= 0;
+  if (complete) {  // publish before the last answer: when connect() returns there, peers() shows it here
+    accepting_.erase(it);
+    transport_->attach(peer, peer->lane_fds);
+    adopt_peer(peer);
+  }
   ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
-  for (int lfd : peer->lane_fds)
-    if (lfd < 0) return;
-  accepting_.erase(it);
-  transport_->attach(peer, peer->lane_fds);
-  adopt_peer(peer);
 }
 
 void EndpointImpl::control_readable(PeerState& peer) {
