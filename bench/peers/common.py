@@ -32,14 +32,15 @@ class Workload:
     depth: int     # 0: one op at a time; N: up to N ops in flight
 
 
-# Iterations are sized so the slowest peer (about 0.3 GB/s, 120 µs per small op here) finishes a
-# workload in seconds and the whole run stays under about three minutes.
+# The iteration counts of bench/compare_tcp.py (so tether's rows match docs/PERFORMANCE.md); the
+# slowest peer here (about 0.5 GB/s, 100 µs per small op) still finishes each workload in seconds
+# and the whole run takes about a minute and a half.
 WORKLOADS = [
-    Workload("256 MiB write", 256 << 20, 1, 8, 2, 0),
-    Workload("128 x 1.15 MB writev", 1179648, 128, 8, 2, 0),
-    Workload("64 KiB write", 64 << 10, 1, 2000, 100, 0),
-    Workload("64 KiB write, 8 in flight", 64 << 10, 1, 2000, 100, 8),
-    Workload("8 B write", 8, 1, 5000, 200, 0),
+    Workload("256 MiB write", 256 << 20, 1, 10, 2, 0),
+    Workload("128 x 1.15 MB writev", 1179648, 128, 10, 2, 0),
+    Workload("64 KiB write", 64 << 10, 1, 5000, 200, 0),
+    Workload("64 KiB write, 8 in flight", 64 << 10, 1, 5000, 200, 8),
+    Workload("8 B write", 8, 1, 20000, 1000, 0),
 ]
 
 

@@ -131,7 +131,8 @@ def main(variant: str) -> int:
 
             ok = checked_write(conn, src, blocks, lambda: wait(post(0)), rng)
             if not named:  # the first write has made UCX choose (and report) its put transport
-                system += f" ({put_paths(logdir)})"
+                path = put_paths(logdir)
+                system += f" ({path}{'' if 'tcp' in path else ', not TCP'})"
                 named = True
             emit(system, w.name, ok, **measure(w, post, wait))
         except Exception as e:

@@ -95,8 +95,9 @@ def main() -> int:
             log.log(name)
             rows.extend(run_driver(script, dargs, system, log))
 
-    table = Table(title=f"tether vs peers, TCP loopback, two processes, host memory — {os.cpu_count()} CPUs, "
-                        f"{time.strftime('%Y-%m-%d %H:%M')}, {time.time() - t0:.0f} s")
+    table = Table(title=f"tether vs peers: two processes on one host, host memory, TCP loopback unless the "
+                        f"system says otherwise — {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, "
+                        f"{time.time() - t0:.0f} s")
     for col in ("system", "workload", "GB/s", "p50 µs", "p99 µs", "verified"):
         table.add_column(col, justify="left" if col in ("system", "workload") else "right")
     for i, r in enumerate(rows):

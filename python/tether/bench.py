@@ -145,35 +145,33 @@ class NotifyChannel:
 
 # ---------------------------------------------------------------- server side
 
-def serve(ep: "tether.Endpoint", channel, capacity: int = 0) -> bool:
+def serve(ep: "tether.Endpoint", channel) -> bool:
     """Target side: answers one client's commands until 'exit' (returns False) or 'shutdown' (True).
-    ('setup', capacity) (re)allocates the target buffer and answers with its descriptor."""
-    buf = region = None
+    Every command is (name, slot, *args): a slot is one target buffer (full mesh drives several);
+    ('setup', slot, capacity) (re)allocates it and answers with its descriptor."""
+    slots: dict[int, tuple[np.ndarray, "tether.Region"]] = {}
     rng = np.random.default_rng()
 
-    def setup(n: int):
-        nonlocal buf, region
-        if region is not None:
-            ep.deregister(region)
-        buf = np.empty(max(n, 1), dtype=np.uint8)
-        buf.fill(POISON)
-        region = ep.register(buf)
-        return region.descriptor()
+    def setup(slot: int, n: int):
+        if slot in slots:
+            ep.deregister(slots[slot][1])
+        b = np.empty(max(n, 1), dtype=np.uint8)
+        b.fill(POISON)
+        slots[slot] = (b, ep.register(b))
+        return slots[slot][1].descriptor()
 
-    if capacity:
-        setup(capacity)
     peer = getattr(channel, "peer", None)
     while True:
-        cmd, *args = channel.recv(timeout=24 * 3600)
+        cmd, slot, *args = channel.recv(timeout=24 * 3600)
         if cmd in ("exit", "shutdown"):
             return cmd == "shutdown"
         if peer is None:
             peer = getattr(channel, "peer", None) or ep.peers()[0]
         if cmd == "setup":
-            channel.send(setup(args[0]))
-        elif cmd == "descriptor":
-            channel.send(region.descriptor())
-        elif cmd == "cpu":
+            channel.send(setup(slot, args[0]))
+            continue
+        buf, region = slots[slot]
+        if cmd == "cpu":
             channel.send(cpu_seconds())
         elif cmd == "poison":
             buf[: args[0]].fill(POISON)
@@ -209,12 +207,12 @@ def serve(ep: "tether.Endpoint", channel, capacity: int = 0) -> bool:
             raise ValueError(f"unknown bench command {cmd!r}")
 
 
-def _local_server(conn, options: dict, capacity: int) -> None:
+def _local_server(conn, options: dict) -> None:
     ep = tether.Endpoint(**options)
     try:
         channel = PipeChannel(conn)
         conn.send(ep.metadata())
-        serve(ep, channel, 0)
+        serve(ep, channel)
     finally:
         ep.close()
 
@@ -222,21 +220,28 @@ def _local_server(conn, options: dict, capacity: int) -> None:
 # ---------------------------------------------------------------- client side
 
 class Pair:
-    """A connected client endpoint, a source buffer, and a server that owns the target buffer."""
+    """A connected client endpoint, a source buffer, and a server that owns the target buffer
+    (slot `slot` of the server; full mesh runs several slots over one link)."""
 
-    def __init__(self, ep: "tether.Endpoint", peer: "tether.Peer", channel, capacity: int, connect_ms: float):
+    def __init__(self, ep: "tether.Endpoint", peer: "tether.Peer", channel, capacity: int, connect_ms: float,
+                 slot: int = 0, lock=None):
         self.ep, self.peer, self.channel, self.capacity, self.connect_ms = ep, peer, channel, capacity, connect_ms
+        self.slot, self.lock = slot, lock
         self.remote = self.ask("setup", capacity)
         self.src = np.empty(capacity, dtype=np.uint8)
         self.src_region = ep.register(self.src)
 
-    def ask(self, *cmd):
-        self.channel.send(cmd)
-        return self.channel.recv()
+    def ask(self, cmd, *args):
+        if self.lock is None:
+            self.channel.send((cmd, self.slot, *args))
+            return self.channel.recv()
+        with self.lock:  # slots sharing one channel: keep each question next to its answer
+            self.channel.send((cmd, self.slot, *args))
+            return self.channel.recv()
 
     def close(self, shutdown: bool = False) -> None:
         try:
-            self.channel.send(("shutdown" if shutdown else "exit",))
+            self.channel.send(("shutdown" if shutdown else "exit", self.slot))
         except Exception:  # the server may be gone already; closing must not fail
             pass
         self.ep.close()
@@ -248,7 +253,7 @@ class LocalPair(Pair):
     def __init__(self, options: dict, capacity: int):
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_local_server, args=(child, options, capacity), daemon=True)
+        self.proc = ctx.Process(target=_local_server, args=(child, options), daemon=True)
         self.proc.start()
         channel = PipeChannel(conn)
         metadata = channel.recv(timeout=60)

@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Under torchrun (2 ranks) rank 0 is the client, rank 1 the server.")
     b.add_argument("--listen", default=None, metavar="HOST:PORT", help="server: where to listen (default 0.0.0.0:0)")
     b.add_argument("--peer", default=None, metavar="HOST:PORT", help="client: the server's address")
+    b.add_argument("--full-mesh", action="store_true", help="drive --gpus pairs at once; per-pair and aggregate rows")
+    b.add_argument("--gpus", type=int, default=2, help="pairs in a full mesh (pair i drives device i)")
+    b.add_argument("--single-process", action="store_true",
+                   help="full mesh: one process (one endpoint) per side for all pairs, not one per pair")
 
     d = sub.add_parser("doctor", help="what this machine offers and what tether will use")
     d.add_argument("--json", action="store_true")
@@ -156,11 +160,22 @@ def bench(args) -> int:
                async_depth=args.depth if args.async_api else 0, check=args.check)
         for m in modes for n in args.num_iovs for s in sizes if not (m == "send" and n != 1)
     ]
+    if args.full_mesh and (role != "local" or args.gpus < 1):
+        console.print("[red]--full-mesh runs locally (two hosts: start one bench pair per device) with --gpus >= 1[/red]")
+        return 2
     total_ops = len(combos) * sum(c.iters * (2 if c.check else 1) for c in cases_per_combo)
+    if args.full_mesh:
+        total_ops = len(combos) * len(cases_per_combo) * args.gpus
     t_start = time.perf_counter()
     with Progress(console=console, transient=True, disable=args.quiet) as progress:
         task = progress.add_task("bench", total=total_ops)
         for i, combo in enumerate(combos):
+            if args.full_mesh:
+                from tether import mesh
+
+                results.extend(mesh.run(args.gpus, combo, capacity, cases_per_combo, args.single_process,
+                                        progress=lambda: progress.advance(task)))
+                continue
             pair = B.LocalPair(combo, capacity) if role == "local" else B.RemotePair(combo, capacity, target)
             last = i == len(combos) - 1
             try:
@@ -175,6 +190,8 @@ def bench(args) -> int:
     table = Table(title=f"tether bench ({time.perf_counter() - t_start:.1f} s)")
     for col in ("mode", "transport", "device", "size", "num_iovs", "GB/s", "p50 µs", "p99 µs", "CPU% client", "CPU% server", "check"):
         table.add_column(col, justify="right")
+    if args.full_mesh:
+        table.add_column("pair")
     if len(combos) > 1:
         table.add_column("config")
     for r in results:
@@ -182,8 +199,10 @@ def bench(args) -> int:
                f"{r.lat_p50_us:.1f}", f"{r.lat_p99_us:.1f}", f"{r.cpu_client:.0f}",
                "-" if r.cpu_server != r.cpu_server else f"{r.cpu_server:.0f}",
                {None: "-", True: "ok", False: "[red]FAILED[/red]"}[r.check]]
+        if args.full_mesh:
+            row.append(str(r.config.get("pair")))
         if len(combos) > 1:
-            row.append(" ".join(f"{k}={v}" for k, v in r.config.items() if k != "connect_ms"))
+            row.append(" ".join(f"{k}={v}" for k, v in r.config.items() if k not in ("connect_ms", "pair", "mesh_s")))
         table.add_row(*row)
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 

@@ -84,7 +84,7 @@ class CorruptingPair(B.LocalPair):
     def ask(self, *cmd):
         if cmd[0] == "verify":
             spans = cmd[1]
-            self.channel.send(("corrupt", spans[len(spans) // 2][0] + 7))
+            self.channel.send(("corrupt", self.slot, spans[len(spans) // 2][0] + 7))
             self.channel.recv()
         return super().ask(*cmd)
 
@@ -180,3 +180,28 @@ def test_torchrun_two_ranks():
                        env=ENV, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count(" ok ") == 2
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["process-per-pair", "single-process"])
+def test_full_mesh(tmp_path, single):
+    out = tmp_path / "mesh.json"
+    args = ["bench", "--quiet", "--full-mesh", "--gpus", "3", "--sizes", "64K,1M", "--mode", "write,read",
+            "--iters", "3", "--check", "--json", str(out)] + (["--single-process"] if single else [])
+    r = run_cli(*args, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 4 * (3 + 1)  # 4 cases x (3 pairs + aggregate)
+    for k in range(4):
+        rows = results[4 * k: 4 * k + 4]
+        assert [x["config"]["pair"] for x in rows] == [0, 1, 2, "all"]
+        assert all(x["check"] is True for x in rows)
+        agg = rows[3]
+        # every pair moves the same bytes, so all bytes / slowest pair's time = 3 x the slowest rate
+        assert agg["iters"] == 9
+        assert agg["gbps"] == pytest.approx(3 * min(x["gbps"] for x in rows[:3]), rel=1e-6)
+
+
+def test_full_mesh_single_process_refuses_send():
+    r = run_cli("bench", "--quiet", "--full-mesh", "--single-process", "--mode", "send", "--sizes", "4K",
+                "--iters", "2", timeout=120)
+    assert r.returncode != 0 and "single-process" in r.stderr
