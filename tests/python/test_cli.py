@@ -205,3 +205,13 @@ def test_full_mesh_single_process_refuses_send():
     r = run_cli("bench", "--quiet", "--full-mesh", "--single-process", "--mode", "send", "--sizes", "4K",
                 "--iters", "2", timeout=120)
     assert r.returncode != 0 and "single-process" in r.stderr
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib not installed: --plot not exercised")
+    png = tmp_path / "bench.png"
+    r = run_cli("bench", "--quiet", "--sizes", "4K,64K,1M", "--iters", "3", "--mode", "write,read",
+                "--plot", str(png))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
