@@ -49,6 +49,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
 
   // Called by peers and transports.
   void wake_lanes(PeerState* peer, uint64_t chunks) { transport_->wake(peer, chunks); }
+  void poll_lane(PeerState* peer, uint32_t lane) { transport_->poll(peer, lane); }
   void wake_control();
   void push_notification(const PeerInfo& from, std::string data);
   void count_finished(bool ok);

@@ -53,6 +53,10 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
 
 uint32_t PeerState::spin_us() const { return endpoint_->config().spin_us; }
 
+void PeerState::poll(uint32_t lane) {
+  if (!failed()) endpoint_->poll_lane(this, lane);
+}
+
 PeerState::~PeerState() {
   // Closed only here, once no thread can still hold the numbers (see TcpTransport retire()).
   if (control_fd >= 0) ::close(control_fd);
@@ -267,6 +271,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     op->payload = has_payload ? s.local : nullptr;
     op->length = has_payload ? len : 0;
     t->pending.fetch_add(1, std::memory_order_relaxed);
+    t->lane_hint.store(lane, std::memory_order_relaxed);
 
     t->cur_offset += len;
     if (t->cur_offset == seg.length) {

@@ -65,9 +65,15 @@ Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us) {
     if (g_spinners.fetch_add(1, std::memory_order_relaxed) == 0) {
       const auto spin_end = start + std::chrono::microseconds(spin_us);
       while (!is_finished() && Clock::now() < spin_end) {
+        // Read the answer ourselves from the lane that carried our last chunk: no thread wake-up.
+        const uint32_t lane = lane_hint.load(std::memory_order_relaxed);
+        if (peer && lane != UINT32_MAX) {
+          peer->poll(lane);
+        } else {
 #if defined(__x86_64__)
-        __builtin_ia32_pause();
+          __builtin_ia32_pause();
 #endif
+        }
       }
     }
     g_spinners.fetch_sub(1, std::memory_order_relaxed);

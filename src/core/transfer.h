@@ -43,6 +43,7 @@ struct TransferState {
 
   // Chunks issued and not yet answered, plus one "hold" released when issuing ends.
   std::atomic<int64_t> pending{1};
+  std::atomic<uint32_t> lane_hint{UINT32_MAX};  // lane of the latest chunk: where its answer will come
   std::atomic<uint8_t> first_error{0};
 
   // Two-sided bookkeeping.

@@ -32,6 +32,9 @@ class Transport {
   virtual void attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& fds) = 0;
   // `chunks` new chunks are queued on `peer`; up to that many lanes with room should pull them.
   virtual void wake(core::PeerState* peer, uint64_t chunks) = 0;
+  // Called by a thread spinning on a small transfer: read lane `lane` of `peer` now, from the calling
+  // thread, if no other thread is reading it (saves waking a progress thread for the answer).
+  virtual void poll(core::PeerState* peer, uint32_t lane) = 0;
   // Stops every progress thread; lanes answer what they had in flight with kCancelled.
   virtual void stop() = 0;
 };

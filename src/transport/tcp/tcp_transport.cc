@@ -30,6 +30,7 @@ constexpr size_t kAnswerRing = 512;          // answers produced by rx, waiting 
 constexpr size_t kMaxIov = 64;
 constexpr uint64_t kRxBudget = 16ull << 20;  // bytes per lane per turn, for fairness
 constexpr uint64_t kTxBudget = 16ull << 20;
+constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: it wants its answer
 
 struct TxItem {
   FrameHeader hdr;
@@ -101,11 +102,14 @@ struct Lane {
   uint8_t rx_status = 0;
   RegionState* rx_pin = nullptr;
   TransferState* rx_recv = nullptr;
-  bool rx_paused = false;
-  uint32_t epoll_events = 0;
+  std::atomic<bool> rx_paused{false};   // no room to answer: stop reading until answers drain
+  std::atomic<bool> rx_owned{false};    // the progress thread, or a thread polling for its answer
+  uint32_t epoll_events = 0;            // progress thread only
 
   bool try_own() { return !tx_owned.exchange(true, std::memory_order_acquire); }
   void disown() { tx_owned.store(false, std::memory_order_seq_cst); }
+  bool try_own_rx() { return !rx_owned.exchange(true, std::memory_order_acquire); }
+  void disown_rx() { rx_owned.store(false, std::memory_order_release); }
   void queue(const TxItem& it) {
     tx[(tx_head + tx_count) % kTxRing] = it;
     ++tx_count;
@@ -183,6 +187,180 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
   return true;
 }
 
+// A lane whose socket failed: fail its peer (shutting down every socket of it) once.
+void kill_lane(Lane& l, Status why) {
+  if (l.dead.exchange(true)) return;
+  l.peer->fail(std::move(why));
+}
+
+bool on_header(Lane& l, core::EndpointImpl* ep);
+void payload_done(Lane& l, core::EndpointImpl* ep);
+
+// ---------------------------------------------------------------- receive
+
+// Reads and handles what the lane's socket holds, up to `budget` bytes. Caller owns rx.
+void receive(Lane& l, core::EndpointImpl* ep, uint64_t budget = kRxBudget) {
+  while (!l.dead.load(std::memory_order_relaxed) && !l.rx_paused.load(std::memory_order_relaxed) && budget > 0) {
+    const size_t buffered = l.rx_end - l.rx_begin;
+    if (l.rx_state != RxState::kHeader) {
+      size_t n;
+      if (buffered > 0) {
+        n = size_t(std::min<uint64_t>(buffered, l.rx_left));
+        if (l.rx_dest) std::memcpy(l.rx_dest, l.rx.get() + l.rx_begin, n);
+        l.rx_begin += n;
+      } else {
+        // Payload goes straight to its destination; discarded bytes through the buffer.
+        void* dst = l.rx_dest ? static_cast<void*>(l.rx_dest) : static_cast<void*>(l.rx.get());
+        size_t want = size_t(std::min<uint64_t>(l.rx_left, l.rx_dest ? l.rx_left : kRxBuffer));
+        ssize_t r = ::recv(l.fd, dst, want, MSG_DONTWAIT);
+        if (r == 0) { kill_lane(l, Status(Code::kConnectionLost, "peer '" + l.peer->info().name + "' closed a data connection")); return; }
+        if (r < 0) {
+          if (errno == EAGAIN || errno == EINTR) return;
+          kill_lane(l, Status(Code::kConnectionLost, "data connection to peer '" + l.peer->info().name + "': " + std::strerror(errno)));
+          return;
+        }
+        n = size_t(r);
+        l.rx_begin = l.rx_end = 0;
+      }
+      if (l.rx_dest) l.rx_dest += n;
+      l.rx_left -= n;
+      budget -= std::min<uint64_t>(budget, n);
+      if (l.rx_left == 0) payload_done(l, ep);
+      continue;
+    }
+    if (buffered >= sizeof(FrameHeader)) {
+      std::memcpy(&l.rx_hdr, l.rx.get() + l.rx_begin, sizeof(FrameHeader));
+      if (!on_header(l, ep)) return;  // paused (no room to answer) or dead
+      l.rx_begin += sizeof(FrameHeader);
+      budget -= std::min<uint64_t>(budget, sizeof(FrameHeader));
+      continue;
+    }
+    if (l.rx_begin > 0) {
+      std::memmove(l.rx.get(), l.rx.get() + l.rx_begin, buffered);
+      l.rx_begin = 0;
+      l.rx_end = buffered;
+    }
+    ssize_t r = ::recv(l.fd, l.rx.get() + l.rx_end, kRxBuffer - l.rx_end, MSG_DONTWAIT);
+    if (r == 0) { kill_lane(l, Status(Code::kConnectionLost, "peer '" + l.peer->info().name + "' closed a data connection")); return; }
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EINTR) return;
+      kill_lane(l, Status(Code::kConnectionLost, "data connection to peer '" + l.peer->info().name + "': " + std::strerror(errno)));
+      return;
+    }
+    l.rx_end += size_t(r);
+  }
+}
+
+// Returns false if the header was not consumed (paused for backpressure, or lane killed).
+bool on_header(Lane& l, core::EndpointImpl* ep) {
+  const FrameHeader& h = l.rx_hdr;
+  auto protocol_error = [&](const char* what) {
+    kill_lane(l, Status(Code::kProtocolError, std::string("peer '") + l.peer->info().name + "' sent " + what));
+    return false;
+  };
+  if (h.reserved != 0) return protocol_error("a malformed frame");
+  const auto type = static_cast<FrameType>(h.type);
+  const bool needs_answer = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kReadReq;
+  if (needs_answer && l.answers.full()) {
+    l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once answers have drained
+    return false;
+  }
+  auto& stats = ep->stats();
+  switch (type) {
+    case FrameType::kWrite:
+    case FrameType::kSendData: {
+      RegionState* pin = nullptr;
+      TransferState* recv = nullptr;
+      uint8_t* dest = nullptr;
+      Code c;
+      if (type == FrameType::kWrite) {
+        c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, true, &pin);
+        if (c == Code::kOk) dest = pin->base + h.offset;
+      } else {
+        c = l.peer->resolve_send_data(h.region_id, h.offset, h.length, &dest, &recv);
+      }
+      if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+      l.rx_status = static_cast<uint8_t>(c);
+      l.rx_pin = pin;
+      l.rx_recv = recv;
+      l.rx_dest = dest;  // null: discard the payload, then answer with the error
+      l.rx_left = h.length;
+      l.rx_state = c == Code::kOk ? RxState::kPayload : RxState::kDiscard;
+      if (l.rx_left == 0) payload_done(l, ep);
+      return true;
+    }
+    case FrameType::kReadReq: {
+      RegionState* pin = nullptr;
+      Code c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, false, &pin);
+      TxItem it{};
+      it.hdr.type = static_cast<uint8_t>(FrameType::kReadResp);
+      it.hdr.status = static_cast<uint8_t>(c);
+      it.hdr.slot = h.slot;
+      it.hdr.gen = h.gen;
+      if (c == Code::kOk) {
+        it.hdr.length = h.length;
+        it.payload = pin->base + h.offset;
+        it.length = h.length;
+        it.pin = pin;
+      } else {
+        stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+      }
+      l.answers.push(it);
+      return true;
+    }
+    case FrameType::kAck: {
+      if (l.peer->answer(l.index, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
+      return true;
+    }
+    case FrameType::kReadResp: {
+      if (h.status != 0) {
+        if (l.peer->answer(l.index, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
+        return true;
+      }
+      uint8_t* dest = nullptr;
+      if (l.peer->read_destination(l.index, h.slot, h.gen, h.length, &dest) != Code::kOk)
+        return protocol_error("read data for no read");
+      l.rx_dest = dest;
+      l.rx_left = h.length;
+      l.rx_status = 0;
+      l.rx_state = RxState::kPayload;
+      if (l.rx_left == 0) payload_done(l, ep);
+      return true;
+    }
+  }
+  return protocol_error("a frame of unknown type");
+}
+
+void payload_done(Lane& l, core::EndpointImpl* ep) {
+  const FrameHeader& h = l.rx_hdr;
+  l.rx_state = RxState::kHeader;
+  l.rx_dest = nullptr;
+  auto& stats = ep->stats();
+  const auto type = static_cast<FrameType>(h.type);
+  if (type == FrameType::kReadResp) {
+    stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+    stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    if (l.peer->answer(l.index, h.slot, h.gen, 0) != Code::kOk)
+      kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
+    return;
+  }
+  if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
+  if (l.rx_recv) {
+    l.peer->send_data_placed(l.rx_recv, h.length);
+    l.rx_recv = nullptr;
+  }
+  if (l.rx_status == 0) {
+    stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+    stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+  }
+  TxItem ack{};
+  ack.hdr.type = static_cast<uint8_t>(FrameType::kAck);
+  ack.hdr.status = l.rx_status;
+  ack.hdr.slot = h.slot;
+  ack.hdr.gen = h.gen;
+  l.answers.push(ack);
+}
+
 }  // namespace
 
 class ProgressThread {
@@ -231,10 +409,7 @@ class ProgressThread {
   void take_incoming();
   void update_events(Lane& l);
   void do_rx(Lane& l);
-  bool on_header(Lane& l);
-  void payload_done(Lane& l);
   void do_tx(Lane& l);
-  void kill(Lane& l, Status why);
   void retire(Lane& l);
 
   core::EndpointImpl* ep_;
@@ -251,7 +426,7 @@ class ProgressThread {
 
 void ProgressThread::update_events(Lane& l) {
   uint32_t ev = EPOLLRDHUP;
-  if (!l.rx_paused) ev |= EPOLLIN;
+  if (!l.rx_paused.load(std::memory_order_relaxed)) ev |= EPOLLIN;
   if (l.tx_backlog.load(std::memory_order_relaxed)) ev |= EPOLLOUT;
   if (ev == l.epoll_events) return;
   epoll_event e{};
@@ -299,18 +474,20 @@ void ProgressThread::run() {
     for (auto& l : lanes_) {
       if (l->dead.load(std::memory_order_relaxed)) continue;
       if (l->peer->failed()) {
-        kill(*l, l->peer->error());
+        kill_lane(*l, l->peer->error());
         continue;
       }
       do_tx(*l);
       // Resume what backpressure held back; rx may pause again at once, so loop a few times and,
       // if it still could resume, come back without sleeping.
-      for (int k = 0; k < 8 && l->rx_paused && !l->answers.full() && !l->dead.load(std::memory_order_relaxed); ++k) {
-        l->rx_paused = false;
+      for (int k = 0; k < 8 && l->rx_paused.load(std::memory_order_relaxed) && !l->answers.full() &&
+                      !l->dead.load(std::memory_order_relaxed);
+           ++k) {
+        l->rx_paused.store(false, std::memory_order_relaxed);
         do_rx(*l);
         do_tx(*l);
       }
-      if (l->rx_paused && !l->answers.full()) work_hint_.store(true, std::memory_order_relaxed);
+      if (l->rx_paused.load(std::memory_order_relaxed) && !l->answers.full()) work_hint_.store(true, std::memory_order_relaxed);
       if (!l->dead.load(std::memory_order_relaxed)) update_events(*l);
     }
     for (size_t i = 0; i < lanes_.size();) {
@@ -325,20 +502,22 @@ void ProgressThread::run() {
   }
   take_incoming();
   for (auto& l : lanes_) {
-    kill(*l, Status(Code::kCancelled, "endpoint closed"));
+    kill_lane(*l, Status(Code::kCancelled, "endpoint closed"));
     retire(*l);
   }
   lanes_.clear();
 }
 
-void ProgressThread::kill(Lane& l, Status why) {
-  if (l.dead.exchange(true)) return;
-  l.peer->fail(std::move(why));  // no-op if already failed; shuts down every socket of the peer
+void ProgressThread::do_rx(Lane& l) {
+  if (!l.try_own_rx()) return;  // a waiting thread is reading its answer; it gives rx back at once
+  receive(l, ep_);
+  l.disown_rx();
 }
 
 void ProgressThread::retire(Lane& l) {
   ::epoll_ctl(epfd_, EPOLL_CTL_DEL, l.fd, nullptr);
-  while (!l.try_own()) cpu_relax();  // a user thread may be mid-send; it holds tx for one sendmsg
+  while (!l.try_own()) cpu_relax();     // a user thread may be mid-send; it holds tx for one sendmsg
+  while (!l.try_own_rx()) cpu_relax();  // ... or reading its answer; it holds rx for one pass
   if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
   if (l.rx_recv) {
     l.rx_recv->record_error(l.peer->error());
@@ -363,172 +542,7 @@ void ProgressThread::do_tx(Lane& l) {
   Status err;
   const bool ok = drive_tx(l, ep_, &err);
   l.disown();
-  if (!ok) kill(l, err);
-}
-
-// ---------------------------------------------------------------- receive
-
-void ProgressThread::do_rx(Lane& l) {
-  uint64_t budget = kRxBudget;
-  while (!l.dead.load(std::memory_order_relaxed) && !l.rx_paused && budget > 0) {
-    const size_t buffered = l.rx_end - l.rx_begin;
-    if (l.rx_state != RxState::kHeader) {
-      size_t n;
-      if (buffered > 0) {
-        n = size_t(std::min<uint64_t>(buffered, l.rx_left));
-        if (l.rx_dest) std::memcpy(l.rx_dest, l.rx.get() + l.rx_begin, n);
-        l.rx_begin += n;
-      } else {
-        // Payload goes straight to its destination; discarded bytes through the buffer.
-        void* dst = l.rx_dest ? static_cast<void*>(l.rx_dest) : static_cast<void*>(l.rx.get());
-        size_t want = size_t(std::min<uint64_t>(l.rx_left, l.rx_dest ? l.rx_left : kRxBuffer));
-        ssize_t r = ::recv(l.fd, dst, want, MSG_DONTWAIT);
-        if (r == 0) { kill(l, Status(Code::kConnectionLost, "peer '" + l.peer->info().name + "' closed a data connection")); return; }
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EINTR) return;
-          kill(l, Status(Code::kConnectionLost, "data connection to peer '" + l.peer->info().name + "': " + std::strerror(errno)));
-          return;
-        }
-        n = size_t(r);
-        l.rx_begin = l.rx_end = 0;
-      }
-      if (l.rx_dest) l.rx_dest += n;
-      l.rx_left -= n;
-      budget -= std::min<uint64_t>(budget, n);
-      if (l.rx_left == 0) payload_done(l);
-      continue;
-    }
-    if (buffered >= sizeof(FrameHeader)) {
-      std::memcpy(&l.rx_hdr, l.rx.get() + l.rx_begin, sizeof(FrameHeader));
-      if (!on_header(l)) return;  // paused (no room to answer) or dead
-      l.rx_begin += sizeof(FrameHeader);
-      budget -= std::min<uint64_t>(budget, sizeof(FrameHeader));
-      continue;
-    }
-    if (l.rx_begin > 0) {
-      std::memmove(l.rx.get(), l.rx.get() + l.rx_begin, buffered);
-      l.rx_begin = 0;
-      l.rx_end = buffered;
-    }
-    ssize_t r = ::recv(l.fd, l.rx.get() + l.rx_end, kRxBuffer - l.rx_end, MSG_DONTWAIT);
-    if (r == 0) { kill(l, Status(Code::kConnectionLost, "peer '" + l.peer->info().name + "' closed a data connection")); return; }
-    if (r < 0) {
-      if (errno == EAGAIN || errno == EINTR) return;
-      kill(l, Status(Code::kConnectionLost, "data connection to peer '" + l.peer->info().name + "': " + std::strerror(errno)));
-      return;
-    }
-    l.rx_end += size_t(r);
-  }
-}
-
-// Returns false if the header was not consumed (paused for backpressure, or lane killed).
-bool ProgressThread::on_header(Lane& l) {
-  const FrameHeader& h = l.rx_hdr;
-  auto protocol_error = [&](const char* what) {
-    kill(l, Status(Code::kProtocolError, std::string("peer '") + l.peer->info().name + "' sent " + what));
-    return false;
-  };
-  if (h.reserved != 0) return protocol_error("a malformed frame");
-  const auto type = static_cast<FrameType>(h.type);
-  const bool needs_answer = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kReadReq;
-  if (needs_answer && l.answers.full()) {
-    l.rx_paused = true;  // resumes once answers have drained
-    return false;
-  }
-  auto& stats = ep_->stats();
-  switch (type) {
-    case FrameType::kWrite:
-    case FrameType::kSendData: {
-      RegionState* pin = nullptr;
-      TransferState* recv = nullptr;
-      uint8_t* dest = nullptr;
-      Code c;
-      if (type == FrameType::kWrite) {
-        c = ep_->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, true, &pin);
-        if (c == Code::kOk) dest = pin->base + h.offset;
-      } else {
-        c = l.peer->resolve_send_data(h.region_id, h.offset, h.length, &dest, &recv);
-      }
-      if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
-      l.rx_status = static_cast<uint8_t>(c);
-      l.rx_pin = pin;
-      l.rx_recv = recv;
-      l.rx_dest = dest;  // null: discard the payload, then answer with the error
-      l.rx_left = h.length;
-      l.rx_state = c == Code::kOk ? RxState::kPayload : RxState::kDiscard;
-      if (l.rx_left == 0) payload_done(l);
-      return true;
-    }
-    case FrameType::kReadReq: {
-      RegionState* pin = nullptr;
-      Code c = ep_->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, false, &pin);
-      TxItem it{};
-      it.hdr.type = static_cast<uint8_t>(FrameType::kReadResp);
-      it.hdr.status = static_cast<uint8_t>(c);
-      it.hdr.slot = h.slot;
-      it.hdr.gen = h.gen;
-      if (c == Code::kOk) {
-        it.hdr.length = h.length;
-        it.payload = pin->base + h.offset;
-        it.length = h.length;
-        it.pin = pin;
-      } else {
-        stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
-      }
-      l.answers.push(it);
-      return true;
-    }
-    case FrameType::kAck: {
-      if (l.peer->answer(l.index, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
-      return true;
-    }
-    case FrameType::kReadResp: {
-      if (h.status != 0) {
-        if (l.peer->answer(l.index, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
-        return true;
-      }
-      uint8_t* dest = nullptr;
-      if (l.peer->read_destination(l.index, h.slot, h.gen, h.length, &dest) != Code::kOk)
-        return protocol_error("read data for no read");
-      l.rx_dest = dest;
-      l.rx_left = h.length;
-      l.rx_status = 0;
-      l.rx_state = RxState::kPayload;
-      if (l.rx_left == 0) payload_done(l);
-      return true;
-    }
-  }
-  return protocol_error("a frame of unknown type");
-}
-
-void ProgressThread::payload_done(Lane& l) {
-  const FrameHeader& h = l.rx_hdr;
-  l.rx_state = RxState::kHeader;
-  l.rx_dest = nullptr;
-  auto& stats = ep_->stats();
-  const auto type = static_cast<FrameType>(h.type);
-  if (type == FrameType::kReadResp) {
-    stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
-    stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
-    if (l.peer->answer(l.index, h.slot, h.gen, 0) != Code::kOk)
-      kill(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
-    return;
-  }
-  if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
-  if (l.rx_recv) {
-    l.peer->send_data_placed(l.rx_recv, h.length);
-    l.rx_recv = nullptr;
-  }
-  if (l.rx_status == 0) {
-    stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
-    stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
-  }
-  TxItem ack{};
-  ack.hdr.type = static_cast<uint8_t>(FrameType::kAck);
-  ack.hdr.status = l.rx_status;
-  ack.hdr.slot = h.slot;
-  ack.hdr.gen = h.gen;
-  l.answers.push(ack);
+  if (!ok) kill_lane(l, err);
 }
 
 // ---------------------------------------------------------------- transport
@@ -584,6 +598,17 @@ void TcpTransport::wake(PeerState* peer, uint64_t chunks) {
   const size_t k = size_t(std::min<uint64_t>(std::max<uint64_t>(chunks, 1), n));
   const uint32_t first = next_wake_.fetch_add(1, std::memory_order_relaxed);
   for (size_t i = 0; i < k; ++i) threads_[(first + i) % n]->wake();
+}
+
+void TcpTransport::poll(PeerState* peer, uint32_t lane) {
+  auto* state = static_cast<TcpPeerLanes*>(peer->transport_state.get());
+  if (!state || lane >= state->lanes.size()) return;
+  std::shared_ptr<Lane> l = state->lanes[lane].lock();
+  if (!l || l->dead.load(std::memory_order_relaxed) || !l->try_own_rx()) return;
+  if (!l->dead.load(std::memory_order_relaxed)) receive(*l, endpoint_, kPollBudget);
+  l->disown_rx();
+  // Answers this read produced (acks for the peer's own writes) go out from the progress thread.
+  if (!l->answers.empty() || l->rx_paused.load(std::memory_order_relaxed)) l->thread->wake();
 }
 
 void TcpTransport::stop() {

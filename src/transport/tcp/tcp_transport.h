@@ -28,6 +28,7 @@ class TcpTransport final : public Transport {
   Caps caps() const override { return Caps{true, false, false, false}; }
   void attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& fds) override;
   void wake(core::PeerState* peer, uint64_t chunks) override;
+  void poll(core::PeerState* peer, uint32_t lane) override;
   void stop() override;
 
  private:
