@@ -17,6 +17,10 @@ import numpy as np
 from common import CAPACITY, POISON, WORKLOADS, emit, layout, measure, quiet_stdout
 
 SYSTEM = "NCCL send/recv (GPU memory)"
+# `socket` mode: NCCL's own TCP path (the baseline tether's GPU-over-TCP issue is measured against):
+# no NVLink/P2P, no shared memory, no InfiniBand; 4 helper threads x 4 sockets on loopback.
+SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
+              "NCCL_SOCKET_IFNAME": "lo", "NCCL_NSOCKS_PERTHREAD": "4", "NCCL_SOCKET_NTHREADS": "4"}
 RESULT_TIMEOUT = 120.0
 
 
@@ -91,7 +95,13 @@ def rank_main(rank: int, port: int, results) -> None:
 
 
 def main() -> int:
+    global SYSTEM
     quiet_stdout()
+    if "socket" in sys.argv[1:]:
+        import os
+
+        os.environ.update(SOCKET_ENV)  # inherited by the spawned ranks before NCCL initialises
+        SYSTEM = "NCCL send/recv, socket transport forced (GPU memory)"
     why = _why_not()
     if why:
         emit(SYSTEM, "not run", note=why)

@@ -34,6 +34,7 @@ DRIVERS = [
     ("nixl-tcp", "nixl_driver.py", ["tcp"], "NIXL/UCX UCX_TLS=tcp"),
     ("nixl-default", "nixl_driver.py", ["default"], "NIXL/UCX default"),
     ("nccl", "nccl_driver.py", [], "NCCL send/recv"),
+    ("nccl-socket", "nccl_driver.py", ["socket"], "NCCL send/recv, socket transport forced"),
 ]
 PACKAGES = ["mooncake-transfer-engine-non-cuda", "nixl", "nixl-cu13", "torch", "numpy"]
 

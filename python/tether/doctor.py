@@ -94,6 +94,39 @@ def affinity(gpus: list[dict], nics: list[dict]) -> dict[int, list[str]]:
     return out
 
 
+def _nccl_net_plugins() -> list[str]:
+    """NCCL network plugins (libnccl-net*.so) where NCCL would look, plus NCCL_NET_PLUGIN's choice."""
+    import site
+    import sysconfig
+
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    dirs += ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/lib", "/usr/local/nvidia/lib64",
+             "/usr/local/tcpx/lib64", "/var/lib/tcpx/lib64"]
+    for sp in site.getsitepackages() + [sysconfig.get_paths()["purelib"]]:
+        dirs.append(os.path.join(sp, "nvidia", "nccl", "lib"))
+    found = set()
+    for d in dirs:
+        found.update(glob.glob(os.path.join(d, "libnccl-net*.so*")))
+    chosen = os.environ.get("NCCL_NET_PLUGIN")
+    if chosen and os.path.exists(chosen):
+        found.add(os.path.abspath(chosen))
+    return sorted(found)
+
+
+def _fabric_providers() -> list[str] | None:
+    """Provider names from `fi_info -l` (libfabric-bin), or None where it cannot tell."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("fi_info"):
+        return None
+    try:
+        out = subprocess.run(["fi_info", "-l"], capture_output=True, text=True, timeout=20).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return sorted({line.strip().rstrip(":") for line in out.splitlines() if line.strip().endswith(":")})
+
+
 # tether asks for socket_buffer (4 MiB by default) per data socket; the kernel caps it at these.
 SOCKET_BUFFER = 4 << 20
 SYSCTLS = {
@@ -134,6 +167,8 @@ def collect() -> dict[str, Any]:
         "gpu_nic_affinity": {str(k): v for k, v in affinity(gpus, nics).items()},
         "cuda": bool(cuda),
         "libfabric": fabric,
+        "libfabric_providers": _fabric_providers() if fabric else None,
+        "nccl_net_plugins": _nccl_net_plugins(),
         "sysctls": sysctls,
         "transports": transports,
         "env": {k: v for k, v in os.environ.items() if k.startswith("TETHER_") and "TOKEN" not in k},
@@ -156,6 +191,10 @@ def render(report: dict[str, Any]) -> None:
     c.print(f"[bold]tether {report['tether']}[/bold] (wire version {report['wire_version']})")
     c.print(f"CPUs: {report['cpus']}, NUMA nodes: {report['numa_nodes']}; GPUs: {len(report['gpus']) or 'none'};"
             f" CUDA: {'yes' if report['cuda'] else 'no'}; libfabric: {report['libfabric'] or 'not found'}")
+    if report["libfabric"]:
+        prov = report["libfabric_providers"]
+        c.print("libfabric providers: " + (", ".join(prov) if prov else "unknown (install libfabric-bin for fi_info)"))
+    c.print("NCCL net plugins: " + (", ".join(report["nccl_net_plugins"]) or "none found"))
     if report["gpus"]:
         t = _table("GPUs", "index", "name", "memory", "PCI", "NUMA", "nearest NICs")
         for g in report["gpus"]:
