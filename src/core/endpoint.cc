@@ -302,7 +302,6 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   std::memcpy(info.endpoint.data(), sh.endpoint_id, 16);
   info.name = read_name(sh.name);
   info.same_host = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
-  info.initiator = true;
   info.heartbeat_ms = heartbeat_for(sh.peer_timeout_ms);
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, lanes);
   peer->control_fd = fds[0];

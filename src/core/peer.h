@@ -31,7 +31,6 @@ struct PeerInfo {
   EndpointId endpoint{};
   std::string name;
   bool same_host = false;
-  bool initiator = false;  // we connected (vs accepted)
   uint32_t heartbeat_ms = 1000;  // ours, or sooner if the other side's peer_timeout needs it
 };
 
