@@ -313,7 +313,8 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
       return Status(Code::kCancelled, "endpoint closed");  // peer's destructor closes the sockets
     }
     transport_->attach(peer, peer->lane_fds);  // before anyone can post on the peer
-    to_adopt_.push_back(peer);
+    peers_[info.id] = peer;                    // visible to peers() and deregister() at once
+    to_adopt_.push_back(peer);                 // the control thread starts reading its control socket
   }
   wake_control();
   return Peer(peer);
@@ -332,15 +333,14 @@ Status EndpointImpl::deregister(const Region& region) {
   return Status::ok();
 }
 
-// Control thread: starts serving the peer's control socket and publishes it in peers().
-// Its lanes are attached to the transport before this, so posting on it is safe at once.
+// Control thread: starts serving a published peer's control socket. A peer that failed already is
+// skipped: reap() has taken it out of peers_, and a registration now would never be removed.
 void EndpointImpl::adopt_peer(const std::shared_ptr<PeerState>& peer) {
+  if (peer->failed()) return;
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP;
   ev.data.u64 = peer->info().id;
   ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, peer->control_fd, &ev);
-  std::lock_guard lock(peers_mu_);
-  peers_[peer->info().id] = peer;
 }
 
 // ---------------------------------------------------------------- control thread
@@ -513,6 +513,10 @@ void EndpointImpl::finish_accept(Pending& p) {
   if (complete) {  // publish before the last answer: when connect() returns there, peers() shows it here
     accepting_.erase(it);
     transport_->attach(peer, peer->lane_fds);
+    {
+      std::lock_guard lock(peers_mu_);
+      peers_[peer->info().id] = peer;
+    }
     adopt_peer(peer);
   }
   ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
