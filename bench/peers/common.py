@@ -139,3 +139,22 @@ def quiet_stdout() -> None:
     global _rows_out
     _rows_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+
+
+def start_target(target: Callable, what: str):
+    """Spawns the target side (`target(conn)`), waits for its ("ok", peer info, remote address) or
+    ("error", message, None). Returns (process, pipe, peer info, remote address); raises on failure."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # the target inherits the environment set so far
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child,), daemon=True)
+    proc.start()
+    if not conn.poll(PIPE_TIMEOUT):
+        proc.kill()
+        raise TimeoutError(f"target {what} did not start")
+    status, info, raddr = conn.recv()
+    if status != "ok":
+        proc.kill()
+        raise RuntimeError(f"target: {info}")
+    return proc, conn, info, raddr

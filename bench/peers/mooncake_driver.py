@@ -6,13 +6,13 @@ Writes use the sync calls (transfer_sync_write; batch_transfer_sync_write for th
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 
 import numpy as np
 
-from common import CAPACITY, PIPE_TIMEOUT, POISON, WORKLOADS, checked_write, emit, layout, measure, quiet_stdout, serve
+from common import (CAPACITY, POISON, WORKLOADS, checked_write, emit, layout, measure, quiet_stdout, serve,
+                    start_target)
 
 SYSTEM = "Mooncake TE (tcp)"
 
@@ -52,22 +52,16 @@ def main() -> int:
     except Exception as e:
         emit(SYSTEM, "not run", note=f"import mooncake.engine failed: {e}")
         return 0
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child,), daemon=True)
-    proc.start()
+    proc = None
     try:
-        if not conn.poll(PIPE_TIMEOUT):
-            raise TimeoutError("target engine did not start")
-        status, peer, raddr = conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"target: {peer}")
+        proc, conn, peer, raddr = start_target(target, "engine")
         te = _engine()
         src = np.zeros(CAPACITY, dtype=np.uint8)
         _ok(te.register_memory(src.ctypes.data, src.nbytes), "register_memory")
     except Exception as e:
         emit(SYSTEM, "not run", note=f"start failed: {type(e).__name__}: {e}")
-        proc.kill()
+        if proc:
+            proc.kill()
         return 0
 
     rng = np.random.default_rng()

@@ -11,7 +11,6 @@ Which UCX transport actually carried the writes is read from UCX's own protocol 
 from __future__ import annotations
 
 import glob
-import multiprocessing as mp
 import os
 import re
 import sys
@@ -19,7 +18,8 @@ import tempfile
 
 import numpy as np
 
-from common import CAPACITY, PIPE_TIMEOUT, POISON, WORKLOADS, checked_write, emit, layout, measure, quiet_stdout, serve
+from common import (CAPACITY, POISON, WORKLOADS, checked_write, emit, layout, measure, quiet_stdout, serve,
+                    start_target)
 
 VARIANTS = {"tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "default": {}}
 
@@ -82,16 +82,9 @@ def main(variant: str) -> int:
     except Exception as e:
         emit(system, "not run", note=f"import nixl._api failed: {e}")
         return 0
-    ctx = mp.get_context("spawn")  # the target inherits the UCX environment set above
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child,), daemon=True)
-    proc.start()
+    proc = None
     try:
-        if not conn.poll(PIPE_TIMEOUT):
-            raise TimeoutError("target agent did not start")
-        status, metadata, raddr = conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"target: {metadata}")
+        proc, conn, metadata, raddr = start_target(target, "agent")  # inherits the UCX environment above
         # No progress thread here: a second spinning thread on a 2-core host pushed 64 KiB writes
         # from ~0.1 ms to 4-8 ms. The initiator progresses UCX itself in check_xfer_state().
         agent = _agent("bench-initiator", progress_thread=False)
@@ -100,7 +93,8 @@ def main(variant: str) -> int:
         remote_name = agent.add_remote_agent(metadata)
     except Exception as e:
         emit(system, "not run", note=f"start failed: {type(e).__name__}: {e}")
-        proc.kill()
+        if proc:
+            proc.kill()
         return 0
 
     rng = np.random.default_rng()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from typing import Any, Iterable, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
