@@ -105,8 +105,7 @@ void EndpointImpl::close() {
   std::vector<std::shared_ptr<PeerState>> all;
   {
     std::lock_guard lock(peers_mu_);
-    for (auto& [id, p] : peers_) all.push_back(p);
-    for (auto& p : to_adopt_) all.push_back(p);
+    for (auto& [id, p] : peers_) all.push_back(p);  // includes connect()'s peers not yet adopted
     for (auto& [s, p] : accepting_) all.push_back(p);
   }
   for (auto& p : all) p->fail(Status(Code::kCancelled, "endpoint closed"));

@@ -423,7 +423,7 @@ void PeerState::send_control(wire::ControlType type, const void* body, uint32_t 
   {
     std::lock_guard lock(out_mu_);
     control_out_.append(reinterpret_cast<const char*>(&h), sizeof h);
-    control_out_.append(static_cast<const char*>(body), length);
+    if (length > 0) control_out_.append(static_cast<const char*>(body), length);  // heartbeats have none
   }
   endpoint_->wake_control();
 }

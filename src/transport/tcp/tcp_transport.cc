@@ -584,9 +584,9 @@ void TcpTransport::wake(PeerState* peer, uint64_t chunks) {
       const bool ok = !l->dead.load(std::memory_order_relaxed) && drive_tx(*l, endpoint_, &err);
       const bool backlog = l->tx_count > 0;
       l->disown();
-      if (!ok && !l->dead.load()) {
-        l->peer->fail(err);
-        l->thread->wake();
+      if (!ok) {
+        kill_lane(*l, err);
+        l->thread->wake();  // it retires the lane
       } else if (backlog || !l->answers.empty() || peer->has_work()) {
         l->thread->wake();  // the progress thread arms EPOLLOUT / sends what arrived meanwhile
       }
