@@ -33,6 +33,7 @@ Config Config::from_env() {
   env_str("TETHER_AUTH_TOKEN", c.auth_token);
   env_str("TETHER_NAME", c.name);
   env_str("TETHER_TRANSPORT", c.transport);
+  env_str("TETHER_UNPACK", c.unpack);
   return c;
 }
 
