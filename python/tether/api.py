@@ -17,7 +17,7 @@ _OPTIONS = {
     "host": "host", "port": "port", "channels": "channels",
     "sockets_per_channel": "sockets_per_channel", "chunk_bytes": "chunk_bytes",
     "window": "window", "socket_buffer": "socket_buffer", "spin_us": "spin_us",
-    "auth_token": "auth_token", "name": "name", "transport": "transport",
+    "auth_token": "auth_token", "name": "name", "transport": "transport", "unpack": "unpack",
 }
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Optional
 
+import tether
+
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 
 
@@ -102,6 +104,14 @@ def _run_server(args, options: dict) -> int:
     return 0
 
 
+def _torch_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
 def bench(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -121,16 +131,23 @@ def bench(args) -> int:
         console.print("[red]--role client needs --peer HOST:PORT (or torchrun)[/red]")
         return 2
     device = args.device
+    cuda, why, ngpu = tether._tether.gpu_status()[:3]
     if device == "auto":
-        device = "cpu"  # GPU regions arrive with the GPU-over-TCP transport
+        device = "gpu" if cuda and _torch_cuda() else "cpu"
     if device == "gpu":
-        console.print("[red]--device gpu: GPU memory is not supported by this build yet[/red]")
-        return 2
+        if not cuda or not _torch_cuda():
+            console.print(f"[red]--device gpu needs CUDA and torch with a GPU here ({why or 'torch has no CUDA'})[/red]")
+            return 2
+        for idx in (args.local_gpu_idx, args.remote_gpu_idx):
+            if not 0 <= idx < ngpu:
+                console.print(f"[red]GPU {idx} does not exist ({ngpu} visible)[/red]")
+                return 2
     if args.transport not in ("auto", "tcp"):
         console.print(f"[red]--transport {args.transport}: not available in this build (tcp only)[/red]")
         return 2
-    if args.unpack or args.nics:
-        console.print("[yellow]--unpack/--nics have no effect on host-memory TCP transfers[/yellow]")
+    if args.nics:
+        console.print("[yellow]--nics has no effect yet[/yellow]")
+    gpu_kw = dict(device=args.local_gpu_idx, remote_device=args.remote_gpu_idx) if device == "gpu" else {}
     modes = args.mode
     for m in modes:
         if m not in ("write", "read", "send"):
@@ -176,7 +193,10 @@ def bench(args) -> int:
                 results.extend(mesh.run(args.gpus, combo, capacity, cases_per_combo, args.single_process,
                                         progress=lambda: progress.advance(task)))
                 continue
-            pair = B.LocalPair(combo, capacity) if role == "local" else B.RemotePair(combo, capacity, target)
+            if args.unpack:
+                combo = dict(combo, unpack=args.unpack)
+            pair = (B.LocalPair(combo, capacity, **gpu_kw) if role == "local"
+                    else B.RemotePair(combo, capacity, target, **gpu_kw))
             last = i == len(combos) - 1
             try:
                 for case in cases_per_combo:
