@@ -108,8 +108,7 @@ std::string cuda_error(const char* call, CUresult r) {
 }
 
 Status use_device(int device) {
-  thread_local int current = -1;
-  if (device == current) return Status::ok();
+  // Set every time: the application (torch) may have switched this thread's context meanwhile.
   const CudaApi* a = cuda();
   Loaded& l = loaded();
   if (!a) return Status(Code::kUnavailable, l.why);
@@ -118,7 +117,6 @@ Status use_device(int device) {
                                               std::to_string(l.devices) + " visible)");
   if (CUresult r = a->cuCtxSetCurrent(l.contexts[size_t(device)]); r != kCudaSuccess)
     return Status(Code::kInternal, cuda_error("cuCtxSetCurrent", r));
-  current = device;
   return Status::ok();
 }
 

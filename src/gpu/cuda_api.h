@@ -67,7 +67,7 @@ int device_count();  // 0 without CUDA
 
 // "cuMemcpyAsync: invalid argument (1)"-style message for a failed call.
 std::string cuda_error(const char* call, CUresult r);
-// Makes device `device`'s primary context current on the calling thread (cached per thread).
+// Makes device `device`'s primary context current on the calling thread.
 Status use_device(int device);
 
 // What a pointer is: host memory (incl. pinned), or GPU memory of `device`.

@@ -103,7 +103,7 @@ StagingRing::~StagingRing() {
   }
 }
 
-Result<StagingSlot*> StagingRing::acquire() {
+Result<StagingSlot*> StagingRing::acquire(int device) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     StagingSlot& s = slots_[(next_ + i) % slots_.size()];
     if (s.busy) continue;
@@ -111,6 +111,7 @@ Result<StagingSlot*> StagingRing::acquire() {
       std::string why;
       const CudaApi* a = cuda(&why);
       if (!a) return Status(Code::kUnavailable, why);
+      if (Status st = use_device(device); !st.is_ok()) return st;  // pinned allocations need a context
       void* p = nullptr;
       const uint64_t bytes = capacity_ + uint64_t(max_fragments_) * 3 * sizeof(uint64_t);
       if (Status st = check("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, kHostAllocPortable | kHostAllocDeviceMap)); !st.is_ok())

@@ -53,8 +53,8 @@ class StagingRing {
   StagingRing(const StagingRing&) = delete;
   StagingRing& operator=(const StagingRing&) = delete;
 
-  // A free slot, or null when every slot is busy (the caller retries after poll()).
-  Result<StagingSlot*> acquire();
+  // A free slot for a copy on `device`, or null when every slot is busy (retry once one is released).
+  Result<StagingSlot*> acquire(int device);
   // Copies GPU fragments (ptr = GPU source) into `slot` (device `device`), asynchronously.
   Status pack(StagingSlot* slot, int device, const Fragment* frags, uint32_t n, Unpack mode);
   // Copies the slot's bytes out to fragments (ptr = destination on `device`), asynchronously.

@@ -378,7 +378,7 @@ class _Agent:
         t = self._peer(accepted).recv(self.regions[local], offset=offset, length=length, tag=tag)
         st = _status_of(t, timeout)
         n = t.bytes if st[0] == "ok" else 0
-        return st + (self.buffers[local][offset:offset + n].tobytes(),)
+        return st + (self.cmd_get(local, offset, n),)
 
     def cmd_notify(self, data, accepted=False, timeout=10.0):
         return _status_of(self._peer(accepted).notify(data), timeout)

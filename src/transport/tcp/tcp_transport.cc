@@ -162,7 +162,7 @@ int32_t local_device(const ChunkOp& op) {
 // Starts copying a GPU payload into a pinned tx slot. False without an error: no slot is free yet.
 bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
   if (!l.tx_stage) l.tx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes, 1);
-  auto slot = l.tx_stage->acquire();
+  auto slot = l.tx_stage->acquire(it.device);
   if (!slot.is_ok()) { *error = slot.status(); return false; }
   if (!slot.value()) return false;
   const gpu::Fragment f{0, const_cast<uint8_t*>(it.payload), it.length};
@@ -328,7 +328,7 @@ bool land_in_bounce(Lane& l, core::EndpointImpl* ep, int device, uint8_t* final)
     return false;
   }
   if (!l.rx_stage) l.rx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes, 1);
-  auto slot = l.rx_stage->acquire();
+  auto slot = l.rx_stage->acquire(device);
   if (!slot.is_ok() || !slot.value()) {
     kill_lane(l, slot.is_ok() ? Status(Code::kInternal, "staging: no free slot after checking for one") : slot.status());
     return false;
