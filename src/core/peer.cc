@@ -242,55 +242,105 @@ void PeerState::enqueue(TransferState* t) {
 
 // ---------------------------------------------------------------- transport side
 
+namespace {
+int32_t device_of(const Segment& g) {
+  return g.local_region && g.local_region->kind == MemoryKind::kCuda ? g.local_region->device : -1;
+}
+}  // namespace
+
+uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk) {
+  const std::vector<Segment>& segs = t->segments;
+  const Segment& first = segs[t->cur_segment];
+  const uint64_t rest = first.length - t->cur_offset;
+  if (rest >= chunk || t->cur_segment + 1 >= segs.size()) return 0;
+  const int32_t dev = device_of(first);
+  size_t end = t->cur_segment + 1;
+  uint64_t total = rest;
+  while (end < segs.size() && end - t->cur_segment < wire::kMaxFragments && total + segs[end].length <= chunk &&
+         device_of(segs[end]) == dev)
+    total += segs[end++].length;
+  const uint32_t n = uint32_t(end - t->cur_segment);
+  if (n < 2) return 0;
+  if (!s.frags) {  // once per slot, on its first batch
+    s.frags = std::make_unique<wire::Fragment[]>(wire::kMaxFragments);
+    s.pieces = std::make_unique<Piece[]>(wire::kMaxFragments);
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    const Segment& g = segs[t->cur_segment + i];
+    const uint64_t skip = i == 0 ? t->cur_offset : 0;
+    s.frags[i] = wire::Fragment{g.region_id, 0, g.key, g.desc_offset, g.desc_length, g.remote_offset + skip, g.length - skip};
+    s.pieces[i] = Piece{g.local + skip, g.length - skip};
+  }
+  t->cur_segment = end;
+  t->cur_offset = 0;
+  s.length = total;
+  return n;
+}
+
 bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
   TransferState* drained = nullptr;
   {
     std::lock_guard lock(mu_);
     TransferState* t = queue_head_.load(std::memory_order_relaxed);
     if (!t || lane_inflight_[lane] >= lane_window_ || free_slots_.empty()) return false;
+    const uint64_t chunk = info_.chunk_bytes;
     const Segment& seg = t->segments[t->cur_segment];
-    const uint64_t len = std::min<uint64_t>(info_.chunk_bytes, seg.length - t->cur_offset);
     const uint32_t idx = free_slots_.back();
     free_slots_.pop_back();
     Slot& s = slots_[idx];
     s.used = true;
     s.transfer = t;
     s.lane = lane;
-    s.length = len;
     s.local = seg.local + t->cur_offset;
-    s.device = seg.local_region && seg.local_region->kind == MemoryKind::kCuda ? seg.local_region->device : -1;
+    s.device = device_of(seg);
     ++lane_inflight_[lane];
-
-    wire::FrameHeader& h = op->hdr;
-    h = {};
-    h.type = static_cast<uint8_t>(t->op == OpKind::kWrite  ? wire::FrameType::kWrite
-                                  : t->op == OpKind::kRead ? wire::FrameType::kReadReq
-                                                           : wire::FrameType::kSendData);
-    h.slot = idx;
-    h.gen = s.gen;
-    h.region_id = seg.region_id;
-    h.key = seg.key;
-    h.desc_offset = seg.desc_offset;
-    h.desc_length = seg.desc_length;
-    h.offset = seg.remote_offset + t->cur_offset;
-    h.length = len;
-    const bool has_payload = t->op != OpKind::kRead;
-    op->payload = has_payload ? s.local : nullptr;
-    op->length = has_payload ? len : 0;
-    op->local = s.local;
-    op->segment = &seg;
-    op->segment_offset = t->cur_offset;
     t->pending.fetch_add(1, std::memory_order_relaxed);
     t->lane_hint.store(lane, std::memory_order_relaxed);
 
-    t->cur_offset += len;
-    if (t->cur_offset == seg.length) {
-      t->cur_offset = 0;
-      if (++t->cur_segment == t->segments.size()) {
-        queue_head_.store(t->next_queued, std::memory_order_release);
-        if (!t->next_queued) queue_tail_ = nullptr;
-        drained = t;
+    wire::FrameHeader& h = op->hdr;
+    h = {};
+    h.slot = idx;
+    h.gen = s.gen;
+    op->segment = &seg;
+    op->segment_offset = t->cur_offset;
+    op->device = s.device;
+    op->local = s.local;
+    const uint32_t n = t->op == OpKind::kWrite ? pack_batch(t, s, chunk) : 0;
+    if (n >= 2) {  // many small writes: one frame, one answer
+      h.type = static_cast<uint8_t>(wire::FrameType::kWriteBatch);
+      h.region_id = n;
+      h.length = s.length;
+      op->payload = nullptr;
+      op->length = s.length;
+      op->fragments = n;
+      op->frags = s.frags.get();
+      op->pieces = s.pieces.get();
+    } else {
+      const uint64_t len = std::min<uint64_t>(chunk, seg.length - t->cur_offset);
+      s.length = len;
+      h.type = static_cast<uint8_t>(t->op == OpKind::kWrite  ? wire::FrameType::kWrite
+                                    : t->op == OpKind::kRead ? wire::FrameType::kReadReq
+                                                             : wire::FrameType::kSendData);
+      h.region_id = seg.region_id;
+      h.key = seg.key;
+      h.desc_offset = seg.desc_offset;
+      h.desc_length = seg.desc_length;
+      h.offset = seg.remote_offset + t->cur_offset;
+      h.length = len;
+      const bool has_payload = t->op != OpKind::kRead;
+      op->payload = has_payload ? s.local : nullptr;
+      op->length = has_payload ? len : 0;
+      op->fragments = 0;
+      t->cur_offset += len;
+      if (t->cur_offset == seg.length) {
+        t->cur_offset = 0;
+        ++t->cur_segment;
       }
+    }
+    if (t->cur_segment == t->segments.size()) {
+      queue_head_.store(t->next_queued, std::memory_order_release);
+      if (!t->next_queued) queue_tail_ = nullptr;
+      drained = t;
     }
   }
   if (drained) drained->release();  // the hold; this chunk keeps it pending

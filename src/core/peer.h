@@ -23,7 +23,14 @@ namespace tether::core {
 
 class EndpointImpl;
 
+// Local source bytes of one fragment of a batched chunk.
+struct Piece {
+  const uint8_t* data = nullptr;
+  uint64_t length = 0;
+};
+
 // What a lane puts on the wire next: a header and, for writes and sends, the local payload.
+// A kWriteBatch chunk instead carries `fragments` small writes: frags[i] describes where piece i goes.
 struct ChunkOp {
   wire::FrameHeader hdr;
   const uint8_t* payload = nullptr;
@@ -31,6 +38,10 @@ struct ChunkOp {
   uint8_t* local = nullptr;          // the chunk's local bytes (a read's destination)
   const Segment* segment = nullptr;  // local region, remote descriptor (transport extensions)
   uint64_t segment_offset = 0;       // where in the segment this chunk starts
+  uint32_t fragments = 0;            // kWriteBatch only
+  const wire::Fragment* frags = nullptr;
+  const Piece* pieces = nullptr;
+  int32_t device = -1;               // GPU of the local bytes (all pieces share it), -1 for host memory
 };
 
 struct PeerInfo {
@@ -116,7 +127,11 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
     uint32_t lane = 0;
     int32_t device = -1;        // GPU of `local`, -1 for host memory
     bool used = false;
+    std::unique_ptr<wire::Fragment[]> frags;  // a batched chunk's fragments (allocated once, on first batch)
+    std::unique_ptr<Piece[]> pieces;
   };
+  // Packs whole small segments of a write after the cursor into one kWriteBatch chunk (mu_ held).
+  uint32_t pack_batch(TransferState* t, Slot& s, uint64_t chunk);
 
   Transfer start(std::shared_ptr<TransferState> t);  // registers the keepalive
   void enqueue(TransferState* t);                    // puts on the work queue, wakes lanes

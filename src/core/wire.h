@@ -69,7 +69,19 @@ enum class FrameType : uint8_t {
   kReadReq = 3,    // initiator -> target; target answers kReadResp
   kReadResp = 4,   // target -> initiator, payload follows when status == 0
   kSendData = 5,   // sender -> receiver, into a matched recv (region_id = recv token); answered by kAck
+  kWriteBatch = 6, // many small writes in one chunk: region_id = fragment count, length = payload bytes;
+                   // `count` Fragments follow the header, then the payloads in that order; one kAck
 };
+
+// One small write inside a kWriteBatch frame; checked like a kWrite header.
+struct Fragment {
+  uint32_t region_id;
+  uint32_t reserved;
+  uint64_t key, desc_offset, desc_length;
+  uint64_t offset;     // absolute offset in the target region
+  uint64_t length;
+};
+constexpr uint32_t kMaxFragments = 128;  // per kWriteBatch frame
 
 struct FrameHeader {
   uint8_t type;        // FrameType
@@ -107,6 +119,7 @@ static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 3
 static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4 + 8);
 static_assert(sizeof(ClientProof) == 32 + 16 + 4 + 4);
 static_assert(sizeof(FrameHeader) == 56);
+static_assert(sizeof(Fragment) == 48);
 static_assert(sizeof(ControlHeader) == 8);
 
 // Transport offers in the handshake: repeated {u8 name length, name, u32 length, bytes}.

@@ -157,8 +157,9 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
     }
     // The descriptor block lives in pinned memory after the payload, so its upload is truly async.
     auto* table = reinterpret_cast<uint64_t*>(s.host + capacity_);
-    uint64_t extent = 0, longest = 0;
+    uint64_t begin = UINT64_MAX, extent = 0, longest = 0;  // only [begin, extent) of the slot moves
     for (uint32_t i = 0; i < n; ++i) {
+      begin = std::min(begin, frags[i].offset);
       const uint64_t scratch = d.scratch + frags[i].offset;
       table[3 * i + 0] = to_slot ? ptr(frags[i]) : scratch;
       table[3 * i + 1] = to_slot ? scratch : ptr(frags[i]);
@@ -171,7 +172,8 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
         !st.is_ok())
       return st;
     if (!to_slot) {
-      if (Status st = check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(d.scratch, reinterpret_cast<CUdeviceptr>(s.host), extent, d.stream));
+      if (Status st = check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(d.scratch + begin, reinterpret_cast<CUdeviceptr>(s.host + begin),
+                                                                           extent - begin, d.stream));
           !st.is_ok())
         return st;
     }
@@ -184,7 +186,8 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
         !st.is_ok())
       return st;
     if (to_slot) {
-      if (Status st = check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host), d.scratch, extent, d.stream));
+      if (Status st = check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), d.scratch + begin,
+                                                                            extent - begin, d.stream));
           !st.is_ok())
         return st;
     }

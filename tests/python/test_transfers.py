@@ -873,3 +873,53 @@ def test_socket_buffer_sizes(endpoints, socket_buffer):
     except tether.TransferTimeout:
         pytest.fail(f"1 MiB read with socket_buffer={socket_buffer} still running after 3 s")
     assert_bytes_equal(back, src)
+
+
+def test_many_small_blocks_batched_every_byte(pair_ab=None):
+    """Thousands of small blocks (1 B .. 20 KiB, shuffled) in one writev and one readv: writes travel
+    as batched frames (many fragments per chunk, each checked by the target), reads as chunks."""
+    rng = np.random.default_rng(11)
+    sizes = rng.integers(1, 20 * 1024, 3000)
+    total = int(sizes.sum())
+    offs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    order = rng.permutation(len(sizes))
+    remote_offs = np.empty_like(offs)
+    acc = 0
+    for i in order:  # blocks land in a shuffled order at the target
+        remote_offs[i] = acc
+        acc += sizes[i]
+    with tether.Endpoint() as a, tether.Endpoint() as b:
+        peer = a.connect(b.metadata(), timeout=5)
+        src = rand_bytes(77, total)
+        dst = poisoned(total + 64)
+        rs, rd = a.register(src), b.register(dst)
+        d = rd.descriptor()
+        entries = [(rs, int(offs[i]), d, int(remote_offs[i]), int(sizes[i])) for i in range(len(sizes))]
+        peer.writev(entries, notify=b"kv").wait(30)
+        expect = np.empty(total, np.uint8)
+        for i in range(len(sizes)):
+            expect[remote_offs[i]:remote_offs[i] + sizes[i]] = src[offs[i]:offs[i] + sizes[i]]
+        assert_bytes_equal(dst[:total], expect)
+        assert_poison(dst[total:])
+        back = poisoned(total)
+        rb = a.register(back)
+        peer.readv([(rb, int(offs[i]), d, int(remote_offs[i]), int(sizes[i])) for i in range(len(sizes))]).wait(30)
+        assert_bytes_equal(back, src)
+        assert b.notifications(timeout=5)[0].data == b"kv"
+
+
+def test_batch_with_one_refused_fragment_writes_nothing_of_it():
+    """A batch whose table names a deregistered region is refused whole: no fragment of it lands."""
+    with tether.Endpoint(chunk_bytes=1 << 20) as a, tether.Endpoint() as b:
+        peer = a.connect(b.metadata(), timeout=5)
+        src = rand_bytes(5, 64 * 1024)
+        good, gone = poisoned(64 * 1024), poisoned(4096)
+        rs, rg, rgone = a.register(src), b.register(good), b.register(gone)
+        dg, dgone = rg.descriptor(), rgone.descriptor()
+        b.deregister(rgone)
+        entries = [(rs, i * 1024, dg, i * 1024, 1024) for i in range(16)] + [(rs, 0, dgone, 0, 1024)]
+        with pytest.raises(tether.RegionNotFound):
+            peer.writev(entries).wait(10)
+        assert_poison(good, "blocks batched with a refused fragment")
+        peer.write(rs, dg, length=1024).wait(10)  # the link is fine afterwards
+        assert_bytes_equal(good[:1024], src[:1024])

@@ -28,7 +28,7 @@ namespace {
 constexpr size_t kRxBuffer = 64 << 10;
 constexpr size_t kTxRing = 1024;             // frames a lane holds unsent (chunks + answers)
 constexpr size_t kAnswerRing = 512;          // answers produced by rx, waiting for the tx owner
-constexpr size_t kMaxIov = 64;
+constexpr size_t kMaxIov = 1024;            // IOV_MAX: a batched chunk is a header, a table and its pieces
 constexpr uint64_t kRxBudget = 16ull << 20;  // bytes per lane per turn, for fairness
 constexpr uint64_t kTxBudget = 16ull << 20;
 constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: it wants its answer
@@ -40,6 +40,9 @@ struct TxItem {
   uint64_t length;
   RegionState* pin;  // read responses keep their region pinned until sent
   int32_t device = -1;                  // payload is in this GPU's memory: stage it before sending
+  uint32_t fragments = 0;               // kWriteBatch from host memory: the table, then the pieces
+  const wire::Fragment* frags = nullptr;
+  const core::Piece* pieces = nullptr;
   gpu::StagingSlot* stage = nullptr;    // payload was copied here (pinned); send once the copy is done
   bool staged = false;                  // the copy into `stage` has completed
 };
@@ -51,7 +54,10 @@ struct GpuRx {
   uint8_t status = 0;
   RegionState* pin = nullptr;
   TransferState* recv = nullptr;
+  uint32_t npins = 0;       // a batch's regions, held until its copy is done (in the lane's batch_pins)
 };
+
+constexpr uint64_t kTableBytes = uint64_t(wire::kMaxFragments) * sizeof(wire::Fragment);
 
 enum class RxState { kHeader, kPayload, kDiscard };
 
@@ -132,6 +138,15 @@ struct Lane {
   // GPU staging, created on a lane's first GPU chunk. tx_stage belongs to the tx owner; rx_stage
   // and the gpu_rx FIFO (frames whose copy to the GPU is in flight) to the rx owner.
   std::unique_ptr<gpu::StagingRing> tx_stage, rx_stage;
+  gpu::Fragment tx_gather[wire::kMaxFragments];  // tx owner: a GPU batch's pieces, for the gather
+  // rx owner: the kWriteBatch being received (destinations checked and pinned before any byte lands)
+  uint32_t rx_nfrags = 0, rx_frag = 0;
+  bool rx_mixed = false;                          // its destinations span host and GPUs, or several GPUs
+  uint8_t* rx_frag_dest[wire::kMaxFragments];
+  uint64_t rx_frag_len[wire::kMaxFragments];
+  RegionState* rx_frag_pin[wire::kMaxFragments];
+  RegionState* gpu_rx_pins[kStageSlots][wire::kMaxFragments];
+  gpu::Fragment rx_unpack[wire::kMaxFragments];
   GpuRx gpu_rx[kStageSlots];
   uint32_t gpu_rx_head = 0, gpu_rx_count = 0;
   std::atomic<uint32_t> gpu_inflight{0};  // staged copies in flight: the progress thread polls, not sleeps
@@ -154,25 +169,36 @@ struct TcpPeerLanes {
 
 namespace {
 
-int32_t local_device(const ChunkOp& op) {
-  const RegionState* r = op.segment ? op.segment->local_region : nullptr;
-  return r && r->kind == MemoryKind::kCuda ? r->device : -1;
-}
-
 // Starts copying a GPU payload into a pinned tx slot. False without an error: no slot is free yet.
 bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
-  if (!l.tx_stage) l.tx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes, 1);
+  if (!l.tx_stage)
+    l.tx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes + kTableBytes, wire::kMaxFragments);
   auto slot = l.tx_stage->acquire(it.device);
   if (!slot.is_ok()) { *error = slot.status(); return false; }
   if (!slot.value()) return false;
-  const gpu::Fragment f{0, const_cast<uint8_t*>(it.payload), it.length};
-  if (Status st = l.tx_stage->pack(slot.value(), it.device, &f, 1, ep->unpack_mode()); !st.is_ok()) {
-    l.tx_stage->release(slot.value());
-    *error = st;
+  gpu::StagingSlot* st = slot.value();
+  gpu::Fragment one{0, const_cast<uint8_t*>(it.payload), it.length};
+  const gpu::Fragment* frags = &one;
+  uint32_t n = 1;
+  if (it.fragments) {  // a batch: the slot holds the fragment table, then every piece gathered
+    const uint64_t table = uint64_t(it.fragments) * sizeof(wire::Fragment);
+    std::memcpy(st->host, it.frags, table);
+    uint64_t at = table;
+    for (uint32_t i = 0; i < it.fragments; ++i) {
+      l.tx_gather[i] = gpu::Fragment{at, const_cast<uint8_t*>(it.pieces[i].data), it.pieces[i].length};
+      at += it.pieces[i].length;
+    }
+    frags = l.tx_gather;
+    n = it.fragments;
+    it.fragments = 0;  // from here on it is one contiguous payload
+  }
+  if (Status s = l.tx_stage->pack(st, it.device, frags, n, ep->unpack_mode()); !s.is_ok()) {
+    l.tx_stage->release(st);
+    *error = s;
     return false;
   }
-  it.stage = slot.value();
-  it.payload = slot.value()->host;
+  it.stage = st;
+  it.payload = st->host;
   it.device = -1;
   it.staged = false;
   l.gpu_inflight.fetch_add(1, std::memory_order_relaxed);
@@ -201,7 +227,13 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     while (l.tx_unsent < chunk && l.tx_count < kTxRing / 2 && (!l.tx_stage || l.tx_stage->has_free()) &&
            l.peer->next_chunk(l.index, &op)) {
       TxItem it{op.hdr, op.payload, op.length, nullptr};
-      it.device = op.payload ? local_device(op) : -1;
+      it.device = op.payload || op.fragments ? op.device : -1;
+      if (op.fragments) {
+        it.fragments = op.fragments;
+        it.frags = op.frags;
+        it.pieces = op.pieces;
+        it.length = uint64_t(op.fragments) * sizeof(wire::Fragment) + op.length;
+      }
       if (it.device >= 0 && !stage_tx(l, ep, it, error)) {
         if (error->is_ok()) *error = Status(Code::kInternal, "staging: no free slot after checking for one");
         return false;
@@ -213,22 +245,31 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     iovec iov[kMaxIov];
     size_t niov = 0;
     uint64_t skip = l.tx_head_sent;
-    for (size_t i = 0; i < l.tx_count && niov + 2 <= kMaxIov; ++i) {
+    // Every part of every item: header, then the payload (or a batch's table and pieces).
+    auto add = [&](const void* p, uint64_t n) {
+      if (skip >= n) {
+        skip -= n;
+        return;
+      }
+      iov[niov++] = {static_cast<uint8_t*>(const_cast<void*>(p)) + skip, n - skip};
+      skip = 0;
+    };
+    for (size_t i = 0; i < l.tx_count; ++i) {
       TxItem& it = l.tx[(l.tx_head + i) % kTxRing];
+      if (niov + 2 + it.fragments + 1 > kMaxIov) break;
       if (it.stage && !it.staged) {  // its copy out of the GPU must finish before its bytes go
         auto done = l.tx_stage->done(it.stage);
         if (!done.is_ok()) { *error = done.status(); return false; }
         if (!done.value()) break;
         it.staged = true;
       }
-      if (skip < sizeof(FrameHeader)) {
-        iov[niov++] = {reinterpret_cast<uint8_t*>(&it.hdr) + skip, sizeof(FrameHeader) - skip};
-        skip = 0;
-      } else {
-        skip -= sizeof(FrameHeader);
+      add(&it.hdr, sizeof(FrameHeader));
+      if (it.fragments) {
+        add(it.frags, uint64_t(it.fragments) * sizeof(wire::Fragment));
+        for (uint32_t k = 0; k < it.fragments; ++k) add(it.pieces[k].data, it.pieces[k].length);
+      } else if (it.length > 0) {
+        add(it.payload, it.length);
       }
-      if (it.length > skip) iov[niov++] = {const_cast<uint8_t*>(it.payload) + skip, it.length - skip};
-      skip = 0;
     }
     if (niov == 0) break;  // the head waits for its GPU copy; the progress thread polls
     msghdr msg{};
@@ -251,7 +292,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       sent -= take;
       if (l.tx_head_sent == total) {
         if (it.length > 0) {
-          stats.bytes_sent.fetch_add(it.length, std::memory_order_relaxed);
+          stats.bytes_sent.fetch_add(it.hdr.length, std::memory_order_relaxed);
           stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
         }
         if (it.pin) it.pin->unpin();
@@ -276,6 +317,7 @@ void kill_lane(Lane& l, Status why) {
 }
 
 bool on_header(Lane& l, core::EndpointImpl* ep);
+bool on_batch(Lane& l, core::EndpointImpl* ep);
 void payload_done(Lane& l, core::EndpointImpl* ep);
 
 // Answers, in order, the frames whose copy from a bounce slot to the GPU has finished. Caller owns rx.
@@ -295,6 +337,7 @@ void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
     l.rx_stage->release(g.slot);
     l.gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
     if (g.pin) g.pin->unpin();
+    for (uint32_t i = 0; i < g.npins; ++i) l.gpu_rx_pins[l.gpu_rx_head][i]->unpin();
     if (g.recv) l.peer->send_data_placed(g.recv, g.hdr.length);
     if (status == 0) {
       stats.bytes_received.fetch_add(g.hdr.length, std::memory_order_relaxed);
@@ -327,7 +370,7 @@ bool land_in_bounce(Lane& l, core::EndpointImpl* ep, int device, uint8_t* final)
     kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a frame longer than the agreed chunk size"));
     return false;
   }
-  if (!l.rx_stage) l.rx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes, 1);
+  if (!l.rx_stage) l.rx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes, wire::kMaxFragments);
   auto slot = l.rx_stage->acquire(device);
   if (!slot.is_ok() || !slot.value()) {
     kill_lane(l, slot.is_ok() ? Status(Code::kInternal, "staging: no free slot after checking for one") : slot.status());
@@ -370,15 +413,32 @@ void receive(Lane& l, core::EndpointImpl* ep, uint64_t budget = kRxBudget) {
       if (l.rx_dest) l.rx_dest += n;
       l.rx_left -= n;
       budget -= std::min<uint64_t>(budget, n);
-      if (l.rx_left == 0) payload_done(l, ep);
+      if (l.rx_left == 0) {
+        if (l.rx_nfrags > 0 && !l.rx_slot && l.rx_state == RxState::kPayload && ++l.rx_frag < l.rx_nfrags) {
+          l.rx_dest = l.rx_frag_dest[l.rx_frag];  // next piece of a batch, straight to its place
+          l.rx_left = l.rx_frag_len[l.rx_frag];
+        } else {
+          payload_done(l, ep);
+        }
+      }
       continue;
     }
     if (buffered >= sizeof(FrameHeader)) {
       std::memcpy(&l.rx_hdr, l.rx.get() + l.rx_begin, sizeof(FrameHeader));
-      if (!on_header(l, ep)) return;  // paused (no room to answer) or dead
-      l.rx_begin += sizeof(FrameHeader);
-      budget -= std::min<uint64_t>(budget, sizeof(FrameHeader));
-      continue;
+      size_t need = sizeof(FrameHeader);
+      if (static_cast<FrameType>(l.rx_hdr.type) == FrameType::kWriteBatch) {
+        if (l.rx_hdr.region_id < 2 || l.rx_hdr.region_id > wire::kMaxFragments) {
+          kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a malformed batch"));
+          return;
+        }
+        need += size_t(l.rx_hdr.region_id) * sizeof(wire::Fragment);  // the table is read with the header
+      }
+      if (buffered >= need) {
+        if (!on_header(l, ep)) return;  // paused (no room to answer) or dead
+        l.rx_begin += need;
+        budget -= std::min<uint64_t>(budget, need);
+        continue;
+      }
     }
     if (l.rx_begin > 0) {
       std::memmove(l.rx.get(), l.rx.get() + l.rx_begin, buffered);
@@ -410,7 +470,7 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
     l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once answers have drained
     return false;
   }
-  const bool has_payload = type == FrameType::kWrite || type == FrameType::kSendData ||
+  const bool has_payload = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kWriteBatch ||
                            (type == FrameType::kReadResp && h.status == 0);
   if (has_payload && !gpu_rx_room(l)) {
     l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once a GPU copy has finished
@@ -445,6 +505,7 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
       if (l.rx_left == 0) payload_done(l, ep);
       return true;
     }
+    case FrameType::kWriteBatch: return on_batch(l, ep);
     case FrameType::kReadReq: {
       RegionState* pin = nullptr;
       Code c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, false, &pin);
@@ -494,22 +555,93 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
   return protocol_error("a frame of unknown type");
 }
 
+// A kWriteBatch header and its table (both in the rx buffer): every fragment is checked and pinned
+// before any byte lands; one refused fragment refuses the whole batch (its payload is discarded).
+bool on_batch(Lane& l, core::EndpointImpl* ep) {
+  const FrameHeader& h = l.rx_hdr;
+  const uint32_t n = h.region_id;
+  const uint8_t* table = l.rx.get() + l.rx_begin + sizeof(FrameHeader);
+  Code c = Code::kOk;
+  uint32_t pinned = 0;
+  int32_t first = -2, gpu = -1;  // device of the first piece (-1 host), and the first GPU seen
+  bool mixed = false;
+  uint64_t sum = 0;
+  for (; pinned < n; ++pinned) {
+    wire::Fragment f;
+    std::memcpy(&f, table + size_t(pinned) * sizeof f, sizeof f);
+    RegionState* pin = nullptr;
+    c = f.reserved != 0 ? Code::kInvalidArgument
+                        : ep->registry().resolve(f.region_id, f.key, f.desc_offset, f.desc_length, f.offset, f.length, true, &pin);
+    if (c != Code::kOk) break;
+    l.rx_frag_pin[pinned] = pin;
+    l.rx_frag_dest[pinned] = pin->base + f.offset;
+    l.rx_frag_len[pinned] = f.length;
+    sum += f.length;
+    const int32_t d = pin->kind == MemoryKind::kCuda ? pin->device : -1;
+    mixed |= first != -2 && d != first;
+    if (first == -2) first = d;
+    if (gpu < 0) gpu = d;
+  }
+  if (c == Code::kOk && sum != h.length) {
+    for (uint32_t i = 0; i < pinned; ++i) l.rx_frag_pin[i]->unpin();
+    kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a batch whose table does not add up"));
+    return false;
+  }
+  l.rx_pin = nullptr;
+  l.rx_recv = nullptr;
+  l.rx_left = h.length;
+  if (c != Code::kOk) {
+    for (uint32_t i = 0; i < pinned; ++i) l.rx_frag_pin[i]->unpin();
+    ep->stats().rejected_requests.fetch_add(1, std::memory_order_relaxed);
+    l.rx_status = static_cast<uint8_t>(c);
+    l.rx_dest = nullptr;
+    l.rx_nfrags = 0;
+    l.rx_state = RxState::kDiscard;
+    return true;
+  }
+  l.rx_status = 0;
+  l.rx_nfrags = n;
+  l.rx_frag = 0;
+  l.rx_mixed = mixed;
+  l.rx_state = RxState::kPayload;
+  if (gpu >= 0)  // some piece goes to a GPU: the whole payload lands in a bounce slot first
+    return land_in_bounce(l, ep, gpu, nullptr);
+  l.rx_dest = l.rx_frag_dest[0];
+  l.rx_left = l.rx_frag_len[0];
+  return true;
+}
+
 void payload_done(Lane& l, core::EndpointImpl* ep) {
   const FrameHeader& h = l.rx_hdr;
   l.rx_state = RxState::kHeader;
   l.rx_dest = nullptr;
   if (l.rx_slot) {  // in a bounce slot: copy it to the GPU; answer when that copy has finished
-    GpuRx& g = l.gpu_rx[(l.gpu_rx_head + l.gpu_rx_count) % kStageSlots];
+    const uint32_t at = (l.gpu_rx_head + l.gpu_rx_count) % kStageSlots;
+    GpuRx& g = l.gpu_rx[at];
     g.slot = l.rx_slot;
     g.hdr = h;
     g.status = l.rx_status;
     g.pin = l.rx_pin;
     g.recv = l.rx_recv;
+    g.npins = l.rx_nfrags;
     l.rx_slot = nullptr;
     l.rx_pin = nullptr;
     l.rx_recv = nullptr;
-    const gpu::Fragment f{0, l.rx_final, h.length};
-    if (!l.rx_stage->unpack(g.slot, l.rx_device, &f, 1, ep->unpack_mode()).is_ok()) g.status = uint8_t(Code::kInternal);
+    gpu::Unpack mode = ep->unpack_mode();
+    uint32_t n = 1;
+    l.rx_unpack[0] = gpu::Fragment{0, l.rx_final, h.length};
+    if (l.rx_nfrags > 0) {  // a batch: one descriptor per piece (one kernel launch in kernel mode)
+      uint64_t off = 0;
+      for (uint32_t i = 0; i < l.rx_nfrags; ++i) {
+        l.gpu_rx_pins[at][i] = l.rx_frag_pin[i];
+        l.rx_unpack[i] = gpu::Fragment{off, l.rx_frag_dest[i], l.rx_frag_len[i]};
+        off += l.rx_frag_len[i];
+      }
+      n = l.rx_nfrags;
+      if (l.rx_mixed) mode = gpu::Unpack::kD2D;  // pieces on several devices: one copy each
+      l.rx_nfrags = 0;
+    }
+    if (!l.rx_stage->unpack(g.slot, l.rx_device, l.rx_unpack, n, mode).is_ok()) g.status = uint8_t(Code::kInternal);
     l.rx_device = -1;
     ++l.gpu_rx_count;
     l.gpu_inflight.fetch_add(1, std::memory_order_relaxed);
@@ -526,6 +658,8 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
     return;
   }
   if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
+  for (uint32_t i = 0; i < l.rx_nfrags; ++i) l.rx_frag_pin[i]->unpin();
+  l.rx_nfrags = 0;
   if (l.rx_recv) {
     l.peer->send_data_placed(l.rx_recv, h.length);
     l.rx_recv = nullptr;
@@ -715,9 +849,12 @@ void ProgressThread::retire(Lane& l) {
     l.rx_recv->release();
     l.rx_recv = nullptr;
   }
+  for (uint32_t i = 0; i < l.rx_nfrags; ++i) l.rx_frag_pin[i]->unpin();  // a batch cut short
+  l.rx_nfrags = 0;
   for (; l.gpu_rx_count > 0; --l.gpu_rx_count, l.gpu_rx_head = (l.gpu_rx_head + 1) % kStageSlots) {
     GpuRx& g = l.gpu_rx[l.gpu_rx_head];
     if (g.pin) g.pin->unpin();
+    for (uint32_t i = 0; i < g.npins; ++i) l.gpu_rx_pins[l.gpu_rx_head][i]->unpin();
     if (g.recv) {
       g.recv->record_error(l.peer->error());
       g.recv->release();
