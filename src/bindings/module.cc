@@ -144,7 +144,11 @@ NB_MODULE(_tether, m) {
       .def_rw("spin_us", &Config::spin_us)
       .def_rw("auth_token", &Config::auth_token)
       .def_rw("name", &Config::name)
-      .def_rw("transport", &Config::transport);
+      .def_rw("transport", &Config::transport)
+      .def_rw("net_plugin", &Config::net_plugin)
+      .def_rw("net_comms", &Config::net_comms)
+      .def_rw("net_bindings", &Config::net_bindings)
+      .def_rw("unpack", &Config::unpack);
 
   nb::class_<RemoteRegion>(m, "RemoteRegion")
       .def("__init__", [](RemoteRegion* self, nb::bytes b) { new (self) RemoteRegion(take(RemoteRegion::parse(as_string(b)))); })

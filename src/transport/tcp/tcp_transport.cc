@@ -12,6 +12,7 @@
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"
+#include "transport/frame_target.h"
 
 namespace tether::transport {
 
@@ -99,9 +100,7 @@ struct Lane {
   FrameHeader rx_hdr{};
   uint8_t* rx_dest = nullptr;  // null while discarding
   uint64_t rx_left = 0;
-  uint8_t rx_status = 0;
-  RegionState* rx_pin = nullptr;
-  TransferState* rx_recv = nullptr;
+  TargetPlan rx_plan;  // what the frame being received was checked against
   std::atomic<bool> rx_paused{false};   // no room to answer: stop reading until answers drain
   std::atomic<bool> rx_owned{false};    // the progress thread, or a thread polling for its answer
   uint32_t epoll_events = 0;            // progress thread only
@@ -265,46 +264,22 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
     l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once answers have drained
     return false;
   }
-  auto& stats = ep->stats();
   switch (type) {
     case FrameType::kWrite:
     case FrameType::kSendData: {
-      RegionState* pin = nullptr;
-      TransferState* recv = nullptr;
-      uint8_t* dest = nullptr;
-      Code c;
-      if (type == FrameType::kWrite) {
-        c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, true, &pin);
-        if (c == Code::kOk) dest = pin->base + h.offset;
-      } else {
-        c = l.peer->resolve_send_data(h.region_id, h.offset, h.length, &dest, &recv);
-      }
-      if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
-      l.rx_status = static_cast<uint8_t>(c);
-      l.rx_pin = pin;
-      l.rx_recv = recv;
-      l.rx_dest = dest;  // null: discard the payload, then answer with the error
+      l.rx_plan = plan_target(*ep, *l.peer, h);
+      const bool ok = l.rx_plan.code == Code::kOk;
+      l.rx_dest = ok ? l.rx_plan.dest : nullptr;  // null: discard the payload, then answer the error
       l.rx_left = h.length;
-      l.rx_state = c == Code::kOk ? RxState::kPayload : RxState::kDiscard;
+      l.rx_state = ok ? RxState::kPayload : RxState::kDiscard;
       if (l.rx_left == 0) payload_done(l, ep);
       return true;
     }
     case FrameType::kReadReq: {
-      RegionState* pin = nullptr;
-      Code c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, false, &pin);
+      const TargetPlan p = plan_target(*ep, *l.peer, h);
       TxItem it{};
-      it.hdr.type = static_cast<uint8_t>(FrameType::kReadResp);
-      it.hdr.status = static_cast<uint8_t>(c);
-      it.hdr.slot = h.slot;
-      it.hdr.gen = h.gen;
-      if (c == Code::kOk) {
-        it.hdr.length = h.length;
-        it.payload = pin->base + h.offset;
-        it.length = h.length;
-        it.pin = pin;
-      } else {
-        stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
-      }
+      it.hdr = read_response(h, p);
+      if (p.code == Code::kOk) it.payload = p.source, it.length = h.length, it.pin = p.pin;
       l.answers.push(it);
       return true;
     }
@@ -322,7 +297,6 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
         return protocol_error("read data for no read");
       l.rx_dest = dest;
       l.rx_left = h.length;
-      l.rx_status = 0;
       l.rx_state = RxState::kPayload;
       if (l.rx_left == 0) payload_done(l, ep);
       return true;
@@ -344,20 +318,8 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
       kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
     return;
   }
-  if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
-  if (l.rx_recv) {
-    l.peer->send_data_placed(l.rx_recv, h.length);
-    l.rx_recv = nullptr;
-  }
-  if (l.rx_status == 0) {
-    stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
-    stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
-  }
   TxItem ack{};
-  ack.hdr.type = static_cast<uint8_t>(FrameType::kAck);
-  ack.hdr.status = l.rx_status;
-  ack.hdr.slot = h.slot;
-  ack.hdr.gen = h.gen;
+  ack.hdr = finish_placed(*ep, *l.peer, h, l.rx_plan);
   l.answers.push(ack);
 }
 
@@ -518,12 +480,7 @@ void ProgressThread::retire(Lane& l) {
   ::epoll_ctl(epfd_, EPOLL_CTL_DEL, l.fd, nullptr);
   while (!l.try_own()) cpu_relax();     // a user thread may be mid-send; it holds tx for one sendmsg
   while (!l.try_own_rx()) cpu_relax();  // ... or reading its answer; it holds rx for one pass
-  if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
-  if (l.rx_recv) {
-    l.rx_recv->record_error(l.peer->error());
-    l.rx_recv->release();
-    l.rx_recv = nullptr;
-  }
+  abandon(*l.peer, l.rx_plan);
   for (size_t i = 0; i < l.tx_count; ++i) {
     TxItem& it = l.tx[(l.tx_head + i) % kTxRing];
     if (it.pin) it.pin->unpin();
