@@ -55,7 +55,7 @@ class NetLane {
     netabi::DeviceHandle* recv_dev = nullptr;
   };
   NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<core::PeerState> peer,
-          uint32_t index, Comms comms, Unpacker* unpacker, const RegionTable* regions);
+          uint32_t index, Comms comms, Unpacker* unpacker, const RegionTable* regions, bool consume_early = false);
   ~NetLane();
   NetLane(const NetLane&) = delete;
   NetLane& operator=(const NetLane&) = delete;
@@ -111,6 +111,7 @@ class NetLane {
   bool post_receives();
   bool on_header(RxPosted& r);
   bool finish_rx(RxPosted& r);
+  bool finish_deferred();
   bool fail_plugin(const char* call, int rc);
   bool protocol_error(const char* what);
   void* mr_for(core::RegionState* region);
@@ -128,6 +129,10 @@ class NetLane {
   Unpacker* const unpacker_;
   const RegionTable* const regions_;
   const bool unpack_device_;
+  const bool consume_early_;  // test-only fault (TETHER_NET_FAULT=consume_early): proves the tests catch it
+  bool has_deferred_ = false;  // (fault only) a frame consumed before its copy
+  uint32_t deferred_idle_ = 0;
+  std::vector<netabi::UnpackEntry> deferred_frags_;
   netabi::UnpackDeviceHandle* unpack_ = nullptr;
   std::atomic<bool> dead_{false};
   bool retired_ = false;
@@ -150,6 +155,7 @@ class NetLane {
 
   // rx: pre-posted header/payload pairs, oldest first.
   RxPosted rx_[kFramesInFlight];
+  RxPosted deferred_;  // (fault only)
   size_t rx_head_ = 0, rx_count_ = 0;
   uint32_t rx_requests_ = 0;   // irecv requests the plugin holds (until consumed)
   uint64_t rx_posted_ = 0;     // irecv calls made on the comm: the unpack metadata slot counter

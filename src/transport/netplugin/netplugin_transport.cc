@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -154,6 +155,8 @@ struct NetPeerLanes {
 
 NetpluginTransport::NetpluginTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
   const Config& cfg = endpoint->config();
+  // Fault injection for the tests, not a tuning knob: hands receives back before their unpack.
+  if (const char* f = std::getenv("TETHER_NET_FAULT")) consume_early_ = std::string(f) == "consume_early";
   if (cfg.net_plugin.empty()) {
     unavailable_ = "TETHER_NET_PLUGIN is not set (path of an NCCL net plugin, e.g. libnccl-net.so)";
     return;
@@ -352,7 +355,7 @@ Status NetpluginTransport::attach(const std::shared_ptr<core::PeerState>& peer, 
 
   std::vector<std::shared_ptr<NetLane>> lanes;
   for (uint32_t i = 0; i < n; ++i) {
-    auto lane = std::make_shared<NetLane>(net_, endpoint_, peer, i, comms[i], unpacker_.get(), &regions_);
+    auto lane = std::make_shared<NetLane>(net_, endpoint_, peer, i, comms[i], unpacker_.get(), &regions_, consume_early_);
     comms[i] = NetLane::Comms{};  // the lane owns and closes them now
     Status s = lane->init();
     if (!s.is_ok()) {
