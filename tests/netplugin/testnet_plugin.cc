@@ -183,7 +183,7 @@ bool progress_recv(Comm* c) {
     Request* r = c->queue[c->head];
     if (r->hdr_got < sizeof(MsgHeader)) {
       ssize_t s = ::recv(c->fd, reinterpret_cast<uint8_t*>(&r->hdr) + r->hdr_got, sizeof(MsgHeader) - r->hdr_got, MSG_DONTWAIT);
-      if (s == 0) { errno = 0; return fail(c, "peer closed the connection"); }
+      if (s == 0) { c->failed = true; return false; }  // the peer closed: normal at teardown, no warning
       if (s < 0) return errno == EAGAIN || errno == EINTR ? true : fail(c, "recv");
       r->hdr_got += size_t(s);
       if (r->hdr_got < sizeof(MsgHeader)) return true;
@@ -197,7 +197,7 @@ bool progress_recv(Comm* c) {
     while (r->got < want) {
       if (!g_unpack) {  // ordinary plugin: straight into the posted buffer
         ssize_t s = ::recv(c->fd, r->data + r->got, want - r->got, MSG_DONTWAIT);
-        if (s == 0) { errno = 0; return fail(c, "peer closed the connection"); }
+        if (s == 0) { c->failed = true; return false; }  // the peer closed: normal at teardown, no warning
         if (s < 0) return errno == EAGAIN || errno == EINTR ? true : fail(c, "recv");
         r->got += size_t(s);
         continue;
@@ -240,7 +240,7 @@ bool progress_recv(Comm* c) {
       }
       if (s <= 0) {
         for (auto it = taken.rbegin(); it != taken.rend(); ++it) c->free_pages.push_back(*it), --c->pages_taken;
-        if (s == 0) { errno = 0; return fail(c, "peer closed the connection"); }
+        if (s == 0) { c->failed = true; return false; }  // the peer closed: normal at teardown, no warning
         return errno == EAGAIN || errno == EINTR ? true : fail(c, "recv");
       }
       // Record fragments for what arrived; pages not reached go back on the free list.
