@@ -22,12 +22,12 @@ struct Config {
   uint32_t spin_us = 50;            // TETHER_SPIN_US: wait() on a small transfer spins this long before sleeping
   std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
+  std::string unpack;               // TETHER_UNPACK: kernel, d2d or host; empty = kernel when built, else d2d
   std::string transport = "auto";   // TETHER_TRANSPORT: auto (best both sides offer), tcp, ipc, fabric, netplugin
   // netplugin transport (docs/NETPLUGIN.md)
   std::string net_plugin;           // TETHER_NET_PLUGIN: path of an NCCL net plugin (e.g. the TCPX libnccl-net.so)
   uint32_t net_comms = 0;           // TETHER_NET_COMMS: lanes (send+recv comm pairs) per peer; 0 = one per plugin device, at least 2
   std::string net_bindings;         // TETHER_NET_BINDINGS: "nic:cpus;nic:cpus" pins the thread serving each plugin device
-  std::string unpack;               // TETHER_UNPACK: kernel|d2d|host; empty = host for host bounce buffers
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();

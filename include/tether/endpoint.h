@@ -32,6 +32,7 @@ class Region {
   void* data() const;
   uint64_t size() const;
   MemoryKind kind() const;
+  int device() const;  // GPU index, -1 for host memory
   bool readonly() const;
   bool valid() const { return state_ != nullptr; }
   // Bytes granting access to [offset, offset+length) of this region and nothing else.

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Optional
 
+import tether
+
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 
 
@@ -102,6 +104,14 @@ def _run_server(args, options: dict) -> int:
     return 0
 
 
+def _torch_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
 def bench(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -121,27 +131,30 @@ def bench(args) -> int:
         console.print("[red]--role client needs --peer HOST:PORT (or torchrun)[/red]")
         return 2
     device = args.device
+    cuda, why, ngpu = tether._tether.gpu_status()[:3]
     if device == "auto":
-        device = "cpu"  # GPU regions arrive with the GPU-over-TCP transport
+        device = "gpu" if cuda and _torch_cuda() else "cpu"
     if device == "gpu":
-        console.print("[red]--device gpu: GPU memory is not supported by this build yet[/red]")
-        return 2
+        if not cuda or not _torch_cuda():
+            console.print(f"[red]--device gpu needs CUDA and torch with a GPU here ({why or 'torch has no CUDA'})[/red]")
+            return 2
+        for idx in (args.local_gpu_idx, args.remote_gpu_idx):
+            if not 0 <= idx < ngpu:
+                console.print(f"[red]GPU {idx} does not exist ({ngpu} visible)[/red]")
+                return 2
     if args.transport not in ("auto", "tcp", "netplugin"):
         console.print(f"[red]--transport {args.transport}: not available in this build (tcp, netplugin)[/red]")
         return 2
     transport_opts = {} if args.transport == "auto" else {"transport": args.transport}
-    if args.unpack:
-        transport_opts["unpack"] = args.unpack
     if args.transport == "netplugin":
-        import tether as _t
-
-        with _t.Endpoint(port=0) as probe:
-            why = probe.transports().get("netplugin", "not in this build")
-        if why:
-            console.print(f"[red]--transport netplugin: {why}[/red]")
+        with tether.Endpoint(port=0) as probe:
+            unusable = probe.transports().get("netplugin", "not in this build")
+        if unusable:
+            console.print(f"[red]--transport netplugin: {unusable}[/red]")
             return 2
     if args.nics:
-        console.print("[yellow]--nics has no effect on host-memory transfers[/yellow]")
+        console.print("[yellow]--nics has no effect yet[/yellow]")
+    gpu_kw = dict(device=args.local_gpu_idx, remote_device=args.remote_gpu_idx) if device == "gpu" else {}
     modes = args.mode
     for m in modes:
         if m not in ("write", "read", "send"):
@@ -187,8 +200,11 @@ def bench(args) -> int:
                 results.extend(mesh.run(args.gpus, combo, capacity, cases_per_combo, args.single_process,
                                         progress=lambda: progress.advance(task)))
                 continue
+            if args.unpack:
+                combo = dict(combo, unpack=args.unpack)
             opts = dict(combo, **transport_opts)
-            pair = B.LocalPair(opts, capacity) if role == "local" else B.RemotePair(opts, capacity, target)
+            pair = (B.LocalPair(opts, capacity, **gpu_kw) if role == "local"
+                    else B.RemotePair(opts, capacity, target, **gpu_kw))
             last = i == len(combos) - 1
             try:
                 for case in cases_per_combo:

@@ -13,6 +13,7 @@
 #include <atomic>
 
 #include "core/wire.h"
+#include "gpu/staging.h"
 #include "tether/endpoint.h"
 
 namespace nb = nanobind;
@@ -169,6 +170,7 @@ NB_MODULE(_tether, m) {
       .def_prop_ro("ptr", [](const Region& r) { return reinterpret_cast<uintptr_t>(r.data()); })
       .def_prop_ro("readonly", &Region::readonly)
       .def_prop_ro("kind", [](const Region& r) { return r.kind() == MemoryKind::kHost ? "host" : "cuda"; })
+      .def_prop_ro("device", &Region::device)
       .def("descriptor", [](const Region& r, uint64_t offset, std::optional<uint64_t> length) {
             return as_bytes(take(r.descriptor(offset, length.value_or(UINT64_MAX))));
           }, "offset"_a = 0, "length"_a = nb::none());
@@ -247,6 +249,18 @@ NB_MODULE(_tether, m) {
           });
 
   m.attr("WIRE_VERSION") = tether::wire::kVersion;
+  // GPU index of a raw pointer (-1: host memory, or no CUDA here).
+  m.def("pointer_device", [](uintptr_t ptr) {
+    auto info = tether::gpu::pointer_info(reinterpret_cast<void*>(ptr));
+    return info.is_ok() && info.value().is_device ? info.value().device : -1;
+  });
+  // (usable, why not) for GPU memory and for the unpack kernels.
+  m.def("gpu_status", [] {
+    std::string why, kwhy;
+    const bool cuda = tether::gpu::cuda(&why) != nullptr;
+    const bool kernels = tether::gpu::kernels_available(&kwhy);
+    return nb::make_tuple(cuda, why, tether::gpu::device_count(), kernels, kwhy);
+  });
   m.def("_begin_exit", [] { g_exiting.store(true, std::memory_order_release); });
   m.def("_threads_without_gil", [] { return g_released.load(); });
 }

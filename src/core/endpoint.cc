@@ -76,9 +76,17 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
     return Status(Code::kInvalidArgument, "chunk_bytes, window, channels and sockets_per_channel must be positive");
   if (uint64_t(config.channels) * config.sockets_per_channel > kMaxLanes)
     return Status(Code::kInvalidArgument, "channels x sockets_per_channel must be at most 256");
+  // The unpack mode: a typo is an error everywhere; a mode this machine cannot run only where GPUs exist.
+  gpu::Unpack unpack = gpu::Unpack::kD2D;
+  if (auto u = gpu::parse_unpack(config.unpack); u.is_ok()) {
+    unpack = u.value();
+  } else if (u.status().code() == Code::kInvalidArgument || gpu::device_count() > 0) {
+    return u.status();
+  }
   EndpointId id;
   crypto::random_bytes(id.data(), id.size());
   std::shared_ptr<EndpointImpl> ep(new EndpointImpl(config, id));
+  ep->unpack_ = unpack;
   ep->host_id_ = sys::host_id();
   ep->name_ = config.name.empty() ? sys::hostname() + ":" + std::to_string(::getpid()) : config.name;
 
@@ -145,6 +153,10 @@ std::string EndpointImpl::metadata() const {
   m.hostname_len = uint16_t(hn.size());
   std::string out(reinterpret_cast<const char*>(&m), sizeof m);
   return out + host + hn;
+}
+
+uint64_t EndpointImpl::chunk_for(uint64_t remote_chunk_bytes) const {
+  return remote_chunk_bytes ? std::min<uint64_t>(config_.chunk_bytes, remote_chunk_bytes) : config_.chunk_bytes;
 }
 
 uint32_t EndpointImpl::heartbeat_for(uint32_t remote_timeout_ms) const {
@@ -290,6 +302,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   ch.session = crypto::random_u64();
   ch.lanes = config_.channels * config_.sockets_per_channel;  // TCP data sockets, if tcp is chosen
   ch.peer_timeout_ms = config_.peer_timeout_ms;
+  ch.chunk_bytes = config_.chunk_bytes;
   std::memcpy(ch.host_id, host_id_.data(), 32);
   copy_name(ch.name, name_);
 
@@ -335,6 +348,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   info.name = read_name(sh.name);
   info.same_host = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
   info.heartbeat_ms = heartbeat_for(sh.peer_timeout_ms);
+  info.chunk_bytes = chunk_for(sh.chunk_bytes);
   info.transport = chosen->name();
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, chosen->lanes_for(remote_offer), chosen);
   peer->control_fd = fds[0];
@@ -392,6 +406,28 @@ std::vector<std::pair<std::string, std::string>> EndpointImpl::transport_status(
 }
 
 Result<Region> EndpointImpl::register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly) {
+  if (ptr && size > 0) {
+    // Ask CUDA what the memory is: a GPU range must lie in one allocation of the GPU it claims.
+    auto info = gpu::pointer_info(ptr);
+    if (!info.is_ok()) return info.status();
+    const gpu::PointerInfo& p = info.value();
+    if (kind == MemoryKind::kCuda) {
+      std::string why;
+      if (!gpu::cuda(&why)) return Status(Code::kUnavailable, "register: GPU memory needs CUDA: " + why);
+      if (!p.is_device) return Status(Code::kInvalidArgument, "register: the pointer is not GPU memory (register it as host memory)");
+      if (device >= 0 && device != p.device)
+        return Status(Code::kInvalidArgument, "register: the memory is on GPU " + std::to_string(p.device) + ", not GPU " +
+                                                  std::to_string(device));
+      device = p.device;
+      const uint64_t at = reinterpret_cast<uint64_t>(ptr);
+      if (at + size > p.alloc_base + p.alloc_size)
+        return Status(Code::kOutOfRange, "register: the range runs " + std::to_string(at + size - p.alloc_base - p.alloc_size) +
+                                             " bytes past the end of its GPU allocation");
+    } else if (p.is_device) {
+      return Status(Code::kInvalidArgument, "register: the pointer is GPU memory of GPU " + std::to_string(p.device) +
+                                                "; register it as kind cuda");
+    }
+  }
   auto r = registry_.add(ptr, size, kind, device, readonly);
   if (!r.is_ok()) return r;
   Region region = r.take();
@@ -528,6 +564,7 @@ void EndpointImpl::advance_handshake(int fd) {
     sh.version = wire::kVersion;
     sh.has_token = !token.empty();
     sh.peer_timeout_ms = config_.peer_timeout_ms;
+    sh.chunk_bytes = config_.chunk_bytes;
     std::memcpy(sh.endpoint_id, id_.data(), 16);
     std::memcpy(sh.nonce, p.server_nonce, 16);
     std::memcpy(sh.host_id, host_id_.data(), 32);
@@ -602,6 +639,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     info.name = read_name(h.name);
     info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
     info.heartbeat_ms = heartbeat_for(h.peer_timeout_ms);
+    info.chunk_bytes = chunk_for(h.chunk_bytes);
     const wire::ClientProof& cp = p.proof;
     const std::string name(cp.transport, strnlen(cp.transport, sizeof cp.transport));
     transport::Transport* chosen = nullptr;

@@ -15,6 +15,7 @@
 #include "core/region.h"
 #include "core/wire.h"
 #include "tether/endpoint.h"
+#include "gpu/staging.h"
 #include "transport/transport.h"
 
 namespace tether::core {
@@ -52,6 +53,8 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void poll_lane(PeerState* peer, uint32_t lane) { peer->transport->poll(peer, lane); }
   // Registers with the registry, then with every usable transport (descriptor extensions).
   Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
+  // How staged payloads reach GPU memory (Config::unpack, resolved once).
+  gpu::Unpack unpack_mode() const { return unpack_; }
   // (name, why unavailable — empty when usable) of every transport this build knows.
   std::vector<std::pair<std::string, std::string>> transport_status() const;
   void wake_control();
@@ -71,6 +74,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void flush_control(PeerState& peer);
   void tick(const std::vector<std::shared_ptr<PeerState>>& peers);
   uint32_t heartbeat_for(uint32_t remote_timeout_ms) const;
+  uint64_t chunk_for(uint64_t remote_chunk_bytes) const;
   Result<std::pair<transport::Transport*, std::string>> choose_transport(const wire::Offers& theirs, bool same_host) const;
   void reap();
 
@@ -78,6 +82,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   EndpointId id_{};
   std::string name_;
   std::array<uint8_t, 32> host_id_{};
+  gpu::Unpack unpack_ = gpu::Unpack::kD2D;
   RegionRegistry registry_;
   AtomicStats stats_;
   std::vector<std::unique_ptr<transport::Transport>> transports_;

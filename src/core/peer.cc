@@ -212,7 +212,7 @@ Transfer PeerState::post_notify(std::string data) {
 }
 
 void PeerState::enqueue(TransferState* t) {
-  const uint64_t chunk = endpoint_->config().chunk_bytes;
+  const uint64_t chunk = info_.chunk_bytes;
   uint64_t chunks = 0;
   for (const Segment& s : t->segments) {
     chunks += (s.length + chunk - 1) / chunk;
@@ -249,7 +249,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     TransferState* t = queue_head_.load(std::memory_order_relaxed);
     if (!t || lane_inflight_[lane] >= lane_window_ || free_slots_.empty()) return false;
     const Segment& seg = t->segments[t->cur_segment];
-    const uint64_t len = std::min<uint64_t>(endpoint_->config().chunk_bytes, seg.length - t->cur_offset);
+    const uint64_t len = std::min<uint64_t>(info_.chunk_bytes, seg.length - t->cur_offset);
     const uint32_t idx = free_slots_.back();
     free_slots_.pop_back();
     Slot& s = slots_[idx];
@@ -258,6 +258,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     s.lane = lane;
     s.length = len;
     s.local = seg.local + t->cur_offset;
+    s.device = seg.local_region && seg.local_region->kind == MemoryKind::kCuda ? seg.local_region->device : -1;
     ++lane_inflight_[lane];
 
     wire::FrameHeader& h = op->hdr;
@@ -330,7 +331,8 @@ Code PeerState::answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t statu
   return Code::kOk;
 }
 
-Code PeerState::read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest) {
+Code PeerState::read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest,
+                                 int* device) {
   std::lock_guard lock(mu_);
   if (slot >= slots_.size()) return Code::kProtocolError;
   Slot& s = slots_[slot];
@@ -338,11 +340,12 @@ Code PeerState::read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uin
       s.transfer->op != OpKind::kRead)
     return Code::kProtocolError;
   *dest = s.local;
+  *device = s.device;
   return Code::kOk;
 }
 
 Code PeerState::resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint8_t** dest,
-                                  TransferState** recv) {
+                                  TransferState** recv, int* device) {
   std::lock_guard lock(mu_);
   auto it = matched_.find(token);
   if (it == matched_.end()) return Code::kNotFound;
@@ -351,6 +354,8 @@ Code PeerState::resolve_send_data(uint32_t token, uint64_t offset, uint64_t leng
   r->pending.fetch_add(1, std::memory_order_relaxed);
   *dest = r->segments[0].local + offset;
   *recv = r;
+  const RegionState* l = r->segments[0].local_region;
+  *device = l && l->kind == MemoryKind::kCuda ? l->device : -1;
   return Code::kOk;
 }
 

@@ -39,6 +39,7 @@ struct PeerInfo {
   std::string name;
   bool same_host = false;
   std::string transport;         // the transport carrying its data
+  uint64_t chunk_bytes = 1 << 20;  // min of both sides' chunk_bytes: no frame between them is longer
   uint32_t heartbeat_ms = 1000;  // ours, or sooner if the other side's peer_timeout needs it
 };
 
@@ -68,9 +69,11 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   // A target answered chunk (slot, gen). kProtocolError if the answer names no chunk of this lane.
   Code answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t status);
   // Where a kReadResp payload of `length` bytes goes.
-  Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest);
+  // `device` is the GPU the bytes go to, or -1 for host memory.
+  Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest, int* device);
   // Target side of kSendData: where the bytes go inside the matched recv `token`.
-  Code resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint8_t** dest, TransferState** recv);
+  Code resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint8_t** dest, TransferState** recv,
+                         int* device);
   void send_data_placed(TransferState* recv, uint64_t length);
   // The lane is gone: answer everything it had in flight with `code`.
   void release_lane(uint32_t lane, Code code);
@@ -111,6 +114,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
     uint64_t length = 0;
     uint32_t gen = 0;
     uint32_t lane = 0;
+    int32_t device = -1;        // GPU of `local`, -1 for host memory
     bool used = false;
   };
 

@@ -35,6 +35,7 @@ struct ClientHello {           // connector -> listener
   uint32_t peer_timeout_ms;    // the connector declares us dead after this much silence
   uint8_t host_id[32];         // boot id + network namespace: equal means same host, same netns
   char name[64];
+  uint64_t chunk_bytes;        // the peer uses min(ours, theirs): no frame is longer (0 = no preference)
 };
 struct ServerHello {           // listener -> connector
   uint32_t magic;
@@ -48,6 +49,7 @@ struct ServerHello {           // listener -> connector
   uint8_t host_id[32];
   char name[64];
   uint32_t offers_length;      // control sockets: this many bytes of transport offers follow
+  uint64_t chunk_bytes;
 };
 struct ClientProof {           // connector -> listener
   uint8_t proof[32];           // HMAC(token, "tether-client" | client nonce | server nonce | session | lane)
@@ -101,8 +103,8 @@ struct RtsBody { uint64_t msg_id, tag, length; };
 struct CtsBody { uint64_t msg_id; uint32_t token; uint8_t status; uint8_t pad[3]; };
 #pragma pack(pop)
 
-static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64);
-static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4);
+static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64 + 8);
+static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4 + 8);
 static_assert(sizeof(ClientProof) == 32 + 16 + 4 + 4);
 static_assert(sizeof(FrameHeader) == 56);
 static_assert(sizeof(ControlHeader) == 8);

@@ -18,9 +18,10 @@ TargetPlan plan_target(core::EndpointImpl& ep, core::PeerState& peer, const Fram
     if (p.code == Code::kOk) {
       if (write) p.dest = p.pin->base + h.offset;
       else p.source = p.pin->base + h.offset;
+      p.device = p.pin->kind == MemoryKind::kCuda ? p.pin->device : -1;
     }
   } else if (type == FrameType::kSendData) {
-    p.code = peer.resolve_send_data(h.region_id, h.offset, h.length, &p.dest, &p.recv);
+    p.code = peer.resolve_send_data(h.region_id, h.offset, h.length, &p.dest, &p.recv, &p.device);
   } else {
     p.code = Code::kProtocolError;
   }

@@ -23,6 +23,7 @@ struct TargetPlan {
   const uint8_t* source = nullptr;      // kReadReq: the bytes to send back
   core::RegionState* pin = nullptr;     // pinned until finish_placed / the response is sent / abandon
   core::TransferState* recv = nullptr;  // kSendData: the matched recv, held until finish_placed / abandon
+  int32_t device = -1;                  // >= 0: dest / source is memory of this GPU
 };
 
 // Checks an incoming kWrite, kSendData or kReadReq header and counts a rejection.

@@ -65,3 +65,16 @@ def test_descriptor_extensions_parse_and_malformed_ones_are_refused():
             with pytest.raises(tether.InvalidArgument, match="extensions|descriptor"):
                 tether.RemoteRegion(bad)
 
+
+
+def test_bad_unpack_mode_is_refused_and_gpu_memory_needs_cuda():
+    with pytest.raises(tether.InvalidArgument, match="kernel, d2d or host"):
+        tether.Endpoint(unpack="bogus")
+    cuda, why = tether._tether.gpu_status()[:2]
+    if cuda:
+        pytest.skip("CUDA is present: tests/python/test_gpu.py covers GPU registration")
+    with tether.Endpoint() as ep:
+        buf = poisoned(4096)
+        with pytest.raises(tether.Unavailable, match="GPU memory needs CUDA"):
+            ep.register((buf.ctypes.data, buf.nbytes), device=0)
+        assert ep.register(buf).kind == "host"

@@ -27,8 +27,8 @@ MiB = 1 << 20
 
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
-CLIENT_HELLO_SIZE = 156
-SERVER_HELLO_SIZE = 176  # then offers_length bytes of transport offers (control sockets)
+CLIENT_HELLO_SIZE = 164
+SERVER_HELLO_SIZE = 184  # then offers_length bytes of transport offers (control sockets)
 CLIENT_PROOF_SIZE = 56
 SERVER_DONE_SIZE = 8
 HELLO_VERSION_MISMATCH = 1
@@ -150,10 +150,10 @@ def thread_count() -> int:
 def client_hello(version: int = 2, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
                  has_token: int = 0, magic: int = WIRE_MAGIC, name: bytes = b"raw") -> bytes:
     """A ClientHello (156 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
-    nonce 16, session u64, lane u32, lanes u32, peer timeout ms u32, host id 32, name 64."""
-    msg = struct.pack("<IHBB16s16sQIII32s64s", magic, version, kind, has_token, os.urandom(16),
+    nonce 16, session u64, lane u32, lanes u32, peer timeout ms u32, host id 32, name 64, chunk bytes u64."""
+    msg = struct.pack("<IHBB16s16sQIII32s64sQ", magic, version, kind, has_token, os.urandom(16),
                       os.urandom(16), int.from_bytes(os.urandom(8), "little"), lane, lanes, 10000, bytes(32),
-                      name.ljust(64, b"\0")[:64])
+                      name.ljust(64, b"\0")[:64], 0)
     assert len(msg) == CLIENT_HELLO_SIZE
     return msg
 
@@ -298,6 +298,7 @@ class _Agent:
         self.ep = None
         self.peer = None
         self.buffers: dict[str, np.ndarray] = {}
+        self.gpu: dict[str, Any] = {}  # name -> torch tensor (GPU regions)
         self.regions: dict[str, Any] = {}
         self.background: list[threading.Thread] = []
         self.bg_state: dict[str, Any] = {}
@@ -310,9 +311,15 @@ class _Agent:
         self.ep = self.tether.Endpoint(**kw)
         return {"metadata": self.ep.metadata(), "address": self.ep.address, "name": self.ep.name}
 
-    def cmd_register(self, name, size, fill=("poison", POISON), readonly=None, as_bytes=False):
+    def cmd_register(self, name, size, fill=("poison", POISON), readonly=None, as_bytes=False, device=None):
         kind, arg = fill
         buf = rand_bytes(arg, size) if kind == "seed" else poisoned(size, arg)
+        if device is not None:  # a torch tensor on GPU `device`
+            import torch
+            self.gpu[name] = torch.from_numpy(buf).to(f"cuda:{device}")
+            torch.cuda.synchronize(device)
+            self.regions[name] = self.ep.register(self.gpu[name], readonly=readonly)
+            return self.regions[name].descriptor()
         obj = bytes(buf.tobytes()) if as_bytes else buf
         self.buffers[name] = buf if not as_bytes else np.frombuffer(obj, dtype=np.uint8)
         self.regions[name] = self.ep.register(obj, readonly=readonly)
@@ -325,6 +332,10 @@ class _Agent:
         self.ep.deregister(self.regions.pop(name))
 
     def cmd_get(self, name, offset=0, length=None):
+        if name in self.gpu:
+            g = self.gpu[name]
+            end = g.numel() if length is None else offset + length
+            return g[offset:end].cpu().numpy().tobytes()
         b = self.buffers[name]
         end = b.size if length is None else offset + length
         return b[offset:end].tobytes()
@@ -382,7 +393,6 @@ class _Agent:
     def cmd_check_on_notify(self, name, seed, offset, nbytes, timeout=20.0):
         """Waits for one notification; the moment it arrives, checks that the data it announces
         ([offset, +nbytes) == rand_bytes(seed, nbytes)) is already complete in `name`."""
-        buf = self.buffers[name]
         expected = rand_bytes(seed, nbytes)
         deadline = time.monotonic() + timeout
         notes = []
@@ -390,7 +400,10 @@ class _Agent:
             notes = self.ep.notifications(timeout=max(0.001, deadline - time.monotonic()))
         if not notes:
             return {"notes": [], "mismatch": None, "timed_out": True}
-        snapshot = buf[offset:offset + nbytes].copy()  # what was there when the note arrived
+        if name in self.gpu:  # what was there when the note arrived
+            snapshot = self.gpu[name][offset:offset + nbytes].cpu().numpy()
+        else:
+            snapshot = self.buffers[name][offset:offset + nbytes].copy()
         return {"notes": [tuple(n) for n in notes], "mismatch": first_mismatch(snapshot, expected),
                 "timed_out": False}
 

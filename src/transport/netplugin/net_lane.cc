@@ -100,6 +100,10 @@ void* NetLane::mr_for(core::RegionState* region) {
   // First payload from this region on this comm: register it (the plugin pins / imports it once).
   void* mh = nullptr;
   const int type = region->kind == MemoryKind::kCuda ? netabi::kPtrCuda : netabi::kPtrHost;
+  if (type == netabi::kPtrCuda) {
+    kill(Status(Code::kUnavailable, "netplugin: sending from GPU memory needs the GPU path (not in this build)"));
+    return nullptr;
+  }
   const int rc = net_->reg_mr(comms_.send, region->base, region->size, type, &mh);
   if (rc != netabi::kSuccess) {
     fail_plugin("regMr", rc);
@@ -207,6 +211,12 @@ bool NetLane::on_header(RxPosted& r) {
     case FrameType::kSendData:
       if (h.length > kMaxFrame) return protocol_error("a frame larger than a plugin receive");
       r.plan = plan_target(*ep_, *peer_, h);
+      if (r.plan.code == Code::kOk && r.plan.device >= 0) {
+        // GPU destinations need the GPU unpack (src/gpu); until then they are refused, not corrupted.
+        if (r.plan.recv) r.plan.recv->record_error(Status(Code::kUnavailable, "netplugin: GPU destinations need the GPU unpack"));
+        abandon(*peer_, r.plan);
+        r.plan.code = Code::kUnavailable;
+      }
       r.dest = r.plan.code == Code::kOk ? r.plan.dest : nullptr;  // null: discard, then answer the error
       r.expect = h.length;
       return true;
@@ -235,8 +245,15 @@ bool NetLane::on_header(RxPosted& r) {
         r.expect = 0;
         return true;
       }
-      if (h.length > kMaxFrame || peer_->read_destination(index_, h.slot, h.gen, h.length, &r.dest) != Code::kOk)
-        return protocol_error("read data for no read");
+      {
+        int device = -1;
+        if (h.length > kMaxFrame || peer_->read_destination(index_, h.slot, h.gen, h.length, &r.dest, &device) != Code::kOk)
+          return protocol_error("read data for no read");
+        if (device >= 0) {
+          kill(Status(Code::kUnavailable, "netplugin: reads into GPU memory need the GPU unpack (not in this build)"));
+          return false;
+        }
+      }
       r.expect = h.length;
       return true;
   }

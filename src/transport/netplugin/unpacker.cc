@@ -32,12 +32,16 @@ Code check_fragments(const netabi::UnpackEntry* frags, uint64_t n, uint64_t leng
 }
 
 Result<std::unique_ptr<Unpacker>> make_unpacker(const std::string& mode, bool bounce_on_gpu) {
-  if (mode.empty() || mode == "host") {
-    if (bounce_on_gpu)
-      return Status(Code::kUnavailable, "the plugin's bounce buffer is GPU memory: TETHER_UNPACK=host cannot read it");
+  // Host bounce pages (the testnet plugin on CPU): a memcpy per fragment whatever the mode asks for
+  // GPU copies. GPU bounce pages (TCPX devmem): the GPU unpack.
+  if (!bounce_on_gpu) {
+    if (!mode.empty() && mode != "host" && mode != "kernel" && mode != "d2d")
+      return Status(Code::kInvalidArgument, "TETHER_UNPACK must be kernel, d2d or host, not '" + mode + "'");
     return std::unique_ptr<Unpacker>(new HostUnpacker());
   }
-  if (mode == "kernel" || mode == "d2d")
+  if (mode == "host")
+    return Status(Code::kUnavailable, "the plugin's bounce buffer is GPU memory: TETHER_UNPACK=host cannot read it");
+  if (mode.empty() || mode == "kernel" || mode == "d2d")
     return Status(Code::kUnavailable, "TETHER_UNPACK=" + mode + " needs the GPU unpack of src/gpu (not in this build)");
   return Status(Code::kInvalidArgument, "TETHER_UNPACK must be kernel, d2d or host, not '" + mode + "'");
 }

@@ -32,8 +32,8 @@ class Unpacker {
 // add up to `length`: a plugin bug must not write outside the checked destination.
 Code check_fragments(const netabi::UnpackEntry* frags, uint64_t n, uint64_t length);
 
-// mode: "host", "kernel", "d2d" or "" (auto: host for host bounce buffers). kUnavailable when the mode
-// cannot serve this bounce buffer / destination kind on this build.
+// mode: TETHER_UNPACK ("kernel", "d2d", "host" or ""). Host bounce buffers always get the host copy;
+// GPU bounce buffers the GPU modes (kUnavailable until src/gpu provides them here).
 Result<std::unique_ptr<Unpacker>> make_unpacker(const std::string& mode, bool bounce_on_gpu);
 
 }  // namespace tether::transport

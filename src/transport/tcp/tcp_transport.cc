@@ -12,6 +12,7 @@
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"
+#include "gpu/staging.h"
 #include "transport/frame_target.h"
 
 namespace tether::transport {
@@ -32,12 +33,25 @@ constexpr size_t kMaxIov = 64;
 constexpr uint64_t kRxBudget = 16ull << 20;  // bytes per lane per turn, for fairness
 constexpr uint64_t kTxBudget = 16ull << 20;
 constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: it wants its answer
+constexpr uint32_t kStageSlots = 8;          // pinned bounce slots per lane and direction (GPU memory)
 
 struct TxItem {
   FrameHeader hdr;
   const uint8_t* payload;
   uint64_t length;
   RegionState* pin;  // read responses keep their region pinned until sent
+  int32_t device = -1;                  // payload is in this GPU's memory: stage it before sending
+  gpu::StagingSlot* stage = nullptr;    // payload was copied here (pinned); send once the copy is done
+  bool staged = false;                  // the copy into `stage` has completed
+};
+
+// A frame received into a bounce slot, waiting for its copy to the GPU before it is answered.
+struct GpuRx {
+  gpu::StagingSlot* slot = nullptr;
+  FrameHeader hdr{};        // the frame (its answer goes out once the copy is done)
+  uint8_t status = 0;
+  RegionState* pin = nullptr;
+  TransferState* recv = nullptr;
 };
 
 enum class RxState { kHeader, kPayload, kDiscard };
@@ -57,6 +71,12 @@ class AnswerRing {
     const size_t t = tail_.load(std::memory_order_relaxed);
     items_[t % kAnswerRing] = it;
     tail_.store(t + 1, std::memory_order_seq_cst);
+  }
+  bool peek(TxItem* out) const {
+    const size_t h = head_.load(std::memory_order_relaxed);
+    if (h == tail_.load(std::memory_order_acquire)) return false;
+    *out = items_[h % kAnswerRing];
+    return true;
   }
   bool pop(TxItem* out) {
     const size_t h = head_.load(std::memory_order_relaxed);
@@ -100,10 +120,22 @@ struct Lane {
   FrameHeader rx_hdr{};
   uint8_t* rx_dest = nullptr;  // null while discarding
   uint64_t rx_left = 0;
-  TargetPlan rx_plan;  // what the frame being received was checked against
+  uint8_t rx_status = 0;
+  RegionState* rx_pin = nullptr;
+  TransferState* rx_recv = nullptr;
+  int32_t rx_device = -1;      // >= 0: payload lands in rx_slot, then is copied to rx_final on this GPU
+  gpu::StagingSlot* rx_slot = nullptr;
+  uint8_t* rx_final = nullptr;
   std::atomic<bool> rx_paused{false};   // no room to answer: stop reading until answers drain
   std::atomic<bool> rx_owned{false};    // the progress thread, or a thread polling for its answer
   uint32_t epoll_events = 0;            // progress thread only
+
+  // GPU staging, created on a lane's first GPU chunk. tx_stage belongs to the tx owner; rx_stage
+  // and the gpu_rx FIFO (frames whose copy to the GPU is in flight) to the rx owner.
+  std::unique_ptr<gpu::StagingRing> tx_stage, rx_stage;
+  GpuRx gpu_rx[kStageSlots];
+  uint32_t gpu_rx_head = 0, gpu_rx_count = 0;
+  std::atomic<uint32_t> gpu_inflight{0};  // staged copies in flight: the progress thread polls, not sleeps
 
   bool try_own() { return !tx_owned.exchange(true, std::memory_order_acquire); }
   void disown() { tx_owned.store(false, std::memory_order_seq_cst); }
@@ -123,19 +155,60 @@ struct TcpPeerLanes {
 
 namespace {
 
+int32_t local_device(const ChunkOp& op) {
+  const RegionState* r = op.segment ? op.segment->local_region : nullptr;
+  return r && r->kind == MemoryKind::kCuda ? r->device : -1;
+}
+
+// Starts copying a GPU payload into a pinned tx slot. False without an error: no slot is free yet.
+bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
+  if (!l.tx_stage) l.tx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes, 1);
+  auto slot = l.tx_stage->acquire();
+  if (!slot.is_ok()) { *error = slot.status(); return false; }
+  if (!slot.value()) return false;
+  const gpu::Fragment f{0, const_cast<uint8_t*>(it.payload), it.length};
+  if (Status st = l.tx_stage->pack(slot.value(), it.device, &f, 1, ep->unpack_mode()); !st.is_ok()) {
+    l.tx_stage->release(slot.value());
+    *error = st;
+    return false;
+  }
+  it.stage = slot.value();
+  it.payload = slot.value()->host;
+  it.device = -1;
+  it.staged = false;
+  l.gpu_inflight.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 // Sends what the lane holds (answers first, then chunks it pulls while its socket keeps up).
-// Caller owns tx. Returns false if the socket failed.
+// Caller owns tx. Returns false if the socket (or a GPU copy) failed.
 bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
-  const uint64_t chunk = ep->config().chunk_bytes;
+  const uint64_t chunk = l.peer->info().chunk_bytes;
   uint64_t budget = kTxBudget;
   auto& stats = ep->stats();
   for (;;) {
     TxItem a;
-    while (l.tx_count < kTxRing && l.answers.pop(&a)) l.queue(a);
+    while (l.tx_count < kTxRing && l.answers.peek(&a)) {
+      if (a.device >= 0 && !stage_tx(l, ep, a, error)) {
+        if (!error->is_ok()) return false;
+        break;  // no free slot: the answer waits in the ring
+      }
+      TxItem taken;
+      l.answers.pop(&taken);  // `a` is the (possibly staged) copy we queue
+      l.queue(a);
+    }
     // Pull only when what this socket holds has (almost) drained: faster sockets pull more.
     ChunkOp op;
-    while (l.tx_unsent < chunk && l.tx_count < kTxRing / 2 && l.peer->next_chunk(l.index, &op))
-      l.queue(TxItem{op.hdr, op.payload, op.length, nullptr});
+    while (l.tx_unsent < chunk && l.tx_count < kTxRing / 2 && (!l.tx_stage || l.tx_stage->has_free()) &&
+           l.peer->next_chunk(l.index, &op)) {
+      TxItem it{op.hdr, op.payload, op.length, nullptr};
+      it.device = op.payload ? local_device(op) : -1;
+      if (it.device >= 0 && !stage_tx(l, ep, it, error)) {
+        if (error->is_ok()) *error = Status(Code::kInternal, "staging: no free slot after checking for one");
+        return false;
+      }
+      l.queue(it);
+    }
     if (l.tx_count == 0 || budget == 0) break;
 
     iovec iov[kMaxIov];
@@ -143,6 +216,12 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     uint64_t skip = l.tx_head_sent;
     for (size_t i = 0; i < l.tx_count && niov + 2 <= kMaxIov; ++i) {
       TxItem& it = l.tx[(l.tx_head + i) % kTxRing];
+      if (it.stage && !it.staged) {  // its copy out of the GPU must finish before its bytes go
+        auto done = l.tx_stage->done(it.stage);
+        if (!done.is_ok()) { *error = done.status(); return false; }
+        if (!done.value()) break;
+        it.staged = true;
+      }
       if (skip < sizeof(FrameHeader)) {
         iov[niov++] = {reinterpret_cast<uint8_t*>(&it.hdr) + skip, sizeof(FrameHeader) - skip};
         skip = 0;
@@ -152,6 +231,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       if (it.length > skip) iov[niov++] = {const_cast<uint8_t*>(it.payload) + skip, it.length - skip};
       skip = 0;
     }
+    if (niov == 0) break;  // the head waits for its GPU copy; the progress thread polls
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = niov;
@@ -176,6 +256,10 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
           stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
         }
         if (it.pin) it.pin->unpin();
+        if (it.stage) {
+          l.tx_stage->release(it.stage);
+          l.gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
+        }
         l.tx_head = (l.tx_head + 1) % kTxRing;
         --l.tx_count;
         l.tx_head_sent = 0;
@@ -195,10 +279,73 @@ void kill_lane(Lane& l, Status why) {
 bool on_header(Lane& l, core::EndpointImpl* ep);
 void payload_done(Lane& l, core::EndpointImpl* ep);
 
+// Answers, in order, the frames whose copy from a bounce slot to the GPU has finished. Caller owns rx.
+void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
+  auto& stats = ep->stats();
+  while (l.gpu_rx_count > 0) {
+    GpuRx& g = l.gpu_rx[l.gpu_rx_head];
+    auto done = l.rx_stage->done(g.slot);
+    uint8_t status = g.status;
+    if (!done.is_ok()) {
+      status = uint8_t(Code::kInternal);
+    } else if (!done.value()) {
+      return;
+    }
+    const bool read = static_cast<FrameType>(g.hdr.type) == FrameType::kReadResp;
+    if (!read && l.answers.full()) return;  // the ack waits for room
+    l.rx_stage->release(g.slot);
+    l.gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
+    if (g.pin) g.pin->unpin();
+    if (g.recv) l.peer->send_data_placed(g.recv, g.hdr.length);
+    if (status == 0) {
+      stats.bytes_received.fetch_add(g.hdr.length, std::memory_order_relaxed);
+      stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    }
+    l.gpu_rx_head = (l.gpu_rx_head + 1) % kStageSlots;
+    --l.gpu_rx_count;
+    if (read) {
+      if (l.peer->answer(l.index, g.hdr.slot, g.hdr.gen, status) != Code::kOk)
+        kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
+    } else {
+      TxItem ack{};
+      ack.hdr.type = static_cast<uint8_t>(FrameType::kAck);
+      ack.hdr.status = status;
+      ack.hdr.slot = g.hdr.slot;
+      ack.hdr.gen = g.hdr.gen;
+      l.answers.push(ack);
+    }
+  }
+}
+
+// Room to land one more GPU-bound payload? (Checked before a frame is resolved, so nothing is undone.)
+bool gpu_rx_room(const Lane& l) {
+  return !l.rx_stage || (l.gpu_rx_count < kStageSlots && l.rx_stage->has_free());
+}
+
+// Points the payload of the frame being received at a bounce slot; payload_done copies it to `final`.
+bool land_in_bounce(Lane& l, core::EndpointImpl* ep, int device, uint8_t* final) {
+  if (l.rx_hdr.length > ep->config().chunk_bytes) {
+    kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a frame longer than the agreed chunk size"));
+    return false;
+  }
+  if (!l.rx_stage) l.rx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes, 1);
+  auto slot = l.rx_stage->acquire();
+  if (!slot.is_ok() || !slot.value()) {
+    kill_lane(l, slot.is_ok() ? Status(Code::kInternal, "staging: no free slot after checking for one") : slot.status());
+    return false;
+  }
+  l.rx_slot = slot.value();
+  l.rx_device = device;
+  l.rx_final = final;
+  l.rx_dest = l.rx_slot->host;
+  return true;
+}
+
 // ---------------------------------------------------------------- receive
 
 // Reads and handles what the lane's socket holds, up to `budget` bytes. Caller owns rx.
 void receive(Lane& l, core::EndpointImpl* ep, uint64_t budget = kRxBudget) {
+  if (l.gpu_rx_count > 0) complete_gpu_rx(l, ep);
   while (!l.dead.load(std::memory_order_relaxed) && !l.rx_paused.load(std::memory_order_relaxed) && budget > 0) {
     const size_t buffered = l.rx_end - l.rx_begin;
     if (l.rx_state != RxState::kHeader) {
@@ -264,22 +411,51 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
     l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once answers have drained
     return false;
   }
+  const bool has_payload = type == FrameType::kWrite || type == FrameType::kSendData ||
+                           (type == FrameType::kReadResp && h.status == 0);
+  if (has_payload && !gpu_rx_room(l)) {
+    l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once a GPU copy has finished
+    return false;
+  }
   switch (type) {
     case FrameType::kWrite:
     case FrameType::kSendData: {
-      l.rx_plan = plan_target(*ep, *l.peer, h);
-      const bool ok = l.rx_plan.code == Code::kOk;
-      l.rx_dest = ok ? l.rx_plan.dest : nullptr;  // null: discard the payload, then answer the error
+      const TargetPlan p = plan_target(*ep, *l.peer, h);  // region, key, bounds (or the matched recv)
+      const Code c = p.code;
+      RegionState* pin = p.pin;
+      TransferState* recv = p.recv;
+      uint8_t* dest = p.dest;
+      const int device = p.device;
+      l.rx_status = static_cast<uint8_t>(c);
+      l.rx_pin = pin;
+      l.rx_recv = recv;
+      l.rx_dest = dest;  // null: discard the payload, then answer with the error
       l.rx_left = h.length;
-      l.rx_state = ok ? RxState::kPayload : RxState::kDiscard;
+      l.rx_state = c == Code::kOk ? RxState::kPayload : RxState::kDiscard;
+      if (c == Code::kOk && device >= 0 && h.length > 0 && !land_in_bounce(l, ep, device, dest)) return false;
       if (l.rx_left == 0) payload_done(l, ep);
       return true;
     }
     case FrameType::kReadReq: {
       const TargetPlan p = plan_target(*ep, *l.peer, h);
+      const Code c = p.code;
+      RegionState* pin = p.pin;
       TxItem it{};
-      it.hdr = read_response(h, p);
-      if (p.code == Code::kOk) it.payload = p.source, it.length = h.length, it.pin = p.pin;
+      it.hdr.type = static_cast<uint8_t>(FrameType::kReadResp);
+      it.hdr.status = static_cast<uint8_t>(c);
+      it.hdr.slot = h.slot;
+      it.hdr.gen = h.gen;
+      if (c == Code::kOk) {
+        if (pin->kind == MemoryKind::kCuda && h.length > ep->config().chunk_bytes) {
+          pin->unpin();
+          return protocol_error("a read request longer than the agreed chunk size");
+        }
+        it.hdr.length = h.length;
+        it.payload = pin->base + h.offset;
+        it.length = h.length;
+        it.pin = pin;
+        it.device = pin->kind == MemoryKind::kCuda ? pin->device : -1;  // the tx owner stages it
+      }
       l.answers.push(it);
       return true;
     }
@@ -293,11 +469,14 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
         return true;
       }
       uint8_t* dest = nullptr;
-      if (l.peer->read_destination(l.index, h.slot, h.gen, h.length, &dest) != Code::kOk)
+      int device = -1;
+      if (l.peer->read_destination(l.index, h.slot, h.gen, h.length, &dest, &device) != Code::kOk)
         return protocol_error("read data for no read");
       l.rx_dest = dest;
       l.rx_left = h.length;
+      l.rx_status = 0;
       l.rx_state = RxState::kPayload;
+      if (device >= 0 && h.length > 0 && !land_in_bounce(l, ep, device, dest)) return false;
       if (l.rx_left == 0) payload_done(l, ep);
       return true;
     }
@@ -309,6 +488,24 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
   const FrameHeader& h = l.rx_hdr;
   l.rx_state = RxState::kHeader;
   l.rx_dest = nullptr;
+  if (l.rx_slot) {  // in a bounce slot: copy it to the GPU; answer when that copy has finished
+    GpuRx& g = l.gpu_rx[(l.gpu_rx_head + l.gpu_rx_count) % kStageSlots];
+    g.slot = l.rx_slot;
+    g.hdr = h;
+    g.status = l.rx_status;
+    g.pin = l.rx_pin;
+    g.recv = l.rx_recv;
+    l.rx_slot = nullptr;
+    l.rx_pin = nullptr;
+    l.rx_recv = nullptr;
+    const gpu::Fragment f{0, l.rx_final, h.length};
+    if (!l.rx_stage->unpack(g.slot, l.rx_device, &f, 1, ep->unpack_mode()).is_ok()) g.status = uint8_t(Code::kInternal);
+    l.rx_device = -1;
+    ++l.gpu_rx_count;
+    l.gpu_inflight.fetch_add(1, std::memory_order_relaxed);
+    complete_gpu_rx(l, ep);  // small copies may be done already
+    return;
+  }
   auto& stats = ep->stats();
   const auto type = static_cast<FrameType>(h.type);
   if (type == FrameType::kReadResp) {
@@ -318,8 +515,20 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
       kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
     return;
   }
+  if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
+  if (l.rx_recv) {
+    l.peer->send_data_placed(l.rx_recv, h.length);
+    l.rx_recv = nullptr;
+  }
+  if (l.rx_status == 0) {
+    stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+    stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+  }
   TxItem ack{};
-  ack.hdr = finish_placed(*ep, *l.peer, h, l.rx_plan);
+  ack.hdr.type = static_cast<uint8_t>(FrameType::kAck);
+  ack.hdr.status = l.rx_status;
+  ack.hdr.slot = h.slot;
+  ack.hdr.gen = h.gen;
   l.answers.push(ack);
 }
 
@@ -440,6 +649,13 @@ void ProgressThread::run() {
         continue;
       }
       do_tx(*l);
+      if (l->gpu_inflight.load(std::memory_order_relaxed) > 0) {  // GPU copies in flight: poll them
+        if (l->try_own_rx()) {
+          if (l->gpu_rx_count > 0) complete_gpu_rx(*l, ep_);
+          l->disown_rx();
+        }
+        work_hint_.store(true, std::memory_order_relaxed);
+      }
       // Resume what backpressure held back; rx may pause again at once, so loop a few times and,
       // if it still could resume, come back without sleeping.
       for (int k = 0; k < 8 && l->rx_paused.load(std::memory_order_relaxed) && !l->answers.full() &&
@@ -480,7 +696,23 @@ void ProgressThread::retire(Lane& l) {
   ::epoll_ctl(epfd_, EPOLL_CTL_DEL, l.fd, nullptr);
   while (!l.try_own()) cpu_relax();     // a user thread may be mid-send; it holds tx for one sendmsg
   while (!l.try_own_rx()) cpu_relax();  // ... or reading its answer; it holds rx for one pass
-  abandon(*l.peer, l.rx_plan);
+  // Copies still running may touch user memory: they finish before any region is let go.
+  if (l.tx_stage) l.tx_stage->wait_all();
+  if (l.rx_stage) l.rx_stage->wait_all();
+  if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
+  if (l.rx_recv) {
+    l.rx_recv->record_error(l.peer->error());
+    l.rx_recv->release();
+    l.rx_recv = nullptr;
+  }
+  for (; l.gpu_rx_count > 0; --l.gpu_rx_count, l.gpu_rx_head = (l.gpu_rx_head + 1) % kStageSlots) {
+    GpuRx& g = l.gpu_rx[l.gpu_rx_head];
+    if (g.pin) g.pin->unpin();
+    if (g.recv) {
+      g.recv->record_error(l.peer->error());
+      g.recv->release();
+    }
+  }
   for (size_t i = 0; i < l.tx_count; ++i) {
     TxItem& it = l.tx[(l.tx_head + i) % kTxRing];
     if (it.pin) it.pin->unpin();
