@@ -24,6 +24,10 @@ struct Config {
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
   std::string unpack;               // TETHER_UNPACK: kernel, d2d or host; empty = kernel when built, else d2d
   std::string transport = "auto";   // TETHER_TRANSPORT: auto (best both sides offer), tcp, ipc, fabric, netplugin
+  // netplugin transport (docs/NETPLUGIN.md)
+  std::string net_plugin;           // TETHER_NET_PLUGIN: path of an NCCL net plugin (e.g. the TCPX libnccl-net.so)
+  uint32_t net_comms = 0;           // TETHER_NET_COMMS: lanes (send+recv comm pairs) per peer; 0 = one per plugin device, at least 2
+  std::string net_bindings;         // TETHER_NET_BINDINGS: "nic:cpus;nic:cpus" pins the thread serving each plugin device
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();

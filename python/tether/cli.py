@@ -142,9 +142,16 @@ def bench(args) -> int:
             if not 0 <= idx < ngpu:
                 console.print(f"[red]GPU {idx} does not exist ({ngpu} visible)[/red]")
                 return 2
-    if args.transport not in ("auto", "tcp"):
-        console.print(f"[red]--transport {args.transport}: not available in this build (tcp only)[/red]")
+    if args.transport not in ("auto", "tcp", "netplugin"):
+        console.print(f"[red]--transport {args.transport}: not available in this build (tcp, netplugin)[/red]")
         return 2
+    transport_opts = {} if args.transport == "auto" else {"transport": args.transport}
+    if args.transport == "netplugin":
+        with tether.Endpoint(port=0) as probe:
+            unusable = probe.transports().get("netplugin", "not in this build")
+        if unusable:
+            console.print(f"[red]--transport netplugin: {unusable}[/red]")
+            return 2
     if args.nics:
         console.print("[yellow]--nics has no effect yet[/yellow]")
     gpu_kw = dict(device=args.local_gpu_idx, remote_device=args.remote_gpu_idx) if device == "gpu" else {}
@@ -195,13 +202,14 @@ def bench(args) -> int:
                 continue
             if args.unpack:
                 combo = dict(combo, unpack=args.unpack)
-            pair = (B.LocalPair(combo, capacity, **gpu_kw) if role == "local"
-                    else B.RemotePair(combo, capacity, target, **gpu_kw))
+            opts = dict(combo, **transport_opts)
+            pair = (B.LocalPair(opts, capacity, **gpu_kw) if role == "local"
+                    else B.RemotePair(opts, capacity, target, **gpu_kw))
             last = i == len(combos) - 1
             try:
                 for case in cases_per_combo:
                     progress.update(task, description=f"{case.mode} {B.human(case.size)} x{case.num_iovs} {combo or ''}")
-                    r = B.run_case(pair, case, progress=lambda: progress.advance(task))
+                    r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda: progress.advance(task))
                     r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
                     results.append(r)
             finally:
@@ -229,7 +237,7 @@ def bench(args) -> int:
     if args.json:
         doc = {
             "version": 1, "machine": B.machine_info(),
-            "config": {"transport": "tcp", "device": device, "async_api": args.async_api, "combos": combos},
+            "config": {"transport": args.transport, "device": device, "async_api": args.async_api, "combos": combos},
             "results": [dict(B.result_dict(r), config=r.config) for r in results],
         }
         with open(args.json, "w") as f:

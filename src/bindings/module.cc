@@ -146,6 +146,9 @@ NB_MODULE(_tether, m) {
       .def_rw("auth_token", &Config::auth_token)
       .def_rw("name", &Config::name)
       .def_rw("transport", &Config::transport)
+      .def_rw("net_plugin", &Config::net_plugin)
+      .def_rw("net_comms", &Config::net_comms)
+      .def_rw("net_bindings", &Config::net_bindings)
       .def_rw("unpack", &Config::unpack);
 
   nb::class_<RemoteRegion>(m, "RemoteRegion")

@@ -33,6 +33,9 @@ Config Config::from_env() {
   env_str("TETHER_AUTH_TOKEN", c.auth_token);
   env_str("TETHER_NAME", c.name);
   env_str("TETHER_TRANSPORT", c.transport);
+  env_str("TETHER_NET_PLUGIN", c.net_plugin);
+  env_uint("TETHER_NET_COMMS", c.net_comms);
+  env_str("TETHER_NET_BINDINGS", c.net_bindings);
   env_str("TETHER_UNPACK", c.unpack);
   return c;
 }

@@ -13,6 +13,7 @@
 #include "core/peer.h"
 #include "core/region.h"
 #include "gpu/staging.h"
+#include "transport/frame_target.h"
 
 namespace tether::transport {
 
@@ -476,25 +477,15 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
     l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once a GPU copy has finished
     return false;
   }
-  auto& stats = ep->stats();
   switch (type) {
     case FrameType::kWrite:
     case FrameType::kSendData: {
-      RegionState* pin = nullptr;
-      TransferState* recv = nullptr;
-      uint8_t* dest = nullptr;
-      int device = -1;
-      Code c;
-      if (type == FrameType::kWrite) {
-        c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, true, &pin);
-        if (c == Code::kOk) {
-          dest = pin->base + h.offset;
-          device = pin->kind == MemoryKind::kCuda ? pin->device : -1;
-        }
-      } else {
-        c = l.peer->resolve_send_data(h.region_id, h.offset, h.length, &dest, &recv, &device);
-      }
-      if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+      const TargetPlan p = plan_target(*ep, *l.peer, h);  // region, key, bounds (or the matched recv)
+      const Code c = p.code;
+      RegionState* pin = p.pin;
+      TransferState* recv = p.recv;
+      uint8_t* dest = p.dest;
+      const int device = p.device;
       l.rx_status = static_cast<uint8_t>(c);
       l.rx_pin = pin;
       l.rx_recv = recv;
@@ -507,8 +498,9 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
     }
     case FrameType::kWriteBatch: return on_batch(l, ep);
     case FrameType::kReadReq: {
-      RegionState* pin = nullptr;
-      Code c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, false, &pin);
+      const TargetPlan p = plan_target(*ep, *l.peer, h);
+      const Code c = p.code;
+      RegionState* pin = p.pin;
       TxItem it{};
       it.hdr.type = static_cast<uint8_t>(FrameType::kReadResp);
       it.hdr.status = static_cast<uint8_t>(c);
@@ -524,8 +516,6 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
         it.length = h.length;
         it.pin = pin;
         it.device = pin->kind == MemoryKind::kCuda ? pin->device : -1;  // the tx owner stages it
-      } else {
-        stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
       }
       l.answers.push(it);
       return true;
