@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "core/endpoint_impl.h"
+#include "transport/transport.h"
 
 namespace tether::core {
 namespace {
@@ -45,6 +46,7 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
       endpoint_(std::move(endpoint)),
       info_(std::move(info)),
       lanes_(lanes),
+      batches_(transport && transport->caps().write_batches),
       lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
       last_heard_ms_(now_ms()) {
   slots_.resize(size_t(lane_window_) * lanes_);
@@ -305,7 +307,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     op->segment_offset = t->cur_offset;
     op->device = s.device;
     op->local = s.local;
-    const uint32_t n = t->op == OpKind::kWrite ? pack_batch(t, s, chunk) : 0;
+    const uint32_t n = t->op == OpKind::kWrite && batches_ ? pack_batch(t, s, chunk) : 0;
     if (n >= 2) {  // many small writes: one frame, one answer
       h.type = static_cast<uint8_t>(wire::FrameType::kWriteBatch);
       h.region_id = n;

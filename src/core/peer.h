@@ -143,6 +143,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   const std::shared_ptr<EndpointImpl> endpoint_;
   PeerInfo info_;
   const uint32_t lanes_;
+  const bool batches_;  // the transport takes kWriteBatch chunks
   const uint32_t lane_window_;
   std::atomic<bool> failed_{false};
   std::atomic<int64_t> last_heard_ms_;

@@ -256,6 +256,8 @@ bool NetLane::on_header(RxPosted& r) {
       }
       r.expect = h.length;
       return true;
+    case FrameType::kWriteBatch:  // never sent to us: Caps::write_batches is off
+      break;
   }
   return protocol_error("a frame of unknown type");
 }

@@ -884,6 +884,7 @@ Caps TcpTransport::caps() const {
   Caps c;
   c.host_memory = true;
   c.uses_tcp_lanes = true;
+  c.write_batches = true;
   return c;
 }
 
