@@ -22,6 +22,13 @@ struct Config {
   uint32_t spin_us = 50;            // TETHER_SPIN_US: wait() on a small transfer spins this long before sleeping
   std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
+  // Many NICs (docs/ARCHITECTURE.md, "NICs, lanes and threads").
+  std::string nics;                 // TETHER_NICS: data NICs in order, "eth1,eth2"; empty = every NIC that is up, ranked
+  std::string control_nic;          // TETHER_CONTROL_NIC: NIC of the control connection; empty = the listen/target address
+  std::string tx_cpus;              // TETHER_TX_CPUS: "eth1:8-21;eth2:22-35" CPUs of the progress threads serving a NIC
+  std::string rx_cpus;              // TETHER_RX_CPUS: same form; a progress thread drives both directions (union)
+  uint32_t pin_threads = 1;         // TETHER_PIN_THREADS: 0 = never pin; 1 = pin to CPUs local to the thread's NIC
+  uint32_t lane_timeout_ms = 5000;  // TETHER_LANE_TIMEOUT_MS: unacknowledged data this long kills a lane (its chunks move)
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();

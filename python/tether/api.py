@@ -18,10 +18,13 @@ _OPTIONS = {
     "sockets_per_channel": "sockets_per_channel", "chunk_bytes": "chunk_bytes",
     "window": "window", "socket_buffer": "socket_buffer", "spin_us": "spin_us",
     "auth_token": "auth_token", "name": "name",
+    "nics": "nics", "control_nic": "control_nic", "tx_cpus": "tx_cpus", "rx_cpus": "rx_cpus",
+    "pin_threads": "pin_threads",
 }
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",
     "heartbeat": "heartbeat_ms", "handshake_timeout": "handshake_timeout_ms",
+    "lane_timeout": "lane_timeout_ms",
 }
 
 

@@ -32,6 +32,12 @@ Config Config::from_env() {
   env_uint("TETHER_SPIN_US", c.spin_us);
   env_str("TETHER_AUTH_TOKEN", c.auth_token);
   env_str("TETHER_NAME", c.name);
+  env_str("TETHER_NICS", c.nics);
+  env_str("TETHER_CONTROL_NIC", c.control_nic);
+  env_str("TETHER_TX_CPUS", c.tx_cpus);
+  env_str("TETHER_RX_CPUS", c.rx_cpus);
+  env_uint("TETHER_PIN_THREADS", c.pin_threads);
+  env_uint("TETHER_LANE_TIMEOUT_MS", c.lane_timeout_ms);
   return c;
 }
 

@@ -14,6 +14,7 @@
 #include "core/peer.h"
 #include "core/region.h"
 #include "core/wire.h"
+#include "sys/topology.h"
 #include "tether/endpoint.h"
 #include "transport/transport.h"
 
@@ -54,6 +55,13 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void push_notification(const PeerInfo& from, std::string data);
   void count_finished(bool ok);
   void peer_failed(PeerState* peer);
+  // NICs and threads (src/sys/topology.h): decided once at create().
+  const sys::Plan& plan() const { return plan_; }
+  const LinkCounters& nic_counters(size_t i) const { return *nic_counters_[i]; }
+  void pin_progress_thread(uint32_t index) const;
+  uint32_t thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic) const {
+    return plan_.thread_for_lane(lane, nic, earlier_on_nic, config_.sockets_per_channel);
+  }
 
  private:
   struct Pending;  // a socket whose handshake is under way (listener side)
@@ -68,6 +76,10 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void tick(const std::vector<std::shared_ptr<PeerState>>& peers);
   uint32_t heartbeat_for(uint32_t remote_timeout_ms) const;
   void reap();
+  // Which NIC a connected data socket uses on this side (getsockname), and where it goes.
+  LanePath describe_lane(int fd, const sys::NicPair* pair);
+  std::string advertised_nics() const;   // this side's data NICs, sent to connectors
+  std::string control_hint() const;      // where connectors should reach a wildcard listener
 
   Config config_;
   EndpointId id_{};
@@ -75,6 +87,8 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   std::array<uint8_t, 32> host_id_{};
   RegionRegistry registry_;
   AtomicStats stats_;
+  sys::Plan plan_;
+  std::vector<std::unique_ptr<LinkCounters>> nic_counters_;  // per plan_.all entry, then one for "other"
   std::unique_ptr<transport::Transport> transport_;
 
   int listen_fd_ = -1, epoll_fd_ = -1, event_fd_ = -1;

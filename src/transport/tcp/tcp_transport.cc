@@ -81,6 +81,8 @@ struct Lane {
   ProgressThread* thread = nullptr;
   uint32_t index = 0;
   int fd = -1;
+  core::LinkCounters* ctr = nullptr;      // this lane's counters (owned by the peer)
+  core::LinkCounters* nic_ctr = nullptr;  // its NIC's (owned by the endpoint)
   std::atomic<bool> dead{false};
   std::atomic<bool> tx_owned{false};
   std::atomic<bool> tx_backlog{false};  // unsent bytes wait for EPOLLOUT
@@ -175,6 +177,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         if (it.length > 0) {
           stats.bytes_sent.fetch_add(it.length, std::memory_order_relaxed);
           stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
+          core::count_sent(l.ctr, l.nic_ctr, it.length);
         }
         if (it.pin) it.pin->unpin();
         l.tx_head = (l.tx_head + 1) % kTxRing;
@@ -187,10 +190,10 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
   return true;
 }
 
-// A lane whose socket failed: fail its peer (shutting down every socket of it) once.
+// A lane whose socket failed: the peer moves its chunks to surviving lanes, or fails if none is left.
 void kill_lane(Lane& l, Status why) {
   if (l.dead.exchange(true)) return;
-  l.peer->fail(std::move(why));
+  l.peer->lane_failed(l.index, std::move(why));
 }
 
 bool on_header(Lane& l, core::EndpointImpl* ep);
@@ -258,7 +261,7 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
     kill_lane(l, Status(Code::kProtocolError, std::string("peer '") + l.peer->info().name + "' sent " + what));
     return false;
   };
-  if (h.reserved != 0) return protocol_error("a malformed frame");
+  if (h.flags & ~wire::kKnownFlags) return protocol_error("a malformed frame");
   const auto type = static_cast<FrameType>(h.type);
   const bool needs_answer = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kReadReq;
   if (needs_answer && l.answers.full()) {
@@ -277,7 +280,7 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
         c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, true, &pin);
         if (c == Code::kOk) dest = pin->base + h.offset;
       } else {
-        c = l.peer->resolve_send_data(h.region_id, h.offset, h.length, &dest, &recv);
+        c = l.peer->resolve_send_data(h.region_id, h.offset, h.length, h.key, h.flags, &dest, &recv);
       }
       if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
       l.rx_status = static_cast<uint8_t>(c);
@@ -340,18 +343,20 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
   if (type == FrameType::kReadResp) {
     stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    core::count_received(l.ctr, l.nic_ctr, h.length);
     if (l.peer->answer(l.index, h.slot, h.gen, 0) != Code::kOk)
       kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
     return;
   }
   if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
   if (l.rx_recv) {
-    l.peer->send_data_placed(l.rx_recv, h.length);
+    l.peer->send_data_placed(l.rx_recv, h.offset, h.length);
     l.rx_recv = nullptr;
   }
   if (l.rx_status == 0) {
     stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    core::count_received(l.ctr, l.nic_ctr, h.length);
   }
   TxItem ack{};
   ack.hdr.type = static_cast<uint8_t>(FrameType::kAck);
@@ -453,6 +458,7 @@ void ProgressThread::take_incoming() {
 }
 
 void ProgressThread::run() {
+  ep_->pin_progress_thread(index_);
   epoll_event events[64];
   while (!stop_.load(std::memory_order_acquire)) {
     sleeping_.store(true, std::memory_order_seq_cst);
@@ -520,8 +526,7 @@ void ProgressThread::retire(Lane& l) {
   while (!l.try_own_rx()) cpu_relax();  // ... or reading its answer; it holds rx for one pass
   if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
   if (l.rx_recv) {
-    l.rx_recv->record_error(l.peer->error());
-    l.rx_recv->release();
+    l.peer->abandon_send_data(l.rx_recv);
     l.rx_recv = nullptr;
   }
   for (size_t i = 0; i < l.tx_count; ++i) {
@@ -555,19 +560,30 @@ TcpTransport::TcpTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
 TcpTransport::~TcpTransport() { stop(); }
 
 void TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& fds) {
-  const uint32_t per_channel = std::max<uint32_t>(1, endpoint_->config().sockets_per_channel);
   auto state = std::make_shared<TcpPeerLanes>();
   std::vector<std::shared_ptr<Lane>> lanes;
+  std::vector<uint32_t> thread_of(fds.size());
+  std::vector<uint32_t> on_nic;  // lanes of this peer per NIC so far
   for (uint32_t i = 0; i < fds.size(); ++i) {
     auto lane = std::make_shared<Lane>();
     lane->peer = peer;
     lane->index = i;
     lane->fd = fds[i];
+    lane->ctr = &peer->lane_counters(i);
+    const core::LanePath& path = peer->lane_paths[i];
+    lane->nic_ctr = path.nic_counters;
+    // Lanes on one NIC go to the threads serving that NIC (pinned near it); the rest by channel.
+    uint32_t earlier = 0;
+    if (path.nic >= 0) {
+      if (on_nic.size() <= size_t(path.nic)) on_nic.resize(size_t(path.nic) + 1, 0);
+      earlier = on_nic[size_t(path.nic)]++;
+    }
+    thread_of[i] = endpoint_->thread_for_lane(i, path.nic, earlier) % threads_.size();
     state->lanes.push_back(lane);
     lanes.push_back(std::move(lane));
   }
   peer->transport_state = state;  // weak references: lanes own the peer, not the other way round
-  for (uint32_t i = 0; i < lanes.size(); ++i) threads_[(i / per_channel) % threads_.size()]->adopt(std::move(lanes[i]));
+  for (uint32_t i = 0; i < lanes.size(); ++i) threads_[thread_of[i]]->adopt(std::move(lanes[i]));
 }
 
 void TcpTransport::wake(PeerState* peer, uint64_t chunks) {
