@@ -199,24 +199,24 @@ bool same_subnet(const NicAddr& a, const std::string& b_addr, int b_prefix) {
 }
 
 std::vector<NicPair> pair_nics(const std::vector<Nic>& local, const std::vector<RemoteNic>& remote) {
-  // For each remote NIC, the local NICs on its subnet; then round-robin over remote NICs so consecutive
-  // lanes land on different links, and within a remote NIC over its local candidates.
-  std::vector<std::vector<NicPair>> per_remote;
-  for (auto& r : remote) {
+  // For each local NIC in use order, the remote NICs on its subnet; then round-robin over local NICs so
+  // consecutive lanes land on different links, and within a local NIC over its remote candidates.
+  std::vector<std::vector<NicPair>> per_local;
+  for (size_t l = 0; l < local.size(); ++l) {
     std::vector<NicPair> cands;
-    for (size_t l = 0; l < local.size(); ++l)
+    for (auto& r : remote)
       for (auto& a : local[l].addrs)
         if (a.family == r.addr.family && same_subnet(a, r.addr.addr, r.addr.prefix)) {
           cands.push_back(NicPair{int(l), a.addr, local[l].name, r.addr.addr, r.name});
           break;
         }
-    if (!cands.empty()) per_remote.push_back(std::move(cands));
+    if (!cands.empty()) per_local.push_back(std::move(cands));
   }
   std::vector<NicPair> out;
   size_t round = 0;
   for (bool more = true; more; ++round) {
     more = false;
-    for (auto& c : per_remote)
+    for (auto& c : per_local)
       if (round < c.size()) {
         out.push_back(c[round]);
         more = true;

@@ -56,8 +56,8 @@ struct NicPair {
   std::string remote_addr;
   std::string remote_name;
 };
-// Pairs of (local data NIC, remote NIC) that share a subnet, spread so that consecutive entries use
-// different NICs on both sides. Empty when none share a subnet (the caller then uses its control
+// Pairs of (local data NIC, remote NIC) that share a subnet, in local use order, spread so that
+// consecutive entries use different local NICs. Empty when none share a subnet (the caller then uses its control
 // address for every lane).
 std::vector<NicPair> pair_nics(const std::vector<Nic>& local, const std::vector<RemoteNic>& remote);
 bool same_subnet(const NicAddr& a, const std::string& b_addr, int b_prefix);

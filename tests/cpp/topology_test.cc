@@ -67,11 +67,13 @@ TEST(Topology, PairsShareSubnetsAndSpreadOverLinks) {
                                 {"b1", {AF_INET, "10.9.1.2", 24}}, {"far", {AF_INET, "172.16.0.1", 16}}};
   auto p = pair_nics(local, remote);
   ASSERT_EQ(p.size(), 3u);  // "x" and "far" share no subnet with anything
-  EXPECT_EQ(p[0].local_name, "a2");
-  EXPECT_EQ(p[0].remote_addr, "10.9.2.2");
-  EXPECT_EQ(p[1].local_name, "a0");
-  EXPECT_EQ(p[2].local_addr, "10.9.1.1");
-  EXPECT_EQ(p[2].local, 1);
+  EXPECT_EQ(p[0].local_name, "a0");  // local use order
+  EXPECT_EQ(p[0].remote_addr, "10.9.0.2");
+  EXPECT_EQ(p[0].remote_name, "b0");
+  EXPECT_EQ(p[1].local_name, "a1");
+  EXPECT_EQ(p[2].local_addr, "10.9.2.1");
+  EXPECT_EQ(p[2].remote_addr, "10.9.2.2");
+  EXPECT_EQ(p[2].local, 2);
   EXPECT_TRUE(pair_nics(local, {{"far", {AF_INET, "172.16.0.1", 16}}}).empty());
 }
 

@@ -1,6 +1,8 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include <linux/sockios.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -31,6 +33,14 @@ constexpr size_t kMaxIov = 64;
 constexpr uint64_t kRxBudget = 16ull << 20;  // bytes per lane per turn, for fairness
 constexpr uint64_t kTxBudget = 16ull << 20;
 constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: it wants its answer
+
+constexpr uint64_t kLaneQueueChunks = 2;      // chunks a lane's socket may hold (ours + the kernel's)
+
+// Bytes in the socket's send queue (unsent or unacknowledged).
+inline uint64_t kernel_queued(int fd) {
+  int q = 0;
+  return ::ioctl(fd, SIOCOUTQ, &q) == 0 && q > 0 ? uint64_t(q) : 0;
+}
 
 struct TxItem {
   FrameHeader hdr;
@@ -135,9 +145,12 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
   for (;;) {
     TxItem a;
     while (l.tx_count < kTxRing && l.answers.pop(&a)) l.queue(a);
-    // Pull only when what this socket holds has (almost) drained: faster sockets pull more.
+    // Pull only when what this socket holds has (almost) drained: faster sockets pull more. What the
+    // kernel still queues counts too, or a slow link would swallow a socket buffer's worth of chunks
+    // and set the pace at the end of every transfer.
     ChunkOp op;
-    while (l.tx_unsent < chunk && l.tx_count < kTxRing / 2 && l.peer->next_chunk(l.index, &op))
+    const uint64_t queued = l.peer->has_work() ? kernel_queued(l.fd) : 0;
+    while (l.tx_unsent + queued < kLaneQueueChunks * chunk && l.tx_count < kTxRing / 2 && l.peer->next_chunk(l.index, &op))
       l.queue(TxItem{op.hdr, op.payload, op.length, nullptr});
     if (l.tx_count == 0 || budget == 0) break;
 
