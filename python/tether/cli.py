@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk-bytes", type=_csv(parse_size), default=None)
     b.add_argument("--window", type=_csv(int), default=None)
     b.add_argument("--unpack", choices=["kernel", "d2d", "host"], default=None)
-    b.add_argument("--nics", default=None)
+    b.add_argument("--nics", default=None, help="data NICs in order, e.g. eth1,eth2 (sets TETHER_NICS)")
+    b.add_argument("--stats", action="store_true", help="per-NIC and per-channel counters of the driving endpoint")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--role", choices=["local", "server", "client"], default=None,
                    help="local: two processes here (default); server/client: one side each on two hosts. "
@@ -102,6 +103,31 @@ def _run_server(args, options: dict) -> int:
     return 0
 
 
+def stats_tables(console, stats: dict, combo: dict) -> None:
+    """Per-NIC and per-channel (lane) counters: bytes, chunks, lanes lost, chunks resent elsewhere."""
+    from rich.table import Table
+
+    cols = ("MiB sent", "MiB received", "chunks sent", "chunks received", "errors", "resends")
+
+    def nums(x):
+        return [f"{x['bytes_sent'] / 2**20:.1f}", f"{x['bytes_received'] / 2**20:.1f}", str(x["chunks_sent"]),
+                str(x["chunks_received"]), str(x["errors"]), str(x["resends"])]
+
+    t = Table(title=f"per NIC {combo or ''}")
+    for c in ("NIC",) + cols:
+        t.add_column(c, justify="right")
+    for n in stats["nics"]:
+        t.add_row(n["name"], *nums(n))
+    console.print(t)
+    t = Table(title="per channel (lane)")
+    for c in ("peer", "lane", "local NIC", "local", "remote", "alive") + cols:
+        t.add_column(c, justify="right")
+    for l in stats["lanes"]:
+        t.add_row(l["peer"], str(l["lane"]), l["local_nic"] or "-", l["local_addr"], l["remote_addr"],
+                  "yes" if l["alive"] else "[red]no[/red]", *nums(l))
+    console.print(t)
+
+
 def bench(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -129,8 +155,10 @@ def bench(args) -> int:
     if args.transport not in ("auto", "tcp"):
         console.print(f"[red]--transport {args.transport}: not available in this build (tcp only)[/red]")
         return 2
-    if args.unpack or args.nics:
-        console.print("[yellow]--unpack/--nics have no effect on host-memory TCP transfers[/yellow]")
+    if args.unpack:
+        console.print("[yellow]--unpack has no effect on host-memory TCP transfers[/yellow]")
+    if args.nics:
+        os.environ["TETHER_NICS"] = args.nics  # both endpoints (a local server inherits it)
     modes = args.mode
     for m in modes:
         if m not in ("write", "read", "send"):
@@ -184,6 +212,8 @@ def bench(args) -> int:
                     r = B.run_case(pair, case, progress=lambda: progress.advance(task))
                     r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
                     results.append(r)
+                if args.stats:
+                    stats_tables(console, pair.ep.stats(), combo)
             finally:
                 pair.close(shutdown=last and bool(torchrun))
 
