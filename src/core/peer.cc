@@ -53,6 +53,7 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
   live_lanes_ = lanes_;
   resend_.reserve(slots_.size());
   lane_counters_ = std::make_unique<LinkCounters[]>(lanes_);
+  lane_bytes_ = std::make_unique<std::atomic<uint64_t>[]>(lanes_);
 }
 
 bool PeerState::lane_alive(uint32_t lane) const {
@@ -257,6 +258,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
       Slot& s = slots_[idx];
       s.lane = lane;
       ++lane_inflight_[lane];
+      lane_bytes_[lane].fetch_add(s.length, std::memory_order_relaxed);
       *op = s.op;
       op->hdr.gen = s.gen;
       op->hdr.flags |= wire::kFlagResent;
@@ -276,6 +278,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     s.length = len;
     s.local = seg.local + t->cur_offset;
     ++lane_inflight_[lane];
+    lane_bytes_[lane].fetch_add(len, std::memory_order_relaxed);
 
     wire::FrameHeader& h = op->hdr;
     h = {};
@@ -340,6 +343,7 @@ Code PeerState::answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t statu
     ++s.gen;
     free_slots_.push_back(slot);
     --lane_inflight_[lane];
+    lane_bytes_[lane].fetch_sub(s.length, std::memory_order_relaxed);
   }
   if (!err.is_ok()) t->record_error(err);
   t->release();
@@ -468,6 +472,7 @@ void PeerState::release_lane(uint32_t lane, Code code) {
     }
     resend_count_.store(uint32_t(resend_.size()), std::memory_order_release);
     lane_inflight_[lane] = 0;
+    lane_bytes_[lane].store(0, std::memory_order_relaxed);
   }
   for (TransferState* t : orphans) {
     t->record_error(why);

@@ -80,6 +80,8 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   // answered with `code`.
   void release_lane(uint32_t lane, Code code);
   LinkCounters& lane_counters(uint32_t lane) { return lane_counters_[lane]; }
+  // Payload bytes of the chunks `lane` holds unanswered (a lock-free hint for the transport).
+  uint64_t lane_bytes(uint32_t lane) const { return lane_bytes_[lane].load(std::memory_order_relaxed); }
   bool lane_alive(uint32_t lane) const;
 
   // ---- control side (control thread)
@@ -148,6 +150,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   std::vector<uint32_t> resend_;         // slots whose lane died, for the next lane with room (capacity: all slots)
   std::atomic<uint32_t> resend_count_{0};
   std::unique_ptr<LinkCounters[]> lane_counters_;
+  std::unique_ptr<std::atomic<uint64_t>[]> lane_bytes_;  // written under mu_
 
   // Two-sided rendezvous and notifications (control path; allocation allowed).
   uint64_t next_msg_id_ = 1;

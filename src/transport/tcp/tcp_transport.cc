@@ -149,8 +149,10 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     // kernel still queues counts too, or a slow link would swallow a socket buffer's worth of chunks
     // and set the pace at the end of every transfer.
     ChunkOp op;
-    const uint64_t queued = l.peer->has_work() ? kernel_queued(l.fd) : 0;
-    while (l.tx_unsent + queued < kLaneQueueChunks * chunk && l.tx_count < kTxRing / 2 && l.peer->next_chunk(l.index, &op))
+    // (The kernel holds at most the lane's unanswered chunks, so ask it only when those are many.)
+    const uint64_t limit = kLaneQueueChunks * chunk;
+    const uint64_t queued = l.peer->has_work() && l.peer->lane_bytes(l.index) >= limit ? kernel_queued(l.fd) : 0;
+    while (l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && l.peer->next_chunk(l.index, &op))
       l.queue(TxItem{op.hdr, op.payload, op.length, nullptr});
     if (l.tx_count == 0 || budget == 0) break;
 
