@@ -28,6 +28,13 @@ struct Config {
   std::string net_plugin;           // TETHER_NET_PLUGIN: path of an NCCL net plugin (e.g. the TCPX libnccl-net.so)
   uint32_t net_comms = 0;           // TETHER_NET_COMMS: lanes (send+recv comm pairs) per peer; 0 = one per plugin device, at least 2
   std::string net_bindings;         // TETHER_NET_BINDINGS: "nic:cpus;nic:cpus" pins the thread serving each plugin device
+  // Many NICs (docs/ARCHITECTURE.md, "NICs, lanes and threads").
+  std::string nics;                 // TETHER_NICS: data NICs in order, "eth1,eth2"; empty = every NIC that is up, ranked
+  std::string control_nic;          // TETHER_CONTROL_NIC: NIC of the control connection; empty = the listen/target address
+  std::string tx_cpus;              // TETHER_TX_CPUS: "eth1:8-21;eth2:22-35" CPUs of the progress threads serving a NIC
+  std::string rx_cpus;              // TETHER_RX_CPUS: same form; a progress thread drives both directions (union)
+  uint32_t pin_threads = 1;         // TETHER_PIN_THREADS: 0 = never pin; 1 = pin to CPUs local to the thread's NIC
+  uint32_t lane_timeout_ms = 5000;  // TETHER_LANE_TIMEOUT_MS: unacknowledged data this long kills a lane (its chunks move)
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();

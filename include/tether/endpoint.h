@@ -124,9 +124,28 @@ struct Notification {
   std::string data;
 };
 
+// What a lane or a NIC carried. errors: lanes lost; resends: chunks moved off a lost lane.
+struct LinkStats {
+  uint64_t bytes_sent = 0, bytes_received = 0, chunks_sent = 0, chunks_received = 0, errors = 0, resends = 0;
+};
+struct NicStats {
+  std::string name;   // interface; "other" for lanes on no known interface
+  LinkStats link;
+};
+struct LaneStats {    // one channel (lane) of a live peer
+  uint64_t peer_id = 0;
+  std::string peer_name;
+  uint32_t lane = 0;
+  bool alive = true;
+  std::string local_nic, local_addr, remote_nic, remote_addr;
+  LinkStats link;
+};
+
 struct EndpointStats {
   uint64_t bytes_sent = 0, bytes_received = 0, chunks_sent = 0, chunks_received = 0;
   uint64_t transfers_completed = 0, transfers_failed = 0, rejected_requests = 0;
+  std::vector<NicStats> nics;    // NICs that are data NICs or carried a lane
+  std::vector<LaneStats> lanes;  // lanes of the peers connected now
 };
 
 class Endpoint {

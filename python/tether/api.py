@@ -19,10 +19,13 @@ _OPTIONS = {
     "window": "window", "socket_buffer": "socket_buffer", "spin_us": "spin_us",
     "auth_token": "auth_token", "name": "name", "transport": "transport",
     "net_plugin": "net_plugin", "net_comms": "net_comms", "net_bindings": "net_bindings", "unpack": "unpack",
+    "nics": "nics", "control_nic": "control_nic", "tx_cpus": "tx_cpus", "rx_cpus": "rx_cpus",
+    "pin_threads": "pin_threads",
 }
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",
     "heartbeat": "heartbeat_ms", "handshake_timeout": "handshake_timeout_ms",
+    "lane_timeout": "lane_timeout_ms",
 }
 
 

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk-bytes", type=_csv(parse_size), default=None)
     b.add_argument("--window", type=_csv(int), default=None)
     b.add_argument("--unpack", choices=["kernel", "d2d", "host"], default=None)
-    b.add_argument("--nics", default=None)
+    b.add_argument("--nics", default=None, help="data NICs in order, e.g. eth1,eth2 (sets TETHER_NICS)")
+    b.add_argument("--stats", action="store_true", help="per-NIC and per-channel counters of the driving endpoint")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--role", choices=["local", "server", "client"], default=None,
                    help="local: two processes here (default); server/client: one side each on two hosts. "
@@ -112,6 +113,31 @@ def _torch_cuda() -> bool:
         return False
 
 
+def stats_tables(console, stats: dict, combo: dict) -> None:
+    """Per-NIC and per-channel (lane) counters: bytes, chunks, lanes lost, chunks resent elsewhere."""
+    from rich.table import Table
+
+    cols = ("MiB sent", "MiB received", "chunks sent", "chunks received", "errors", "resends")
+
+    def nums(x):
+        return [f"{x['bytes_sent'] / 2**20:.1f}", f"{x['bytes_received'] / 2**20:.1f}", str(x["chunks_sent"]),
+                str(x["chunks_received"]), str(x["errors"]), str(x["resends"])]
+
+    t = Table(title=f"per NIC {combo or ''}")
+    for c in ("NIC",) + cols:
+        t.add_column(c, justify="right")
+    for n in stats["nics"]:
+        t.add_row(n["name"], *nums(n))
+    console.print(t)
+    t = Table(title="per channel (lane)")
+    for c in ("peer", "lane", "local NIC", "local", "remote", "alive") + cols:
+        t.add_column(c, justify="right")
+    for l in stats["lanes"]:
+        t.add_row(l["peer"], str(l["lane"]), l["local_nic"] or "-", l["local_addr"], l["remote_addr"],
+                  "yes" if l["alive"] else "[red]no[/red]", *nums(l))
+    console.print(t)
+
+
 def bench(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -153,7 +179,7 @@ def bench(args) -> int:
             console.print(f"[red]--transport netplugin: {unusable}[/red]")
             return 2
     if args.nics:
-        console.print("[yellow]--nics has no effect yet[/yellow]")
+        os.environ["TETHER_NICS"] = args.nics  # both endpoints (a local server inherits it)
     gpu_kw = dict(device=args.local_gpu_idx, remote_device=args.remote_gpu_idx) if device == "gpu" else {}
     modes = args.mode
     for m in modes:
@@ -212,6 +238,8 @@ def bench(args) -> int:
                     r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda: progress.advance(task))
                     r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
                     results.append(r)
+                if args.stats:
+                    stats_tables(console, pair.ep.stats(), combo)
             finally:
                 pair.close(shutdown=last and bool(torchrun))
 

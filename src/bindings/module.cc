@@ -14,6 +14,7 @@
 
 #include "core/wire.h"
 #include "gpu/staging.h"
+#include "sys/topology.h"
 #include "tether/endpoint.h"
 
 namespace nb = nanobind;
@@ -149,7 +150,13 @@ NB_MODULE(_tether, m) {
       .def_rw("net_plugin", &Config::net_plugin)
       .def_rw("net_comms", &Config::net_comms)
       .def_rw("net_bindings", &Config::net_bindings)
-      .def_rw("unpack", &Config::unpack);
+      .def_rw("unpack", &Config::unpack)
+      .def_rw("nics", &Config::nics)
+      .def_rw("control_nic", &Config::control_nic)
+      .def_rw("tx_cpus", &Config::tx_cpus)
+      .def_rw("rx_cpus", &Config::rx_cpus)
+      .def_rw("pin_threads", &Config::pin_threads)
+      .def_rw("lane_timeout_ms", &Config::lane_timeout_ms);
 
   nb::class_<RemoteRegion>(m, "RemoteRegion")
       .def("__init__", [](RemoteRegion* self, nb::bytes b) { new (self) RemoteRegion(take(RemoteRegion::parse(as_string(b)))); })
@@ -239,6 +246,36 @@ NB_MODULE(_tether, m) {
             d["transfers_completed"] = s.transfers_completed;
             d["transfers_failed"] = s.transfers_failed;
             d["rejected_requests"] = s.rejected_requests;
+            auto link = [](nb::dict& x, const LinkStats& l) {
+              x["bytes_sent"] = l.bytes_sent;
+              x["bytes_received"] = l.bytes_received;
+              x["chunks_sent"] = l.chunks_sent;
+              x["chunks_received"] = l.chunks_received;
+              x["errors"] = l.errors;
+              x["resends"] = l.resends;
+            };
+            nb::list nics, lanes;
+            for (auto& n : s.nics) {
+              nb::dict x;
+              x["name"] = n.name;
+              link(x, n.link);
+              nics.append(x);
+            }
+            for (auto& l : s.lanes) {
+              nb::dict x;
+              x["peer_id"] = l.peer_id;
+              x["peer"] = l.peer_name;
+              x["lane"] = l.lane;
+              x["alive"] = l.alive;
+              x["local_nic"] = l.local_nic;
+              x["local_addr"] = l.local_addr;
+              x["remote_nic"] = l.remote_nic;
+              x["remote_addr"] = l.remote_addr;
+              link(x, l.link);
+              lanes.append(x);
+            }
+            d["nics"] = nics;
+            d["lanes"] = lanes;
             return d;
           })
       .def("close", [](Endpoint& e) {
@@ -261,6 +298,50 @@ NB_MODULE(_tether, m) {
     const bool kernels = tether::gpu::kernels_available(&kwhy);
     return nb::make_tuple(cuda, why, tether::gpu::device_count(), kernels, kwhy);
   });
+  // What the C++ side decides for a Config on this host: NICs, their order, the control NIC, where
+  // progress threads run, and (with a device's PCI path / NUMA node) the NIC ranking. The doctor shows it.
+  m.def("topology", [](const Config& c, std::vector<std::tuple<std::string, int>> devices) {
+        auto plan = take(sys::make_plan(c));
+        auto nic_dict = [](const sys::Nic& n) {
+          nb::dict x;
+          x["name"] = n.name;
+          nb::list addrs;
+          for (auto& a : n.addrs) addrs.append(a.addr + "/" + std::to_string(a.prefix));
+          x["addrs"] = addrs;
+          x["up"] = n.up;
+          x["loopback"] = n.loopback;
+          x["speed_mbps"] = n.speed_mbps;
+          x["numa_node"] = n.numa_node;
+          x["pci_path"] = n.pci_path;
+          x["local_cpus"] = sys::format_cpu_list(n.local_cpus);
+          return x;
+        };
+        nb::dict d;
+        nb::list all, data, threads, ranks;
+        for (auto& n : plan.all) all.append(nic_dict(n));
+        for (auto& n : plan.data) data.append(n.name);
+        for (size_t t = 0; t < plan.threads.size(); ++t) {
+          const auto& p = plan.threads[t];
+          nb::dict x;
+          x["thread"] = t;
+          x["nic"] = p.nic >= 0 ? nb::object(nb::str(plan.data[size_t(p.nic)].name.c_str())) : nb::none();
+          x["cpus"] = sys::format_cpu_list(p.cpus);
+          x["why"] = p.why;
+          threads.append(x);
+        }
+        for (auto& [path, numa] : devices) {
+          nb::list order;
+          for (size_t i : sys::rank_nics(plan.data, path, numa)) order.append(plan.data[i].name);
+          ranks.append(order);
+        }
+        d["nics"] = all;
+        d["data_nics"] = data;
+        d["control_nic"] = plan.control >= 0 ? nb::object(nb::str(plan.all[size_t(plan.control)].name.c_str())) : nb::none();
+        d["threads"] = threads;
+        d["device_ranks"] = ranks;
+        return d;
+      }, "config"_a, "devices"_a = std::vector<std::tuple<std::string, int>>{});
+
   m.def("_begin_exit", [] { g_exiting.store(true, std::memory_order_release); });
   m.def("_threads_without_gil", [] { return g_released.load(); });
 }

@@ -37,6 +37,12 @@ Config Config::from_env() {
   env_uint("TETHER_NET_COMMS", c.net_comms);
   env_str("TETHER_NET_BINDINGS", c.net_bindings);
   env_str("TETHER_UNPACK", c.unpack);
+  env_str("TETHER_NICS", c.nics);
+  env_str("TETHER_CONTROL_NIC", c.control_nic);
+  env_str("TETHER_TX_CPUS", c.tx_cpus);
+  env_str("TETHER_RX_CPUS", c.rx_cpus);
+  env_uint("TETHER_PIN_THREADS", c.pin_threads);
+  env_uint("TETHER_LANE_TIMEOUT_MS", c.lane_timeout_ms);
   return c;
 }
 

@@ -14,6 +14,7 @@
 #include "core/peer.h"
 #include "core/region.h"
 #include "core/wire.h"
+#include "sys/topology.h"
 #include "tether/endpoint.h"
 #include "gpu/staging.h"
 #include "transport/transport.h"
@@ -61,6 +62,13 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void push_notification(const PeerInfo& from, std::string data);
   void count_finished(bool ok);
   void peer_failed(PeerState* peer);
+  // NICs and threads (src/sys/topology.h): decided once at create().
+  const sys::Plan& plan() const { return plan_; }
+  const LinkCounters& nic_counters(size_t i) const { return *nic_counters_[i]; }
+  void pin_progress_thread(uint32_t index) const;
+  uint32_t thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic) const {
+    return plan_.thread_for_lane(lane, nic, earlier_on_nic, config_.sockets_per_channel);
+  }
 
  private:
   struct Pending;  // a socket whose handshake is under way (listener side)
@@ -77,6 +85,10 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   uint64_t chunk_for(uint64_t remote_chunk_bytes) const;
   Result<std::pair<transport::Transport*, std::string>> choose_transport(const wire::Offers& theirs, bool same_host) const;
   void reap();
+  // Which NIC a connected data socket uses on this side (getsockname), and where it goes.
+  LanePath describe_lane(int fd, const sys::NicPair* pair);
+  std::string advertised_nics() const;   // this side's data NICs, sent to connectors
+  std::string control_hint() const;      // where connectors should reach a wildcard listener
 
   Config config_;
   EndpointId id_{};
@@ -86,6 +98,8 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   RegionRegistry registry_;
   AtomicStats stats_;
   std::vector<std::unique_ptr<transport::Transport>> transports_;
+  sys::Plan plan_;
+  std::vector<std::unique_ptr<LinkCounters>> nic_counters_;  // per plan_.all entry, then one for "other"
 
   int listen_fd_ = -1, epoll_fd_ = -1, event_fd_ = -1;
   uint16_t port_ = 0;

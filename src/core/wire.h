@@ -59,7 +59,9 @@ struct ClientProof {           // connector -> listener
 };
 struct ServerDone {            // listener -> connector
   uint8_t status;              // HelloStatus
-  uint8_t pad[7];
+  uint8_t pad;
+  uint16_t nic_list;           // control socket: bytes of the listener's NIC list that follow (sys::encode_nic_list)
+  uint8_t pad2[4];
 };
 
 // ---- data sockets ----
@@ -82,15 +84,19 @@ struct Fragment {
   uint64_t length;
 };
 constexpr uint32_t kMaxFragments = 128;  // per kWriteBatch frame
+// A chunk sent again on another lane after its first lane died. The target treats a resent kSendData
+// for a message it already completed as done (its first copy was placed; only the answer was lost).
+constexpr uint16_t kFlagResent = 1;
+constexpr uint16_t kKnownFlags = kFlagResent;
 
 struct FrameHeader {
   uint8_t type;        // FrameType
   uint8_t status;      // tether::Code of the result (answers only)
-  uint16_t reserved;
+  uint16_t flags;      // kFlag* bits; unknown bits are a protocol error
   uint32_t slot;       // initiator's chunk slot; echoed in the answer
   uint32_t gen;        // slot generation; echoed, guards against stale answers
   uint32_t region_id;  // target region id, or recv token for kSendData
-  uint64_t key;        // descriptor key for (region_id, desc_offset, desc_length)
+  uint64_t key;        // descriptor key for (region_id, desc_offset, desc_length); kSendData: the sender's chunk size
   uint64_t desc_offset;
   uint64_t desc_length;
   uint64_t offset;     // absolute byte offset in the target region (or in the message)
@@ -121,6 +127,7 @@ static_assert(sizeof(ClientProof) == 32 + 16 + 4 + 4);
 static_assert(sizeof(FrameHeader) == 56);
 static_assert(sizeof(Fragment) == 48);
 static_assert(sizeof(ControlHeader) == 8);
+static_assert(sizeof(ServerDone) == 8);
 
 // Transport offers in the handshake: repeated {u8 name length, name, u32 length, bytes}.
 constexpr uint32_t kMaxOffers = 16 << 10;

@@ -21,7 +21,7 @@ TargetPlan plan_target(core::EndpointImpl& ep, core::PeerState& peer, const Fram
       p.device = p.pin->kind == MemoryKind::kCuda ? p.pin->device : -1;
     }
   } else if (type == FrameType::kSendData) {
-    p.code = peer.resolve_send_data(h.region_id, h.offset, h.length, &p.dest, &p.recv, &p.device);
+    p.code = peer.resolve_send_data(h.region_id, h.offset, h.length, h.key, h.flags, &p.dest, &p.recv, &p.device);
   } else {
     p.code = Code::kProtocolError;
   }
@@ -32,7 +32,7 @@ TargetPlan plan_target(core::EndpointImpl& ep, core::PeerState& peer, const Fram
 FrameHeader finish_placed(core::EndpointImpl& ep, core::PeerState& peer, const FrameHeader& h, TargetPlan& plan) {
   if (plan.pin) { plan.pin->unpin(); plan.pin = nullptr; }
   if (plan.recv) {
-    peer.send_data_placed(plan.recv, h.length);
+    peer.send_data_placed(plan.recv, h.offset, h.length);
     plan.recv = nullptr;
   }
   if (plan.code == Code::kOk) {

@@ -214,3 +214,22 @@ def test_plot_writes_png(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_bench_stats_per_nic_and_channel():
+    r = run_cli("bench", "--sizes", "3M", "--iters", "2", "--warmup", "0", "--channels", "2", "--stats", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stderr + r.stdout
+    assert "per NIC" in out and "per channel (lane)" in out, out[-3000:]
+    # loopback: the two lanes (and so the "lo" row) carried the 2 x 3 MiB writes
+    lo = [line for line in out.splitlines() if line.strip("│ ").startswith("lo ")]
+    assert lo and float(lo[0].split("│")[2]) >= 6.0, out[-3000:]
+
+
+def test_doctor_shows_threads_and_refuses_bad_nics():
+    r = run_cli("doctor", "--json")
+    d = json.loads(r.stdout)
+    assert d["topology"]["threads"] and "why" in d["topology"]["threads"][0]
+    env = dict(ENV, TETHER_NICS="no-such-nic7")
+    r = subprocess.run([sys.executable, "-m", "tether", "doctor"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "no-such-nic7" in r.stdout, r.stdout[-2000:]

@@ -767,20 +767,30 @@ def test_stats_count_bytes_exactly(endpoints):
     src, dst = rand_bytes(8, n), poisoned(n)
     rs, rd = a.register(src), b.register(dst)
     a0, b0 = a.stats(), b.stats()
-    assert set(a0) == {"bytes_sent", "bytes_received", "chunks_sent", "chunks_received",
-                       "transfers_completed", "transfers_failed", "rejected_requests"}
+    scalars = {"bytes_sent", "bytes_received", "chunks_sent", "chunks_received",
+               "transfers_completed", "transfers_failed", "rejected_requests"}
+    assert set(a0) == scalars | {"nics", "lanes"}
     peer.write(rs, rd.descriptor()).wait(T)
     peer.read(a.register(poisoned(1000)), rd.descriptor(), length=1000).wait(T)
 
     def delta(ep, base):
         s = ep.stats()
-        return {k: s[k] - base[k] for k in s}
+        return {k: s[k] - base[k] for k in scalars}
 
     want_a = {"bytes_sent": n, "bytes_received": 1000, "chunks_sent": 4, "chunks_received": 1,
               "transfers_completed": 2, "transfers_failed": 0, "rejected_requests": 0}
     want_b = {"bytes_sent": 1000, "bytes_received": n, "chunks_sent": 1, "chunks_received": 4,
               "transfers_completed": 0, "transfers_failed": 0, "rejected_requests": 0}
     assert wait_until(lambda: delta(a, a0) == want_a and delta(b, b0) == want_b, 2), (delta(a, a0), delta(b, b0))
+    # per channel (lane) and per NIC: the same bytes, split by where they went (loopback here)
+    for ep, sent, received, chunks in ((a, n, 1000, 4), (b, 1000, n, 1)):
+        lanes = ep.stats()["lanes"]
+        assert len(lanes) == 4 and all(l["alive"] and l["local_nic"] == "lo" for l in lanes), lanes
+        assert sum(l["bytes_sent"] for l in lanes) == sent and sum(l["bytes_received"] for l in lanes) == received
+        assert sum(l["chunks_sent"] for l in lanes) == chunks
+        assert sum(l["errors"] + l["resends"] for l in lanes) == 0
+        lo = [x for x in ep.stats()["nics"] if x["name"] == "lo"]
+        assert lo and lo[0]["bytes_sent"] >= sent, ep.stats()["nics"]
     bad = bytearray(rd.descriptor())
     bad[48] ^= 1
     wait_error(peer.write(rs, bytes(bad), length=10))

@@ -446,6 +446,34 @@ class _Agent:
             f(self.regions[local], remote, length=length) for _ in range(count))
         return len(self.bg_state["posted"])
 
+    def cmd_wait_posted(self, timeout=30.0):
+        """Waits for every operation cmd_post started; their (status, detail) tuples, and elapsed s."""
+        t0 = time.monotonic()
+        out = [_status_of(t, max(0.001, timeout - (time.monotonic() - t0))) for t in self.bg_state.pop("posted", [])]
+        return out, time.monotonic() - t0
+
+    def cmd_post_sends(self, local, count, length=None, tag=0):
+        """Posts `count` sends of `local` (they stay in flight; collect with cmd_wait_posted)."""
+        self.bg_state.setdefault("posted", []).extend(
+            self.peer.send(self.regions[local], length=length, tag=tag) for _ in range(count))
+
+    def cmd_post_recvs(self, local, count, length, accepted=True, tag=0):
+        """Posts `count` recvs into consecutive `length`-byte slices of `local`."""
+        peer = self._peer(accepted)
+        self.bg_state.setdefault("posted", []).extend(
+            peer.recv(self.regions[local], offset=i * length, length=length, tag=tag) for i in range(count))
+
+    def cmd_stats(self):
+        return self.ep.stats()
+
+    def cmd_thread_cpus(self):
+        """Cpus_allowed_list of every thread of this process."""
+        out = []
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/status") as f:
+                out += [line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list")]
+        return out
+
     def cmd_close(self):
         if self.ep is not None:
             self.ep.close()
@@ -456,6 +484,11 @@ class _Agent:
 
 
 def agent_main(conn, env: dict) -> None:
+    env = dict(env)
+    ns = env.pop("TETHER_TEST_NETNS", None)
+    if ns:  # run inside a test bed's namespace (tests/python/netns.py), before any socket exists
+        import netns
+        netns.enter(ns)
     os.environ.update(env)
     agent = _Agent(conn)
     while True:

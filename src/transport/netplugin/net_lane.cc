@@ -205,7 +205,7 @@ bool NetLane::push_answer(const TxFrame& f) {
 
 bool NetLane::on_header(RxPosted& r) {
   const FrameHeader& h = r.hdr;
-  if (h.reserved != 0) return protocol_error("a malformed frame");
+  if (h.flags & ~wire::kKnownFlags) return protocol_error("a malformed frame");
   switch (static_cast<FrameType>(h.type)) {
     case FrameType::kWrite:
     case FrameType::kSendData:

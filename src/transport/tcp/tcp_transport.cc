@@ -1,6 +1,8 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include <linux/sockios.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -34,6 +36,14 @@ constexpr uint64_t kRxBudget = 16ull << 20;  // bytes per lane per turn, for fai
 constexpr uint64_t kTxBudget = 16ull << 20;
 constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: it wants its answer
 constexpr uint32_t kStageSlots = 8;          // pinned bounce slots per lane and direction (GPU memory)
+
+constexpr uint64_t kLaneQueueChunks = 2;      // chunks a lane's socket may hold (ours + the kernel's)
+
+// Bytes in the socket's send queue (unsent or unacknowledged).
+inline uint64_t kernel_queued(int fd) {
+  int q = 0;
+  return ::ioctl(fd, SIOCOUTQ, &q) == 0 && q > 0 ? uint64_t(q) : 0;
+}
 
 struct TxItem {
   FrameHeader hdr;
@@ -108,6 +118,8 @@ struct Lane {
   ProgressThread* thread = nullptr;
   uint32_t index = 0;
   int fd = -1;
+  core::LinkCounters* ctr = nullptr;      // this lane's counters (owned by the peer)
+  core::LinkCounters* nic_ctr = nullptr;  // its NIC's (owned by the endpoint)
   std::atomic<bool> dead{false};
   std::atomic<bool> tx_owned{false};
   std::atomic<bool> tx_backlog{false};  // unsent bytes wait for EPOLLOUT
@@ -223,9 +235,14 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       l.answers.pop(&taken);  // `a` is the (possibly staged) copy we queue
       l.queue(a);
     }
-    // Pull only when what this socket holds has (almost) drained: faster sockets pull more.
+    // Pull only when what this socket holds has (almost) drained: faster sockets pull more. What the
+    // kernel still queues counts too, or a slow link would swallow a socket buffer's worth of chunks
+    // and set the pace at the end of every transfer.
     ChunkOp op;
-    while (l.tx_unsent < chunk && l.tx_count < kTxRing / 2 && (!l.tx_stage || l.tx_stage->has_free()) &&
+    // (The kernel holds at most the lane's unanswered chunks, so ask it only when those are many.)
+    const uint64_t limit = kLaneQueueChunks * chunk;
+    const uint64_t queued = l.peer->has_work() && l.peer->lane_bytes(l.index) >= limit ? kernel_queued(l.fd) : 0;
+    while (l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && (!l.tx_stage || l.tx_stage->has_free()) &&
            l.peer->next_chunk(l.index, &op)) {
       TxItem it{op.hdr, op.payload, op.length, nullptr};
       it.device = op.payload || op.fragments ? op.device : -1;
@@ -295,6 +312,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         if (it.length > 0) {
           stats.bytes_sent.fetch_add(it.hdr.length, std::memory_order_relaxed);
           stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
+          core::count_sent(l.ctr, l.nic_ctr, it.length);
         }
         if (it.pin) it.pin->unpin();
         if (it.stage) {
@@ -311,10 +329,10 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
   return true;
 }
 
-// A lane whose socket failed: fail its peer (shutting down every socket of it) once.
+// A lane whose socket failed: the peer moves its chunks to surviving lanes, or fails if none is left.
 void kill_lane(Lane& l, Status why) {
   if (l.dead.exchange(true)) return;
-  l.peer->fail(std::move(why));
+  l.peer->lane_failed(l.index, std::move(why));
 }
 
 bool on_header(Lane& l, core::EndpointImpl* ep);
@@ -339,7 +357,7 @@ void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
     l.gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
     if (g.pin) g.pin->unpin();
     for (uint32_t i = 0; i < g.npins; ++i) l.gpu_rx_pins[l.gpu_rx_head][i]->unpin();
-    if (g.recv) l.peer->send_data_placed(g.recv, g.hdr.length);
+    if (g.recv) l.peer->send_data_placed(g.recv, g.hdr.offset, g.hdr.length);
     if (status == 0) {
       stats.bytes_received.fetch_add(g.hdr.length, std::memory_order_relaxed);
       stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
@@ -464,7 +482,7 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
     kill_lane(l, Status(Code::kProtocolError, std::string("peer '") + l.peer->info().name + "' sent " + what));
     return false;
   };
-  if (h.reserved != 0) return protocol_error("a malformed frame");
+  if (h.flags & ~wire::kKnownFlags) return protocol_error("a malformed frame");
   const auto type = static_cast<FrameType>(h.type);
   const bool needs_answer = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kReadReq;
   if (needs_answer && l.answers.full()) {
@@ -643,6 +661,7 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
   if (type == FrameType::kReadResp) {
     stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    core::count_received(l.ctr, l.nic_ctr, h.length);
     if (l.peer->answer(l.index, h.slot, h.gen, 0) != Code::kOk)
       kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
     return;
@@ -651,12 +670,13 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
   for (uint32_t i = 0; i < l.rx_nfrags; ++i) l.rx_frag_pin[i]->unpin();
   l.rx_nfrags = 0;
   if (l.rx_recv) {
-    l.peer->send_data_placed(l.rx_recv, h.length);
+    l.peer->send_data_placed(l.rx_recv, h.offset, h.length);
     l.rx_recv = nullptr;
   }
   if (l.rx_status == 0) {
     stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    core::count_received(l.ctr, l.nic_ctr, h.length);
   }
   TxItem ack{};
   ack.hdr.type = static_cast<uint8_t>(FrameType::kAck);
@@ -678,6 +698,7 @@ class ProgressThread {
     ev.data.ptr = nullptr;
     ::epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
     thread_ = std::thread([this] { run(); });
+    while (!started_.load(std::memory_order_acquire)) std::this_thread::yield();  // pinned before we return
   }
   ~ProgressThread() {
     stop();
@@ -722,6 +743,7 @@ class ProgressThread {
   int epfd_ = -1, evfd_ = -1;
   std::thread thread_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> started_{false};
   std::atomic<bool> sleeping_{false};
   std::atomic<bool> work_hint_{false};
   std::mutex mu_;
@@ -758,6 +780,8 @@ void ProgressThread::take_incoming() {
 }
 
 void ProgressThread::run() {
+  ep_->pin_progress_thread(index_);
+  started_.store(true, std::memory_order_release);
   epoll_event events[64];
   while (!stop_.load(std::memory_order_acquire)) {
     sleeping_.store(true, std::memory_order_seq_cst);
@@ -835,8 +859,7 @@ void ProgressThread::retire(Lane& l) {
   if (l.rx_stage) l.rx_stage->wait_all();
   if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
   if (l.rx_recv) {
-    l.rx_recv->record_error(l.peer->error());
-    l.rx_recv->release();
+    l.peer->abandon_send_data(l.rx_recv);
     l.rx_recv = nullptr;
   }
   for (uint32_t i = 0; i < l.rx_nfrags; ++i) l.rx_frag_pin[i]->unpin();  // a batch cut short
@@ -894,19 +917,30 @@ uint32_t TcpTransport::lanes_for(std::string_view) const {
 
 Status TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& fds, std::string_view,
                             bool) {
-  const uint32_t per_channel = std::max<uint32_t>(1, endpoint_->config().sockets_per_channel);
   auto state = std::make_shared<TcpPeerLanes>();
   std::vector<std::shared_ptr<Lane>> lanes;
+  std::vector<uint32_t> thread_of(fds.size());
+  std::vector<uint32_t> on_nic;  // lanes of this peer per NIC so far
   for (uint32_t i = 0; i < fds.size(); ++i) {
     auto lane = std::make_shared<Lane>();
     lane->peer = peer;
     lane->index = i;
     lane->fd = fds[i];
+    lane->ctr = &peer->lane_counters(i);
+    const core::LanePath& path = peer->lane_paths[i];
+    lane->nic_ctr = path.nic_counters;
+    // Lanes on one NIC go to the threads serving that NIC (pinned near it); the rest by channel.
+    uint32_t earlier = 0;
+    if (path.nic >= 0) {
+      if (on_nic.size() <= size_t(path.nic)) on_nic.resize(size_t(path.nic) + 1, 0);
+      earlier = on_nic[size_t(path.nic)]++;
+    }
+    thread_of[i] = endpoint_->thread_for_lane(i, path.nic, earlier) % threads_.size();
     state->lanes.push_back(lane);
     lanes.push_back(std::move(lane));
   }
   peer->transport_state = state;  // weak references: lanes own the peer, not the other way round
-  for (uint32_t i = 0; i < lanes.size(); ++i) threads_[(i / per_channel) % threads_.size()]->adopt(std::move(lanes[i]));
+  for (uint32_t i = 0; i < lanes.size(); ++i) threads_[thread_of[i]]->adopt(std::move(lanes[i]));
   return Status::ok();
 }
 
