@@ -23,6 +23,9 @@ struct Config {
   std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
   std::string transport = "auto";   // TETHER_TRANSPORT: auto (best both sides offer), tcp, ipc, fabric, netplugin
+  bool disable_ipc = false;         // TETHER_DISABLE_IPC=1: never offer ipc (same-host peers use tcp)
+  std::string ipc_host = "auto";    // TETHER_IPC_HOST: host memory over ipc: auto (cross-memory attach
+                                    // where the kernel allows it, else shared memory), cma (only), shm
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();

@@ -126,6 +126,7 @@ struct Notification {
 struct EndpointStats {
   uint64_t bytes_sent = 0, bytes_received = 0, chunks_sent = 0, chunks_received = 0;
   uint64_t transfers_completed = 0, transfers_failed = 0, rejected_requests = 0;
+  uint64_t ipc_cma_chunks = 0, ipc_shm_chunks = 0;  // chunks this side served as an ipc target, by mover
 };
 
 class Endpoint {

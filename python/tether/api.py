@@ -18,6 +18,7 @@ _OPTIONS = {
     "sockets_per_channel": "sockets_per_channel", "chunk_bytes": "chunk_bytes",
     "window": "window", "socket_buffer": "socket_buffer", "spin_us": "spin_us",
     "auth_token": "auth_token", "name": "name", "transport": "transport",
+    "disable_ipc": "disable_ipc", "ipc_host": "ipc_host",
 }
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",

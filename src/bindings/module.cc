@@ -144,7 +144,9 @@ NB_MODULE(_tether, m) {
       .def_rw("spin_us", &Config::spin_us)
       .def_rw("auth_token", &Config::auth_token)
       .def_rw("name", &Config::name)
-      .def_rw("transport", &Config::transport);
+      .def_rw("transport", &Config::transport)
+      .def_rw("disable_ipc", &Config::disable_ipc)
+      .def_rw("ipc_host", &Config::ipc_host);
 
   nb::class_<RemoteRegion>(m, "RemoteRegion")
       .def("__init__", [](RemoteRegion* self, nb::bytes b) { new (self) RemoteRegion(take(RemoteRegion::parse(as_string(b)))); })
@@ -233,6 +235,8 @@ NB_MODULE(_tether, m) {
             d["transfers_completed"] = s.transfers_completed;
             d["transfers_failed"] = s.transfers_failed;
             d["rejected_requests"] = s.rejected_requests;
+            d["ipc_cma_chunks"] = s.ipc_cma_chunks;
+            d["ipc_shm_chunks"] = s.ipc_shm_chunks;
             return d;
           })
       .def("close", [](Endpoint& e) {

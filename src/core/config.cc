@@ -33,6 +33,8 @@ Config Config::from_env() {
   env_str("TETHER_AUTH_TOKEN", c.auth_token);
   env_str("TETHER_NAME", c.name);
   env_str("TETHER_TRANSPORT", c.transport);
+  env_uint("TETHER_DISABLE_IPC", c.disable_ipc);
+  env_str("TETHER_IPC_HOST", c.ipc_host);
   return c;
 }
 

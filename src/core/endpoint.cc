@@ -76,6 +76,8 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
     return Status(Code::kInvalidArgument, "chunk_bytes, window, channels and sockets_per_channel must be positive");
   if (uint64_t(config.channels) * config.sockets_per_channel > kMaxLanes)
     return Status(Code::kInvalidArgument, "channels x sockets_per_channel must be at most 256");
+  if (config.ipc_host != "auto" && config.ipc_host != "cma" && config.ipc_host != "shm")
+    return Status(Code::kInvalidArgument, "ipc_host must be auto, cma or shm (got \"" + config.ipc_host + "\")");
   EndpointId id;
   crypto::random_bytes(id.data(), id.size());
   std::shared_ptr<EndpointImpl> ep(new EndpointImpl(config, id));
@@ -818,6 +820,8 @@ EndpointStats Endpoint::stats() const {
   o.transfers_completed = s.transfers_completed.load();
   o.transfers_failed = s.transfers_failed.load();
   o.rejected_requests = s.rejected_requests.load();
+  o.ipc_cma_chunks = s.ipc_cma_chunks.load();
+  o.ipc_shm_chunks = s.ipc_shm_chunks.load();
   return o;
 }
 
