@@ -760,15 +760,19 @@ def test_self_connect(endpoints):
     assert sorted(p.name for p in ep.peers()) == ["selfie", "selfie"]
 
 
-def test_stats_count_bytes_exactly(endpoints):
-    a, b = endpoints(chunk_bytes=1 * MiB), endpoints()
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_stats_count_bytes_exactly(endpoints, transport):
+    a, b = endpoints(chunk_bytes=1 * MiB, transport=transport, ipc_host="cma"), endpoints()
     peer = a.connect(b.metadata(), timeout=5)
+    assert peer.transport == transport
+    served = 5 if transport == "ipc" else 0  # chunks b served by cross-memory attach
     n = 3 * MiB + 5
     src, dst = rand_bytes(8, n), poisoned(n)
     rs, rd = a.register(src), b.register(dst)
     a0, b0 = a.stats(), b.stats()
     assert set(a0) == {"bytes_sent", "bytes_received", "chunks_sent", "chunks_received",
-                       "transfers_completed", "transfers_failed", "rejected_requests"}
+                       "transfers_completed", "transfers_failed", "rejected_requests",
+                       "ipc_cma_chunks", "ipc_shm_chunks"}
     peer.write(rs, rd.descriptor()).wait(T)
     peer.read(a.register(poisoned(1000)), rd.descriptor(), length=1000).wait(T)
 
@@ -777,9 +781,11 @@ def test_stats_count_bytes_exactly(endpoints):
         return {k: s[k] - base[k] for k in s}
 
     want_a = {"bytes_sent": n, "bytes_received": 1000, "chunks_sent": 4, "chunks_received": 1,
-              "transfers_completed": 2, "transfers_failed": 0, "rejected_requests": 0}
+              "transfers_completed": 2, "transfers_failed": 0, "rejected_requests": 0,
+              "ipc_cma_chunks": 0, "ipc_shm_chunks": 0}
     want_b = {"bytes_sent": 1000, "bytes_received": n, "chunks_sent": 1, "chunks_received": 4,
-              "transfers_completed": 0, "transfers_failed": 0, "rejected_requests": 0}
+              "transfers_completed": 0, "transfers_failed": 0, "rejected_requests": 0,
+              "ipc_cma_chunks": served, "ipc_shm_chunks": 0}
     assert wait_until(lambda: delta(a, a0) == want_a and delta(b, b0) == want_b, 2), (delta(a, a0), delta(b, b0))
     bad = bytearray(rd.descriptor())
     bad[48] ^= 1
