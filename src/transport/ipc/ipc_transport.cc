@@ -77,7 +77,8 @@ struct IpcPeer {
 };
 
 struct Lane {
-  std::shared_ptr<PeerState> peer;   // held until the transport joins the thread
+  std::mutex mu;                     // guards letting go of peer/ip against stop()
+  std::shared_ptr<PeerState> peer;   // held while the thread runs
   std::shared_ptr<IpcPeer> ip;
   uint32_t index = 0;
   int fd = -1;
@@ -406,6 +407,15 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
     }
   }
   p.release_lane(l->index, Code::kConnectionLost);  // after fail(): nothing new can be pulled
+  // Let go at once, so a dead peer's sockets and segments go with it; the thread is joined later.
+  // Never the endpoint's last reference: close() joins every lane thread before it lets go.
+  std::shared_ptr<PeerState> peer;
+  std::shared_ptr<IpcPeer> ip;
+  {
+    std::lock_guard lock(l->mu);
+    peer.swap(l->peer);
+    ip.swap(l->ip);
+  }
   l->finished.store(true, std::memory_order_release);
 }
 
@@ -707,9 +717,15 @@ void IpcTransport::stop() {
     all.swap(lanes_);
   }
   for (auto& l : all) {
-    l->peer->fail(Status(Code::kCancelled, "endpoint closed"));  // shuts the lanes down: recv() returns
-    if (l->thread.joinable()) l->thread.join();
+    std::shared_ptr<PeerState> p;
+    {
+      std::lock_guard lock(l->mu);
+      p = l->peer;
+    }
+    if (p) p->fail(Status(Code::kCancelled, "endpoint closed"));  // shuts the lanes down: recv() returns
   }
+  for (auto& l : all)
+    if (l->thread.joinable()) l->thread.join();
 }
 
 }  // namespace tether::transport
