@@ -126,9 +126,14 @@ def bench(args) -> int:
     if device == "gpu":
         console.print("[red]--device gpu: GPU memory is not supported by this build yet[/red]")
         return 2
-    if args.transport not in ("auto", "tcp"):
-        console.print(f"[red]--transport {args.transport}: not available in this build (tcp only)[/red]")
-        return 2
+    if args.transport != "auto":
+        import tether
+
+        with tether.Endpoint() as probe:
+            why = probe.transports().get(args.transport, "not built into this tether")
+        if why:
+            console.print(f"[red]--transport {args.transport}: not available here ({why})[/red]")
+            return 2
     if args.unpack or args.nics:
         console.print("[yellow]--unpack/--nics have no effect on host-memory TCP transfers[/yellow]")
     modes = args.mode
@@ -176,12 +181,13 @@ def bench(args) -> int:
                 results.extend(mesh.run(args.gpus, combo, capacity, cases_per_combo, args.single_process,
                                         progress=lambda: progress.advance(task)))
                 continue
-            pair = B.LocalPair(combo, capacity) if role == "local" else B.RemotePair(combo, capacity, target)
+            opts = dict(combo, transport=args.transport)  # an unusable choice fails connect with the reason
+            pair = B.LocalPair(opts, capacity) if role == "local" else B.RemotePair(opts, capacity, target)
             last = i == len(combos) - 1
             try:
                 for case in cases_per_combo:
                     progress.update(task, description=f"{case.mode} {B.human(case.size)} x{case.num_iovs} {combo or ''}")
-                    r = B.run_case(pair, case, progress=lambda: progress.advance(task))
+                    r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda: progress.advance(task))
                     r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
                     results.append(r)
             finally:
@@ -209,7 +215,7 @@ def bench(args) -> int:
     if args.json:
         doc = {
             "version": 1, "machine": B.machine_info(),
-            "config": {"transport": "tcp", "device": device, "async_api": args.async_api, "combos": combos},
+            "config": {"transport": ",".join(sorted({r.transport for r in results})) or args.transport, "device": device, "async_api": args.async_api, "combos": combos},
             "results": [dict(B.result_dict(r), config=r.config) for r in results],
         }
         with open(args.json, "w") as f:

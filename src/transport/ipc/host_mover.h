@@ -22,7 +22,9 @@ class Mover {
   virtual ~Mover() = default;
   // Target side. `remote` is the initiator's addr for this mover. 0 on success, else an errno.
   virtual int pull(uint64_t remote, uint8_t* dst, uint64_t len) = 0;        // initiator -> dst
-  virtual int push(const uint8_t* src, uint64_t remote, uint64_t len) = 0;  // src -> initiator
+  // src -> initiator. Only into the initiator's bounce segment for now: a push into its own memory
+  // could land after it gave up on the chunk and reused that memory (see ARCHITECTURE.md).
+  virtual int push(const uint8_t* src, uint64_t remote, uint64_t len) = 0;
 };
 
 // Cross-memory attach into process `pid` (as the kernel named it, SO_PEERCRED).

@@ -175,7 +175,10 @@ void fail_peer(PeerState& p, Code c, const std::string& why) { p.fail(Status(c, 
 bool send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   Frame f{};
   f.hdr = op.hdr;
-  if (ip.out_cma) {
+  // Reads always land in our segment: no process ever writes into another's memory, so a peer
+  // we gave up on (its answer never came) cannot scribble over memory we have handed back.
+  const bool read = op.hdr.type == uint8_t(FrameType::kReadReq);
+  if (ip.out_cma && !read) {
     f.where = uint8_t(Where::kCma);
     f.addr = reinterpret_cast<uint64_t>(op.local);
   } else {
@@ -237,7 +240,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
     Mover* m = f.where == uint8_t(Where::kCma) ? static_cast<Mover*>(ip.cma.get())
              : f.where == uint8_t(Where::kShm) ? static_cast<Mover*>(ip.shm.get())
                                                : nullptr;
-    if (!m) err = EPROTO;
+    if (!m || (type == FrameType::kReadReq && f.where != uint8_t(Where::kShm))) err = EPROTO;
     else if (type == FrameType::kReadReq) err = m->push(local, f.addr, h.length);
     else err = m->pull(f.addr, local, h.length);
     if (!err) (f.where == uint8_t(Where::kCma) ? stats.ipc_cma_chunks : stats.ipc_shm_chunks).fetch_add(1, std::memory_order_relaxed);
@@ -290,7 +293,7 @@ bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
       fail_peer(p, Code::kProtocolError, "read data for no read");
       return false;
     }
-    if (!ip.out_cma) std::memcpy(dest, ip.own.base() + uint64_t(h.slot) * ip.slot_bytes, h.length);
+    std::memcpy(dest, ip.own.base() + uint64_t(h.slot) * ip.slot_bytes, h.length);  // reads come via our segment
     stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
   } else if (h.type == uint8_t(FrameType::kAck) && h.status == 0) {
