@@ -52,6 +52,7 @@ def main() -> int:
             ("16 MiB write", B.Case("write", 16 << 20, 1, 40, 4, 0, check)),
             ("256 MiB write", B.Case("write", BIG, 1, 6, 1, 0, check)),
             ("128 x 1.15 MB writev", B.Case("write", 1179648, 128, 6, 1, 0, check)),
+            ("256 MiB read", B.Case("read", BIG, 1, 6, 1, 0, check)),
         ]
 
     configs = [
@@ -66,11 +67,12 @@ def main() -> int:
         pair = B.LocalPair(opts, BIG)
         try:
             for name, case in cases(args.check):
-                if label.startswith("ipc chunk") and case.size != BIG:
+                if label.startswith("ipc chunk") and (case.size != BIG or case.mode != "write"):
                     continue  # the chunk sweep is about the large transfer
-                before = memcpy_gbps(src, dst) if case.size == BIG else None
+                big = case.size == BIG and case.mode == "write"
+                before = memcpy_gbps(src, dst) if big else None
                 r = B.run_case(pair, case, transport=pair.peer.transport)
-                after = memcpy_gbps(src, dst) if case.size == BIG else None
+                after = memcpy_gbps(src, dst) if big else None
                 mc = (before + after) / 2 if before else None
                 rows.append((label, name, r, mc))
         finally:
