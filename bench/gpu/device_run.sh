@@ -14,7 +14,7 @@ if [ "$what" != bench ]; then
 fi
 if [ "$what" != tests ]; then
   for u in kernel d2d host; do
-    timeout 120 tether bench --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 --mode write --sizes 256M \
+    timeout 120 tether bench --transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 --mode write --sizes 256M \
       --unpack $u --check --quiet --json "$OUT/bench_256M_$u.json" > "$OUT/bench_256M_$u.txt" 2>&1
     echo "256M $u rc=$?"; grep -E "write" "$OUT/bench_256M_$u.txt" | head -2
   done

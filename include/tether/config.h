@@ -35,6 +35,9 @@ struct Config {
   std::string rx_cpus;              // TETHER_RX_CPUS: same form; a progress thread drives both directions (union)
   uint32_t pin_threads = 1;         // TETHER_PIN_THREADS: 0 = never pin; 1 = pin to CPUs local to the thread's NIC
   uint32_t lane_timeout_ms = 5000;  // TETHER_LANE_TIMEOUT_MS: unacknowledged data this long kills a lane (its chunks move)
+  bool disable_ipc = false;         // TETHER_DISABLE_IPC=1: never offer ipc (same-host peers use tcp)
+  std::string ipc_host = "auto";    // TETHER_IPC_HOST: host memory over ipc: auto (cross-memory attach
+                                    // where the kernel allows it, else shared memory), cma (only), shm
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();

@@ -146,6 +146,7 @@ struct EndpointStats {
   uint64_t transfers_completed = 0, transfers_failed = 0, rejected_requests = 0;
   std::vector<NicStats> nics;    // NICs that are data NICs or carried a lane
   std::vector<LaneStats> lanes;  // lanes of the peers connected now
+  uint64_t ipc_cma_chunks = 0, ipc_shm_chunks = 0;  // chunks this side served as an ipc target, by mover
 };
 
 class Endpoint {

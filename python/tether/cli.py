@@ -168,15 +168,12 @@ def bench(args) -> int:
             if not 0 <= idx < ngpu:
                 console.print(f"[red]GPU {idx} does not exist ({ngpu} visible)[/red]")
                 return 2
-    if args.transport not in ("auto", "tcp", "netplugin"):
-        console.print(f"[red]--transport {args.transport}: not available in this build (tcp, netplugin)[/red]")
-        return 2
     transport_opts = {} if args.transport == "auto" else {"transport": args.transport}
-    if args.transport == "netplugin":
+    if args.transport != "auto":
         with tether.Endpoint(port=0) as probe:
-            unusable = probe.transports().get("netplugin", "not in this build")
-        if unusable:
-            console.print(f"[red]--transport netplugin: {unusable}[/red]")
+            why = probe.transports().get(args.transport, "not built into this tether")
+        if why:
+            console.print(f"[red]--transport {args.transport}: not available here ({why})[/red]")
             return 2
     if args.nics:
         os.environ["TETHER_NICS"] = args.nics  # both endpoints (a local server inherits it)
@@ -265,7 +262,7 @@ def bench(args) -> int:
     if args.json:
         doc = {
             "version": 1, "machine": B.machine_info(),
-            "config": {"transport": args.transport, "device": device, "async_api": args.async_api, "combos": combos},
+            "config": {"transport": ",".join(sorted({r.transport for r in results})) or args.transport, "device": device, "async_api": args.async_api, "combos": combos},
             "results": [dict(B.result_dict(r), config=r.config) for r in results],
         }
         with open(args.json, "w") as f:

@@ -156,7 +156,9 @@ NB_MODULE(_tether, m) {
       .def_rw("tx_cpus", &Config::tx_cpus)
       .def_rw("rx_cpus", &Config::rx_cpus)
       .def_rw("pin_threads", &Config::pin_threads)
-      .def_rw("lane_timeout_ms", &Config::lane_timeout_ms);
+      .def_rw("lane_timeout_ms", &Config::lane_timeout_ms)
+      .def_rw("disable_ipc", &Config::disable_ipc)
+      .def_rw("ipc_host", &Config::ipc_host);
 
   nb::class_<RemoteRegion>(m, "RemoteRegion")
       .def("__init__", [](RemoteRegion* self, nb::bytes b) { new (self) RemoteRegion(take(RemoteRegion::parse(as_string(b)))); })
@@ -276,6 +278,8 @@ NB_MODULE(_tether, m) {
             }
             d["nics"] = nics;
             d["lanes"] = lanes;
+            d["ipc_cma_chunks"] = s.ipc_cma_chunks;
+            d["ipc_shm_chunks"] = s.ipc_shm_chunks;
             return d;
           })
       .def("close", [](Endpoint& e) {

@@ -43,6 +43,8 @@ Config Config::from_env() {
   env_str("TETHER_RX_CPUS", c.rx_cpus);
   env_uint("TETHER_PIN_THREADS", c.pin_threads);
   env_uint("TETHER_LANE_TIMEOUT_MS", c.lane_timeout_ms);
+  env_uint("TETHER_DISABLE_IPC", c.disable_ipc);
+  env_str("TETHER_IPC_HOST", c.ipc_host);
   return c;
 }
 

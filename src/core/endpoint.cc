@@ -84,6 +84,8 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
   } else if (u.status().code() == Code::kInvalidArgument || gpu::device_count() > 0) {
     return u.status();
   }
+  if (config.ipc_host != "auto" && config.ipc_host != "cma" && config.ipc_host != "shm")
+    return Status(Code::kInvalidArgument, "ipc_host must be auto, cma or shm (got \"" + config.ipc_host + "\")");
   EndpointId id;
   crypto::random_bytes(id.data(), id.size());
   std::shared_ptr<EndpointImpl> ep(new EndpointImpl(config, id));
@@ -974,6 +976,8 @@ EndpointStats Endpoint::stats() const {
                                   lp.remote_nic, lp.remote_addr, link(st->lane_counters(i))});
     }
   }
+  o.ipc_cma_chunks = s.ipc_cma_chunks.load();
+  o.ipc_shm_chunks = s.ipc_shm_chunks.load();
   return o;
 }
 

@@ -62,6 +62,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
 
   const PeerInfo& info() const { return info_; }
   uint32_t lanes() const { return lanes_; }
+  uint32_t slot_count() const { return uint32_t(slots_.size()); }  // chunk slots (indices in FrameHeader::slot)
   uint32_t spin_us() const;
   // Reads `lane` from the calling thread if nobody else is (a waiter fetching its own answer).
   void poll(uint32_t lane);

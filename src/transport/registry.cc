@@ -1,6 +1,7 @@
 #include "transport/registry.h"
 
 #include "transport/netplugin/netplugin_transport.h"
+#include "transport/ipc/ipc_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace tether::transport {
@@ -9,6 +10,7 @@ std::vector<std::unique_ptr<Transport>> make_transports(core::EndpointImpl* endp
   std::vector<std::unique_ptr<Transport>> all;
   all.push_back(std::make_unique<TcpTransport>(endpoint));
   all.push_back(std::make_unique<NetpluginTransport>(endpoint));
+  all.push_back(std::make_unique<IpcTransport>(endpoint));
   return all;
 }
 

@@ -69,6 +69,18 @@ def test_json_output_and_check(tmp_path):
     assert "GB/s" in r.stdout  # the table
 
 
+@pytest.mark.parametrize("transport,expect", [("auto", "ipc"), ("ipc", "ipc"), ("tcp", "tcp")])
+def test_bench_reports_the_transport_it_used(tmp_path, transport, expect):
+    """A local pair shares the host: auto picks ipc; --transport pins one."""
+    out = tmp_path / "r.json"
+    r = run_cli("bench", "--quiet", "--sizes", "1M", "--mode", "write,read", "--iters", "3", "--check",
+                "--transport", transport, "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [x["transport"] for x in doc["results"]] == [expect, expect] and doc["config"]["transport"] == expect
+    assert all(x["check"] is True for x in doc["results"])
+
+
 def test_json_check_is_null_when_not_asked(tmp_path):
     out = tmp_path / "r.json"
     r = run_cli("bench", "--quiet", "--sizes", "64K", "--iters", "3", "--num-iovs", "1,4", "--json", str(out))
@@ -217,7 +229,7 @@ def test_plot_writes_png(tmp_path):
 
 
 def test_bench_stats_per_nic_and_channel():
-    r = run_cli("bench", "--sizes", "3M", "--iters", "2", "--warmup", "0", "--channels", "2", "--stats", "--quiet")
+    r = run_cli("bench", "--transport", "tcp", "--sizes", "3M", "--iters", "2", "--warmup", "0", "--channels", "2", "--stats", "--quiet")
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stderr + r.stdout
     assert "per NIC" in out and "per channel (lane)" in out, out[-3000:]

@@ -35,7 +35,7 @@ class Local:
     """This process's side: an endpoint and regions on host or GPU."""
 
     def __init__(self, mode):
-        self.ep = tether.Endpoint(unpack=mode)
+        self.ep = tether.Endpoint(unpack=mode, transport="tcp")  # GPU over TCP staging (issue 4)
         self.mem = {}
 
     def region(self, name, kind, size, seed=None):

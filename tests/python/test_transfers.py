@@ -760,15 +760,19 @@ def test_self_connect(endpoints):
     assert sorted(p.name for p in ep.peers()) == ["selfie", "selfie"]
 
 
-def test_stats_count_bytes_exactly(endpoints):
-    a, b = endpoints(chunk_bytes=1 * MiB), endpoints()
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_stats_count_bytes_exactly(endpoints, transport):
+    a, b = endpoints(chunk_bytes=1 * MiB, transport=transport, ipc_host="cma"), endpoints()
     peer = a.connect(b.metadata(), timeout=5)
+    assert peer.transport == transport
+    # chunks b served over ipc: writes by cross-memory attach, reads through a's bounce segment
+    cma, shm = (4, 1) if transport == "ipc" else (0, 0)
     n = 3 * MiB + 5
     src, dst = rand_bytes(8, n), poisoned(n)
     rs, rd = a.register(src), b.register(dst)
     a0, b0 = a.stats(), b.stats()
     scalars = {"bytes_sent", "bytes_received", "chunks_sent", "chunks_received",
-               "transfers_completed", "transfers_failed", "rejected_requests"}
+               "transfers_completed", "transfers_failed", "rejected_requests", "ipc_cma_chunks", "ipc_shm_chunks"}
     assert set(a0) == scalars | {"nics", "lanes"}
     peer.write(rs, rd.descriptor()).wait(T)
     peer.read(a.register(poisoned(1000)), rd.descriptor(), length=1000).wait(T)
@@ -778,12 +782,14 @@ def test_stats_count_bytes_exactly(endpoints):
         return {k: s[k] - base[k] for k in scalars}
 
     want_a = {"bytes_sent": n, "bytes_received": 1000, "chunks_sent": 4, "chunks_received": 1,
-              "transfers_completed": 2, "transfers_failed": 0, "rejected_requests": 0}
+              "transfers_completed": 2, "transfers_failed": 0, "rejected_requests": 0,
+              "ipc_cma_chunks": 0, "ipc_shm_chunks": 0}
     want_b = {"bytes_sent": 1000, "bytes_received": n, "chunks_sent": 1, "chunks_received": 4,
-              "transfers_completed": 0, "transfers_failed": 0, "rejected_requests": 0}
+              "transfers_completed": 0, "transfers_failed": 0, "rejected_requests": 0,
+              "ipc_cma_chunks": cma, "ipc_shm_chunks": shm}
     assert wait_until(lambda: delta(a, a0) == want_a and delta(b, b0) == want_b, 2), (delta(a, a0), delta(b, b0))
-    # per channel (lane) and per NIC: the same bytes, split by where they went (loopback here)
-    for ep, sent, received, chunks in ((a, n, 1000, 4), (b, 1000, n, 1)):
+    # per channel (lane) and per NIC: the same bytes, split by where they went (loopback here; tcp lanes)
+    for ep, sent, received, chunks in ((a, n, 1000, 4), (b, 1000, n, 1)) if transport == "tcp" else ():
         lanes = ep.stats()["lanes"]
         assert len(lanes) == 4 and all(l["alive"] and l["local_nic"] == "lo" for l in lanes), lanes
         assert sum(l["bytes_sent"] for l in lanes) == sent and sum(l["bytes_received"] for l in lanes) == received
@@ -920,7 +926,7 @@ def test_many_small_blocks_batched_every_byte(pair_ab=None):
 
 def test_batch_with_one_refused_fragment_writes_nothing_of_it():
     """A batch whose table names a deregistered region is refused whole: no fragment of it lands."""
-    with tether.Endpoint(chunk_bytes=1 << 20) as a, tether.Endpoint() as b:
+    with tether.Endpoint(chunk_bytes=1 << 20, transport="tcp") as a, tether.Endpoint() as b:
         peer = a.connect(b.metadata(), timeout=5)
         src = rand_bytes(5, 64 * 1024)
         good, gone = poisoned(64 * 1024), poisoned(4096)

@@ -279,6 +279,28 @@ class Child:
         self.parent_conn.close()
 
 
+def refuse_cma(dumpable: bool) -> None:
+    """Drops CAP_SYS_PTRACE from this process and optionally makes it non-dumpable (prctl)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    hdr, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    assert libc.capget(ctypes.byref(hdr), data) == 0, os.strerror(ctypes.get_errno())
+    cap_sys_ptrace = 19
+    data[0].effective &= ~(1 << cap_sys_ptrace)
+    data[0].permitted &= ~(1 << cap_sys_ptrace)
+    assert libc.capset(ctypes.byref(hdr), data) == 0, os.strerror(ctypes.get_errno())
+    if not dumpable:
+        assert libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE
+
+
 def _status_of(transfer, timeout: float) -> tuple:
     import tether
     try:
@@ -473,6 +495,16 @@ class _Agent:
             with open(f"/proc/self/task/{tid}/status") as f:
                 out += [line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list")]
         return out
+
+    def cmd_transport(self, accepted=False):
+        return self._peer(accepted).transport
+
+    def cmd_refuse_cma(self, dumpable: bool):
+        """Makes cross-memory attach between this process and its peers fail the way containers
+        do: drop CAP_SYS_PTRACE (root may attach to anything with it) and, unless `dumpable`,
+        become non-dumpable (then no process without CAP_SYS_PTRACE may attach to us)."""
+        refuse_cma(dumpable)
+        return True
 
     def cmd_close(self):
         if self.ep is not None:
