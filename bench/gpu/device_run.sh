@@ -12,9 +12,10 @@ G="--transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 --mode writ
 if [ "$what" != bench ]; then
   timeout 300 python3 -m pytest tests/python/test_gpu.py -q -x -p no:cacheprovider > "$OUT/test_gpu.log" 2>&1
   echo "test_gpu rc=$? $(tail -1 $OUT/test_gpu.log)"
-  timeout 240 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+  timeout 240 compute-sanitizer --tool memcheck --target-processes all --report-api-errors no --error-exitcode 9 \
     python3 -m pytest tests/python/test_gpu.py -q -x -p no:cacheprovider -k "vectored and kernel" > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY|passed|failed' $OUT/memcheck.log | tail -3 | tr '\n' ' ')"
+  grep -E "^=========" "$OUT/memcheck.log" | grep -v "ERROR SUMMARY: 0" | head -12
 fi
 if [ "$what" != tests ]; then
   timeout 200 tether bench $G --sizes 256M --channels 4,8,16 --chunk-bytes 1M,4M --unpack d2d \

@@ -7,10 +7,14 @@
 
 namespace tether {
 
+// Progress threads (channels) by default: half the CPUs, at least 4, at most 16. Measured: 4 is best on
+// 2 cores, 16 on a 32-core GPU host (docs/PERFORMANCE.md, "GPU memory over TCP").
+uint32_t default_channels();
+
 struct Config {
   std::string host = "127.0.0.1";   // TETHER_HOST: listen address ("0.0.0.0" for every interface)
   uint16_t port = 0;                // TETHER_PORT: 0 = ephemeral
-  uint32_t channels = 4;            // TETHER_CHANNELS: progress threads; lanes per peer = channels x sockets
+  uint32_t channels = default_channels();            // TETHER_CHANNELS: progress threads; lanes per peer = channels x sockets
   uint32_t sockets_per_channel = 1; // TETHER_SOCKETS_PER_CHANNEL
   uint64_t chunk_bytes = 1 << 20;   // TETHER_CHUNK_BYTES: unit of pipelining and scheduling
   uint32_t window = 32;             // TETHER_WINDOW: chunks in flight (un-acknowledged) per peer

@@ -159,7 +159,7 @@ def bench(args) -> int:
     device = args.device
     cuda, why, ngpu = tether._tether.gpu_status()[:3]
     if device == "auto":
-        device = "gpu" if cuda and _torch_cuda() else "cpu"
+        device = "cpu"  # GPU memory on request (--device gpu): same-host ipc moves host memory only so far
     if device == "gpu":
         if not cuda or not _torch_cuda():
             console.print(f"[red]--device gpu needs CUDA and torch with a GPU here ({why or 'torch has no CUDA'})[/red]")

@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 #include <string>
+#include <thread>
+#include <algorithm>
 
 namespace tether {
 namespace {
@@ -15,6 +17,11 @@ void env_str(const char* name, std::string& field) {
 }
 
 }  // namespace
+
+uint32_t default_channels() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return std::clamp<uint32_t>(n / 2, 4, 16);
+}
 
 Config Config::from_env() {
   Config c;
