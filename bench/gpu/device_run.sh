@@ -18,14 +18,16 @@ if [ "$what" != bench ]; then
   grep -E "^=========" "$OUT/memcheck.log" | grep -v "ERROR SUMMARY: 0" | head -12
 fi
 if [ "$what" != tests ]; then
-  timeout 200 tether bench $G --sizes 256M --channels 4,8,16 --chunk-bytes 1M,4M --unpack d2d \
+  timeout 200 tether bench $G --sizes 256M --channels 8,16 --window 32,64 --unpack d2d \
     --json "$OUT/sweep_256M.json" > "$OUT/sweep_256M.txt" 2>&1; echo "sweep rc=$?"
   for u in kernel d2d host; do
-    timeout 120 tether bench $G --sizes 16K --num-iovs 4096 --channels 8 --unpack $u \
+    timeout 120 tether bench $G --sizes 16K --num-iovs 4096 --unpack $u \
       --json "$OUT/kv_$u.json" > "$OUT/kv_$u.txt" 2>&1; echo "kv $u rc=$?"
-    timeout 120 tether bench $G --sizes 64M,256M --channels 8 --unpack $u \
+    timeout 120 tether bench $G --sizes 64M,256M --unpack $u \
       --json "$OUT/contig_$u.json" > "$OUT/contig_$u.txt" 2>&1; echo "contig $u rc=$?"
   done
+  TETHER_KERNEL_STAGING=scratch timeout 120 tether bench $G --sizes 16K --num-iovs 4096 --unpack kernel \
+    --json "$OUT/kv_kernel_scratch.json" > "$OUT/kv_kernel_scratch.txt" 2>&1; echo "kv kernel scratch rc=$?"
   timeout 200 python3 bench/peers/run.py --only nccl-socket --json "$OUT/nccl_socket.json" > "$OUT/nccl_socket.txt" 2>&1
   echo "nccl-socket rc=$?"
   python3 - "$OUT" <<'PY'

@@ -1,6 +1,7 @@
 #include "gpu/staging.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 
 #ifdef TETHER_HAVE_KERNELS
@@ -46,6 +47,27 @@ Result<CUfunction> copy_kernel(int device) {
 
 Status check(const char* call, CUresult r) {
   return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, cuda_error(call, r));
+}
+
+// TETHER_KERNEL_STAGING=direct (default): the copy kernel touches the pinned slot itself;
+// =scratch: the slot is copied to/from device memory by the copy engine around the kernel.
+bool direct_kernel() {
+  static const bool direct = [] {
+    const char* v = std::getenv("TETHER_KERNEL_STAGING");
+    return !(v && std::string(v) == "scratch");
+  }();
+  return direct;
+}
+
+// One launch over n (src, dst, len) descriptors at `table` (device-visible): gridDim.y walks
+// fragments, gridDim.x splits the longest.
+Status launch(CUfunction fn, CUdeviceptr table, uint32_t n, uint64_t longest, CUstream stream) {
+  const unsigned gx = unsigned(std::clamp<uint64_t>((longest + kThreads * 64 - 1) / (kThreads * 64), 1, 64));
+  const unsigned gy = std::min<unsigned>(n, 65535);
+  CUdeviceptr table_arg = table;
+  unsigned n_arg = n;
+  void* args[] = {&table_arg, &n_arg};
+  return check("cuLaunchKernel(tether_copy_frags)", cuda()->cuLaunchKernel(fn, gx, gy, 1, kThreads, 1, 1, 0, stream, args, nullptr));
 }
 
 }  // namespace
@@ -148,7 +170,21 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
   s.device = device;
   auto host_at = [&](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(s.host + f.offset); };
   auto ptr = [](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(f.ptr); };
-  if (mode == Unpack::kKernel && n > 1) {
+  if (mode == Unpack::kKernel && n > 1 && direct_kernel()) {
+    // The kernel reads (unpack) or writes (gather) the pinned slot itself over PCIe, and reads its
+    // descriptor block from there too: one launch, no copy through device scratch memory.
+    auto fn = copy_kernel(device);
+    if (!fn.is_ok()) return fn.status();
+    auto* table = reinterpret_cast<uint64_t*>(s.host + capacity_);
+    uint64_t longest = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      table[3 * i + 0] = to_slot ? ptr(frags[i]) : host_at(frags[i]);
+      table[3 * i + 1] = to_slot ? host_at(frags[i]) : ptr(frags[i]);
+      table[3 * i + 2] = frags[i].length;
+      longest = std::max(longest, frags[i].length);
+    }
+    if (Status st = launch(fn.value(), reinterpret_cast<CUdeviceptr>(table), n, longest, d.stream); !st.is_ok()) return st;
+  } else if (mode == Unpack::kKernel && n > 1) {
     auto fn = copy_kernel(device);
     if (!fn.is_ok()) return fn.status();
     if (!d.scratch) {
@@ -177,14 +213,7 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
           !st.is_ok())
         return st;
     }
-    const unsigned gx = unsigned(std::clamp<uint64_t>((longest + kThreads * 64 - 1) / (kThreads * 64), 1, 64));
-    const unsigned gy = std::min<unsigned>(n, 65535);
-    CUdeviceptr table_arg = d.table;
-    unsigned n_arg = n;
-    void* args[] = {&table_arg, &n_arg};
-    if (Status st = check("cuLaunchKernel(tether_copy_frags)", a->cuLaunchKernel(fn.value(), gx, gy, 1, kThreads, 1, 1, 0, d.stream, args, nullptr));
-        !st.is_ok())
-      return st;
+    if (Status st = launch(fn.value(), d.table, n, longest, d.stream); !st.is_ok()) return st;
     if (to_slot) {
       if (Status st = check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), d.scratch + begin,
                                                                             extent - begin, d.stream));
