@@ -179,3 +179,20 @@ def test_deregistered_region_refused(pair):
     desc2 = c.call("register", "dst2", 4 * MiB, device=0)
     peer.write(src, desc2).wait(T)
     assert_bytes_equal(_get(c, "dst2"), rand_bytes(48, 4 * MiB))
+
+
+def test_two_endpoints_of_one_process():
+    """ipc between two endpoints of one process: CUDA will not open this process's own handles; the
+    pointers are used as they are (nothing opened)."""
+    with tether.Endpoint(transport="ipc") as a, tether.Endpoint(transport="ipc") as b:
+        peer = a.connect(b.metadata(), timeout=10)
+        assert peer.transport == "ipc"
+        n = 9 * MiB + 3
+        src = torch.from_numpy(rand_bytes(49, n)).to("cuda:0")
+        dst = torch.from_numpy(poisoned(n + 1)).to(f"cuda:{min(1, _ngpu - 1)}")
+        torch.cuda.synchronize()
+        peer.write(a.register(src), b.register(dst).descriptor(), remote_offset=1).wait(T)
+        got = dst.cpu().numpy()
+        assert_poison(got[:1])
+        assert_bytes_equal(got[1:], rand_bytes(49, n))
+        assert a.stats()["ipc_cuda_opens"] == 0 and b.stats()["ipc_cuda_opens"] == 0

@@ -1,5 +1,7 @@
 #include "transport/ipc/cuda_mover.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -60,7 +62,7 @@ bool region_ref(const core::RegionState& region, CudaRef* out) {
 
 Mapping::~Mapping() {
   const CudaApi* a = gpu::cuda();
-  if (!a || !ptr) return;
+  if (!a || !ptr || !opened) return;
   // Every copy that used it has completed: users hold the mapping until their event fired.
   if (gpu::use_device(device).is_ok()) a->cuIpcCloseMemHandle(ptr);
 }
@@ -83,19 +85,29 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
   m->remote_base = ref.base;
   m->device = home_device(pid_, ref.device, prefer);
   if (Status s = gpu::use_device(m->device); !s.is_ok()) return s;
-  gpu::CUipcMemHandle h;
-  std::memcpy(h.reserved, ref.handle, sizeof h.reserved);
-  if (Status s = check("cuIpcOpenMemHandle", a->cuIpcOpenMemHandle(&m->ptr, h, gpu::kIpcLazyEnablePeerAccess)); !s.is_ok()) {
-    m->ptr = 0;
-    return s;
+  if (pid_ == ::getpid()) {  // two endpoints of one process: CUDA refuses to open our own handle; no need
+    auto info = gpu::pointer_info(reinterpret_cast<void*>(ref.base));
+    if (!info.is_ok() || !info.value().is_device || info.value().alloc_base != ref.base || info.value().alloc_size != ref.size)
+      return Status(Code::kNotFound, "ipc: a GPU allocation of this process is gone");
+    m->ptr = ref.base;
+    m->size = ref.size;
+    m->device = info.value().device;
+  } else {
+    gpu::CUipcMemHandle h;
+    std::memcpy(h.reserved, ref.handle, sizeof h.reserved);
+    if (Status s = check("cuIpcOpenMemHandle", a->cuIpcOpenMemHandle(&m->ptr, h, gpu::kIpcLazyEnablePeerAccess)); !s.is_ok()) {
+      m->ptr = 0;
+      return s;
+    }
+    m->opened = true;
+    opens_->fetch_add(1, std::memory_order_relaxed);
+    // The size the driver mapped, not the one we were told: bounds checks use this.
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (Status s = check("cuMemGetAddressRange", a->cuMemGetAddressRange(&base, &size, m->ptr)); !s.is_ok()) return s;
+    m->size = std::min<uint64_t>(size - (m->ptr - base), ref.size);
+    if (m->size != ref.size) return Status(Code::kProtocolError, "a peer's GPU allocation is smaller than it says");
   }
-  opens_->fetch_add(1, std::memory_order_relaxed);
-  // The size the driver mapped, not the one we were told: bounds checks use this.
-  CUdeviceptr base = 0;
-  size_t size = 0;
-  if (Status s = check("cuMemGetAddressRange", a->cuMemGetAddressRange(&base, &size, m->ptr)); !s.is_ok()) return s;
-  m->size = std::min<uint64_t>(size - (m->ptr - base), ref.size);
-  if (m->size != ref.size) return Status(Code::kProtocolError, "a peer's GPU allocation is smaller than it says");
   std::lock_guard lock(mu_);
   auto& slot = by_base_[ref.base];
   if (slot && slot->size == m->size && std::memcmp(slot->handle, m->handle, sizeof m->handle) == 0)

@@ -42,6 +42,7 @@ struct Mapping {
   uint64_t remote_base = 0, size = 0;
   gpu::CUdeviceptr ptr = 0;
   int device = -1;  // the context it was opened in; copies touching it run on this GPU's streams
+  bool opened = false;  // false: the other side is this very process (two endpoints), ptr is its own
   Mapping() = default;
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;

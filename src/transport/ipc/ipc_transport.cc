@@ -466,7 +466,7 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
   const uint32_t n = h.region_id;
   const bool gpu = f.where == uint8_t(Where::kCuda);
   const uint64_t nrefs = gpu ? f.addr : 0;
-  if (n < 1 || n > wire::kMaxFragments || nrefs > n ||
+  if (n < 1 || n > wire::kMaxFragments || nrefs > n || (gpu && nrefs == 0) ||
       bytes != sizeof(Frame) + n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef)) {
     fail_peer(p, Code::kProtocolError, "a malformed batch");
     return false;
@@ -689,7 +689,7 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
         fail_peer(p, Code::kConnectionLost, n == 0 ? "the peer closed it" : std::strerror(errno));
         break;
       }
-      Frame f;
+      Frame f{};
       if (size_t(n) >= sizeof f) std::memcpy(&f, l->rx.get(), sizeof f);
       const auto type = static_cast<FrameType>(f.hdr.type);
       const bool batch = type == FrameType::kWriteBatch;
