@@ -42,6 +42,8 @@ struct Config {
   bool disable_ipc = false;         // TETHER_DISABLE_IPC=1: never offer ipc (same-host peers use tcp)
   std::string ipc_host = "auto";    // TETHER_IPC_HOST: host memory over ipc: auto (cross-memory attach
                                     // where the kernel allows it, else shared memory), cma (only), shm
+  uint64_t ipc_gpu_chunk_bytes = 16 << 20;  // TETHER_IPC_GPU_CHUNK_BYTES: chunk size over ipc when both ends are
+                                            // GPU memory (copies by the copy engines; small chunks cannot fill NVLink)
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();

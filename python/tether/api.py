@@ -21,7 +21,7 @@ _OPTIONS = {
     "net_plugin": "net_plugin", "net_comms": "net_comms", "net_bindings": "net_bindings", "unpack": "unpack",
     "nics": "nics", "control_nic": "control_nic", "tx_cpus": "tx_cpus", "rx_cpus": "rx_cpus",
     "pin_threads": "pin_threads",
-    "disable_ipc": "disable_ipc", "ipc_host": "ipc_host",
+    "disable_ipc": "disable_ipc", "ipc_host": "ipc_host", "ipc_gpu_chunk_bytes": "ipc_gpu_chunk_bytes",
 }
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",

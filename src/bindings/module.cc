@@ -137,6 +137,7 @@ NB_MODULE(_tether, m) {
       .def_rw("channels", &Config::channels)
       .def_rw("sockets_per_channel", &Config::sockets_per_channel)
       .def_rw("chunk_bytes", &Config::chunk_bytes)
+      .def_rw("ipc_gpu_chunk_bytes", &Config::ipc_gpu_chunk_bytes)
       .def_rw("window", &Config::window)
       .def_rw("socket_buffer", &Config::socket_buffer)
       .def_rw("connect_timeout_ms", &Config::connect_timeout_ms)
@@ -280,6 +281,8 @@ NB_MODULE(_tether, m) {
             d["lanes"] = lanes;
             d["ipc_cma_chunks"] = s.ipc_cma_chunks;
             d["ipc_shm_chunks"] = s.ipc_shm_chunks;
+            d["ipc_cuda_chunks"] = s.ipc_cuda_chunks;
+            d["ipc_cuda_opens"] = s.ipc_cuda_opens;
             return d;
           })
       .def("close", [](Endpoint& e) {

@@ -52,6 +52,7 @@ Config Config::from_env() {
   env_uint("TETHER_LANE_TIMEOUT_MS", c.lane_timeout_ms);
   env_uint("TETHER_DISABLE_IPC", c.disable_ipc);
   env_str("TETHER_IPC_HOST", c.ipc_host);
+  env_uint("TETHER_IPC_GPU_CHUNK_BYTES", c.ipc_gpu_chunk_bytes);
   return c;
 }
 

@@ -978,6 +978,8 @@ EndpointStats Endpoint::stats() const {
   }
   o.ipc_cma_chunks = s.ipc_cma_chunks.load();
   o.ipc_shm_chunks = s.ipc_shm_chunks.load();
+  o.ipc_cuda_chunks = s.ipc_cuda_chunks.load();
+  o.ipc_cuda_opens = s.ipc_cuda_opens.load();
   return o;
 }
 

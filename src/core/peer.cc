@@ -47,6 +47,7 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
       info_(std::move(info)),
       lanes_(lanes),
       batches_(transport && transport->caps().write_batches),
+      gpu_chunk_(transport ? transport->caps().gpu_chunk_bytes : 0),
       lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
       last_heard_ms_(now_ms()) {
   slots_.resize(size_t(lane_window_) * lanes_);
@@ -281,7 +282,7 @@ uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk) {
     const Segment& g = segs[t->cur_segment + i];
     const uint64_t skip = i == 0 ? t->cur_offset : 0;
     s.frags[i] = wire::Fragment{g.region_id, 0, g.key, g.desc_offset, g.desc_length, g.remote_offset + skip, g.length - skip};
-    s.pieces[i] = Piece{g.local + skip, g.length - skip};
+    s.pieces[i] = Piece{g.local + skip, g.length - skip, g.local_region};
   }
   t->cur_segment = end;
   t->cur_offset = 0;
@@ -310,8 +311,10 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     }
     TransferState* t = queue_head_.load(std::memory_order_relaxed);
     if (!t || free_slots_.empty()) return false;
-    const uint64_t chunk = info_.chunk_bytes;
     const Segment& seg = t->segments[t->cur_segment];
+    // GPU to GPU (writes, reads): the transport may want bigger chunks (ipc: copy engines over NVLink).
+    const bool gpu_both = gpu_chunk_ && device_of(seg) >= 0 && seg.entry && seg.entry->remote.kind == MemoryKind::kCuda;
+    const uint64_t chunk = gpu_both ? gpu_chunk_ : info_.chunk_bytes;
     const uint32_t idx = free_slots_.back();
     free_slots_.pop_back();
     Slot& s = slots_[idx];

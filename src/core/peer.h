@@ -28,6 +28,7 @@ class EndpointImpl;
 struct Piece {
   const uint8_t* data = nullptr;
   uint64_t length = 0;
+  const RegionState* region = nullptr;  // the local region it lies in
 };
 
 // What a lane puts on the wire next: a header and, for writes and sends, the local payload.
@@ -163,6 +164,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   PeerInfo info_;
   const uint32_t lanes_;
   const bool batches_;  // the transport takes kWriteBatch chunks
+  const uint64_t gpu_chunk_;  // the transport's chunk size between GPU memory on both ends (0: none)
   const uint32_t lane_window_;
   std::atomic<bool> failed_{false};
   std::atomic<int64_t> last_heard_ms_;

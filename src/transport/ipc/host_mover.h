@@ -3,7 +3,7 @@
 // request against its own registry first, then moves the bytes with the mover for that place.
 // Host memory has two: cross-memory attach (the target reads/writes the initiator's address space
 // with process_vm_readv/writev) and a shared-memory bounce segment (the initiator stages through
-// it). The GPU half adds a CudaMover behind the same interface (Where::kCuda).
+// it). GPU memory is moved by CUDA (cuda_mover.h, Where::kCuda).
 #pragma once
 #include <sys/types.h>
 
@@ -15,6 +15,7 @@ enum class Where : uint8_t {
   kNone = 0,  // answers
   kCma = 1,   // addr: a virtual address in the initiator
   kShm = 2,   // addr: a byte offset in the initiator's bounce segment
+  kCuda = 3,  // addr: a byte offset in the GPU allocation the frame's CudaRef names (cuda_mover.h)
 };
 
 class Mover {

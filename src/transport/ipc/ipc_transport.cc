@@ -16,7 +16,9 @@
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"
+#include "gpu/copy_kernel.h"
 #include "sys/net.h"
+#include "transport/ipc/cuda_mover.h"
 #include "transport/ipc/host_mover.h"
 
 namespace tether::transport {
@@ -31,7 +33,7 @@ using wire::FrameType;
 namespace ipc {
 
 constexpr uint32_t kHelloMagic = 0x43504954;  // "TIPC"
-constexpr uint16_t kIpcVersion = 1;
+constexpr uint16_t kIpcVersion = 2;  // 2: GPU memory (CudaRef in every frame), batches
 constexpr int kSocketBuffer = 1 << 20;        // frames in flight per lane are bounded by the window
 constexpr int64_t kParkedExpiryMs = 10000;    // lanes nobody claimed (their connect failed)
 
@@ -42,7 +44,16 @@ struct Frame {
   FrameHeader hdr;
   uint8_t where;    // Where (requests); kNone in answers
   uint8_t pad[7];
-  uint64_t addr;    // kCma: address in the initiator; kShm: offset in its bounce segment
+  uint64_t addr;    // kCma: address in the initiator; kShm: offset in its bounce segment; kCuda: offset in `cuda`
+                    // (a kWriteBatch of GPU pieces: the number of CudaRefs at the end of the message)
+  CudaRef cuda;     // kCuda: the allocation; in a kReadResp, the TARGET's (the initiator copies, then kReadDone)
+};
+// A kWriteBatch message: the Frame, `hdr.region_id` entries, then (kCuda) `addr` CudaRefs.
+struct BatchEntry {
+  wire::Fragment frag;  // checked like a kWrite header
+  uint64_t addr;        // where the piece is (as Frame::addr for the frame's `where`)
+  uint32_t ref;         // kCuda: index of its allocation among the CudaRefs
+  uint32_t pad;
 };
 // Lane setup. Stage 1: listener -> connector on every lane (segment fd on lane 0). Stage 2:
 // connector -> listener on lane 0 (its segment fd, its verdict). Stage 3: listener -> connector.
@@ -57,7 +68,11 @@ struct Hello {
   uint64_t cookie;
 };
 #pragma pack(pop)
-static_assert(sizeof(Frame) == 72);
+static_assert(sizeof(Frame) == 160);
+static_assert(sizeof(BatchEntry) == 64);
+constexpr size_t kMaxMsg = sizeof(Frame) + wire::kMaxFragments * (sizeof(BatchEntry) + sizeof(CudaRef));
+// ipc's own frame type: initiator -> target, "the read of (slot, gen) is copied out, let go of the region".
+constexpr uint8_t kReadDone = 0x40;
 static_assert(sizeof(Hello) == 40);
 
 struct IpcPeer {
@@ -73,6 +88,7 @@ struct IpcPeer {
   bool out_cma = false;              // our chunks are described by address
   uint64_t slot_bytes = 0;           // one chunk per core slot in `own`
   std::atomic<bool> ready{false};    // setup done: lanes may pull and serve
+  std::unique_ptr<CudaImports> imports;  // the other side's GPU allocations we opened (kept until the peer goes)
   std::atomic<uint32_t> next{0};
 };
 
@@ -85,6 +101,14 @@ struct Lane {
   bool setup_first = false;          // listener's lane 0: finish the setup before serving
   std::thread thread;
   std::atomic<bool> finished{false};
+  // Lane thread only:
+  std::unique_ptr<uint8_t[]> rx;     // one message (kMaxMsg)
+  std::unique_ptr<CudaLane> cuda;    // streams, bounce buffer
+  struct Held { uint32_t slot, gen; RegionState* pin; };
+  std::vector<Held> held;            // regions pinned for reads the initiator is pulling (until kReadDone)
+  RegionState* pins[wire::kMaxFragments];
+  std::shared_ptr<Mapping> maps[wire::kMaxFragments];
+  uint64_t triples[3 * wire::kMaxFragments];
 };
 
 namespace {
@@ -171,18 +195,79 @@ void fail_peer(PeerState& p, Code c, const std::string& why) { p.fail(Status(c, 
 
 // ---------------------------------------------------------------- initiator side
 
-// Describes (and for shm, stages) a pulled chunk and sends it. False if the lane is gone.
-bool send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
-  if (op.device >= 0) {  // GPU memory needs the CUDA mover (not yet): refuse here, nothing moves
-    p.answer(lane, op.hdr.slot, op.hdr.gen, uint8_t(Code::kUnavailable));
-    return true;
-  }
+// A chunk that cannot go: answered at once, nothing moves.
+void refuse(PeerState& p, uint32_t lane, const ChunkOp& op, Code c) { p.answer(lane, op.hdr.slot, op.hdr.gen, uint8_t(c)); }
+
+// Where GPU bytes [ptr, ptr+len) of `region` lie for the other process: false if it cannot open them
+// (the export failed at registration, e.g. VMM memory) or they leave the allocation.
+bool gpu_place(const RegionState* region, const uint8_t* ptr, uint64_t len, CudaRef* ref, uint64_t* offset) {
+  if (!region || !region_ref(*region, ref)) return false;
+  const uint64_t at = reinterpret_cast<uint64_t>(ptr);
+  if (at < ref->base || at - ref->base > ref->size || len > ref->size - (at - ref->base)) return false;
+  *offset = at - ref->base;
+  return true;
+}
+
+// A kWriteBatch: the fragments and where each piece is, in one message; host pieces
+// are staged in the slot's part of the bounce segment when the target cannot reach us by address.
+bool send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+  const uint32_t n = op.fragments;
+  alignas(16) uint8_t msg[kMaxMsg];  // on the sending thread's stack (about 20 KiB): any thread may send
+  auto* ents = reinterpret_cast<BatchEntry*>(msg + sizeof(Frame));
+  auto* refs = reinterpret_cast<CudaRef*>(msg + sizeof(Frame) + n * sizeof(BatchEntry));
   Frame f{};
   f.hdr = op.hdr;
-  // Reads always land in our segment: no process ever writes into another's memory, so a peer
-  // we gave up on (its answer never came) cannot scribble over memory we have handed back.
+  const bool gpu = op.device >= 0;
+  f.where = uint8_t(gpu ? Where::kCuda : ip.out_cma ? Where::kCma : Where::kShm);
+  uint32_t nrefs = 0;
+  uint64_t staged = uint64_t(op.hdr.slot) * ip.slot_bytes;
+  for (uint32_t i = 0; i < n; ++i) {
+    const core::Piece& pc = op.pieces[i];
+    BatchEntry e{};
+    e.frag = op.frags[i];
+    if (gpu) {
+      CudaRef r;
+      if (!gpu_place(pc.region, pc.data, pc.length, &r, &e.addr)) {
+        refuse(p, lane, op, Code::kUnavailable);
+        return true;
+      }
+      uint32_t k = 0;
+      while (k < nrefs && refs[k].base != r.base) ++k;
+      if (k == nrefs) refs[nrefs++] = r;
+      e.ref = k;
+    } else if (ip.out_cma) {
+      e.addr = reinterpret_cast<uint64_t>(pc.data);
+    } else {
+      e.addr = staged;
+      if (pc.length) std::memcpy(ip.own.base() + staged, pc.data, pc.length);  // the batch fits a chunk: the slot
+      staged += pc.length;
+    }
+    ents[i] = e;
+  }
+  f.addr = nrefs;
+  std::memcpy(msg, &f, sizeof f);
+  const size_t bytes = sizeof(Frame) + n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef);
+  if (send_msg(ip.fds[lane], msg, bytes, -1)) return true;
+  fail_peer(p, Code::kConnectionLost, std::strerror(errno));
+  return false;
+}
+
+// Describes (and for shm, stages) a pulled chunk and sends it. False if the lane is gone.
+bool send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+  if (op.fragments > 0) return send_batch(ip, p, lane, op);
+  Frame f{};
+  f.hdr = op.hdr;
+  // Reads always land in our segment (host regions) or are copied by us out of the target's GPU
+  // allocation (GPU regions): no process ever writes into another's memory, so a peer we gave up on
+  // (its answer never came) cannot scribble over memory we have handed back.
   const bool read = op.hdr.type == uint8_t(FrameType::kReadReq);
-  if (ip.out_cma && !read) {
+  if (op.device >= 0 && !read) {  // our GPU bytes: the target opens our allocation and copies
+    if (!gpu_place(op.segment ? op.segment->local_region : nullptr, op.payload, op.length, &f.cuda, &f.addr)) {
+      refuse(p, lane, op, Code::kUnavailable);
+      return true;
+    }
+    f.where = uint8_t(Where::kCuda);
+  } else if (ip.out_cma && !read) {
     f.where = uint8_t(Where::kCma);
     f.addr = reinterpret_cast<uint64_t>(op.local);
   } else {
@@ -219,6 +304,79 @@ void pump_all(IpcPeer& ip, PeerState& p) {
 
 // ---------------------------------------------------------------- target side
 
+Mover* mover_for(IpcPeer& ip, uint8_t where) {
+  return where == uint8_t(Where::kCma) ? static_cast<Mover*>(ip.cma.get())
+       : where == uint8_t(Where::kShm) ? static_cast<Mover*>(ip.shm.get())
+                                       : nullptr;
+}
+
+// What moving one piece came to: `code` answers the chunk; `err` (an errno) ends the lane (EPROTO: the
+// request names memory this side cannot reach; else the other process is gone).
+struct Moved {
+  Code code = Code::kOk;
+  int err = 0;
+};
+
+// Copies `len` initiator bytes, described by (where, addr, ref), to `dst` (host, or GPU `dev`).
+Moved pull_piece(Lane& l, core::EndpointImpl* ep, uint8_t where, uint64_t addr, const CudaRef* ref, uint8_t* dst, int dev,
+                 uint64_t len) {
+  IpcPeer& ip = *l.ip;
+  auto& stats = ep->stats();
+  Moved m;
+  if (len == 0) return m;
+  if (where == uint8_t(Where::kCuda)) {  // their GPU memory: opened once, copied by this GPU's copy engines
+    auto map = ip.imports->get(*ref, dev);
+    if (!map.is_ok()) return Moved{Code::kUnavailable, 0};
+    const Mapping& mp = *map.value();
+    if (addr > mp.size || len > mp.size - addr) return Moved{Code::kOk, EPROTO};
+    if (!l.cuda->copy(mp.device, reinterpret_cast<uint64_t>(dst), mp.ptr + addr, len).is_ok()) return Moved{Code::kInternal, 0};
+    stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+    return m;
+  }
+  Mover* mv = mover_for(ip, where);
+  if (!mv) return Moved{Code::kOk, EPROTO};
+  if (dev < 0) {
+    m.err = mv->pull(addr, dst, len);
+  } else {  // their host bytes into our GPU: through a pinned bounce buffer
+    auto b = l.cuda->bounce(len);
+    if (!b.is_ok()) return Moved{Code::kInternal, 0};
+    m.err = mv->pull(addr, b.value(), len);
+    if (!m.err && !l.cuda->copy(dev, reinterpret_cast<uint64_t>(dst), reinterpret_cast<uint64_t>(b.value()), len).is_ok())
+      m.code = Code::kInternal;
+    if (!m.err) stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!m.err) (where == uint8_t(Where::kCma) ? stats.ipc_cma_chunks : stats.ipc_shm_chunks).fetch_add(1, std::memory_order_relaxed);
+  return m;
+}
+
+bool answer_frame(Lane& l, const FrameHeader& h, Code c, uint8_t where = 0, uint64_t addr = 0, const CudaRef* ref = nullptr) {
+  Frame a{};
+  a.hdr.type = uint8_t(h.type == uint8_t(FrameType::kReadReq) ? FrameType::kReadResp : FrameType::kAck);
+  a.hdr.status = uint8_t(c);
+  a.hdr.slot = h.slot;
+  a.hdr.gen = h.gen;
+  a.hdr.length = h.length;
+  a.where = where;
+  a.addr = addr;
+  if (ref) a.cuda = *ref;
+  if (send_msg(l.fd, &a, sizeof a, -1)) return true;
+  fail_peer(*l.peer, Code::kConnectionLost, std::strerror(errno));
+  return false;
+}
+
+bool lane_error(PeerState& p, int err) {
+  fail_peer(p, err == EPROTO ? Code::kProtocolError : Code::kConnectionLost,
+            err == EPROTO ? "a request names memory this side cannot reach"
+                          : std::string("moving its bytes failed (") + std::strerror(err) + "); is the process gone?");
+  return false;
+}
+
+void count_served(core::EndpointImpl* ep, bool read, uint64_t length) {
+  auto& stats = ep->stats();
+  (read ? stats.bytes_sent : stats.bytes_received).fetch_add(length, std::memory_order_relaxed);
+  (read ? stats.chunks_sent : stats.chunks_received).fetch_add(1, std::memory_order_relaxed);
+}
+
 // Validates a request exactly as tcp does, moves the bytes, answers. False: the lane must end.
 bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   PeerState& p = *l.peer;
@@ -229,66 +387,153 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   RegionState* pin = nullptr;
   TransferState* recv = nullptr;
   uint8_t* local = nullptr;
+  int device = -1;
   Code c;
   if (type == FrameType::kSendData) {
-    int device = -1;
     c = p.resolve_send_data(h.region_id, h.offset, h.length, h.key, h.flags, &local, &recv, &device);
-    if (c == Code::kOk && device >= 0) {  // into GPU memory: needs the CUDA mover (not yet)
-      recv->release();
-      recv = nullptr;
-      c = Code::kUnavailable;
-    }
   } else {
     c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length,
                                type == FrameType::kWrite, &pin);
-    if (c == Code::kOk) local = pin->base + h.offset;
-    // Host movers only; the GPU half adds a CUDA mover for kCuda regions.
-    if (c == Code::kOk && pin->kind != MemoryKind::kHost) c = Code::kUnavailable;
+    if (c == Code::kOk) {
+      local = pin->base + h.offset;
+      device = pin->kind == MemoryKind::kCuda ? pin->device : -1;
+    }
   }
-  int err = 0;
-  if (c == Code::kOk && h.length > 0) {
-    Mover* m = f.where == uint8_t(Where::kCma) ? static_cast<Mover*>(ip.cma.get())
-             : f.where == uint8_t(Where::kShm) ? static_cast<Mover*>(ip.shm.get())
-                                               : nullptr;
-    if (!m || (type == FrameType::kReadReq && f.where != uint8_t(Where::kShm))) err = EPROTO;
-    else if (type == FrameType::kReadReq) err = m->push(local, f.addr, h.length);
-    else err = m->pull(f.addr, local, h.length);
-    if (!err) (f.where == uint8_t(Where::kCma) ? stats.ipc_cma_chunks : stats.ipc_shm_chunks).fetch_add(1, std::memory_order_relaxed);
+  if (c == Code::kOk && type == FrameType::kReadReq && device >= 0) {
+    // Our GPU bytes: the initiator copies them out of our allocation itself; the region stays pinned
+    // (deregister waits) until it says it is done (kReadDone), or the lane ends.
+    CudaRef ref;
+    uint64_t at = 0;
+    if (!gpu_place(pin, local, h.length, &ref, &at)) {
+      pin->unpin();
+      stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+      return answer_frame(l, h, Code::kUnavailable);
+    }
+    l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+    count_served(ep, true, h.length);
+    stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+    return answer_frame(l, h, Code::kOk, uint8_t(Where::kCuda), at, &ref);
+  }
+  Moved m;
+  if (c == Code::kOk && h.length > 0 && local) {
+    if (type == FrameType::kReadReq) {  // our host bytes into the initiator's segment
+      Mover* mv = mover_for(ip, f.where);
+      if (f.where != uint8_t(Where::kShm) || !mv) m.err = EPROTO;
+      else m.err = mv->push(local, f.addr, h.length);
+      if (!m.err) stats.ipc_shm_chunks.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      m = pull_piece(l, ep, f.where, f.addr, &f.cuda, local, device, h.length);
+      if (m.code != Code::kOk) c = m.code;
+    }
   }
   if (pin) pin->unpin();
   if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
   if (recv) {
-    if (!err) {
+    if (!m.err && c == Code::kOk) {
       p.send_data_placed(recv, h.offset, h.length);
     } else {
-      recv->record_error(Status(Code::kConnectionLost, "lost the sender's data"));
+      recv->record_error(m.err ? Status(Code::kConnectionLost, "lost the sender's data")
+                               : Status(c, "receiving GPU data over ipc failed"));
       recv->release();
     }
   }
-  if (err) {
-    fail_peer(p, err == EPROTO ? Code::kProtocolError : Code::kConnectionLost,
-              err == EPROTO ? "a request names memory this side cannot reach"
-                            : std::string("moving its bytes failed (") + std::strerror(err) + "); is the process gone?");
+  if (m.err) return lane_error(p, m.err);
+  if (c == Code::kOk) count_served(ep, type == FrameType::kReadReq, h.length);
+  return answer_frame(l, h, c);
+}
+
+// kReadDone: the initiator has copied a read out of our GPU region; let go of it.
+bool read_done(Lane& l, const FrameHeader& h) {
+  for (size_t i = 0; i < l.held.size(); ++i) {
+    if (l.held[i].slot != h.slot || l.held[i].gen != h.gen) continue;
+    l.held[i].pin->unpin();
+    l.held[i] = l.held.back();
+    l.held.pop_back();
+    return true;
+  }
+  fail_peer(*l.peer, Code::kProtocolError, "read done for no read");
+  return false;
+}
+
+// A kWriteBatch: every fragment is checked and pinned before any byte lands; GPU pieces into GPU
+// memory of one device go in one copy-kernel launch over peer pointers. False: the lane must end.
+bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t bytes) {
+  PeerState& p = *l.peer;
+  IpcPeer& ip = *l.ip;
+  Frame f;
+  std::memcpy(&f, msg, sizeof f);
+  const FrameHeader& h = f.hdr;
+  const uint32_t n = h.region_id;
+  const bool gpu = f.where == uint8_t(Where::kCuda);
+  const uint64_t nrefs = gpu ? f.addr : 0;
+  if (n < 1 || n > wire::kMaxFragments || nrefs > n || (gpu && nrefs == 0) ||
+      bytes != sizeof(Frame) + n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef)) {
+    fail_peer(p, Code::kProtocolError, "a malformed batch");
     return false;
   }
-  if (c == Code::kOk) {
-    if (type == FrameType::kReadReq) {
-      stats.bytes_sent.fetch_add(h.length, std::memory_order_relaxed);
-      stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
-    } else {
-      stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
-      stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+  auto entry = [&](uint32_t i) {
+    BatchEntry e;
+    std::memcpy(&e, msg + sizeof(Frame) + i * sizeof(BatchEntry), sizeof e);
+    return e;
+  };
+  auto ref_at = [&](uint32_t k) {
+    CudaRef r;
+    std::memcpy(&r, msg + sizeof(Frame) + n * sizeof(BatchEntry) + k * sizeof(CudaRef), sizeof r);
+    return r;
+  };
+  auto& stats = ep->stats();
+  Code c = Code::kOk;
+  uint32_t pinned = 0;
+  uint64_t total = 0;
+  for (; pinned < n; ++pinned) {
+    const wire::Fragment fr = entry(pinned).frag;
+    c = ep->registry().resolve(fr.region_id, fr.key, fr.desc_offset, fr.desc_length, fr.offset, fr.length, true, &l.pins[pinned]);
+    if (c != Code::kOk) break;
+    total += fr.length;
+  }
+  int err = c == Code::kOk && total != h.length ? EPROTO : 0;
+  if (c == Code::kOk && !err && gpu) {
+    // Map every allocation, check every piece, then one launch when all of it is GPU memory of the
+    // GPU the mappings live on (else one async copy per piece; either way one wait).
+    uint32_t k = 0;
+    for (; k < nrefs && c == Code::kOk; ++k) {
+      const CudaRef r = ref_at(k);
+      auto m = ip.imports->get(r, l.pins[0]->kind == MemoryKind::kCuda ? l.pins[0]->device : -1);
+      if (m.is_ok()) l.maps[k] = m.take(); else c = Code::kUnavailable;
+    }
+    const int dev = c == Code::kOk ? l.maps[0]->device : -1;
+    bool one_kernel = c == Code::kOk && gpu::copy_kernel(dev).is_ok();
+    for (uint32_t i = 0; i < n && c == Code::kOk && !err; ++i) {
+      const BatchEntry e = entry(i);
+      if (e.ref >= nrefs) { err = EPROTO; break; }
+      const Mapping& mp = *l.maps[e.ref];
+      if (e.addr > mp.size || e.frag.length > mp.size - e.addr) { err = EPROTO; break; }
+      const RegionState* r = l.pins[i];
+      one_kernel = one_kernel && mp.device == dev && r->kind == MemoryKind::kCuda && r->device == dev;
+      l.triples[3 * i + 0] = mp.ptr + e.addr;
+      l.triples[3 * i + 1] = reinterpret_cast<uint64_t>(r->base + e.frag.offset);
+      l.triples[3 * i + 2] = e.frag.length;
+    }
+    if (c == Code::kOk && !err) {
+      if (l.cuda->copy_many(dev, l.triples, n, one_kernel).is_ok()) stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+      else c = Code::kInternal;
+    }
+    for (uint32_t j = 0; j < k; ++j) l.maps[j].reset();
+  } else if (c == Code::kOk && !err) {
+    for (uint32_t i = 0; i < n && c == Code::kOk && !err; ++i) {
+      const BatchEntry e = entry(i);
+      const RegionState* r = l.pins[i];
+      Moved m = pull_piece(l, ep, f.where, e.addr, nullptr, r->base + e.frag.offset,
+                           r->kind == MemoryKind::kCuda ? r->device : -1, e.frag.length);
+      c = m.code;
+      err = m.err;
     }
   }
-  Frame a{};
-  a.hdr.type = uint8_t(type == FrameType::kReadReq ? FrameType::kReadResp : FrameType::kAck);
-  a.hdr.status = uint8_t(c);
-  a.hdr.slot = h.slot;
-  a.hdr.gen = h.gen;
-  a.hdr.length = h.length;
-  if (send_msg(l.fd, &a, sizeof a, -1)) return true;
-  fail_peer(p, Code::kConnectionLost, std::strerror(errno));
-  return false;
+  for (uint32_t i = 0; i < pinned; ++i) l.pins[i]->unpin();
+  if (err) return lane_error(p, err);
+  if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+  else count_served(ep, false, h.length);
+  return answer_frame(l, h, c);
 }
 
 // An answer to one of our chunks. False: the lane must end.
@@ -297,21 +542,62 @@ bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   IpcPeer& ip = *l.ip;
   const FrameHeader& h = f.hdr;
   auto& stats = ep->stats();
+  uint8_t status = h.status;
   if (h.type == uint8_t(FrameType::kReadResp) && h.status == 0) {
     uint8_t* dest = nullptr;
     int device = -1;
-    if (p.read_destination(l.index, h.slot, h.gen, h.length, &dest, &device) != Code::kOk || device >= 0) {
+    if (p.read_destination(l.index, h.slot, h.gen, h.length, &dest, &device) != Code::kOk) {
       fail_peer(p, Code::kProtocolError, "read data for no read");
       return false;
     }
-    std::memcpy(dest, ip.own.base() + uint64_t(h.slot) * ip.slot_bytes, h.length);  // reads come via our segment
-    stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
-    stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    const uint64_t dst = reinterpret_cast<uint64_t>(dest);
+    if (f.where == uint8_t(Where::kCuda)) {  // the target's GPU region: we copy it out, then release it
+      auto map = ip.imports->get(f.cuda, device);
+      if (!map.is_ok()) {
+        status = uint8_t(Code::kUnavailable);
+      } else {
+        const Mapping& mp = *map.value();
+        if (f.addr > mp.size || h.length > mp.size - f.addr) {
+          fail_peer(p, Code::kProtocolError, "read data outside the allocation it names");
+          return false;
+        }
+        if (!l.cuda->copy(mp.device, dst, mp.ptr + f.addr, h.length).is_ok()) status = uint8_t(Code::kInternal);
+        else stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+      }
+      Frame done{};
+      done.hdr.type = kReadDone;
+      done.hdr.slot = h.slot;
+      done.hdr.gen = h.gen;
+      if (!send_msg(l.fd, &done, sizeof done, -1)) {
+        fail_peer(p, Code::kConnectionLost, std::strerror(errno));
+        return false;
+      }
+    } else if (f.where == uint8_t(Where::kNone)) {  // reads of host regions come via our segment
+      if (h.length > ip.slot_bytes) {
+        fail_peer(p, Code::kProtocolError, "read data longer than a chunk");
+        return false;
+      }
+      const uint8_t* from = ip.own.base() + uint64_t(h.slot) * ip.slot_bytes;
+      if (device < 0) {
+        std::memcpy(dest, from, h.length);
+      } else if (!l.cuda->copy(device, dst, reinterpret_cast<uint64_t>(from), h.length).is_ok()) {
+        status = uint8_t(Code::kInternal);
+      } else {
+        stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+      }
+    } else {
+      fail_peer(p, Code::kProtocolError, "a malformed read answer");
+      return false;
+    }
+    if (status == 0) {
+      stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+      stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    }
   } else if (h.type == uint8_t(FrameType::kAck) && h.status == 0) {
     stats.bytes_sent.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
   }
-  if (p.answer(l.index, h.slot, h.gen, h.status) != Code::kOk) {
+  if (p.answer(l.index, h.slot, h.gen, status) != Code::kOk) {
     fail_peer(p, Code::kProtocolError, "an answer to no request");
     return false;
   }
@@ -396,30 +682,40 @@ bool finish_listener_setup(Lane& l, int host_mode) {
 void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
   PeerState& p = *l->peer;
   if (!l->setup_first || finish_listener_setup(*l, host_mode)) {
-    Frame f;
     for (;;) {
-      ssize_t n = ::recv(l->fd, &f, sizeof f, 0);
+      ssize_t n = ::recv(l->fd, l->rx.get(), kMaxMsg, 0);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         fail_peer(p, Code::kConnectionLost, n == 0 ? "the peer closed it" : std::strerror(errno));
         break;
       }
+      Frame f{};
+      if (size_t(n) >= sizeof f) std::memcpy(&f, l->rx.get(), sizeof f);
       const auto type = static_cast<FrameType>(f.hdr.type);
+      const bool batch = type == FrameType::kWriteBatch;
+      const bool done = f.hdr.type == kReadDone;
       const bool request = type == FrameType::kWrite || type == FrameType::kReadReq || type == FrameType::kSendData;
       const bool answer = type == FrameType::kAck || type == FrameType::kReadResp;
-      if (n != ssize_t(sizeof f) || (f.hdr.flags & ~wire::kKnownFlags) != 0 || (!request && !answer) ||
-          !l->ip->ready.load(std::memory_order_acquire)) {
+      if (size_t(n) < sizeof f || (!batch && n != ssize_t(sizeof f)) || (f.hdr.flags & ~wire::kKnownFlags) != 0 ||
+          (!request && !answer && !batch && !done) || !l->ip->ready.load(std::memory_order_acquire)) {
         fail_peer(p, Code::kProtocolError, "the peer sent a malformed frame");
         break;
       }
       if (request) {
         if (!serve(*l, ep, f)) break;
+      } else if (batch) {
+        if (!serve_batch(*l, ep, l->rx.get(), size_t(n))) break;
+      } else if (done) {
+        if (!read_done(*l, f.hdr)) break;
       } else {
         if (!take_answer(*l, ep, f)) break;
         pump_lane(*l->ip, p, l->index);  // the answer freed room in this lane's window
       }
     }
   }
+  for (auto& h : l->held) h.pin->unpin();  // reads the initiator never finished: it cannot any more
+  l->held.clear();
+  l->cuda.reset();  // waits for its streams
   p.release_lane(l->index, Code::kConnectionLost);  // after fail(): nothing new can be pulled
   // Let go at once, so a dead peer's sockets and segments go with it; the thread is joined later.
   // Never the endpoint's last reference: close() joins every lane thread before it lets go.
@@ -494,9 +790,15 @@ IpcTransport::~IpcTransport() {
 Caps IpcTransport::caps() const {
   Caps c;
   c.host_memory = true;
+  c.cuda_memory = gpu::cuda() != nullptr;
   c.same_host_only = true;
+  c.write_batches = true;
+  c.gpu_chunk_bytes = endpoint_->config().ipc_gpu_chunk_bytes;
   return c;
 }
+
+// GPU regions are exported once, here: every chunk from or to them names this handle.
+Status IpcTransport::register_region(RegionState& region, std::string*) { return export_region(region); }
 
 // version, session, then the name of this endpoint's lane socket. Stateless: the listener offers
 // it to every connector, and the session in it tells each attach() which lanes are its own.
@@ -691,9 +993,13 @@ Status IpcTransport::start_lanes(const std::shared_ptr<PeerState>& peer, const s
     l->index = i;
     l->fd = ip->fds[i];
     l->setup_first = listener && i == 0;
+    l->rx = std::make_unique<uint8_t[]>(kMaxMsg);
+    l->cuda = std::make_unique<CudaLane>();
+    l->held.reserve(std::min<uint32_t>(peer->slot_count(), 4096));
     ip->lanes.push_back(l);
     made.push_back(std::move(l));
   }
+  ip->imports = std::make_unique<CudaImports>(ip->pid, &endpoint_->stats().ipc_cuda_opens);
   peer->transport_state = ip;
   std::lock_guard lock(mu_);
   if (stopped_) return Status(Code::kCancelled, "endpoint closed");  // the peer closes the fds
