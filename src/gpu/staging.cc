@@ -3,46 +3,10 @@
 #include <algorithm>
 #include <mutex>
 
-#ifdef TETHER_HAVE_KERNELS
-extern const unsigned char tether_kernels_fatbin[];
-extern const size_t tether_kernels_fatbin_size;
-#endif
+#include "gpu/unpack_launch.h"
 
 namespace tether::gpu {
 namespace {
-
-constexpr unsigned kThreads = 256;
-
-// The copy kernel, loaded into each device's primary context on first use.
-struct KernelModule {
-  std::once_flag once;
-  CUfunction fn = nullptr;
-  std::string why;
-};
-
-Result<CUfunction> copy_kernel(int device) {
-  static std::vector<KernelModule> modules(64);
-  if (device < 0 || size_t(device) >= modules.size()) return Status(Code::kInvalidArgument, "GPU index out of range");
-  KernelModule& m = modules[size_t(device)];
-  std::call_once(m.once, [&] {
-#ifdef TETHER_HAVE_KERNELS
-    const CudaApi* a = cuda(&m.why);
-    if (!a) return;
-    if (Status s = use_device(device); !s.is_ok()) { m.why = s.message(); return; }
-    CUmodule mod = nullptr;
-    if (CUresult r = a->cuModuleLoadData(&mod, tether_kernels_fatbin); r != kCudaSuccess) {
-      m.why = cuda_error("cuModuleLoadData(tether kernels)", r) + ": this GPU's architecture may be missing from the build";
-      return;
-    }
-    if (CUresult r = a->cuModuleGetFunction(&m.fn, mod, "tether_copy_frags"); r != kCudaSuccess)
-      m.why = cuda_error("cuModuleGetFunction", r);
-#else
-    m.why = "this build has no GPU kernels (nvcc was not found at build time; see TETHER_CUDA in CMakeLists.txt)";
-#endif
-  });
-  if (!m.fn) return Status(Code::kUnavailable, m.why);
-  return m.fn;
-}
 
 Status check(const char* call, CUresult r) {
   return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, cuda_error(call, r));
@@ -149,8 +113,6 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
   auto host_at = [&](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(s.host + f.offset); };
   auto ptr = [](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(f.ptr); };
   if (mode == Unpack::kKernel && n > 1) {
-    auto fn = copy_kernel(device);
-    if (!fn.is_ok()) return fn.status();
     if (!d.scratch) {
       if (Status st = check("cuMemAlloc", a->cuMemAlloc(&d.scratch, capacity_)); !st.is_ok()) return st;
       if (Status st = check("cuMemAlloc", a->cuMemAlloc(&d.table, max_fragments_ * 3 * sizeof(uint64_t))); !st.is_ok()) return st;
@@ -177,14 +139,7 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
           !st.is_ok())
         return st;
     }
-    const unsigned gx = unsigned(std::clamp<uint64_t>((longest + kThreads * 64 - 1) / (kThreads * 64), 1, 64));
-    const unsigned gy = std::min<unsigned>(n, 65535);
-    CUdeviceptr table_arg = d.table;
-    unsigned n_arg = n;
-    void* args[] = {&table_arg, &n_arg};
-    if (Status st = check("cuLaunchKernel(tether_copy_frags)", a->cuLaunchKernel(fn.value(), gx, gy, 1, kThreads, 1, 1, 0, d.stream, args, nullptr));
-        !st.is_ok())
-      return st;
+    if (Status st = launch_copy_frags(device, d.stream, d.table, n, longest); !st.is_ok()) return st;
     if (to_slot) {
       if (Status st = check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), d.scratch + begin,
                                                                             extent - begin, d.stream));
