@@ -40,6 +40,7 @@ struct Cuda {
   int (*mem_free)(uint64_t) = nullptr;
   int (*htod)(uint64_t, const void*, size_t) = nullptr;
   int (*dtoh)(void*, uint64_t, size_t) = nullptr;
+  int (*stream_sync)(void*) = nullptr;
   Ctx ctx = nullptr;
   std::string error;
 
@@ -54,7 +55,8 @@ struct Cuda {
     mem_free = reinterpret_cast<decltype(mem_free)>(::dlsym(lib, "cuMemFree_v2"));
     htod = reinterpret_cast<decltype(htod)>(::dlsym(lib, "cuMemcpyHtoD_v2"));
     dtoh = reinterpret_cast<decltype(dtoh)>(::dlsym(lib, "cuMemcpyDtoH_v2"));
-    if (!init || !device_get || !retain || !set_current || !mem_alloc || !mem_free || !htod || !dtoh) {
+    stream_sync = reinterpret_cast<decltype(stream_sync)>(::dlsym(lib, "cuStreamSynchronize"));
+    if (!init || !device_get || !retain || !set_current || !mem_alloc || !mem_free || !htod || !dtoh || !stream_sync) {
       error = "libcuda.so.1 lacks a driver call the plugin needs";
       return;
     }
@@ -91,8 +93,11 @@ class CudaBounce final : public BounceMemory {
     if (base_ && cuda().current()) cuda().mem_free(reinterpret_cast<uint64_t>(base_));
   }
   bool direct() const override { return false; }
+  // A copy from pageable memory may return before its DMA has landed: wait for the default stream,
+  // so the pages hold the bytes when test() reports the receive done (as a NIC's devmem write would).
   bool copy_in(size_t offset, const void* src, size_t len) override {
-    return cuda().current() && cuda().htod(reinterpret_cast<uint64_t>(base_ + offset), src, len) == 0;
+    Cuda& c = cuda();
+    return c.current() && c.htod(reinterpret_cast<uint64_t>(base_ + offset), src, len) == 0 && c.stream_sync(nullptr) == 0;
   }
   int ptr_kind() const override { return tether::netabi::kPtrCuda; }
 };
