@@ -51,20 +51,34 @@ def _dev(kind):
     return CHILD_GPU if d == 1 else 0  # one GPU: both "GPUs" are GPU 0
 
 
+def _tool(name):
+    """cmake / ninja from PATH, or from their pip packages (the build venv's bin may not be on PATH)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        mod = __import__(name)
+        path = Path(getattr(mod, "CMAKE_BIN_DIR", None) or getattr(mod, "BIN_DIR", "")) / name
+        return str(path) if path.exists() else None
+    except ImportError:
+        return None
+
+
 @pytest.fixture(scope="module")
 def plugin_dir(tmp_path_factory):
     """The testnet plugin, copied once per bounce kind: each copy is its own dlopen instance with
     its own settings (the plugin reads TETHER_TESTNET_* at init)."""
     src = os.environ.get("TETHER_TEST_NET_PLUGIN")
     if not src:
-        if shutil.which("cmake") is None:
+        cmake, ninja = _tool("cmake"), _tool("ninja")
+        if cmake is None:
             pytest.skip("cmake not installed: the testnet plugin cannot be built")
-        build = ROOT / "build" / "testnet"
+        build = ROOT / "build" / "testnet-gpu"
         build.mkdir(parents=True, exist_ok=True)
-        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-        subprocess.run(["cmake", str(ROOT), *gen, "-DTETHER_BUILD_PYTHON=OFF", "-DTETHER_BUILD_TEST_PLUGIN=ON",
-                        "-DCMAKE_BUILD_TYPE=Release"], cwd=build, check=True, capture_output=True)
-        subprocess.run(["cmake", "--build", ".", "--target", "tether_testnet"], cwd=build, check=True, capture_output=True)
+        gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
+        subprocess.run([cmake, str(ROOT), *gen, "-DTETHER_BUILD_PYTHON=OFF", "-DTETHER_BUILD_TEST_PLUGIN=ON",
+                        "-DTETHER_CUDA=OFF", "-DCMAKE_BUILD_TYPE=Release"], cwd=build, check=True, capture_output=True)
+        subprocess.run([cmake, "--build", ".", "--target", "tether_testnet"], cwd=build, check=True, capture_output=True)
         src = str(build / "libtether_testnet.so")
     d = tmp_path_factory.mktemp("testnet")
     for b in BOUNCES:

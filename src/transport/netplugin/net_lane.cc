@@ -394,7 +394,10 @@ bool NetLane::progress_rx() {
         kill(d.status());
         return false;
       }
-      if (!d.value()) break;
+      if (!d.value()) {
+        moved = true;  // a GPU copy finishes in microseconds: keep polling rather than sleep
+        break;
+      }
     }
     r.unpacking = false;
     if (r.preq && !consume(r.preq)) return false;
@@ -447,6 +450,7 @@ bool NetLane::progress_tx() {
     if (!tx_[i].payload_posted) {
       const Post r = post_payload(tx_[i], i);
       if (r == Post::kDead) return false;
+      if (r == Post::kCopying) return true;  // a GPU copy finishes in microseconds: do not go to sleep
       if (r == Post::kLater) return moved;
     }
   }
@@ -480,7 +484,7 @@ bool NetLane::progress_tx() {
     moved = true;
     const Post r = post_payload(p, i);
     if (r == Post::kDead) return false;
-    if (r == Post::kLater) break;  // posted by a later pass, before anything else
+    if (r != Post::kPosted) break;  // posted by a later pass, before anything else
   }
   return moved;
 }
@@ -513,7 +517,7 @@ NetLane::Post NetLane::post_payload(TxPosted& p, size_t i) {
         kill(copied.status());
         return Post::kDead;
       }
-      if (!copied.value()) return Post::kLater;
+      if (!copied.value()) return Post::kCopying;
       data = p.slot->host;
       mh = slot_mr(p.slot);
     } else {

@@ -97,7 +97,7 @@ class NetLane {
     uint64_t length = 0;
     core::RegionState* pin = nullptr;  // read responses keep their region pinned until sent
   };
-  enum class Post { kPosted, kLater, kDead };
+  enum class Post { kPosted, kLater, kCopying, kDead };  // kCopying: a pinned copy is in flight (keep polling)
   struct TxPosted {
     TxFrame f;
     void* hreq = nullptr;
