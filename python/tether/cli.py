@@ -243,8 +243,14 @@ def bench(args) -> int:
             opts = dict(combo, **transport_opts)
             if args.full_mesh:
                 progress.update(task, description=f"full mesh, {n_flows} flows {combo or ''}")
-                results.extend(mesh.run(args.gpus, opts, capacity, cases_per_combo, args.single_process,
-                                        gpu=device == "gpu", progress=lambda: progress.advance(task)))
+                try:
+                    results.extend(mesh.run(args.gpus, opts, capacity, cases_per_combo, args.single_process,
+                                            gpu=device == "gpu", progress=lambda: progress.advance(task)))
+                except Exception as e:  # a worker's traceback in full, then its cause on one line
+                    text = str(e).strip() or type(e).__name__
+                    print(text, file=sys.stderr)
+                    console.print(f"[red]full mesh failed: {text.splitlines()[-1]}[/red]")
+                    return 1
                 continue
             pair = (B.LocalPair(opts, capacity, **gpu_kw) if role == "local"
                     else B.RemotePair(opts, capacity, target, **gpu_kw))
