@@ -4,14 +4,14 @@ the reference for `tether bench --full-mesh --device gpu`. The code lives in the
 
     python3 bench/peers/nccl_allpairs.py --gpus 8 --sizes 16M,256M [--socket] [--json PATH]
 """
+import glob
 import os
 import sys
 
-try:
-    from tether.nccl_mesh import main  # the installed package
-except ImportError:  # a source tree with the module built in place (the dev loop)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-    from tether.nccl_mesh import main
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python")
+if glob.glob(os.path.join(_SRC, "tether", "_tether*.so")):  # a source tree built in place (the dev loop)
+    sys.path.insert(0, _SRC)
+from tether.nccl_mesh import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 from tether import bench as B
 
+_BROKEN = "BrokenBarrierError"
 Flow = tuple[int, Optional[int]]  # (initiating index, target GPU or None for host memory)
 
 
@@ -171,8 +172,8 @@ def _gpu_worker(g: int, options: dict, capacity: int, cases: list, outgoing: lis
                 t.start()
             for t in threads:
                 t.join()
-            if errors:
-                raise RuntimeError(f"GPU {g}: " + errors[0])
+            if errors:  # a flow's own failure, not the broken barrier it left the others
+                raise RuntimeError(f"GPU {g}: " + next((e for e in errors if _BROKEN not in e), errors[0]))
         for _, pair in pairs:
             pair.channel.send(("exit", 0))
         for t in servers:  # every initiator into GPU g said exit: nothing lands here any more
@@ -195,8 +196,16 @@ def _collect(procs, out, want: int, progress: Optional[Callable]) -> dict:
             key, k, r = out.get(timeout=1)
         except Exception:  # queue.Empty: look at the workers again
             continue
-        if k < 0:
-            raise RuntimeError(f"full-mesh worker {key} failed:\n{r}")
+        if k < 0:  # other workers fail in turn at the barrier this one broke: report the cause
+            first, deadline = (key, r), time.monotonic() + 3
+            while _BROKEN in first[1] and time.monotonic() < deadline:
+                try:
+                    key, k, r = out.get(timeout=0.5)
+                except Exception:  # queue.Empty
+                    continue
+                if k < 0 and _BROKEN not in r:
+                    first = (key, r)
+            raise RuntimeError(f"full-mesh worker {first[0]} failed:\n{first[1]}")
         results[(key, k)] = r
         if progress:
             progress()
@@ -310,6 +319,8 @@ def run(n: int, options: dict, capacity: int, cases: list, single_process: bool,
     """Per case: one row per flow, then (all pairs) one egress row per GPU, then the aggregate.
     GPU memory runs all pairs; `all_pairs=True` runs that shape over host memory too (tests)."""
     all_pairs = gpu if all_pairs is None else all_pairs
+    if all_pairs and any(c.mode == "send" for c in cases):
+        raise ValueError("an all-pairs mesh runs write and read (send needs a receiver per flow)")
     t0 = time.perf_counter()
     per_case = (run_single_process if single_process else run_processes)(n, options, capacity, cases, gpu,
                                                                          all_pairs, progress)

@@ -37,12 +37,14 @@ SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE
 RESULT_TIMEOUT = 600.0
 
 
-def why_not(n: int) -> Optional[str]:
+def why_not(n: int, backend: str = "nccl") -> Optional[str]:
     try:
         import torch
         import torch.distributed as dist
     except Exception as e:
         return f"import torch failed: {e}"
+    if backend == "gloo":  # host memory, for testing this driver without GPUs
+        return None if n >= 2 else "all-pairs needs at least 2 ranks"
     if not torch.cuda.is_available():
         return "torch sees no CUDA GPU"
     if torch.cuda.device_count() < n:
@@ -61,19 +63,23 @@ def _digests(bufs: dict, pool: ThreadPoolExecutor) -> dict:
     return dict(zip(keys, pool.map(one, [bufs[k] for k in keys])))
 
 
-def _rank(rank: int, n: int, store: str, plan: list, out) -> None:
+def _rank(rank: int, n: int, store: str, plan: list, out, backend: str = "nccl") -> None:
     import torch
     import torch.distributed as dist
 
+    gpu = backend == "nccl"
+    dev = f"cuda:{rank}" if gpu else "cpu"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=n)
+        if gpu:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=n)
         peers = [p for p in range(n) if p != rank]
         pool = ThreadPoolExecutor(max(1, len(peers)))
         for size, iters, warmup in plan:
-            send = {p: torch.empty(size, dtype=torch.uint8, device="cuda") for p in peers}
-            recv = {p: torch.full((size,), POISON, dtype=torch.uint8, device="cuda") for p in peers}
-            gen = torch.Generator(device="cuda")
+            send = {p: torch.empty(size, dtype=torch.uint8, device=dev) for p in peers}
+            recv = {p: torch.full((size,), POISON, dtype=torch.uint8, device=dev) for p in peers}
+            gen = torch.Generator(device=dev)
             gen.manual_seed(int.from_bytes(os.urandom(7), "little"))
             for t in send.values():
                 t.random_(0, 256, generator=gen)
@@ -83,14 +89,14 @@ def _rank(rank: int, n: int, store: str, plan: list, out) -> None:
             def once() -> None:
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
-                torch.cuda.synchronize()
+                sync()
 
             once()  # the checked op: random sources, poisoned targets
             sent, got = _digests(send, pool), _digests(recv, pool)
             for _ in range(warmup):
                 once()
             dist.barrier()
-            torch.cuda.synchronize()
+            sync()
             lat = np.empty(iters)
             t0 = time.perf_counter()
             for i in range(iters):
@@ -100,7 +106,8 @@ def _rank(rank: int, n: int, store: str, plan: list, out) -> None:
             elapsed = time.perf_counter() - t0
             out.put(("row", rank, size, elapsed, lat.tolist(), sent, got))
             del send, recv, ops
-            torch.cuda.empty_cache()
+            if gpu:
+                torch.cuda.empty_cache()
         dist.destroy_process_group()
     except BaseException as e:
         out.put(("error", rank, f"{type(e).__name__}: {e}"))
@@ -108,7 +115,7 @@ def _rank(rank: int, n: int, store: str, plan: list, out) -> None:
 
 
 def run(n: int, sizes: list[int], iters: Optional[int] = None, warmup: Optional[int] = None,
-        socket: bool = False) -> list:
+        socket: bool = False, backend: str = "nccl") -> list:
     """The rows (tether.bench.Result) for each size: per-rank egress, then the aggregate."""
     import multiprocessing as mp
 
@@ -116,10 +123,11 @@ def run(n: int, sizes: list[int], iters: Optional[int] = None, warmup: Optional[
 
     if socket:
         os.environ.update(SOCKET_ENV)  # inherited by the spawned ranks before NCCL initialises
-    transport = "nccl-socket" if socket else "nccl"
-    why = why_not(n)
+    transport = ("nccl-socket" if socket else "nccl") if backend == "nccl" else backend
+    why = why_not(n, backend)
     if why:
         raise RuntimeError(f"NCCL all-pairs not run: {why}")
+    where = "gpu" if backend == "nccl" else "cpu"
     plan = []
     for size in sizes:
         it = iters or max(3, min(50, (2 << 30) // max(1, size * n * (n - 1))))
@@ -129,7 +137,7 @@ def run(n: int, sizes: list[int], iters: Optional[int] = None, warmup: Optional[
     fd, store = tempfile.mkstemp(prefix="tether-nccl-store-")
     os.close(fd)
     os.unlink(store)  # the file store creates it; a stale one would confuse the rendezvous
-    procs = [ctx.Process(target=_rank, args=(r, n, store, plan, out), daemon=True) for r in range(n)]
+    procs = [ctx.Process(target=_rank, args=(r, n, store, plan, out, backend), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     rows = []
@@ -149,14 +157,14 @@ def run(n: int, sizes: list[int], iters: Optional[int] = None, warmup: Optional[
                 elapsed, lat = got[r][0], got[r][1]
                 flows_ok = all(got[r][2][j] == got[j][3][r] for j in range(n) if j != r)
                 rows.append(B.Result(
-                    mode="send", transport=transport, device=f"gpu{r}>*", size=size, num_iovs=n - 1, iters=it,
+                    mode="send", transport=transport, device=f"{where}{r}>*", size=size, num_iovs=n - 1, iters=it,
                     gbps=size * (n - 1) * it / elapsed / 1e9,
                     lat_p50_us=float(np.percentile(lat, 50) * 1e6), lat_p99_us=float(np.percentile(lat, 99) * 1e6),
                     cpu_client=float("nan"), cpu_server=float("nan"), check=flows_ok,
                     config={"pair": f"{r}>*", "shape": "nccl all-pairs"}))
             slowest = max(got[r][0] for r in range(n))
             rows.append(B.Result(
-                mode="send", transport=transport, device=f"gpu x{n}", size=size, num_iovs=n - 1, iters=it * n,
+                mode="send", transport=transport, device=f"{where} x{n}", size=size, num_iovs=n - 1, iters=it * n,
                 gbps=size * n * (n - 1) * it / slowest / 1e9,
                 lat_p50_us=float(np.percentile(per_op, 50) * 1e6), lat_p99_us=float(np.percentile(per_op, 99) * 1e6),
                 cpu_client=float("nan"), cpu_server=float("nan"), check=ok,
@@ -181,12 +189,19 @@ def main(argv: Optional[list] = None) -> int:
     a.add_argument("--warmup", type=int, default=None)
     a.add_argument("--socket", action="store_true", help="force NCCL's socket transport on loopback")
     a.add_argument("--json", metavar="PATH", help="rows as tether bench --json writes them")
+    a.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
+                   help="gloo: host memory over torch's gloo, to test this driver without GPUs")
     args = a.parse_args(argv)
     n = args.gpus
     if n is None:
         import torch
         n = torch.cuda.device_count()
-    rows = run(n, [B.parse_size(s) for s in args.sizes.split(",")], args.iters, args.warmup, args.socket)
+    why = why_not(n, args.backend)
+    if why:
+        print(f"NCCL all-pairs not run: {why}", file=sys.stderr)
+        return 2
+    rows = run(n, [B.parse_size(s) for s in args.sizes.split(",")], args.iters, args.warmup, args.socket,
+               args.backend)
     for r in rows:
         print(f"{r.transport:<12}{r.device:>10}{B.human(r.size):>10}{r.gbps:>10.2f} GB/s"
               f"  p50 {r.lat_p50_us:9.1f} us  check {'ok' if r.check else 'FAILED'}")

@@ -1,13 +1,21 @@
 """Full mesh (issue 9) without GPUs: the flow enumeration, the egress/aggregate arithmetic, the
 all-pairs process shape (process i drives i>j and serves k>i) over host memory on tcp and ipc, a
 worker that cannot start failing the run clearly, and the CLI refusing what a GPU mesh cannot do."""
+import json
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tether import bench as B
 from tether import mesh
-from test_cli import run_cli
+from test_cli import ENV, run_cli
+
+
+def run_cli_module(module, *args, timeout=170):
+    return subprocess.run([sys.executable, "-m", module, *args], env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def test_flows_are_every_ordered_pair():
@@ -81,6 +89,22 @@ def test_worker_that_cannot_start_fails_the_run_clearly():
     assert time.monotonic() - t0 < 90
 
 
+@pytest.mark.budget(120)
+@pytest.mark.parametrize("single", [False, True], ids=["process-per-gpu", "single-process"])
+def test_flow_failing_mid_run_fails_the_run_with_its_cause(single):
+    """A flow that fails inside its case (here: a block larger than its buffer) ends every process
+    and the run names that failure, not the barrier it broke for the others."""
+    t0 = time.monotonic()
+    with pytest.raises((RuntimeError, AssertionError)) as e:
+        mesh.run(3, {"transport": "tcp"}, 4096, [B.Case("write", 1 << 20, 1, 2, 1, 0, True)], single,
+                 gpu=False, all_pairs=True)
+    text = str(e.value) if e.type is RuntimeError else "AssertionError"
+    assert "AssertionError" in text and "BrokenBarrierError" not in text.splitlines()[-1]
+    assert time.monotonic() - t0 < 90
+    with pytest.raises(ValueError, match="write and read"):
+        mesh.run(2, {}, 4096, [B.Case("send", 4096, 1, 2, 1, 0, False)], single, all_pairs=True)
+
+
 def test_cli_refuses_what_a_gpu_mesh_cannot_do():
     r = run_cli("bench", "--quiet", "--full-mesh", "--nccl", "--sizes", "4K", "--iters", "2")
     assert r.returncode == 2 and "--nccl goes with --full-mesh --device gpu" in r.stderr
@@ -97,3 +121,20 @@ def test_nccl_mesh_says_why_not_without_gpus():
     except ImportError:
         have = False
     assert (why is None) == have and (have or why)
+
+
+@pytest.mark.budget(180)
+def test_all_pairs_driver_over_gloo(tmp_path):
+    """The NCCL all-pairs driver's rendezvous, batching, digests and rows, on torch's gloo backend
+    (host memory): 3 ranks, every flow checked at both ends. Skips without torch (CPU CI)."""
+    pytest.importorskip("torch.distributed")
+    out = tmp_path / "allpairs.json"
+    r = run_cli_module("tether.nccl_mesh", "--backend", "gloo", "--gpus", "3", "--sizes", "64K,1M",
+                       "--iters", "2", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [x["config"]["pair"] for x in rows] == ["0>*", "1>*", "2>*", "all"] * 2
+    assert all(x["check"] is True and x["transport"] == "gloo" and x["gbps"] > 0 for x in rows)
+    for k in (0, 4):  # aggregate: all 6 flows' bytes over the slowest rank's time
+        per_rank_s = [x["size"] * 2 * x["iters"] / (x["gbps"] * 1e9) for x in rows[k:k + 3]]
+        assert rows[k + 3]["gbps"] == pytest.approx(rows[k]["size"] * 6 * 2 / max(per_rank_s) / 1e9, rel=1e-6)
