@@ -29,4 +29,5 @@ TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu 60 $PT tests/python/test_netplugi
 t unpack_bench 30 python3 bench/gpu/unpack_bench.py --iters 300
 t mesh_ipc 45 tether bench --full-mesh --device gpu --gpus 2 --transport ipc --sizes 256M --iters 5 --warmup 1 --mode write --check --quiet --nccl default
 t mesh_tcp 40 tether bench --full-mesh --device gpu --gpus 2 --transport tcp --sizes 256M --iters 5 --warmup 1 --mode write --check --quiet
+t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk 33554432
 cat "$S"
