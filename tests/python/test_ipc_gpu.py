@@ -72,7 +72,7 @@ def test_write_and_notify(pair, lk, rk):
     desc = c.call("register", "dst", SIZE + 10, device=_dev(rk))
     src = local.region("src", lk, SIZE, seed=41)
     c.start("check_on_notify", "dst", 41, 5, SIZE)
-    peer.write(src, desc, remote_offset=5, notify=b"done").wait(T)
+    peer.write(src, desc, remote_offset=5, length=SIZE, notify=b"done").wait(T)
     r = c.result(T)
     assert not r["timed_out"] and r["mismatch"] is None, r
     got = _get(c, "dst")

@@ -147,7 +147,7 @@ def test_write_and_notify(pair, lk, rk):
     try:
         src = local.region("src", lk, SIZE, seed=41)
         c.start("check_on_notify", "dst", 41, 100, SIZE)
-        peer.write(src, desc, remote_offset=100, notify=b"done").wait(T)
+        peer.write(src, desc, remote_offset=100, length=SIZE, notify=b"done").wait(T)
         r = c.result(T)
         assert not r["timed_out"] and r["mismatch"] is None, r
         got = np.frombuffer(c.call("get", "dst"), np.uint8)
