@@ -22,6 +22,7 @@ struct Config {
   uint32_t spin_us = 50;            // TETHER_SPIN_US: wait() on a small transfer spins this long before sleeping
   std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
+  std::string transport = "auto";   // TETHER_TRANSPORT: auto (best both sides offer), tcp, ipc, fabric, netplugin
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();

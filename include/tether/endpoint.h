@@ -54,7 +54,10 @@ struct RemoteRegion {
   uint64_t key = 0;      // MAC over (region_id, offset, length) under the region's secret
   MemoryKind kind = MemoryKind::kHost;
   int32_t device = -1;
-  static constexpr size_t kEncodedSize = 64;
+  // Transports' extensions (memory keys, IPC handles), after the 64 fixed bytes; not covered by key.
+  std::string ext;
+  std::string_view ext_for(std::string_view transport) const;
+  static constexpr size_t kEncodedSize = 64;  // without extensions
   static Result<RemoteRegion> parse(std::string_view bytes);
   std::string encode() const;
 };
@@ -103,6 +106,7 @@ class Peer {
 
   uint64_t id() const;
   std::string name() const;
+  std::string transport() const;  // the transport carrying this peer's data ("tcp", "ipc", ...)
   EndpointId endpoint_id() const;
   bool connected() const;
   Status error() const;  // why the peer is gone, ok while connected
@@ -147,6 +151,8 @@ class Endpoint {
   std::vector<Notification> wait_notifications(int64_t timeout_ms);
   std::vector<Peer> peers() const;
   EndpointStats stats() const;
+  // Every transport this build knows: (name, why it cannot be used here — empty when it can).
+  std::vector<std::pair<std::string, std::string>> transports() const;
   void close();  // idempotent; fails in-flight transfers with kCancelled
 
  private:

@@ -17,7 +17,7 @@ _OPTIONS = {
     "host": "host", "port": "port", "channels": "channels",
     "sockets_per_channel": "sockets_per_channel", "chunk_bytes": "chunk_bytes",
     "window": "window", "socket_buffer": "socket_buffer", "spin_us": "spin_us",
-    "auth_token": "auth_token", "name": "name",
+    "auth_token": "auth_token", "name": "name", "transport": "transport",
 }
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",
@@ -110,6 +110,7 @@ class Peer:
 
     id = property(lambda self: self._p.id)
     name = property(lambda self: self._p.name)
+    transport = property(lambda self: self._p.transport, doc="the transport carrying this peer's data")
     connected = property(lambda self: self._p.connected)
     error = property(lambda self: self._p.error)
 
@@ -270,6 +271,10 @@ class Endpoint:
 
     def stats(self) -> dict:
         return self._ep.stats()
+
+    def transports(self) -> dict[str, str]:
+        """Every transport this build knows -> why it cannot be used here ("" when it can)."""
+        return dict(self._ep.transports())
 
     def close(self) -> None:
         """Idempotent. Transfers still running fail with Cancelled."""

@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -11,6 +12,7 @@
 
 #include <atomic>
 
+#include "core/wire.h"
 #include "tether/endpoint.h"
 
 namespace nb = nanobind;
@@ -141,7 +143,8 @@ NB_MODULE(_tether, m) {
       .def_rw("handshake_timeout_ms", &Config::handshake_timeout_ms)
       .def_rw("spin_us", &Config::spin_us)
       .def_rw("auth_token", &Config::auth_token)
-      .def_rw("name", &Config::name);
+      .def_rw("name", &Config::name)
+      .def_rw("transport", &Config::transport);
 
   nb::class_<RemoteRegion>(m, "RemoteRegion")
       .def("__init__", [](RemoteRegion* self, nb::bytes b) { new (self) RemoteRegion(take(RemoteRegion::parse(as_string(b)))); })
@@ -191,6 +194,7 @@ NB_MODULE(_tether, m) {
       .def("notify", [](Peer& p, nb::bytes data) { return p.notify(as_string(data)); })
       .def_prop_ro("id", &Peer::id)
       .def_prop_ro("name", &Peer::name)
+      .def_prop_ro("transport", &Peer::transport)
       .def_prop_ro("connected", &Peer::connected)
       .def_prop_ro("error", [](const Peer& p) { return p.error().to_string(); })
       .def("close", &Peer::close);
@@ -218,6 +222,7 @@ NB_MODULE(_tether, m) {
             return out;
           })
       .def("peers", &Endpoint::peers)
+      .def("transports", &Endpoint::transports)
       .def("stats", [](const Endpoint& e) {
             EndpointStats s = e.stats();
             nb::dict d;
@@ -237,7 +242,7 @@ NB_MODULE(_tether, m) {
             });
           });
 
-  m.attr("WIRE_VERSION") = 1;
+  m.attr("WIRE_VERSION") = tether::wire::kVersion;
   m.def("_begin_exit", [] { g_exiting.store(true, std::memory_order_release); });
   m.def("_threads_without_gil", [] { return g_released.load(); });
 }

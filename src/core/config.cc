@@ -32,6 +32,7 @@ Config Config::from_env() {
   env_uint("TETHER_SPIN_US", c.spin_us);
   env_str("TETHER_AUTH_TOKEN", c.auth_token);
   env_str("TETHER_NAME", c.name);
+  env_str("TETHER_TRANSPORT", c.transport);
   return c;
 }
 

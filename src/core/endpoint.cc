@@ -6,11 +6,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 
 #include "core/crypto.h"
 #include "core/endpoint_impl.h"
 #include "sys/net.h"
-#include "transport/tcp/tcp_transport.h"
+#include "transport/registry.h"
 
 namespace tether::core {
 namespace {
@@ -56,10 +57,12 @@ crypto::Digest proof(const std::string& token, const char* who, const uint8_t* c
 
 struct EndpointImpl::Pending {
   int fd = -1;
-  int stage = 0;  // 0: reading ClientHello, 1: reading ClientProof
+  int stage = 0;  // 0: reading ClientHello, 1: reading ClientProof, 2: reading the connector's offer
   size_t have = 0;
   uint8_t buf[sizeof(wire::ClientHello)];
   wire::ClientHello hello{};
+  wire::ClientProof proof{};
+  std::string offer;
   uint8_t server_nonce[16];
   int64_t deadline_ms = 0;
 };
@@ -91,7 +94,7 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
   ::epoll_ctl(ep->epoll_fd_, EPOLL_CTL_ADD, ep->listen_fd_, &ev);
   ev.data.u64 = kEventTag;
   ::epoll_ctl(ep->epoll_fd_, EPOLL_CTL_ADD, ep->event_fd_, &ev);
-  ep->transport_ = std::make_unique<transport::TcpTransport>(ep.get());
+  ep->transports_ = transport::make_transports(ep.get());
   ep->control_thread_ = std::thread([p = ep.get()] { p->control_loop(); });
   return ep;
 }
@@ -109,7 +112,7 @@ void EndpointImpl::close() {
     for (auto& [s, p] : accepting_) all.push_back(p);
   }
   for (auto& p : all) p->fail(Status(Code::kCancelled, "endpoint closed"));
-  if (transport_) transport_->stop();  // lanes answer their in-flight chunks; every transfer finishes
+  for (auto& t : transports_) t->stop();  // lanes answer their in-flight chunks; every transfer finishes
   {
     std::lock_guard lock(peers_mu_);
     peers_.clear();
@@ -204,8 +207,11 @@ struct Target {
   EndpointId id{};
 };
 
+// `choose` (control socket only) reads the listener's offers and fills in the transport choice.
+using Chooser = std::function<Status(std::string_view offers, wire::ClientProof* cp, std::string* offer)>;
+
 Status client_handshake(int fd, const wire::ClientHello& ch, const std::string& token, int64_t deadline,
-                        wire::ServerHello* sh) {
+                        wire::ServerHello* sh, const Chooser& choose) {
   Status s = sys::write_all(fd, &ch, sizeof ch, deadline);
   if (s.is_ok()) s = sys::read_all(fd, sh, sizeof *sh, deadline);
   if (!s.is_ok()) return Status(s.code(), "handshake: " + s.message());
@@ -228,8 +234,18 @@ Status client_handshake(int fd, const wire::ClientHello& ch, const std::string& 
     auto p = proof(token, "tether-client", ch.nonce, sh->nonce, ch.session, ch.lane);
     std::memcpy(cp.proof, p.data(), 32);
   }
+  std::string offer;
+  if (choose) {
+    if (sh->offers_length > wire::kMaxOffers) return Status(Code::kProtocolError, "handshake: oversized transport offers");
+    std::string offers(sh->offers_length, '\0');
+    s = sys::read_all(fd, offers.data(), offers.size(), deadline);
+    if (!s.is_ok()) return Status(s.code(), "handshake: " + s.message());
+    s = choose(offers, &cp, &offer);
+    if (!s.is_ok()) return s;
+  }
   wire::ServerDone done{};
   s = sys::write_all(fd, &cp, sizeof cp, deadline);
+  if (s.is_ok() && !offer.empty()) s = sys::write_all(fd, offer.data(), offer.size(), deadline);
   if (s.is_ok()) s = sys::read_all(fd, &done, sizeof done, deadline);
   if (!s.is_ok()) return Status(token.empty() ? s.code() : Code::kAuthFailed, "handshake: " + s.message());
   if (done.status == uint8_t(wire::HelloStatus::kAuthFailed))
@@ -265,7 +281,6 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
     if (!s.is_ok()) return Status(Code::kInvalidArgument, "connect: expected metadata bytes or \"host:port\"; " + s.message());
   }
 
-  const uint32_t lanes = config_.channels * config_.sockets_per_channel;
   wire::ClientHello ch{};
   ch.magic = wire::kMagic;
   ch.version = wire::kVersion;
@@ -273,14 +288,31 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   ch.has_token = !config_.auth_token.empty();
   std::memcpy(ch.endpoint_id, id_.data(), 16);
   ch.session = crypto::random_u64();
-  ch.lanes = lanes;
+  ch.lanes = config_.channels * config_.sockets_per_channel;  // TCP data sockets, if tcp is chosen
   ch.peer_timeout_ms = config_.peer_timeout_ms;
   std::memcpy(ch.host_id, host_id_.data(), 32);
   copy_name(ch.name, name_);
 
+  transport::Transport* chosen = nullptr;
+  std::string remote_offer;
+  wire::ServerHello sh{};
+  auto choose = [&](std::string_view offers, wire::ClientProof* cp, std::string* offer) -> Status {
+    wire::Offers theirs;
+    if (!wire::decode_offers(offers, &theirs)) return Status(Code::kProtocolError, "handshake: malformed transport offers");
+    auto r = choose_transport(theirs, std::memcmp(sh.host_id, host_id_.data(), 32) == 0);  // sh: read just now
+    if (!r.is_ok()) return r.status();
+    chosen = r.value().first;
+    remote_offer = std::move(r.value().second);
+    std::memcpy(cp->transport, chosen->name(), std::min(sizeof cp->transport - 1, std::strlen(chosen->name())));
+    cp->lanes = chosen->lanes_for(remote_offer);
+    *offer = chosen->offer(ch.session);
+    cp->offer_length = uint32_t(offer->size());
+    return Status::ok();
+  };
+
   std::vector<int> fds;
   auto cleanup = [&] { for (int fd : fds) ::close(fd); };
-  wire::ServerHello sh{};
+  uint32_t lanes = 0;  // TCP data sockets to open: known once the control handshake chose tcp
   for (uint32_t lane = 0; lane <= lanes; ++lane) {
     auto fd = sys::connect_tcp(t.host, t.port, deadline, lane == 0 ? 0 : config_.socket_buffer);
     if (!fd.is_ok()) { cleanup(); return fd.status(); }
@@ -288,13 +320,14 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
     crypto::random_bytes(ch.nonce, sizeof ch.nonce);
     ch.kind = uint8_t(lane == 0 ? wire::SocketKind::kControl : wire::SocketKind::kData);
     ch.lane = lane == 0 ? 0 : lane - 1;
-    Status s = client_handshake(fd.value(), ch, config_.auth_token, deadline, &sh);
+    Status s = client_handshake(fd.value(), ch, config_.auth_token, deadline, &sh, lane == 0 ? Chooser(choose) : Chooser());
     if (!s.is_ok()) { cleanup(); return s; }
     if (t.has_id && std::memcmp(sh.endpoint_id, t.id.data(), 16) != 0) {
       cleanup();
       return Status(Code::kInvalidArgument, "the endpoint at " + t.host + ":" + std::to_string(t.port) +
                                                 " is not the one the metadata names (it restarted?)");
     }
+    if (lane == 0 && chosen->caps().uses_tcp_lanes) lanes = ch.lanes;
   }
   PeerInfo info;
   info.id = next_peer_id_.fetch_add(1);
@@ -302,21 +335,79 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   info.name = read_name(sh.name);
   info.same_host = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
   info.heartbeat_ms = heartbeat_for(sh.peer_timeout_ms);
-  auto peer = std::make_shared<PeerState>(shared_from_this(), info, lanes);
+  info.transport = chosen->name();
+  auto peer = std::make_shared<PeerState>(shared_from_this(), info, chosen->lanes_for(remote_offer), chosen);
   peer->control_fd = fds[0];
   peer->lane_fds.assign(fds.begin() + 1, fds.end());
   for (int fd : peer->lane_fds) sys::tune_data_socket(fd);
+  Status s = chosen->attach(peer, peer->lane_fds, remote_offer, true);  // before anyone can post on the peer
+  if (!s.is_ok()) {
+    peer->lane_fds.clear();  // the transport owns (and closed) them; the control socket closes with the peer
+    return Status(s.code(), "connect: transport " + info.transport + ": " + s.message());
+  }
   {
     std::lock_guard lock(peers_mu_);
     if (closing_.load()) {
-      return Status(Code::kCancelled, "endpoint closed");  // peer's destructor closes the sockets
+      peer->fail(Status(Code::kCancelled, "endpoint closed"));
+      return Status(Code::kCancelled, "endpoint closed");
     }
-    transport_->attach(peer, peer->lane_fds);  // before anyone can post on the peer
-    peers_[info.id] = peer;                    // visible to peers() and deregister() at once
-    to_adopt_.push_back(peer);                 // the control thread starts reading its control socket
+    peers_[info.id] = peer;     // visible to peers() and deregister() at once
+    to_adopt_.push_back(peer);  // the control thread starts reading its control socket
   }
   wake_control();
   return Peer(peer);
+}
+
+// The transport for a peer whose listener offered `theirs`: the configured one, else the highest
+// priority both sides can use. Same-host-only transports need a peer on this host.
+Result<std::pair<transport::Transport*, std::string>> EndpointImpl::choose_transport(const wire::Offers& theirs,
+                                                                                     bool same_host) const {
+  const std::string& want = config_.transport;
+  transport::Transport* best = nullptr;
+  std::string best_offer;
+  for (auto& t : transports_) {
+    if (!t->unavailable_reason().empty()) continue;
+    if (t->caps().same_host_only && !same_host) continue;
+    auto it = std::find_if(theirs.begin(), theirs.end(), [&](auto& o) { return o.first == t->name(); });
+    if (it == theirs.end()) continue;
+    if (want != "auto" && want != t->name()) continue;
+    if (!best || t->priority() > best->priority()) {
+      best = t.get();
+      best_offer = it->second;
+    }
+  }
+  if (!best) {
+    std::string names;
+    for (auto& o : theirs) names += (names.empty() ? "" : ", ") + o.first;
+    return Status(Code::kUnavailable, "connect: no transport both sides can use (wanted " + want + "; peer offers " +
+                                          (names.empty() ? "none" : names) + ")");
+  }
+  return std::make_pair(best, std::move(best_offer));
+}
+
+std::vector<std::pair<std::string, std::string>> EndpointImpl::transport_status() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (auto& t : transports_) out.emplace_back(t->name(), t->unavailable_reason());
+  return out;
+}
+
+Result<Region> EndpointImpl::register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly) {
+  auto r = registry_.add(ptr, size, kind, device, readonly);
+  if (!r.is_ok()) return r;
+  Region region = r.take();
+  wire::Offers exts;
+  for (auto& t : transports_) {
+    if (!t->unavailable_reason().empty()) continue;
+    std::string ext;
+    Status s = t->register_region(*region.state(), &ext);
+    if (!s.is_ok()) {
+      deregister(region);
+      return Status(s.code(), std::string("register: transport ") + t->name() + ": " + s.message());
+    }
+    if (!ext.empty()) exts.emplace_back(t->name(), std::move(ext));
+  }
+  region.state()->desc_ext = wire::encode_offers(exts);
+  return region;
 }
 
 Status EndpointImpl::deregister(const Region& region) {
@@ -329,6 +420,8 @@ Status EndpointImpl::deregister(const Region& region) {
   }
   for (auto& p : all) p->cancel_region(region.state().get());
   RegionRegistry::wait_unpinned(region);
+  for (auto& t : transports_)
+    if (t->unavailable_reason().empty()) t->deregister_region(*region.state());
   return Status::ok();
 }
 
@@ -412,9 +505,10 @@ void EndpointImpl::advance_handshake(int fd) {
     ::close(fd);
     pending_.erase(it);
   };
-  const size_t need = p.stage == 0 ? sizeof(wire::ClientHello) : sizeof(wire::ClientProof);
+  const size_t need = p.stage == 0 ? sizeof(wire::ClientHello) : p.stage == 1 ? sizeof(wire::ClientProof) : p.offer.size();
+  uint8_t* into = p.stage == 2 ? reinterpret_cast<uint8_t*>(p.offer.data()) : p.buf;
   while (p.have < need) {
-    ssize_t n = ::recv(fd, p.buf + p.have, need - p.have, MSG_DONTWAIT);
+    ssize_t n = ::recv(fd, into + p.have, need - p.have, MSG_DONTWAIT);
     if (n > 0) { p.have += size_t(n); continue; }
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
     drop();  // closed or failed mid-handshake
@@ -454,13 +548,33 @@ void EndpointImpl::advance_handshake(int fd) {
       auto pr = proof(token, "tether-server", h.nonce, p.server_nonce);
       std::memcpy(sh.proof, pr.data(), 32);
     }
-    if (!reply(&sh, sizeof sh) || bad) { drop(); return; }
+    std::string out;
+    if (!bad && h.kind == uint8_t(wire::SocketKind::kControl)) {
+      wire::Offers offers;
+      for (auto& t : transports_)
+        if (t->unavailable_reason().empty()) offers.emplace_back(t->name(), t->offer(h.session));
+      out = wire::encode_offers(offers);
+      sh.offers_length = uint32_t(out.size());
+    }
+    out.insert(0, reinterpret_cast<const char*>(&sh), sizeof sh);
+    if (!reply(out.data(), out.size()) || bad) { drop(); return; }
     p.stage = 1;
     p.have = 0;
     return;
   }
-  wire::ClientProof cp;
-  std::memcpy(&cp, p.buf, sizeof cp);
+  if (p.stage == 1) {
+    std::memcpy(&p.proof, p.buf, sizeof p.proof);
+    const bool control = p.hello.kind == uint8_t(wire::SocketKind::kControl);
+    if (control && p.proof.offer_length > wire::kMaxOffers) { drop(); return; }
+    if (control && p.proof.offer_length > 0) {
+      p.offer.resize(p.proof.offer_length);
+      p.stage = 2;
+      p.have = 0;
+      advance_handshake(fd);  // it may have arrived with the proof
+      return;
+    }
+  }
+  const wire::ClientProof& cp = p.proof;
   wire::ServerDone done{};
   if (!token.empty()) {
     auto expect = proof(token, "tether-client", p.hello.nonce, p.server_nonce, p.hello.session, p.hello.lane);
@@ -488,12 +602,39 @@ void EndpointImpl::finish_accept(Pending& p) {
     info.name = read_name(h.name);
     info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
     info.heartbeat_ms = heartbeat_for(h.peer_timeout_ms);
-    auto peer = std::make_shared<PeerState>(shared_from_this(), info, h.lanes);
+    const wire::ClientProof& cp = p.proof;
+    const std::string name(cp.transport, strnlen(cp.transport, sizeof cp.transport));
+    transport::Transport* chosen = nullptr;
+    for (auto& t : transports_)
+      if (name == t->name() && t->unavailable_reason().empty() && (!t->caps().same_host_only || info.same_host)) chosen = t.get();
+    const bool tcp_lanes = chosen && chosen->caps().uses_tcp_lanes;
+    if (!chosen || cp.lanes == 0 || cp.lanes > kMaxLanes || (tcp_lanes && cp.lanes != h.lanes)) {
+      done.status = uint8_t(wire::HelloStatus::kBadRequest);
+      ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
+      ::close(fd);
+      return;
+    }
+    info.transport = name;
+    auto peer = std::make_shared<PeerState>(shared_from_this(), info, cp.lanes, chosen);
     peer->control_fd = fd;
-    peer->lane_fds.assign(h.lanes, -1);
-    peer->accept_deadline_ms = sys::now_ms() + config_.handshake_timeout_ms;
     if (::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT) != ssize_t(sizeof done)) return;  // peer closes fd
-    accepting_[h.session] = peer;
+    if (tcp_lanes) {  // the data sockets join next
+      peer->lane_fds.assign(h.lanes, -1);
+      peer->accept_deadline_ms = sys::now_ms() + config_.handshake_timeout_ms;
+      accepting_[h.session] = peer;
+      return;
+    }
+    // Its own lanes: attach after answering, since attaching may need the connector to act.
+    Status s = chosen->attach(peer, {}, p.offer, false);
+    if (!s.is_ok()) {
+      peer->fail(Status(s.code(), "accept: transport " + name + ": " + s.message()));
+      return;
+    }
+    {
+      std::lock_guard lock(peers_mu_);
+      peers_[peer->info().id] = peer;
+    }
+    adopt_peer(peer);
     return;
   }
   auto it = accepting_.find(h.session);
@@ -511,7 +652,8 @@ void EndpointImpl::finish_accept(Pending& p) {
   for (int lfd : peer->lane_fds) complete &= lfd >= 0;
   if (complete) {  // publish before the last answer: when connect() returns there, peers() shows it here
     accepting_.erase(it);
-    transport_->attach(peer, peer->lane_fds);
+    Status s = peer->transport->attach(peer, peer->lane_fds, {}, false);
+    if (!s.is_ok()) peer->fail(s);
     {
       std::lock_guard lock(peers_mu_);
       peers_[peer->info().id] = peer;
@@ -648,7 +790,7 @@ Result<Peer> Endpoint::connect(std::string_view target, int64_t timeout_ms) {
   return impl->connect(target, timeout_ms);
 }
 Result<Region> Endpoint::register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly) {
-  return impl_->registry().add(ptr, size, kind, device, readonly);
+  return impl_->register_memory(ptr, size, kind, device, readonly);
 }
 Status Endpoint::deregister(const Region& region) {
   auto impl = impl_;
@@ -660,6 +802,7 @@ std::vector<Notification> Endpoint::wait_notifications(int64_t timeout_ms) {
   return impl->notifications(timeout_ms);
 }
 std::vector<Peer> Endpoint::peers() const { return impl_->peers(); }
+std::vector<std::pair<std::string, std::string>> Endpoint::transports() const { return impl_->transport_status(); }
 void Endpoint::close() {
   auto impl = impl_;
   if (impl) impl->close();
@@ -700,6 +843,7 @@ Transfer Peer::recv(const Region& local, uint64_t offset, uint64_t length, uint6
 Transfer Peer::notify(std::string data) { return state_->post_notify(std::move(data)); }
 uint64_t Peer::id() const { return state_->info().id; }
 std::string Peer::name() const { return state_->info().name; }
+std::string Peer::transport() const { return state_->info().transport; }
 EndpointId Peer::endpoint_id() const { return state_->info().endpoint; }
 bool Peer::connected() const { return !state_->failed(); }
 Status Peer::error() const { return state_->error(); }

@@ -48,8 +48,12 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void close();
 
   // Called by peers and transports.
-  void wake_lanes(PeerState* peer, uint64_t chunks) { transport_->wake(peer, chunks); }
-  void poll_lane(PeerState* peer, uint32_t lane) { transport_->poll(peer, lane); }
+  void wake_lanes(PeerState* peer, uint64_t chunks) { peer->transport->wake(peer, chunks); }
+  void poll_lane(PeerState* peer, uint32_t lane) { peer->transport->poll(peer, lane); }
+  // Registers with the registry, then with every usable transport (descriptor extensions).
+  Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
+  // (name, why unavailable — empty when usable) of every transport this build knows.
+  std::vector<std::pair<std::string, std::string>> transport_status() const;
   void wake_control();
   void push_notification(const PeerInfo& from, std::string data);
   void count_finished(bool ok);
@@ -67,6 +71,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void flush_control(PeerState& peer);
   void tick(const std::vector<std::shared_ptr<PeerState>>& peers);
   uint32_t heartbeat_for(uint32_t remote_timeout_ms) const;
+  Result<std::pair<transport::Transport*, std::string>> choose_transport(const wire::Offers& theirs, bool same_host) const;
   void reap();
 
   Config config_;
@@ -75,7 +80,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   std::array<uint8_t, 32> host_id_{};
   RegionRegistry registry_;
   AtomicStats stats_;
-  std::unique_ptr<transport::Transport> transport_;
+  std::vector<std::unique_ptr<transport::Transport>> transports_;
 
   int listen_fd_ = -1, epoll_fd_ = -1, event_fd_ = -1;
   uint16_t port_ = 0;

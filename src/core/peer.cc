@@ -39,8 +39,10 @@ int64_t PeerState::now_ms() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint32_t lanes)
-    : endpoint_(std::move(endpoint)),
+PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint32_t lanes,
+                     transport::Transport* transport)
+    : transport(transport),
+      endpoint_(std::move(endpoint)),
       info_(std::move(info)),
       lanes_(lanes),
       lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
@@ -86,10 +88,12 @@ Transfer PeerState::post_rma(OpKind op, std::vector<IoEntry> entries, std::strin
   auto t = std::make_shared<TransferState>();
   t->op = op;
   t->notify = std::move(notify);
-  t->segments.reserve(entries.size());
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const IoEntry& e = entries[i];
-    const std::string where = entries.size() > 1 ? " (entry " + std::to_string(i) + ")" : "";
+  t->entries = std::move(entries);
+  const std::vector<IoEntry>& all = t->entries;
+  t->segments.reserve(all.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    const IoEntry& e = all[i];
+    const std::string where = all.size() > 1 ? " (entry " + std::to_string(i) + ")" : "";
     const auto& l = e.local.state();
     if (!l) return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "no local region" + where));
     if (!l->live.load()) return invalid(shared_from_this(), op, Status(Code::kNotFound, "local region " + std::to_string(l->id) + " is deregistered" + where));
@@ -112,6 +116,8 @@ Transfer PeerState::post_rma(OpKind op, std::vector<IoEntry> entries, std::strin
     s.desc_offset = e.remote.offset;
     s.desc_length = e.remote.length;
     s.remote_offset = e.remote.offset + e.remote_offset;
+    s.local_region = l.get();
+    s.entry = &e;
     t->segments.push_back(s);
     t->bytes.fetch_add(e.length, std::memory_order_relaxed);
     if (t->local_pins.empty() || t->local_pins.back() != l) t->local_pins.push_back(l);
@@ -135,7 +141,7 @@ Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t len
   t->op = OpKind::kSend;
   t->tag = tag;
   t->bytes = length;
-  t->segments.push_back(Segment{l->base + offset, length, 0, 0, 0, length, 0});
+  t->segments.push_back(Segment{l->base + offset, length, 0, 0, 0, length, 0, l.get(), nullptr});
   t->local_pins.push_back(l);
   l->pins.fetch_add(1);
   Transfer handle = start(t);
@@ -167,7 +173,7 @@ Transfer PeerState::post_recv(const Region& local, uint64_t offset, uint64_t len
   auto t = std::make_shared<TransferState>();
   t->op = OpKind::kRecv;
   t->tag = tag;
-  t->segments.push_back(Segment{l->base + offset, length, 0, 0, 0, 0, 0});
+  t->segments.push_back(Segment{l->base + offset, length, 0, 0, 0, 0, 0, l.get(), nullptr});
   t->local_pins.push_back(l);
   l->pins.fetch_add(1);
   Transfer handle = start(t);
@@ -270,6 +276,9 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     const bool has_payload = t->op != OpKind::kRead;
     op->payload = has_payload ? s.local : nullptr;
     op->length = has_payload ? len : 0;
+    op->local = s.local;
+    op->segment = &seg;
+    op->segment_offset = t->cur_offset;
     t->pending.fetch_add(1, std::memory_order_relaxed);
     t->lane_hint.store(lane, std::memory_order_relaxed);
 

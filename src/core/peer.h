@@ -15,6 +15,10 @@
 #include "core/wire.h"
 #include "tether/endpoint.h"
 
+namespace tether::transport {
+class Transport;
+}
+
 namespace tether::core {
 
 class EndpointImpl;
@@ -24,6 +28,9 @@ struct ChunkOp {
   wire::FrameHeader hdr;
   const uint8_t* payload = nullptr;
   uint64_t length = 0;
+  uint8_t* local = nullptr;          // the chunk's local bytes (a read's destination)
+  const Segment* segment = nullptr;  // local region, remote descriptor (transport extensions)
+  uint64_t segment_offset = 0;       // where in the segment this chunk starts
 };
 
 struct PeerInfo {
@@ -31,12 +38,13 @@ struct PeerInfo {
   EndpointId endpoint{};
   std::string name;
   bool same_host = false;
+  std::string transport;         // the transport carrying its data
   uint32_t heartbeat_ms = 1000;  // ours, or sooner if the other side's peer_timeout needs it
 };
 
 class PeerState : public std::enable_shared_from_this<PeerState> {
  public:
-  PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint32_t lanes);
+  PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint32_t lanes, transport::Transport* transport);
   ~PeerState();
 
   const PeerInfo& info() const { return info_; }
@@ -83,6 +91,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   void transfer_drained(TransferState* t);
   void count_finished(bool ok);
 
+  transport::Transport* const transport;  // owned by the endpoint, which outlives the peer
   int control_fd = -1;
   std::vector<int> lane_fds;
   // The transport's per-peer state (its lanes), opaque to the core; set before the peer is used.

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "core/crypto.h"
+#include "core/wire.h"
 
 namespace tether::core {
 
@@ -125,6 +126,7 @@ Result<std::string> Region::descriptor(uint64_t offset, uint64_t length) const {
   r.key = state_->key_for(offset, length);
   r.kind = state_->kind;
   r.device = state_->device;
+  r.ext = state_->desc_ext;
   return r.encode();
 }
 
@@ -139,13 +141,32 @@ std::string RemoteRegion::encode() const {
   d.offset = offset;
   d.length = length;
   d.key = key;
-  return std::string(reinterpret_cast<const char*>(&d), sizeof d);
+  return std::string(reinterpret_cast<const char*>(&d), sizeof d) + ext;
+}
+
+std::string_view RemoteRegion::ext_for(std::string_view transport) const {
+  std::string_view in(ext);  // {u8 name length, name, u32 length, bytes}..., validated by parse()
+  while (in.size() >= 5) {
+    const uint8_t n = uint8_t(in[0]);
+    if (in.size() < 5u + n) break;
+    uint32_t len;
+    std::memcpy(&len, in.data() + 1 + n, 4);
+    if (in.size() < 5u + n + len) break;
+    if (in.substr(1, n) == transport) return in.substr(5 + n, len);
+    in.remove_prefix(5 + n + len);
+  }
+  return {};
 }
 
 Result<RemoteRegion> RemoteRegion::parse(std::string_view bytes) {
-  if (bytes.size() != sizeof(EncodedDescriptor))
-    return Status(Code::kInvalidArgument, "descriptor: expected " + std::to_string(sizeof(EncodedDescriptor)) +
+  if (bytes.size() < sizeof(EncodedDescriptor))
+    return Status(Code::kInvalidArgument, "descriptor: expected at least " + std::to_string(sizeof(EncodedDescriptor)) +
                                               " bytes, got " + std::to_string(bytes.size()));
+  wire::Offers exts;
+  if (!wire::decode_offers(bytes.substr(sizeof(EncodedDescriptor)), &exts) ||
+      (bytes.size() > sizeof(EncodedDescriptor) && exts.empty()))
+    return Status(Code::kInvalidArgument, "descriptor: malformed transport extensions after the " +
+                                              std::to_string(sizeof(EncodedDescriptor)) + " fixed bytes");
   EncodedDescriptor d;
   std::memcpy(&d, bytes.data(), sizeof d);
   if (d.magic != core::kDescriptorMagic) return Status(Code::kInvalidArgument, "descriptor: not a tether descriptor");
@@ -162,6 +183,7 @@ Result<RemoteRegion> RemoteRegion::parse(std::string_view bytes) {
   r.key = d.key;
   r.kind = static_cast<MemoryKind>(d.kind);
   r.device = d.device;
+  r.ext = std::string(bytes.substr(sizeof(EncodedDescriptor)));
   return r;
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <shared_mutex>
+#include <string>
 #include <unordered_map>
 
 #include "tether/endpoint.h"
@@ -20,6 +21,7 @@ struct RegionState {
   bool readonly = false;
   EndpointId endpoint{};
   uint8_t secret[16];              // keys descriptors; never leaves this process
+  std::string desc_ext;            // transports' descriptor extensions (wire::encode_offers format)
   std::atomic<bool> live{true};
   std::atomic<int32_t> pins{0};    // in-flight remote accesses; deregister waits for zero
 

@@ -25,6 +25,8 @@ struct Segment {
   uint32_t region_id = 0;      // remote region (or recv token for send)
   uint64_t key = 0, desc_offset = 0, desc_length = 0;
   uint64_t remote_offset = 0;  // absolute offset in the remote region / message
+  const RegionState* local_region = nullptr;  // memory kind and device of `local`
+  const IoEntry* entry = nullptr;  // the user's entry (remote descriptor and its extensions); null for send/recv
 };
 
 struct TransferState {
@@ -32,6 +34,7 @@ struct TransferState {
   // Payload bytes; for a recv, set by the control thread when a message matches (so atomic).
   std::atomic<uint64_t> bytes{0};
   std::vector<Segment> segments;
+  std::vector<IoEntry> entries;  // write/read: what segments point into (never resized once posted)
   std::vector<std::shared_ptr<RegionState>> local_pins;  // unpinned when finished
   std::string notify;          // delivered after the data (writes) or alone (kNotify)
   std::shared_ptr<PeerState> peer;

@@ -6,11 +6,16 @@
 // `length` payload bytes for kWrite, kReadResp and kSendData.
 #pragma once
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 namespace tether::wire {
 
 constexpr uint32_t kMagic = 0x52485454;  // "TTHR"
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;
 
 // ---- handshake (every socket, control or data) ----
 enum class SocketKind : uint8_t { kControl = 1, kData = 2 };
@@ -42,9 +47,13 @@ struct ServerHello {           // listener -> connector
   uint32_t peer_timeout_ms;    // the listener declares us dead after this much silence
   uint8_t host_id[32];
   char name[64];
+  uint32_t offers_length;      // control sockets: this many bytes of transport offers follow
 };
 struct ClientProof {           // connector -> listener
   uint8_t proof[32];           // HMAC(token, "tether-client" | client nonce | server nonce | session | lane)
+  char transport[16];          // control sockets: the transport the connector picked ("" for data sockets)
+  uint32_t lanes;              // lanes the peer gets on it
+  uint32_t offer_length;       // then the connector's offer for that transport
 };
 struct ServerDone {            // listener -> connector
   uint8_t status;              // HelloStatus
@@ -93,9 +102,38 @@ struct CtsBody { uint64_t msg_id; uint32_t token; uint8_t status; uint8_t pad[3]
 #pragma pack(pop)
 
 static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64);
-static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64);
+static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4);
+static_assert(sizeof(ClientProof) == 32 + 16 + 4 + 4);
 static_assert(sizeof(FrameHeader) == 56);
 static_assert(sizeof(ControlHeader) == 8);
+
+// Transport offers in the handshake: repeated {u8 name length, name, u32 length, bytes}.
+constexpr uint32_t kMaxOffers = 16 << 10;
+using Offers = std::vector<std::pair<std::string, std::string>>;
+inline std::string encode_offers(const Offers& offers) {
+  std::string out;
+  for (auto& [name, bytes] : offers) {
+    const uint8_t n = uint8_t(name.size());
+    const uint32_t len = uint32_t(bytes.size());
+    out.append(reinterpret_cast<const char*>(&n), 1).append(name, 0, n);
+    out.append(reinterpret_cast<const char*>(&len), 4).append(bytes);
+  }
+  return out;
+}
+inline bool decode_offers(std::string_view in, Offers* out) {
+  while (!in.empty()) {
+    const uint8_t n = uint8_t(in[0]);
+    if (in.size() < 1u + n + 4u) return false;
+    std::string name(in.substr(1, n));
+    uint32_t len;
+    std::memcpy(&len, in.data() + 1 + n, 4);
+    in.remove_prefix(1 + n + 4);
+    if (in.size() < len) return false;
+    out->emplace_back(std::move(name), std::string(in.substr(0, len)));
+    in.remove_prefix(len);
+  }
+  return true;
+}
 
 constexpr uint32_t kMaxControlBody = 1 << 20;   // notifications are bounded; bigger is garbage
 constexpr uint32_t kMaxNotify = kMaxControlBody - 8;

@@ -1,26 +1,36 @@
-// The transport interface. A transport moves frames over its channels (lanes) and nothing else:
+// The transport interface. A transport moves chunks over its lanes (channels) and nothing else:
 // it pulls chunks from PeerState::next_chunk() when a lane has room, validates incoming requests
-// through the endpoint's RegionRegistry, places payload, and reports answers back to PeerState.
-// Chunking, windows, scheduling across lanes, notifications and completion accounting live once
-// in the core (src/core/peer.*). Adding a transport is one folder and one line in endpoint.cc.
+// through the endpoint's RegionRegistry (or lets the hardware do it, for one-sided RMA), places
+// payload, and reports answers back to PeerState. Chunking, windows, scheduling across lanes,
+// notifications and completion accounting live once in the core (src/core/peer.*).
+//
+// Connecting: the TCP control socket always exists. During its handshake the listener sends the
+// offer() of each usable transport, the connector picks one (Config::transport, else the highest
+// priority() both sides offer) and sends back its own offer for it; then both sides attach().
+// Adding a transport is one folder and one line in src/transport/registry.cc.
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "tether/status.h"
 
 namespace tether::core {
 class PeerState;
-}
+struct RegionState;
+struct PeerInfo;
+}  // namespace tether::core
 
 namespace tether::transport {
 
 struct Caps {
-  bool host_memory = false;   // reads/writes host memory directly
-  bool cuda_memory = false;   // reads/writes GPU memory directly
-  bool one_sided = false;     // target CPU not involved (RDMA)
-  bool same_host_only = false;
+  bool host_memory = false;     // reads/writes host memory directly
+  bool cuda_memory = false;     // reads/writes GPU memory directly (else the core stages through host)
+  bool one_sided = false;       // target CPU not involved (RDMA)
+  bool same_host_only = false;  // only offered to peers on this host (ipc)
+  bool uses_tcp_lanes = false;  // its lanes are the TCP data sockets opened during connect
 };
 
 class Transport {
@@ -28,13 +38,35 @@ class Transport {
   virtual ~Transport() = default;
   virtual const char* name() const = 0;
   virtual Caps caps() const = 0;
-  // Takes ownership of a peer's connected, handshaken lane sockets (lane i = fds[i]).
-  virtual void attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& fds) = 0;
+  // Auto selection picks the highest priority both sides offer (tcp = 0).
+  virtual int priority() const { return 0; }
+  // Empty when usable; otherwise why not (shown by `tether doctor`; never offered to peers).
+  virtual std::string unavailable_reason() const { return {}; }
+
+  // Bytes telling the peer connecting in `session` how to reach us (fabric addresses, plugin
+  // listen handles...). Called on the control thread during each handshake.
+  virtual std::string offer(uint64_t session) { (void)session; return {}; }
+  // Lanes a peer gets on this transport, given the other side's offer.
+  virtual uint32_t lanes_for(std::string_view remote_offer) const = 0;
+
+  // Per-region registration (memory registration, IPC export). `desc_ext` bytes travel inside
+  // every descriptor of the region; the initiator finds them with RemoteRegion::ext(name()).
+  virtual Status register_region(core::RegionState& region, std::string* desc_ext) {
+    (void)region; (void)desc_ext; return Status::ok();
+  }
+  // After every access in flight has let go of the region.
+  virtual void deregister_region(core::RegionState& region) { (void)region; }
+
+  // Takes the peer over: `tcp_fds` are its connected data sockets (uses_tcp_lanes only),
+  // `remote_offer` the other side's offer(); `initiator` is true on the connecting side.
+  // Called before anyone can post on the peer. An error fails the connect.
+  virtual Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
+                        std::string_view remote_offer, bool initiator) = 0;
   // `chunks` new chunks are queued on `peer`; up to that many lanes with room should pull them.
   virtual void wake(core::PeerState* peer, uint64_t chunks) = 0;
-  // Called by a thread spinning on a small transfer: read lane `lane` of `peer` now, from the calling
-  // thread, if no other thread is reading it (saves waking a progress thread for the answer).
-  virtual void poll(core::PeerState* peer, uint32_t lane) = 0;
+  // Called by a thread spinning on a small transfer: progress lane `lane` of `peer` from the calling
+  // thread if no other thread is doing so (saves waking a progress thread for the answer).
+  virtual void poll(core::PeerState* peer, uint32_t lane) { (void)peer; (void)lane; }
   // Stops every progress thread; lanes answer what they had in flight with kCancelled.
   virtual void stop() = 0;
 };

@@ -18,6 +18,7 @@ import tether
 from tether_testutil import (
     CLIENT_HELLO_SIZE, DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, HELLO_AUTH_FAILED,
     HELLO_BAD_REQUEST, HELLO_VERSION_MISMATCH, MiB, SERVER_DONE_SIZE, SERVER_HELLO_SIZE, SOCKET_DATA,
+    client_proof, read_server_hello,
     WIRE_MAGIC, assert_bytes_equal, assert_poison, client_hello, get_u64, outcome, parse_server_hello,
     poisoned, rand_bytes, raw_connect, recv_exact, recv_until_closed, set_u32, set_u64, wait_error,
     wait_until,
@@ -405,8 +406,8 @@ def test_connection_flood_and_half_handshakes(endpoints):
     # a control socket that finishes its handshake but never opens its data lanes
     s = raw_connect(server.address)
     s.sendall(client_hello(lanes=2))
-    assert parse_server_hello(recv_exact(s, SERVER_HELLO_SIZE))["status"] == 0
-    s.sendall(bytes(32))
+    assert read_server_hello(s)["status"] == 0
+    s.sendall(client_proof(lanes=2))
     assert recv_exact(s, SERVER_DONE_SIZE)[0] == 0
     held.append(s)
     _still_serves(server, lambda: endpoints(name="client"))
@@ -429,7 +430,7 @@ def test_version_mismatch_hello_gets_reply_then_close(endpoints):
         assert len(reply) == SERVER_HELLO_SIZE, f"short reply: {len(reply)} bytes"
         h = parse_server_hello(reply)
         assert h["magic"] == WIRE_MAGIC
-        assert h["version"] == tether.WIRE_VERSION == 1
+        assert h["version"] == tether.WIRE_VERSION == 2
         assert h["status"] == HELLO_VERSION_MISMATCH
         assert h["name"] == "vm-server"
         assert recv_until_closed(s, timeout=5) == b"", "no bytes may follow the refusal"
@@ -458,8 +459,8 @@ def test_data_socket_for_unknown_session_is_refused(endpoints):
     s = raw_connect(server.address)
     try:
         s.sendall(client_hello(kind=SOCKET_DATA, lanes=1, lane=0))
-        assert parse_server_hello(recv_exact(s, SERVER_HELLO_SIZE))["status"] == 0
-        s.sendall(bytes(32))
+        assert read_server_hello(s)["status"] == 0
+        s.sendall(client_proof(b"", 0))
         done = recv_exact(s, SERVER_DONE_SIZE)
         assert done[0] == HELLO_BAD_REQUEST
         assert recv_until_closed(s, timeout=5) == b""
@@ -480,8 +481,8 @@ def _raw_peer(address, lanes=1):
         h[24:40] = os.urandom(16)  # fresh nonce
         s = raw_connect(address)
         s.sendall(bytes(h))
-        assert parse_server_hello(recv_exact(s, SERVER_HELLO_SIZE))["status"] == 0
-        s.sendall(bytes(32))
+        assert read_server_hello(s)["status"] == 0
+        s.sendall(client_proof(b"tcp" if lane == 0 else b"", lanes))
         assert recv_exact(s, SERVER_DONE_SIZE)[0] == 0
         socks.append(s)
     return socks
@@ -554,9 +555,9 @@ def test_auth_enforced_by_server_against_raw_client(endpoints):
         s = raw_connect(server.address)
         try:
             s.sendall(client_hello(kind=kind, lanes=lanes, lane=lane))
-            h = parse_server_hello(recv_exact(s, SERVER_HELLO_SIZE))
+            h = read_server_hello(s)
             assert h["status"] == 0 and h["has_token"] == 1
-            s.sendall(bytes(32))
+            s.sendall(client_proof(b"tcp" if kind == 1 else b"", lanes))
             done = recv_exact(s, SERVER_DONE_SIZE)
             assert done and done[0] == HELLO_AUTH_FAILED
             assert recv_until_closed(s, timeout=5) == b""

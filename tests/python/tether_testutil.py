@@ -28,7 +28,8 @@ MiB = 1 << 20
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
 CLIENT_HELLO_SIZE = 156
-SERVER_HELLO_SIZE = 172
+SERVER_HELLO_SIZE = 176  # then offers_length bytes of transport offers (control sockets)
+CLIENT_PROOF_SIZE = 56
 SERVER_DONE_SIZE = 8
 HELLO_VERSION_MISMATCH = 1
 HELLO_AUTH_FAILED = 2
@@ -146,7 +147,7 @@ def thread_count() -> int:
 # --------------------------------------------------------------------------- raw sockets
 
 
-def client_hello(version: int = 1, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
+def client_hello(version: int = 2, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
                  has_token: int = 0, magic: int = WIRE_MAGIC, name: bytes = b"raw") -> bytes:
     """A ClientHello (156 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
     nonce 16, session u64, lane u32, lanes u32, peer timeout ms u32, host id 32, name 64."""
@@ -160,7 +161,27 @@ def client_hello(version: int = 1, kind: int = SOCKET_CONTROL, lanes: int = 1, l
 def parse_server_hello(b: bytes) -> dict:
     magic, version, status, has_token = struct.unpack_from("<IHBB", b, 0)
     return {"magic": magic, "version": version, "status": status, "has_token": has_token,
-            "name": b[108:172].split(b"\0")[0].decode(errors="replace")}
+            "name": b[108:172].split(b"\0")[0].decode(errors="replace"),
+            "offers_length": struct.unpack_from("<I", b, 172)[0]}
+
+
+def read_server_hello(s: socket.socket) -> dict:
+    """A ServerHello and the transport offers that follow it: {..., "offers": {name: bytes}}."""
+    h = parse_server_hello(recv_exact(s, SERVER_HELLO_SIZE))
+    raw, offers = recv_exact(s, h["offers_length"]), {}
+    while raw:
+        n = raw[0]
+        name, (length,) = raw[1:1 + n].decode(), struct.unpack_from("<I", raw, 1 + n)
+        offers[name] = raw[5 + n:5 + n + length]
+        raw = raw[5 + n + length:]
+    h["offers"] = offers
+    return h
+
+
+def client_proof(transport: bytes = b"tcp", lanes: int = 1, proof: bytes = bytes(32)) -> bytes:
+    """A ClientProof (56 bytes): HMAC 32, chosen transport 16 (control sockets; empty for data
+    sockets), lanes u32, offer length u32 (0: no offer follows)."""
+    return struct.pack("<32s16sII", proof, transport.ljust(16, b"\0"), lanes, 0)
 
 
 def recv_exact(s: socket.socket, n: int, timeout: float = 5.0) -> bytes:

@@ -554,7 +554,19 @@ TcpTransport::TcpTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
 
 TcpTransport::~TcpTransport() { stop(); }
 
-void TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& fds) {
+Caps TcpTransport::caps() const {
+  Caps c;
+  c.host_memory = true;
+  c.uses_tcp_lanes = true;
+  return c;
+}
+
+uint32_t TcpTransport::lanes_for(std::string_view) const {
+  return endpoint_->config().channels * endpoint_->config().sockets_per_channel;
+}
+
+Status TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& fds, std::string_view,
+                            bool) {
   const uint32_t per_channel = std::max<uint32_t>(1, endpoint_->config().sockets_per_channel);
   auto state = std::make_shared<TcpPeerLanes>();
   std::vector<std::shared_ptr<Lane>> lanes;
@@ -568,6 +580,7 @@ void TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vec
   }
   peer->transport_state = state;  // weak references: lanes own the peer, not the other way round
   for (uint32_t i = 0; i < lanes.size(); ++i) threads_[(i / per_channel) % threads_.size()]->adopt(std::move(lanes[i]));
+  return Status::ok();
 }
 
 void TcpTransport::wake(PeerState* peer, uint64_t chunks) {

@@ -25,8 +25,10 @@ class TcpTransport final : public Transport {
   explicit TcpTransport(core::EndpointImpl* endpoint);
   ~TcpTransport() override;
   const char* name() const override { return "tcp"; }
-  Caps caps() const override { return Caps{true, false, false, false}; }
-  void attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& fds) override;
+  Caps caps() const override;
+  uint32_t lanes_for(std::string_view remote_offer) const override;
+  Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
+                std::string_view remote_offer, bool initiator) override;
   void wake(core::PeerState* peer, uint64_t chunks) override;
   void poll(core::PeerState* peer, uint32_t lane) override;
   void stop() override;

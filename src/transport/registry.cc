@@ -1,0 +1,13 @@
+#include "transport/registry.h"
+
+#include "transport/tcp/tcp_transport.h"
+
+namespace tether::transport {
+
+std::vector<std::unique_ptr<Transport>> make_transports(core::EndpointImpl* endpoint) {
+  std::vector<std::unique_ptr<Transport>> all;
+  all.push_back(std::make_unique<TcpTransport>(endpoint));
+  return all;
+}
+
+}  // namespace tether::transport

@@ -1,0 +1,17 @@
+// The one list of transports an endpoint owns.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace tether::core {
+class EndpointImpl;
+}
+
+namespace tether::transport {
+
+// Every transport this build knows, usable or not (unavailable_reason() says which).
+std::vector<std::unique_ptr<Transport>> make_transports(core::EndpointImpl* endpoint);
+
+}  // namespace tether::transport

@@ -1,0 +1,67 @@
+"""Transport selection at connect, and descriptor extensions (the plumbing every transport uses)."""
+import struct
+
+import pytest
+
+import tether
+from tether_testutil import DESC_SIZE, assert_bytes_equal, poisoned, rand_bytes, wait_until
+
+T = 10
+
+
+def test_every_transport_reports_whether_it_is_usable():
+    with tether.Endpoint() as ep:
+        ts = ep.transports()
+        assert ts["tcp"] == ""
+        for name, why in ts.items():
+            assert isinstance(why, str), name
+
+
+def test_auto_picks_a_transport_both_sides_offer_and_data_flows():
+    with tether.Endpoint() as a, tether.Endpoint() as b:
+        peer = a.connect(b.metadata(), timeout=5)
+        assert peer.transport in a.transports() and a.transports()[peer.transport] == ""
+        assert wait_until(lambda: len(b.peers()) == 1, 5)
+        assert b.peers()[0].transport == peer.transport
+        src = rand_bytes(1, 3 << 20)
+        dst = poisoned(3 << 20)
+        peer.write(a.register(src), b.register(dst).descriptor()).wait(T)
+        assert_bytes_equal(dst, src)
+
+
+def test_forced_tcp_is_used():
+    with tether.Endpoint(transport="tcp") as a, tether.Endpoint() as b:
+        assert a.connect(b.address, timeout=5).transport == "tcp"
+
+
+@pytest.mark.parametrize("want", ["no-such-transport", "fabric", "netplugin"])
+def test_unusable_transport_request_fails_connect_clearly(want):
+    with tether.Endpoint(transport=want) as a, tether.Endpoint() as b:
+        if want in a.transports() and a.transports()[want] == "" and b.transports()[want] == "":
+            pytest.skip(f"{want} is usable on this machine")
+        with pytest.raises(tether.Unavailable, match=f"wanted {want}; peer offers"):
+            a.connect(b.metadata(), timeout=5)
+        assert a.peers() == [] and b.peers() == []
+        # the endpoint still connects normally afterwards
+    with tether.Endpoint() as a, tether.Endpoint() as b:
+        a.connect(b.metadata(), timeout=5)
+
+
+def _ext(entries):
+    out = b""
+    for name, data in entries:
+        out += bytes([len(name)]) + name + struct.pack("<I", len(data)) + data
+    return out
+
+
+def test_descriptor_extensions_parse_and_malformed_ones_are_refused():
+    with tether.Endpoint() as ep:
+        d = ep.register(poisoned(100)).descriptor()
+        assert len(d) == DESC_SIZE  # no transport here registers anything
+        ok = d + _ext([(b"fabric", b"\x01" * 24), (b"ipc", b"")])
+        r = tether.RemoteRegion(ok)
+        assert bytes(r) == ok
+        for bad in (d + b"\x05ab", d + _ext([(b"x", b"123")])[:-1], d + b"\x00"):
+            with pytest.raises(tether.InvalidArgument, match="extensions|descriptor"):
+                tether.RemoteRegion(bad)
+
