@@ -23,6 +23,11 @@ struct Config {
   std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
   std::string transport = "auto";   // TETHER_TRANSPORT: auto (best both sides offer), tcp, ipc, fabric, netplugin
+  // fabric transport (libfabric, loaded at run time)
+  std::string fabric_library;       // TETHER_LIBFABRIC_SO: path of libfabric; "" = the system's libfabric.so.1
+  std::string fabric_provider;      // TETHER_FABRIC_PROVIDER: cxi, efa, verbs, tcp, shm; "" = auto (cxi, efa, verbs, tcp)
+  std::string fabric_domains;       // TETHER_FABRIC_DOMAINS: comma-separated domains (NICs) to use; "" = all
+  uint32_t fabric_rails = 0;        // TETHER_FABRIC_RAILS: at most this many rails (domains); 0 = all
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();

@@ -18,6 +18,8 @@ _OPTIONS = {
     "sockets_per_channel": "sockets_per_channel", "chunk_bytes": "chunk_bytes",
     "window": "window", "socket_buffer": "socket_buffer", "spin_us": "spin_us",
     "auth_token": "auth_token", "name": "name", "transport": "transport",
+    "fabric_library": "fabric_library", "fabric_provider": "fabric_provider",
+    "fabric_domains": "fabric_domains", "fabric_rails": "fabric_rails",
 }
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",

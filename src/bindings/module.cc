@@ -144,7 +144,11 @@ NB_MODULE(_tether, m) {
       .def_rw("spin_us", &Config::spin_us)
       .def_rw("auth_token", &Config::auth_token)
       .def_rw("name", &Config::name)
-      .def_rw("transport", &Config::transport);
+      .def_rw("transport", &Config::transport)
+      .def_rw("fabric_library", &Config::fabric_library)
+      .def_rw("fabric_provider", &Config::fabric_provider)
+      .def_rw("fabric_domains", &Config::fabric_domains)
+      .def_rw("fabric_rails", &Config::fabric_rails);
 
   nb::class_<RemoteRegion>(m, "RemoteRegion")
       .def("__init__", [](RemoteRegion* self, nb::bytes b) { new (self) RemoteRegion(take(RemoteRegion::parse(as_string(b)))); })

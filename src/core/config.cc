@@ -33,6 +33,10 @@ Config Config::from_env() {
   env_str("TETHER_AUTH_TOKEN", c.auth_token);
   env_str("TETHER_NAME", c.name);
   env_str("TETHER_TRANSPORT", c.transport);
+  env_str("TETHER_LIBFABRIC_SO", c.fabric_library);
+  env_str("TETHER_FABRIC_PROVIDER", c.fabric_provider);
+  env_str("TETHER_FABRIC_DOMAINS", c.fabric_domains);
+  env_uint("TETHER_FABRIC_RAILS", c.fabric_rails);
   return c;
 }
 

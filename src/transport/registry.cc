@@ -1,5 +1,6 @@
 #include "transport/registry.h"
 
+#include "transport/fabric/fabric_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace tether::transport {
@@ -7,6 +8,7 @@ namespace tether::transport {
 std::vector<std::unique_ptr<Transport>> make_transports(core::EndpointImpl* endpoint) {
   std::vector<std::unique_ptr<Transport>> all;
   all.push_back(std::make_unique<TcpTransport>(endpoint));
+  all.push_back(make_fabric_transport(endpoint));
   return all;
 }
 

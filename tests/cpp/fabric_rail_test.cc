@@ -47,7 +47,7 @@ struct RailPair : ::testing::Test {
   int complete(Ctx* want) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (std::chrono::steady_clock::now() < deadline) {
-      void* done[16];
+      fi_cq_msg_entry done[16];
       void* failed = nullptr;
       int err = 0;
       ssize_t n = a->poll(done, 16, &failed, &err);
@@ -55,7 +55,7 @@ struct RailPair : ::testing::Test {
         if (failed == want) return err;
       } else {
         for (ssize_t i = 0; i < n; ++i)
-          if (done[i] == want) return 0;
+          if (done[i].op_context == want) return 0;
       }
       b->poll(done, 16, &failed, &err);   // the target's provider places data when progressed
     }
@@ -68,7 +68,7 @@ struct RailPair : ::testing::Test {
     for (int i = 0; i < 100000; ++i) {
       ssize_t rc = op();
       if (rc != -FI_EAGAIN) return rc;
-      void* done[16];
+      fi_cq_msg_entry done[16];
       void* failed = nullptr;
       int err = 0;
       a->poll(done, 16, &failed, &err);
@@ -90,8 +90,8 @@ TEST_F(RailPair, WriteAndReadEveryByte) {
   std::mt19937_64 rng(7);
   for (auto& x : src) x = uint8_t(rng());
   std::string why;
-  ASSERT_TRUE(a->register_memory(src.data(), n, -1, 101, &ma, &why)) << why;
-  ASSERT_TRUE(b->register_memory(dst.data(), n, -1, 202, &mb, &why)) << why;
+  ASSERT_TRUE(a->register_memory(src.data(), n, -1, 101, true, &ma, &why)) << why;
+  ASSERT_TRUE(b->register_memory(dst.data(), n, -1, 202, true, &mb, &why)) << why;
   // Write the middle 2 MiB at offset 4096.
   Ctx c{{}, 1};
   ASSERT_EQ(post([&] { return a->write(src.data() + 4096, 2 << 20, ma.desc, b_at_a, mb.base + 4096, mb.key, &c); }), 0);
@@ -102,7 +102,7 @@ TEST_F(RailPair, WriteAndReadEveryByte) {
   // Read it back into a's buffer region (registered as src: reuse its first bytes as destination).
   std::vector<uint8_t> expect(dst.begin() + 4096, dst.begin() + 4096 + 65536);
   RailMr mback;
-  ASSERT_TRUE(a->register_memory(back.data(), n, -1, 303, &mback, &why)) << why;
+  ASSERT_TRUE(a->register_memory(back.data(), n, -1, 303, true, &mback, &why)) << why;
   Ctx r{{}, 2};
   ASSERT_EQ(post([&] { return a->read(back.data(), 65536, mback.desc, b_at_a, mb.base + 4096, mb.key, &r); }), 0);
   ASSERT_EQ(complete(&r), 0);
@@ -114,8 +114,8 @@ TEST_F(RailPair, WriteAndReadEveryByte) {
 TEST_F(RailPair, WrongKeyFailsTheOperation) {
   std::vector<uint8_t> src(65536, 1), dst(65536, 0);
   std::string why;
-  ASSERT_TRUE(a->register_memory(src.data(), src.size(), -1, 11, &ma, &why)) << why;
-  ASSERT_TRUE(b->register_memory(dst.data(), dst.size(), -1, 22, &mb, &why)) << why;
+  ASSERT_TRUE(a->register_memory(src.data(), src.size(), -1, 11, true, &ma, &why)) << why;
+  ASSERT_TRUE(b->register_memory(dst.data(), dst.size(), -1, 22, true, &mb, &why)) << why;
   Ctx c{{}, 3};
   ASSERT_EQ(post([&] { return a->write(src.data(), 4096, ma.desc, b_at_a, mb.base, mb.key ^ 0x5a5a, &c); }), 0);
   EXPECT_NE(complete(&c), 0);
@@ -130,8 +130,8 @@ TEST_F(RailPair, WrongKeyFailsTheOperation) {
 TEST_F(RailPair, ClosedRegistrationFailsTheOperation) {
   std::vector<uint8_t> src(65536, 1), dst(65536, 0);
   std::string why;
-  ASSERT_TRUE(a->register_memory(src.data(), src.size(), -1, 33, &ma, &why)) << why;
-  ASSERT_TRUE(b->register_memory(dst.data(), dst.size(), -1, 44, &mb, &why)) << why;
+  ASSERT_TRUE(a->register_memory(src.data(), src.size(), -1, 33, true, &ma, &why)) << why;
+  ASSERT_TRUE(b->register_memory(dst.data(), dst.size(), -1, 44, true, &mb, &why)) << why;
   const RailMr old = mb;
   b->deregister(&mb);
   Ctx c{{}, 4};

@@ -57,7 +57,9 @@ def _ext(entries):
 def test_descriptor_extensions_parse_and_malformed_ones_are_refused():
     with tether.Endpoint() as ep:
         d = ep.register(poisoned(100)).descriptor()
-        assert len(d) == DESC_SIZE  # no transport here registers anything
+        # only fabric (where usable) registers anything here; keep the fixed part
+        assert len(d) == DESC_SIZE or ep.transports().get("fabric") == ""
+        d = d[:DESC_SIZE]
         ok = d + _ext([(b"fabric", b"\x01" * 24), (b"ipc", b"")])
         r = tether.RemoteRegion(ok)
         assert bytes(r) == ok

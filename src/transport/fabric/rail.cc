@@ -5,6 +5,7 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+#include <rdma/fi_endpoint.h>
 
 namespace tether::transport::fabric {
 
@@ -33,7 +34,7 @@ std::unique_ptr<Rail> Rail::open(const Discovery& d, uint32_t index, std::string
   if (int rc = fi_av_open(r->domain_fid_, &av_attr, &r->av_, nullptr)) return fail("fi_av_open", rc);
   // A queue that can block (progress thread sleeps in fi_cq_sread); fall back to polling.
   fi_cq_attr cq_attr{};
-  cq_attr.format = FI_CQ_FORMAT_CONTEXT;
+  cq_attr.format = FI_CQ_FORMAT_MSG;
   cq_attr.size = kCqSize;
   cq_attr.wait_obj = FI_WAIT_UNSPEC;
   if (fi_cq_open(r->domain_fid_, &cq_attr, &r->cq_, nullptr) == 0) {
@@ -76,8 +77,8 @@ void Rail::remove(fi_addr_t addr) {
   if (addr != FI_ADDR_NOTAVAIL) fi_av_remove(av_, &addr, 1, 0);
 }
 
-bool Rail::register_memory(void* base, uint64_t size, int cuda_device, uint64_t requested_key, RailMr* out,
-                           std::string* why) {
+bool Rail::register_memory(void* base, uint64_t size, int cuda_device, uint64_t requested_key, bool remote_write,
+                           RailMr* out, std::string* why) {
   if (cuda_device >= 0 && !mode_.hmem) {
     *why = "rail " + domain_ + ": the provider does not register device memory (no FI_HMEM)";
     return false;
@@ -86,7 +87,7 @@ bool Rail::register_memory(void* base, uint64_t size, int cuda_device, uint64_t 
   fi_mr_attr attr{};
   attr.mr_iov = &iov;
   attr.iov_count = 1;
-  attr.access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
+  attr.access = FI_READ | FI_WRITE | FI_SEND | FI_RECV | FI_REMOTE_READ | (remote_write ? FI_REMOTE_WRITE : 0);
   // Keys are unique per domain; small-key providers get the low bits.
   attr.requested_key = mode_.key_size >= 8 ? requested_key : requested_key & ((1ull << (8 * mode_.key_size)) - 1);
   attr.iface = cuda_device >= 0 ? FI_HMEM_CUDA : FI_HMEM_SYSTEM;
@@ -139,15 +140,24 @@ ssize_t Rail::read(void* buf, size_t len, void* desc, fi_addr_t src, uint64_t ra
   return fi_read(ep_, buf, len, desc, src, raddr, key, context);
 }
 
-ssize_t Rail::poll(void** done, size_t max, void** failed, int* err, int timeout_ms) {
-  fi_cq_entry e[64];
-  const size_t want = max < 64 ? max : 64;
-  const ssize_t n = timeout_ms > 0 && can_wait_ ? fi_cq_sread(cq_, e, want, nullptr, timeout_ms)
-                                                : fi_cq_read(cq_, e, want);
-  if (n > 0) {
-    for (ssize_t i = 0; i < n; ++i) done[i] = e[i].op_context;
-    return n;
-  }
+ssize_t Rail::send(const iovec* iov, void** desc, size_t count, fi_addr_t dest, void* context) {
+  fi_msg msg{};
+  msg.msg_iov = iov;
+  msg.desc = desc;
+  msg.iov_count = count;
+  msg.addr = dest;
+  msg.context = context;
+  return fi_sendmsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0));
+}
+
+ssize_t Rail::post_recv(void* buf, size_t len, void* desc, void* context) {
+  return fi_recv(ep_, buf, len, desc, FI_ADDR_UNSPEC, context);
+}
+
+ssize_t Rail::poll(fi_cq_msg_entry* done, size_t max, void** failed, int* err, int timeout_ms) {
+  const ssize_t n = timeout_ms > 0 && can_wait_ ? fi_cq_sread(cq_, done, max, nullptr, timeout_ms)
+                                                : fi_cq_read(cq_, done, max);
+  if (n > 0) return n;
   if (n == -FI_EAGAIN || n == -FI_ETIMEDOUT || n == -FI_EINTR || n == 0) return 0;
   if (n == -FI_EAVAIL) {
     fi_cq_err_entry ee{};

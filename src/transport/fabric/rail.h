@@ -5,6 +5,7 @@
 #pragma once
 #include <rdma/fabric.h>
 #include <rdma/fi_eq.h>
+#include <sys/uio.h>
 
 #include <cstdint>
 #include <memory>
@@ -46,8 +47,9 @@ class Rail {
 
   // Registers [base, base+size). cuda_device >= 0: device memory (FI_HMEM, where offered).
   // requested_key is used when the provider does not pick keys itself.
-  bool register_memory(void* base, uint64_t size, int cuda_device, uint64_t requested_key, RailMr* out,
-                       std::string* why);
+  // remote_write false: peers may only read it (read-only regions).
+  bool register_memory(void* base, uint64_t size, int cuda_device, uint64_t requested_key, bool remote_write,
+                       RailMr* out, std::string* why);
   void deregister(RailMr* mr);
 
   // Data path: 0 posted, -FI_EAGAIN (progress, then retry), or another negative error.
@@ -56,11 +58,15 @@ class Rail {
                 void* context);
   ssize_t read(void* buf, size_t len, void* desc, fi_addr_t src, uint64_t raddr, uint64_t key, void* context);
 
-  // Up to `max` completed contexts into done[]; 0 if none. A failed operation comes back as
-  // *failed (its context) with *err = the provider's positive errno, returning -FI_EAVAIL once per
-  // failure. Other negative values: the completion queue itself failed. timeout_ms > 0 blocks that
-  // long for a completion (progressing the provider meanwhile) unless wake() is called.
-  ssize_t poll(void** done, size_t max, void** failed, int* err, int timeout_ms = 0);
+  // Two-sided messages (send/recv chunks land in bounce buffers the receiver posts).
+  ssize_t send(const iovec* iov, void** desc, size_t count, fi_addr_t dest, void* context);
+  ssize_t post_recv(void* buf, size_t len, void* desc, void* context);
+
+  // Up to `max` completions into done[] (context, flags, length); 0 if none. A failed operation
+  // comes back as *failed (its context) with *err = the provider's positive errno, returning
+  // -FI_EAVAIL once per failure. Other negative values: the completion queue itself failed.
+  // timeout_ms > 0 blocks that long for a completion (progressing the provider) unless woken.
+  ssize_t poll(fi_cq_msg_entry* done, size_t max, void** failed, int* err, int timeout_ms = 0);
   void wake();
 
  private:
