@@ -149,8 +149,9 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
     }
   }
 
-  // Socket providers follow the endpoint's address: its interface is the one rail.
-  const bool bind_host = is_socket_provider(provider) && !opt.host.empty() && opt.host != "0.0.0.0";
+  // Socket providers follow the endpoint's address (its interface is the one rail) unless the
+  // domains (interfaces) are named.
+  const bool bind_host = is_socket_provider(provider) && opt.domains.empty() && !opt.host.empty() && opt.host != "0.0.0.0";
   const char* node = bind_host ? opt.host.c_str() : nullptr;
 
   // Best first: device memory and delivery-complete writes; then without each.

@@ -36,16 +36,22 @@ constexpr uint32_t kBounceBuffers = 8;        // posted receives per rail (send/
 constexpr int kIdleWaitMs = 20;               // a sleeping progress thread still notices failed peers
 constexpr int kSpinTurns = 64;                // idle turns polling before sleeping in the CQ
 
-// Rides in front of every send/recv chunk (the receiver's bounce buffer starts with it).
+// Two-sided messages: a send/recv chunk (header, then payload) and the receiver's answer to it.
+// The sender's chunk is answered only by the ack, i.e. once its bytes are in the recv buffer.
+enum class MsgType : uint8_t { kData = 1, kAck = 2 };
 struct SendHeader {
-  uint64_t session;   // names the peer link on the receiving side
+  uint64_t session;   // names the peer link on either side
   uint64_t offset;    // in the message
-  uint64_t length;
+  uint64_t length;    // payload bytes that follow
   uint32_t token;     // the matched recv (from the core's CTS)
-  uint32_t pad;
+  uint32_t slot, gen; // the sender's chunk, echoed in the ack
+  uint16_t lane;      // the sender's lane, which is also the receiver's lane on this rail
+  uint8_t type;       // MsgType
+  uint8_t status;     // ack: tether Code of the placement
 };
+static_assert(sizeof(SendHeader) == 40);
 
-enum class OpKind : uint8_t { kWrite, kRead, kSend, kBounce };
+enum class OpKind : uint8_t { kWrite, kRead, kSend, kAck, kBounce };
 
 // Every posted operation's context: preallocated, recycled, first member a fi_context2.
 struct OpCtx {
@@ -114,6 +120,7 @@ bool connection_error(int err) {
   switch (err) {
     case FI_ENOTCONN: case FI_ECONNRESET: case FI_ECONNREFUSED: case FI_ECONNABORTED: case FI_EHOSTUNREACH:
     case FI_ETIMEDOUT: case FI_ESHUTDOWN: case FI_ENETDOWN: case FI_ENETUNREACH:
+    case FI_ECANCELED:  // flushed: the provider's connection went away under it
       return true;
     default:
       return false;
@@ -136,8 +143,12 @@ struct Lane {
   uint64_t session = 0;
   std::vector<OpCtx> ops;    // one per chunk the lane may have in flight
   std::vector<uint32_t> free_ops;
-  std::vector<SendHeader> headers;  // registered: send chunks' headers (FI_MR_LOCAL)
+  std::vector<SendHeader> headers;  // registered (FI_MR_LOCAL): [0, window) chunks', then acks
   RailMr headers_mr;
+  std::vector<OpCtx> ack_ops;       // one per ack header
+  std::vector<uint32_t> free_acks;
+  std::vector<SendHeader> ack_queue; // acks not yet posted (a ring; bounded by the peer's window)
+  size_t ack_head = 0, ack_count = 0;
   ChunkOp stalled{};         // pulled but refused with -FI_EAGAIN: posted again after progress
   bool has_stalled = false;
   uint32_t inflight = 0;
@@ -419,11 +430,17 @@ Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const
     l->remote = rail.insert(o.rails[i % o.rails.size()], &why);
     if (l->remote == FI_ADDR_NOTAVAIL) return undo(Status(Code::kConnectionLost, why));
     l->ops.resize(window);
-    l->headers.resize(window);
+    l->ack_ops.resize(window);
+    l->ack_queue.resize(2 * size_t(window) + kBounceBuffers);
+    l->headers.resize(2 * size_t(window));
     for (uint32_t k = 0; k < window; ++k) {
       l->ops[k].index = k;
       l->ops[k].lane = l.get();
       l->free_ops.push_back(window - 1 - k);
+      l->ack_ops[k].index = window + k;
+      l->ack_ops[k].lane = l.get();
+      l->ack_ops[k].kind = OpKind::kAck;
+      l->free_acks.push_back(window - 1 - k);
     }
     if (!rail.register_memory(l->headers.data(), l->headers.size() * sizeof(SendHeader), -1, tether::crypto::random_u64(),
                               false, &l->headers_mr, &why)) {
@@ -558,7 +575,21 @@ bool RailThread::drive(Lane& l) {
     return false;
   }
   bool did = false;
-  if (!l.has_stalled && !peer.has_work()) return false;
+  while (l.ack_count > 0 && !l.free_acks.empty()) {
+    OpCtx& c = l.ack_ops[l.free_acks.back()];
+    SendHeader& sh = l.headers[c.index];
+    sh = l.ack_queue[l.ack_head];
+    iovec iov{&sh, sizeof sh};
+    void* desc = l.headers_mr.desc;
+    const ssize_t rc = rail_->send(&iov, &desc, 1, l.remote, &c);
+    if (rc == -FI_EAGAIN) break;
+    l.free_acks.pop_back();
+    l.ack_head = (l.ack_head + 1) % l.ack_queue.size();
+    --l.ack_count;
+    did = true;
+    if (rc == 0) ++l.inflight;  // else lost: the sender's chunk fails when its peer does
+  }
+  if (!l.has_stalled && !peer.has_work()) return did;
   while (!l.free_ops.empty()) {
     if (!l.has_stalled) {
       if (!peer.next_chunk(l.index, &l.stalled)) break;
@@ -605,7 +636,8 @@ ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
     }
     case FrameType::kSendData: {
       SendHeader& sh = l.headers[c.index];
-      sh = SendHeader{l.session, h.offset, h.length, h.region_id, 0};
+      sh = SendHeader{l.session, h.offset, h.length, h.region_id, h.slot, h.gen, uint16_t(l.index),
+                      uint8_t(MsgType::kData), 0};
       iovec iov[2] = {{&sh, sizeof sh}, {const_cast<uint8_t*>(op.payload), op.length}};
       void* descs[2] = {l.headers_mr.desc, desc};
       c.kind = OpKind::kSend;
@@ -625,13 +657,18 @@ void RailThread::complete(const fi_cq_msg_entry& e) {
     return;
   }
   Lane& l = *c->lane;
+  --l.inflight;
+  if (c->kind == OpKind::kAck) {
+    l.free_acks.push_back(c->index - uint32_t(l.ops.size()));
+    return;
+  }
   auto& stats = owner_->endpoint()->stats();
   if (c->kind == OpKind::kRead) stats.bytes_received.fetch_add(c->length, std::memory_order_relaxed);
   else stats.bytes_sent.fetch_add(c->length, std::memory_order_relaxed);
   stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
   l.free_ops.push_back(c->index);
-  --l.inflight;
-  if (!l.released) l.peer->answer(l.index, c->slot, c->gen, 0);
+  // A send chunk is answered by the receiver's ack (its bytes placed), not by its own completion.
+  if (!l.released && c->kind != OpKind::kSend) l.peer->answer(l.index, c->slot, c->gen, 0);
 }
 
 void RailThread::failed(OpCtx* c, int err) {
@@ -641,13 +678,20 @@ void RailThread::failed(OpCtx* c, int err) {
     return;
   }
   Lane& l = *c->lane;
-  l.free_ops.push_back(c->index);
   --l.inflight;
+  if (c->kind == OpKind::kAck) {
+    l.free_acks.push_back(c->index - uint32_t(l.ops.size()));
+    return;  // the sender's chunk fails with its peer
+  }
+  l.free_ops.push_back(c->index);
   if (l.released) return;
   if (connection_error(err)) {
     l.peer->answer(l.index, c->slot, c->gen, uint8_t(Code::kConnectionLost));
+    // tcp and verbs also drop the connection when the target refuses an access (wrong key,
+    // deregistered region), so the cause may be either; say both.
     l.peer->fail(Status(Code::kConnectionLost, "fabric rail " + rail_->domain() + " to peer '" + l.peer->info().name +
-                                                   "': " + rail_->lib().error(-err)));
+                                                   "': " + rail_->lib().error(-err) +
+                                                   " (the peer died, or it refused an access: wrong key or deregistered region)"));
   } else {
     // The target refused the access (wrong key, deregistered region, out of its bounds). Some
     // providers (tcp, verbs) drop the connection with it; what follows then fails as above.
@@ -655,24 +699,40 @@ void RailThread::failed(OpCtx* c, int err) {
   }
 }
 
-// A send/recv chunk landed in bounce buffer c: copy it into the matched recv, then repost.
+// A message landed in bounce buffer c: a send chunk (copy it into the matched recv, queue the ack)
+// or an ack (answer our chunk). Then the buffer is posted again.
 void RailThread::bounce_arrived(OpCtx& c, uint64_t len) {
   uint8_t* buf = bounce_.data() + c.index * bounce_stride_;
   auto& stats = owner_->endpoint()->stats();
-  if (len >= sizeof(SendHeader)) {
-    SendHeader h;
-    std::memcpy(&h, buf, sizeof h);
-    std::shared_ptr<PeerState> peer = owner_->peer_by_session(h.session);
+  SendHeader h{};
+  if (len >= sizeof(SendHeader)) std::memcpy(&h, buf, sizeof h);
+  std::shared_ptr<PeerState> peer = len >= sizeof(SendHeader) ? owner_->peer_by_session(h.session) : nullptr;
+  auto* state = peer ? static_cast<FabricPeer*>(peer->transport_state.get()) : nullptr;
+  std::shared_ptr<Lane> lane = state && h.lane < state->lanes.size() ? state->lanes[h.lane].lock() : nullptr;
+  if (!lane || lane->thread != this) {
+    stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+  } else if (h.type == uint8_t(MsgType::kAck)) {
+    peer->answer(lane->index, h.slot, h.gen, h.status);
+  } else if (h.type == uint8_t(MsgType::kData)) {
     uint8_t* dest = nullptr;
     core::TransferState* recv = nullptr;
-    if (!peer || h.length != len - sizeof(SendHeader) ||
-        peer->resolve_send_data(h.token, h.offset, h.length, &dest, &recv) != Code::kOk) {
-      stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
-    } else {
+    Code code = h.length == len - sizeof(SendHeader) ? peer->resolve_send_data(h.token, h.offset, h.length, &dest, &recv)
+                                                     : Code::kProtocolError;
+    if (code == Code::kOk) {
       std::memcpy(dest, buf + sizeof(SendHeader), h.length);
       stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
       stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
       peer->send_data_placed(recv, h.length);
+    } else {
+      stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+    }
+    Lane& l = *lane;
+    if (l.ack_count < l.ack_queue.size()) {
+      SendHeader& ack = l.ack_queue[(l.ack_head + l.ack_count++) % l.ack_queue.size()];
+      ack = h;
+      ack.type = uint8_t(MsgType::kAck);
+      ack.length = 0;
+      ack.status = uint8_t(code);
     }
   }
   // Reposting may meet a full queue: progress and retry (the queue drains as we read it).
