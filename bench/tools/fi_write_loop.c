@@ -1,12 +1,14 @@
 /* The provider's own ceiling: a bare fi_write loop between two processes, nothing of tether.
  *
  *   fi_write_loop -s [-p tcp] [-a 127.0.0.1] [-P 5399] [-S bytes]               # target
- *   fi_write_loop -c HOST [-p tcp] [-a 127.0.0.1] [-P 5399] [-S bytes] [-w window] [-t seconds] [-d]
+ *   fi_write_loop -c HOST [-p tcp] [-a 127.0.0.1] [-P 5399] [-S bytes] [-w window] [-t seconds] [-d] [-B]
  *
  * The target registers a buffer and hands its endpoint address, key and base over a TCP socket,
  * then only progresses its completion queue (the tcp provider places incoming data from there).
  * The initiator keeps `window` writes of -S bytes in flight for -t seconds and prints one line:
- * "bytes GB/s writes". -d asks FI_DELIVERY_COMPLETE (what tether asks for). Build:
+ * "bytes GB/s writes". -d asks FI_DELIVERY_COMPLETE (what tether asks for). Both sides wait for
+ * completions in fi_cq_sread (the provider progresses meanwhile); -B busy-polls fi_cq_read instead
+ * (faster with cores to spare, slower where the two processes share few cores). Build:
  *   cc -O2 -o fi_write_loop fi_write_loop.c -lfabric
  */
 #include <arpa/inet.h>
@@ -42,6 +44,7 @@ static struct fid_av *av;
 static struct fid_cq *cq;
 static struct fid_ep *ep;
 static struct fid_mr *mr;
+static int busy_poll = 0;
 
 static double now(void) {
   struct timespec ts;
@@ -64,7 +67,8 @@ static void open_fabric(const char *prov, const char *bind, int dc) {
   CHECK(fi_domain(fabric, info, &domain, NULL));
   struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
   CHECK(fi_av_open(domain, &av_attr, &av, NULL));
-  struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_CONTEXT, .size = 1024};
+  struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_CONTEXT, .size = 1024,
+                               .wait_obj = busy_poll ? FI_WAIT_NONE : FI_WAIT_UNSPEC};
   CHECK(fi_cq_open(domain, &cq_attr, &cq, NULL));
   CHECK(fi_endpoint(domain, info, &ep, NULL));
   CHECK(fi_ep_bind(ep, &av->fid, 0));
@@ -95,18 +99,19 @@ static void full(int fd, void *p, size_t n, int writing) {
   }
 }
 
-static int reap(int want_all, int outstanding) {
+/* Completions so far; `block`: wait (up to 100 ms) for at least one unless busy-polling. */
+static int reap(int want_all, int outstanding, int block) {
   struct fi_cq_entry e[64];
   int done = 0;
   do {
-    ssize_t n = fi_cq_read(cq, e, 64);
+    ssize_t n = (block || want_all) && !busy_poll ? fi_cq_sread(cq, e, 64, NULL, 100) : fi_cq_read(cq, e, 64);
     if (n > 0) done += (int)n;
     else if (n == -FI_EAVAIL) {
       struct fi_cq_err_entry err = {0};
       fi_cq_readerr(cq, &err, 0);
       fprintf(stderr, "completion error: %s\n", fi_strerror(err.err));
       exit(1);
-    } else if (n != -FI_EAGAIN) { fprintf(stderr, "fi_cq_read: %s\n", fi_strerror((int)-n)); exit(1); }
+    } else if (n != -FI_EAGAIN && n != -FI_ETIMEDOUT) { fprintf(stderr, "fi_cq_read: %s\n", fi_strerror((int)-n)); exit(1); }
   } while (want_all && done < outstanding);
   return done;
 }
@@ -116,7 +121,7 @@ int main(int argc, char **argv) {
   int server = 0, port = 5399, window = 16, dc = 0;
   size_t size = 1 << 20;
   double seconds = 3;
-  for (int c; (c = getopt(argc, argv, "sc:p:a:P:S:w:t:d")) != -1;) {
+  for (int c; (c = getopt(argc, argv, "sc:p:a:P:S:w:t:dB")) != -1;) {
     switch (c) {
       case 's': server = 1; break;
       case 'c': host = optarg; break;
@@ -127,6 +132,7 @@ int main(int argc, char **argv) {
       case 'w': window = atoi(optarg); break;
       case 't': seconds = atof(optarg); break;
       case 'd': dc = 1; break;
+      case 'B': busy_poll = 1; break;
       default: fprintf(stderr, "see the comment at the top of fi_write_loop.c\n"); return 2;
     }
   }
@@ -153,8 +159,8 @@ int main(int argc, char **argv) {
     /* Progress until the initiator hangs up (the tcp provider moves target data from here). */
     struct pollfd p = {.fd = fd, .events = POLLIN};
     for (unsigned long spin = 0;; ++spin) {
-      reap(0, 0);
-      if ((spin & 1023) == 0 && poll(&p, 1, 0) > 0) break;
+      reap(0, 0, 1);
+      if ((busy_poll ? (spin & 1023) == 0 : 1) && poll(&p, 1, 0) > 0) break;
     }
     close(fd);
     close(lfd);
@@ -190,9 +196,9 @@ int main(int argc, char **argv) {
         ++outstanding;
         ++writes;
       }
-      outstanding -= reap(0, outstanding);
+      outstanding -= reap(0, outstanding, outstanding >= window);
     }
-    reap(1, outstanding);
+    reap(1, outstanding, 1);
     t1 = now();
     unsigned long done = writes;
     printf("%lu %.3f %lu\n", (unsigned long)size, (double)size * done / (t1 - t0) / 1e9, done);

@@ -126,9 +126,16 @@ def bench(args) -> int:
     if device == "gpu":
         console.print("[red]--device gpu: GPU memory is not supported by this build yet[/red]")
         return 2
-    if args.transport not in ("auto", "tcp"):
-        console.print(f"[red]--transport {args.transport}: not available in this build (tcp only)[/red]")
-        return 2
+    if args.transport != "auto":
+        import tether
+
+        with tether.Endpoint() as probe:
+            why = probe.transports().get(args.transport, "this build does not have it")
+        if why:
+            console.print(f"[red]--transport {args.transport}: not usable here: {why}[/red]")
+            return 2
+    # Both sides of every pair use it (TETHER_FABRIC_PROVIDER etc. pick the fabric's provider).
+    base = {} if args.transport == "auto" else {"transport": args.transport}
     if args.unpack or args.nics:
         console.print("[yellow]--unpack/--nics have no effect on host-memory TCP transfers[/yellow]")
     modes = args.mode
@@ -140,7 +147,7 @@ def bench(args) -> int:
     if role == "server":
         single = {k: v[0] for k, v in (("channels", args.channels), ("sockets_per_channel", args.sockets_per_channel),
                                          ("chunk_bytes", args.chunk_bytes), ("window", args.window)) if v}
-        return _run_server(args, single)
+        return _run_server(args, dict(base, **single))
     if role == "client" and torchrun:
         target = _torch_store().get("tether/bench/metadata")
     else:
@@ -176,12 +183,13 @@ def bench(args) -> int:
                 results.extend(mesh.run(args.gpus, combo, capacity, cases_per_combo, args.single_process,
                                         progress=lambda: progress.advance(task)))
                 continue
-            pair = B.LocalPair(combo, capacity) if role == "local" else B.RemotePair(combo, capacity, target)
+            opts = dict(base, **combo)
+            pair = B.LocalPair(opts, capacity) if role == "local" else B.RemotePair(opts, capacity, target)
             last = i == len(combos) - 1
             try:
                 for case in cases_per_combo:
                     progress.update(task, description=f"{case.mode} {B.human(case.size)} x{case.num_iovs} {combo or ''}")
-                    r = B.run_case(pair, case, progress=lambda: progress.advance(task))
+                    r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda: progress.advance(task))
                     r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
                     results.append(r)
             finally:
@@ -209,7 +217,7 @@ def bench(args) -> int:
     if args.json:
         doc = {
             "version": 1, "machine": B.machine_info(),
-            "config": {"transport": "tcp", "device": device, "async_api": args.async_api, "combos": combos},
+            "config": {"transport": results[0].transport if results else args.transport, "device": device, "async_api": args.async_api, "combos": combos},
             "results": [dict(B.result_dict(r), config=r.config) for r in results],
         }
         with open(args.json, "w") as f:

@@ -34,7 +34,7 @@ namespace {
 constexpr uint32_t kOfferMagic = 0x42414654;  // "TFAB"
 constexpr uint32_t kBounceBuffers = 8;        // posted receives per rail (send/recv chunks)
 constexpr int kIdleWaitMs = 20;               // a sleeping progress thread still notices failed peers
-constexpr int kSpinTurns = 64;                // idle turns polling before sleeping in the CQ
+constexpr int kSpinTurns = 1;                 // idle turns polling before sleeping in the CQ (2 cores: spinning steals the peer's)
 
 // Two-sided messages: a send/recv chunk (header, then payload) and the receiver's answer to it.
 // The sender's chunk is answered only by the ack, i.e. once its bytes are in the recv buffer.
