@@ -97,10 +97,12 @@ def test_two_processes_every_operation(endpoints, children):
     assert_poison(inbox[2 * MiB + 3:])
 
 
-def test_notification_arrives_after_the_data(endpoints, children):
+@pytest.mark.parametrize("dc", [1, 0], ids=["delivery-complete", "flush-read"])
+def test_notification_arrives_after_the_data(endpoints, children, dc):
     """The notification travels on the TCP control socket; the data on the fabric. Writes complete
-    with FI_DELIVERY_COMPLETE, so the note (sent after the last completion) finds the data whole."""
-    me = endpoints(name="me", **FAB)
+    with FI_DELIVERY_COMPLETE (or, without it, after a one-byte read of their last byte), so the
+    note (sent after the last completion) finds the data whole."""
+    me = endpoints(name="me", fabric_delivery_complete=dc, **FAB)
     c = children("target")
     info = c.call("endpoint", name="target", **FAB)
     peer = me.connect(info["metadata"], timeout=5)

@@ -115,6 +115,7 @@ Discovery& Discovery::operator=(Discovery&& o) noexcept {
   o.rails.clear();
   mr = o.mr;
   delivery_complete = o.delivery_complete;
+  fence = o.fence;
   warning = std::move(o.warning);
   return *this;
 }
@@ -157,7 +158,7 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
   // Best first: device memory and delivery-complete writes; then without each.
   fi_info* list = nullptr;
   bool hmem = false, dc = false;
-  for (int attempt = 0; attempt < 4 && !list; ++attempt) {
+  for (int attempt = opt.delivery_complete ? 0 : 2; attempt < 4 && !list; ++attempt) {
     hmem = !(attempt & 1);
     dc = attempt < 2;
     list = query(lib, provider, node, hmem, dc, why);
@@ -181,6 +182,13 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
       d.provider_full = i->fabric_attr->prov_name;
       d.mr = MrMode::from(i);
       d.mr.hmem = d.mr.hmem && hmem;
+      d.fence = i->caps & FI_FENCE;
+      // Without delivery-complete writes each write chunk is followed by a one-byte read of its
+      // last byte (fenced where offered, else ordered read-after-write); with neither, nothing
+      // makes the data visible before the notification.
+      if (!dc && !d.fence && !(i->tx_attr->msg_order & FI_ORDER_RAW))
+        d.warning = "provider " + provider + " offers neither FI_DELIVERY_COMPLETE nor read-after-write "
+                    "ordering: a notification may reach the target before the data it announces";
     }
     d.rails.push_back(lib.dupinfo(i));
   }
@@ -191,7 +199,7 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
     return false;
   }
   if (provider == "cxi" && lib.version() < FI_VERSION(2, 0))
-    d.warning = "libfabric " + std::to_string(lib.major()) + "." + std::to_string(lib.minor()) +
+    d.warning += "libfabric " + std::to_string(lib.major()) + "." + std::to_string(lib.minor()) +
                 " with the cxi provider: throughput collapses once registrations pass ~1.5 GiB "
                 "(fixed in libfabric 2.0); keep registered regions small or upgrade";
   *out = std::move(d);

@@ -17,6 +17,7 @@ struct DiscoveryOptions {
   std::string domains;    // comma-separated domain names to keep; "" = all the provider offers
   uint32_t max_rails = 0; // 0 = every domain
   std::string host;       // socket providers (tcp): bind rails to this address ("0.0.0.0": any)
+  bool delivery_complete = true;  // ask FI_DELIVERY_COMPLETE where the provider takes it
 };
 
 // How a provider wants memory registered (fi_info domain_attr->mr_mode, caps).
@@ -39,7 +40,8 @@ struct Discovery {
   std::string provider_full;       // as libfabric names it
   std::vector<fi_info*> rails;     // one per domain, owned
   MrMode mr;
-  bool delivery_complete = false;  // tx_attr op_flags/caps let us ask FI_DELIVERY_COMPLETE
+  bool delivery_complete = false;  // writes can ask FI_DELIVERY_COMPLETE (tx op_flags accepted)
+  bool fence = false;              // FI_FENCE: a fenced read waits for earlier writes (caps)
   std::string warning;             // known-bad version, printed once by the transport
 
   Discovery() = default;

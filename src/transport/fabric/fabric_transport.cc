@@ -51,7 +51,7 @@ struct SendHeader {
 };
 static_assert(sizeof(SendHeader) == 40);
 
-enum class OpKind : uint8_t { kWrite, kRead, kSend, kAck, kBounce };
+enum class OpKind : uint8_t { kWrite, kFlush, kRead, kSend, kAck, kBounce };
 
 // Every posted operation's context: preallocated, recycled, first member a fi_context2.
 struct OpCtx {
@@ -60,6 +60,7 @@ struct OpCtx {
   Lane* lane = nullptr;      // null for bounce buffers
   uint32_t slot = 0, gen = 0, index = 0;
   uint64_t length = 0;
+  uint64_t raddr = 0, key = 0;   // writes: where they went (for the flush read)
 };
 
 std::string be_u64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
@@ -149,6 +150,8 @@ struct Lane {
   std::vector<uint32_t> free_acks;
   std::vector<SendHeader> ack_queue; // acks not yet posted (a ring; bounded by the peer's window)
   size_t ack_head = 0, ack_count = 0;
+  std::vector<uint32_t> flushes;    // write ops whose flush read is not yet posted (a ring)
+  size_t flush_head = 0, flush_count = 0;
   ChunkOp stalled{};         // pulled but refused with -FI_EAGAIN: posted again after progress
   bool has_stalled = false;
   uint32_t inflight = 0;
@@ -293,6 +296,7 @@ FabricTransportImpl::FabricTransportImpl(core::EndpointImpl* endpoint) : endpoin
   opt.domains = c.fabric_domains;
   opt.max_rails = c.fabric_rails;
   opt.host = c.host;
+  opt.delivery_complete = c.fabric_delivery_complete != 0;
   if (!discover(*lib, opt, &disc_, &why)) {
     why_ = why;
     return;
@@ -430,6 +434,7 @@ Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const
     l->remote = rail.insert(o.rails[i % o.rails.size()], &why);
     if (l->remote == FI_ADDR_NOTAVAIL) return undo(Status(Code::kConnectionLost, why));
     l->ops.resize(window);
+    l->flushes.resize(window);
     l->ack_ops.resize(window);
     l->ack_queue.resize(2 * size_t(window) + kBounceBuffers);
     l->headers.resize(2 * size_t(window));
@@ -575,6 +580,19 @@ bool RailThread::drive(Lane& l) {
     return false;
   }
   bool did = false;
+  while (l.flush_count > 0) {
+    OpCtx& c = l.ops[l.flushes[l.flush_head]];
+    const ssize_t rc = rail_->flush_read(&l.headers[c.index], l.headers_mr.desc, l.remote, c.raddr + c.length - 1, c.key, &c);
+    if (rc == -FI_EAGAIN) break;
+    l.flush_head = (l.flush_head + 1) % l.flushes.size();
+    --l.flush_count;
+    did = true;
+    if (rc != 0) {
+      --l.inflight;
+      l.free_ops.push_back(c.index);
+      peer.answer(l.index, c.slot, c.gen, uint8_t(Code::kConnectionLost));
+    }
+  }
   while (l.ack_count > 0 && !l.free_acks.empty()) {
     OpCtx& c = l.ack_ops[l.free_acks.back()];
     SendHeader& sh = l.headers[c.index];
@@ -631,6 +649,8 @@ ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
       const bool write = FrameType(h.type) == FrameType::kWrite;
       c.kind = write ? OpKind::kWrite : OpKind::kRead;
       c.length = h.length;
+      c.raddr = base + h.offset;
+      c.key = key;
       return write ? rail_->write(op.payload, h.length, desc, l.remote, base + h.offset, key, &c)
                    : rail_->read(op.local, h.length, desc, l.remote, base + h.offset, key, &c);
     }
@@ -657,6 +677,12 @@ void RailThread::complete(const fi_cq_msg_entry& e) {
     return;
   }
   Lane& l = *c->lane;
+  if (c->kind == OpKind::kWrite && c->length > 0 && !rail_->delivery_complete() && !l.released) {
+    // Transmit-complete only: a one-byte read of its last byte, after it, says it is in place.
+    c->kind = OpKind::kFlush;
+    l.flushes[(l.flush_head + l.flush_count++) % l.flushes.size()] = c->index;
+    return;
+  }
   --l.inflight;
   if (c->kind == OpKind::kAck) {
     l.free_acks.push_back(c->index - uint32_t(l.ops.size()));

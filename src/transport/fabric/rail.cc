@@ -19,6 +19,7 @@ std::unique_ptr<Rail> Rail::open(const Discovery& d, uint32_t index, std::string
   r->index_ = index;
   r->mode_ = d.mr;
   r->delivery_complete_ = d.delivery_complete;
+  r->fence_ = d.fence;
   r->info_ = lib.dupinfo(d.rails[index]);
   const fi_info* info = r->info_;
   r->domain_ = info->domain_attr->name ? info->domain_attr->name : "?";
@@ -138,6 +139,20 @@ ssize_t Rail::write(const void* buf, size_t len, void* desc, fi_addr_t dest, uin
 ssize_t Rail::read(void* buf, size_t len, void* desc, fi_addr_t src, uint64_t raddr, uint64_t key,
                    void* context) {
   return fi_read(ep_, buf, len, desc, src, raddr, key, context);
+}
+
+ssize_t Rail::flush_read(void* buf, void* desc, fi_addr_t src, uint64_t raddr, uint64_t key, void* context) {
+  iovec iov{buf, 1};
+  fi_rma_iov rma{raddr, 1, key};
+  fi_msg_rma msg{};
+  msg.msg_iov = &iov;
+  msg.desc = &desc;
+  msg.iov_count = 1;
+  msg.addr = src;
+  msg.rma_iov = &rma;
+  msg.rma_iov_count = 1;
+  msg.context = context;
+  return fi_readmsg(ep_, &msg, FI_COMPLETION | (fence_ ? FI_FENCE : 0));
 }
 
 ssize_t Rail::send(const iovec* iov, void** desc, size_t count, fi_addr_t dest, void* context) {

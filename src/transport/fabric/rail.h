@@ -57,6 +57,9 @@ class Rail {
   ssize_t write(const void* buf, size_t len, void* desc, fi_addr_t dest, uint64_t raddr, uint64_t key,
                 void* context);
   ssize_t read(void* buf, size_t len, void* desc, fi_addr_t src, uint64_t raddr, uint64_t key, void* context);
+  // One byte back from raddr after the writes before it (fenced where the provider can): what
+  // makes a write visible at the target when writes cannot ask for delivery completion.
+  ssize_t flush_read(void* buf, void* desc, fi_addr_t src, uint64_t raddr, uint64_t key, void* context);
 
   // Two-sided messages (send/recv chunks land in bounce buffers the receiver posts).
   ssize_t send(const iovec* iov, void** desc, size_t count, fi_addr_t dest, void* context);
@@ -75,6 +78,7 @@ class Rail {
   uint32_t index_ = 0;
   MrMode mode_;
   bool delivery_complete_ = false;
+  bool fence_ = false;
   bool can_wait_ = false;
   size_t max_msg_ = 0;
   std::string domain_, address_;
