@@ -41,15 +41,17 @@ def build_raw() -> Path | None:
     return exe
 
 
-def raw_write(exe: Path, provider: str, size: int, window: int, seconds: float, dc: bool, port: int = 5399) -> float:
-    """GB/s of the bare loop: -S size writes, `window` in flight, FI_DELIVERY_COMPLETE if dc."""
-    srv = subprocess.Popen([str(exe), "-s", "-p", provider, "-S", str(size), "-P", str(port)],
+def raw_write(exe: Path, provider: str, size: int, window: int, seconds: float, dc: bool, ring: int = 0,
+              port: int = 5399) -> float:
+    """GB/s of the bare loop: -S size writes walking a `ring`-byte buffer, `window` in flight,
+    FI_DELIVERY_COMPLETE if dc."""
+    srv = subprocess.Popen([str(exe), "-s", "-p", provider, "-S", str(size), "-R", str(ring), "-P", str(port)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if srv.stdout.readline().strip() != "ready":
             raise RuntimeError("fi_write_loop target: " + srv.stderr.read())
         cmd = [str(exe), "-c", "127.0.0.1", "-p", provider, "-S", str(size), "-w", str(window), "-t", str(seconds),
-               "-P", str(port)] + (["-d"] if dc else [])
+               "-R", str(ring), "-P", str(port)] + (["-d"] if dc else [])
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=True).stdout.split()
         return float(out[1])
     finally:
@@ -80,15 +82,16 @@ def main() -> int:
     iters = max(10, int(args.seconds * 1.5e9 / args.size))
     exe = build_raw()
     fab = {"transport": "fabric", "fabric_provider": args.provider}
-    rows: dict[str, list[float]] = {k: [] for k in ("iperf3", "raw", "raw_dc", "fabric", "fabric_async", "tcp")}
+    rows: dict[str, list[float]] = {k: [] for k in ("iperf3", "raw_warm", "raw", "raw_dc", "fabric", "fabric_async", "tcp")}
     checks = []
     for rnd in range(args.rounds):
         console.print(f"round {rnd + 1}/{args.rounds}", style="dim")
         if rnd == 0 and (g := iperf3(int(args.seconds))):
             rows["iperf3"].append(g)
         if exe:
-            rows["raw"].append(raw_write(exe, args.provider, chunk, window, args.seconds, dc=False))
-            rows["raw_dc"].append(raw_write(exe, args.provider, chunk, window, args.seconds, dc=True))
+            rows["raw_warm"].append(raw_write(exe, args.provider, chunk, window, args.seconds, dc=True))
+            rows["raw"].append(raw_write(exe, args.provider, chunk, window, args.seconds, dc=False, ring=args.size))
+            rows["raw_dc"].append(raw_write(exe, args.provider, chunk, window, args.seconds, dc=True, ring=args.size))
         rows["fabric"].append(tether_write(fab, args.size, iters, False).gbps)
         rows["fabric_async"].append(tether_write(fab, 64 << 20, 4 * iters, False, depth=4).gbps)
         rows["tcp"].append(tether_write({"transport": "tcp"}, args.size, iters, False).gbps)
@@ -104,8 +107,9 @@ def main() -> int:
         t.add_column(c, justify="right")
     names = {
         "iperf3": "iperf3 -l 1M, 1 stream",
-        "raw": f"raw fi_write 1 MiB x{window} in flight, transmit complete",
-        "raw_dc": f"raw fi_write 1 MiB x{window} in flight, FI_DELIVERY_COMPLETE",
+        "raw_warm": f"raw fi_write 1 MiB x{window}, delivery complete, one cache-warm 1 MiB buffer",
+        "raw": f"raw fi_write 1 MiB x{window}, transmit complete, over {B.human(args.size)}",
+        "raw_dc": f"raw fi_write 1 MiB x{window}, delivery complete, over {B.human(args.size)} (ceiling)",
         "fabric": f"tether-fabric {B.human(args.size)} writes, one at a time (1 MiB chunks, window {window})",
         "fabric_async": "tether-fabric 64 MiB writes, 4 in flight",
         "tcp": f"tether-tcp {B.human(args.size)} writes (defaults)",

@@ -1,11 +1,13 @@
 /* The provider's own ceiling: a bare fi_write loop between two processes, nothing of tether.
  *
- *   fi_write_loop -s [-p tcp] [-a 127.0.0.1] [-P 5399] [-S bytes]               # target
- *   fi_write_loop -c HOST [-p tcp] [-a 127.0.0.1] [-P 5399] [-S bytes] [-w window] [-t seconds] [-d] [-B]
+ *   fi_write_loop -s [-p tcp] [-a 127.0.0.1] [-P 5399] [-S bytes] [-R bytes]      # target
+ *   fi_write_loop -c HOST [-p tcp] [-a 127.0.0.1] [-P 5399] [-S bytes] [-R bytes] [-w window] [-t seconds] [-d] [-B]
  *
  * The target registers a buffer and hands its endpoint address, key and base over a TCP socket,
  * then only progresses its completion queue (the tcp provider places incoming data from there).
- * The initiator keeps `window` writes of -S bytes in flight for -t seconds and prints one line:
+ * The initiator keeps `window` writes of -S bytes in flight for -t seconds, walking through a -R byte
+ * buffer on both sides (default -S: one cache-warm buffer; give tether's transfer size for a fair
+ * ceiling against cache-cold memory), and prints one line:
  * "bytes GB/s writes". -d asks FI_DELIVERY_COMPLETE (what tether asks for). Both sides wait for
  * completions in fi_cq_sread (the provider progresses meanwhile); -B busy-polls fi_cq_read instead
  * (faster with cores to spare, slower where the two processes share few cores). Build:
@@ -119,9 +121,9 @@ static int reap(int want_all, int outstanding, int block) {
 int main(int argc, char **argv) {
   const char *prov = "tcp", *bind_addr = "127.0.0.1", *host = NULL;
   int server = 0, port = 5399, window = 16, dc = 0;
-  size_t size = 1 << 20;
+  size_t size = 1 << 20, ring = 0;
   double seconds = 3;
-  for (int c; (c = getopt(argc, argv, "sc:p:a:P:S:w:t:dB")) != -1;) {
+  for (int c; (c = getopt(argc, argv, "sc:p:a:P:S:R:w:t:dB")) != -1;) {
     switch (c) {
       case 's': server = 1; break;
       case 'c': host = optarg; break;
@@ -129,6 +131,7 @@ int main(int argc, char **argv) {
       case 'a': bind_addr = strcmp(optarg, "-") ? optarg : NULL; break;
       case 'P': port = atoi(optarg); break;
       case 'S': size = strtoull(optarg, NULL, 0); break;
+      case 'R': ring = strtoull(optarg, NULL, 0); break;
       case 'w': window = atoi(optarg); break;
       case 't': seconds = atof(optarg); break;
       case 'd': dc = 1; break;
@@ -138,13 +141,15 @@ int main(int argc, char **argv) {
   }
   if (!server && !host) { fprintf(stderr, "need -s or -c HOST\n"); return 2; }
   open_fabric(prov, bind_addr, dc);
-  char *buf = aligned_alloc(4096, (size + 4095) / 4096 * 4096);
-  memset(buf, server ? 0 : 0xab, size);
+  if (ring < size) ring = size;
+  ring = ring / size * size;
+  char *buf = aligned_alloc(4096, (ring + 4095) / 4096 * 4096);
+  memset(buf, server ? 0 : 0xab, ring);
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
 
   if (server) {
-    register_buffer(buf, size, FI_REMOTE_WRITE | FI_REMOTE_READ);
-    struct wire w = {.key = fi_mr_key(mr), .size = size, .addrlen = sizeof w.addr};
+    register_buffer(buf, ring, FI_REMOTE_WRITE | FI_REMOTE_READ);
+    struct wire w = {.key = fi_mr_key(mr), .size = ring, .addrlen = sizeof w.addr};
     w.base = (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)buf : 0;
     size_t len = sizeof w.addr;
     CHECK(fi_getname(&ep->fid, w.addr, &len));
@@ -165,7 +170,7 @@ int main(int argc, char **argv) {
     close(fd);
     close(lfd);
   } else {
-    register_buffer(buf, size, FI_WRITE | FI_READ);
+    register_buffer(buf, ring, FI_WRITE | FI_READ);
     void *desc = fi_mr_desc(mr);
     int fd = tcp_socket();
     inet_pton(AF_INET, host, &sa.sin_addr);
@@ -175,19 +180,21 @@ int main(int argc, char **argv) {
     }
     struct wire w;
     full(fd, &w, sizeof w, 0);
-    if (w.size < size) { fprintf(stderr, "target buffer is %lu bytes\n", (unsigned long)w.size); return 1; }
+    if (w.size < ring) { fprintf(stderr, "target buffer is %lu bytes\n", (unsigned long)w.size); return 1; }
     fi_addr_t peer;
     if (fi_av_insert(av, w.addr, 1, &peer, 0, NULL) != 1) { fprintf(stderr, "fi_av_insert failed\n"); return 1; }
     struct fi_context2 ctx[256];
     if (window > 256) window = 256;
-    struct iovec iov = {.iov_base = buf, .iov_len = size};
-    struct fi_rma_iov rma = {.addr = w.base, .len = size, .key = w.key};
+    const size_t slots = ring / size;
     uint64_t flags = FI_COMPLETION | (dc ? FI_DELIVERY_COMPLETE : 0);
     unsigned long writes = 0;
     int outstanding = 0;
     double t0 = now(), t1 = t0;
     while ((t1 = now()) - t0 < seconds) {
       while (outstanding < window) {
+        const size_t at = (writes % slots) * size;
+        struct iovec iov = {.iov_base = buf + at, .iov_len = size};
+        struct fi_rma_iov rma = {.addr = w.base + at, .len = size, .key = w.key};
         struct fi_msg_rma msg = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = peer,
                                  .rma_iov = &rma, .rma_iov_count = 1, .context = &ctx[writes % 256]};
         ssize_t rc = fi_writemsg(ep, &msg, flags);

@@ -154,6 +154,11 @@ def collect() -> dict[str, Any]:
         "fabric": {"available": False, "why": "not in this build yet" + ("" if fabric else "; libfabric.so not found")},
         "netplugin": {"available": False, "why": "not in this build yet"},
     }
+    with tether.Endpoint() as probe:  # what this build reports (fabric: libfabric found, a provider usable)
+        for name, why in probe.transports().items():
+            transports[name] = {"available": why == "", "why": why or transports.get(name, {}).get("why", "usable")}
+    if transports.get("fabric", {}).get("available"):
+        transports["fabric"]["why"] = "libfabric provider " + (os.environ.get("TETHER_FABRIC_PROVIDER") or "auto")
     nics = _nics()
     gpus = _gpus()
     return {

@@ -293,3 +293,21 @@ def test_between_two_network_namespaces(netns_pair):
     finally:
         target.kill()
         target.wait(10)
+
+
+def test_fabric_endpoints_close_without_leaking_threads_or_fds():
+    from tether_testutil import fd_count, thread_count
+
+    def cycle():
+        with tether.Endpoint(**FAB) as a, tether.Endpoint(**FAB) as b:
+            p = a.connect(b.metadata(), timeout=5)
+            d = b.register(dst := poisoned(1 * MiB)).descriptor()
+            p.write(a.register(src := rand_bytes(9, 1 * MiB)), d).wait(T)
+            assert_bytes_equal(dst, src)
+
+    cycle()  # libfabric's one-time state (providers, their threads) first
+    fds, threads = fd_count(), thread_count()
+    for _ in range(5):
+        cycle()
+    assert wait_until(lambda: thread_count() <= threads, 5), (thread_count(), threads)
+    assert wait_until(lambda: fd_count() <= fds + 2, 5), (fd_count(), fds)

@@ -190,6 +190,9 @@ class RailThread {
   void free_bounce();
   // Lanes still present at stop(): answer their chunks with kCancelled.
   void cancel_all();
+  // After the thread has ended: close lanes' registrations and let go of them (lanes hold their
+  // peers, which hold the endpoint that owns us).
+  void drop_lanes();
 
  private:
   void run();
@@ -401,6 +404,7 @@ void FabricTransportImpl::deregister_region(RegionState& region) {
 
 Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>&,
                                    std::string_view remote_offer, bool) {
+  if (stopped_.load()) return Status(Code::kCancelled, "endpoint closed");
   Status s = open_rails();
   if (!s.is_ok()) return s;
   Offer o;
@@ -480,6 +484,7 @@ void FabricTransportImpl::stop() {
   if (stopped_.exchange(true)) return;
   for (auto& r : rails_) r->join();
   for (auto& r : rails_) r->cancel_all();
+  for (auto& r : rails_) r->drop_lanes();
 }
 
 // ---------------------------------------------------------------- rail threads
@@ -511,9 +516,16 @@ bool RailThread::start(uint64_t bounce_bytes, std::string* why) {
 }
 
 void RailThread::free_bounce() {
+  drop_lanes();
   rail_->deregister(&bounce_mr_);
-  for (auto* set : {&lanes_, &retired_, &incoming_})
+}
+
+void RailThread::drop_lanes() {
+  std::lock_guard lock(mu_);
+  for (auto* set : {&lanes_, &retired_, &incoming_}) {
     for (auto& l : *set) rail_->deregister(&l->headers_mr);
+    set->clear();
+  }
 }
 
 void RailThread::run() {
