@@ -311,3 +311,12 @@ def test_fabric_endpoints_close_without_leaking_threads_or_fds():
         cycle()
     assert wait_until(lambda: thread_count() <= threads, 5), (thread_count(), threads)
     assert wait_until(lambda: fd_count() <= fds + 2, 5), (fd_count(), fds)
+
+
+def test_bench_cli_runs_over_fabric_and_checks_every_byte():
+    r = subprocess.run([sys.executable, "-m", "tether", "bench", "--transport", "fabric", "--sizes", "64K,3M",
+                        "--mode", "write,read,send", "--iters", "6", "--check", "--quiet"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, TETHER_FABRIC_PROVIDER="tcp"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if "fabric" in line]
+    assert len(rows) == 6 and all(" ok " in line for line in rows), r.stdout

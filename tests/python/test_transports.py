@@ -67,3 +67,25 @@ def test_descriptor_extensions_parse_and_malformed_ones_are_refused():
             with pytest.raises(tether.InvalidArgument, match="extensions|descriptor"):
                 tether.RemoteRegion(bad)
 
+
+
+def test_missing_libfabric_makes_fabric_unavailable_and_nothing_else():
+    with tether.Endpoint(fabric_library="/nonexistent/libfabric.so.1") as a, tether.Endpoint() as b:
+        why = a.transports()["fabric"]
+        assert why, "fabric usable without its library"
+        assert "/nonexistent/libfabric.so.1" in why or "without libfabric headers" in why, why
+        peer = a.connect(b.metadata(), timeout=5)
+        assert peer.transport == "tcp"
+        src, dst = rand_bytes(2, 1 << 20), poisoned(1 << 20)
+        peer.write(a.register(src), b.register(dst).descriptor()).wait(T)
+        assert_bytes_equal(dst, src)
+    with tether.Endpoint(fabric_library="/nonexistent/libfabric.so.1", transport="fabric") as a, \
+            tether.Endpoint() as b:
+        with pytest.raises(tether.Unavailable):
+            a.connect(b.metadata(), timeout=5)
+
+
+def test_unknown_fabric_provider_is_explained():
+    with tether.Endpoint(fabric_provider="carrier-pigeon") as ep:
+        why = ep.transports()["fabric"]
+        assert "carrier-pigeon" in why or "without libfabric headers" in why, why
