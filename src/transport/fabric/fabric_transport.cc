@@ -586,6 +586,16 @@ bool RailThread::drive(Lane& l) {
     l.dead_since = now_ms();
   }
   if (l.dead) {
+    // Nothing more is posted: flush reads not yet sent fail now, acks are dropped.
+    while (l.flush_count > 0) {
+      OpCtx& c = l.ops[l.flushes[l.flush_head]];
+      l.flush_head = (l.flush_head + 1) % l.flushes.size();
+      --l.flush_count;
+      --l.inflight;
+      l.free_ops.push_back(c.index);
+      peer.answer(l.index, c.slot, c.gen, uint8_t(Code::kConnectionLost));
+    }
+    l.ack_count = 0;
     // Wait for the provider to hand back what is in flight (it fails them once the connection
     // is gone), but not forever: after the grace period the lane lets go regardless.
     if (l.inflight == 0 || now_ms() - l.dead_since > owner_->grace_ms()) retire(l, Code::kConnectionLost);
