@@ -1,7 +1,7 @@
 """Side by side, one run, one machine: tether's fabric transport against the provider's own ceiling
 (a bare fi_write loop between two processes, bench/tools/fi_write_loop.c), tether's tcp transport
 and iperf3. Rounds interleave the contenders so a drifting host hurts them alike; the table shows
-medians and the ratio tether-fabric / raw fi_write.
+medians and the ratio tether-fabric / raw fi_write (odd rounds run in reverse order).
 
     python bench/compare_fabric.py [--provider tcp] [--rounds 3] [--seconds 3] [--check] [--json out.json]
 """
@@ -88,13 +88,16 @@ def main() -> int:
         console.print(f"round {rnd + 1}/{args.rounds}", style="dim")
         if rnd == 0 and (g := iperf3(int(args.seconds))):
             rows["iperf3"].append(g)
+        runs = []
         if exe:
-            rows["raw_warm"].append(raw_write(exe, args.provider, chunk, window, args.seconds, dc=True))
-            rows["raw"].append(raw_write(exe, args.provider, chunk, window, args.seconds, dc=False, ring=args.size))
-            rows["raw_dc"].append(raw_write(exe, args.provider, chunk, window, args.seconds, dc=True, ring=args.size))
-        rows["fabric"].append(tether_write(fab, args.size, iters, False).gbps)
-        rows["fabric_async"].append(tether_write(fab, 64 << 20, 4 * iters, False, depth=4).gbps)
-        rows["tcp"].append(tether_write({"transport": "tcp"}, args.size, iters, False).gbps)
+            runs += [("raw_warm", lambda: raw_write(exe, args.provider, chunk, window, args.seconds, dc=True)),
+                     ("raw", lambda: raw_write(exe, args.provider, chunk, window, args.seconds, dc=False, ring=args.size)),
+                     ("raw_dc", lambda: raw_write(exe, args.provider, chunk, window, args.seconds, dc=True, ring=args.size))]
+        runs += [("fabric", lambda: tether_write(fab, args.size, iters, False).gbps),
+                 ("fabric_async", lambda: tether_write(fab, 64 << 20, 4 * iters, False, depth=4).gbps),
+                 ("tcp", lambda: tether_write({"transport": "tcp"}, args.size, iters, False).gbps)]
+        for name, run in (runs if rnd % 2 == 0 else runs[::-1]):  # alternate the order: no contender always first
+            rows[name].append(run())
     if args.check:
         for name, opts in (("fabric", fab), ("tcp", {"transport": "tcp"})):
             checks.append((name, tether_write(opts, args.size, 3, True).check))

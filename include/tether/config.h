@@ -28,6 +28,8 @@ struct Config {
   std::string fabric_provider;      // TETHER_FABRIC_PROVIDER: cxi, efa, verbs, tcp, shm; "" = auto (cxi, efa, verbs, tcp)
   std::string fabric_domains;       // TETHER_FABRIC_DOMAINS: comma-separated domains (NICs) to use; "" = all
   uint32_t fabric_rails = 0;        // TETHER_FABRIC_RAILS: at most this many rails (domains); 0 = all
+  uint32_t fabric_busy_poll = 0;    // TETHER_FABRIC_BUSY_POLL: 1 = progress threads never sleep in the CQ
+                                    // (always on for shm, whose CQ wait does not see its peers)
   uint32_t fabric_delivery_complete = 1;  // TETHER_FABRIC_DELIVERY_COMPLETE: 0 = never ask it (writes then
                                           // end with a one-byte flush read; for providers and tests)
 

@@ -20,7 +20,7 @@ _OPTIONS = {
     "auth_token": "auth_token", "name": "name", "transport": "transport",
     "fabric_library": "fabric_library", "fabric_provider": "fabric_provider",
     "fabric_domains": "fabric_domains", "fabric_rails": "fabric_rails",
-    "fabric_delivery_complete": "fabric_delivery_complete",
+    "fabric_delivery_complete": "fabric_delivery_complete", "fabric_busy_poll": "fabric_busy_poll",
 }
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",

@@ -149,7 +149,8 @@ NB_MODULE(_tether, m) {
       .def_rw("fabric_provider", &Config::fabric_provider)
       .def_rw("fabric_domains", &Config::fabric_domains)
       .def_rw("fabric_rails", &Config::fabric_rails)
-      .def_rw("fabric_delivery_complete", &Config::fabric_delivery_complete);
+      .def_rw("fabric_delivery_complete", &Config::fabric_delivery_complete)
+      .def_rw("fabric_busy_poll", &Config::fabric_busy_poll);
 
   nb::class_<RemoteRegion>(m, "RemoteRegion")
       .def("__init__", [](RemoteRegion* self, nb::bytes b) { new (self) RemoteRegion(take(RemoteRegion::parse(as_string(b)))); })

@@ -38,6 +38,7 @@ Config Config::from_env() {
   env_str("TETHER_FABRIC_DOMAINS", c.fabric_domains);
   env_uint("TETHER_FABRIC_RAILS", c.fabric_rails);
   env_uint("TETHER_FABRIC_DELIVERY_COMPLETE", c.fabric_delivery_complete);
+  env_uint("TETHER_FABRIC_BUSY_POLL", c.fabric_busy_poll);
   return c;
 }
 

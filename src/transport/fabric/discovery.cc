@@ -116,6 +116,7 @@ Discovery& Discovery::operator=(Discovery&& o) noexcept {
   mr = o.mr;
   delivery_complete = o.delivery_complete;
   fence = o.fence;
+  busy_poll = o.busy_poll;
   warning = std::move(o.warning);
   return *this;
 }
@@ -171,6 +172,9 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
   d.lib = &lib;
   d.provider = provider;
   d.delivery_complete = dc;
+  // shm's completion queue wait is not woken by its peers' progress (measured: a write hangs while
+  // the target sleeps in fi_cq_sread), so its threads poll.
+  d.busy_poll = opt.busy_poll || provider == "shm";
   for (fi_info* i = list; i; i = i->next) {
     if (core_name(i) != provider) continue;
     const std::string dom = domain_name(i);

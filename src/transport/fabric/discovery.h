@@ -18,6 +18,7 @@ struct DiscoveryOptions {
   uint32_t max_rails = 0; // 0 = every domain
   std::string host;       // socket providers (tcp): bind rails to this address ("0.0.0.0": any)
   bool delivery_complete = true;  // ask FI_DELIVERY_COMPLETE where the provider takes it
+  bool busy_poll = false;         // never sleep in the completion queue
 };
 
 // How a provider wants memory registered (fi_info domain_attr->mr_mode, caps).
@@ -42,6 +43,7 @@ struct Discovery {
   MrMode mr;
   bool delivery_complete = false;  // writes can ask FI_DELIVERY_COMPLETE (tx op_flags accepted)
   bool fence = false;              // FI_FENCE: a fenced read waits for earlier writes (caps)
+  bool busy_poll = false;          // progress threads poll without sleeping in fi_cq_sread
   std::string warning;             // known-bad version, printed once by the transport
 
   Discovery() = default;

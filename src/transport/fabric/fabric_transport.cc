@@ -300,6 +300,7 @@ FabricTransportImpl::FabricTransportImpl(core::EndpointImpl* endpoint) : endpoin
   opt.max_rails = c.fabric_rails;
   opt.host = c.host;
   opt.delivery_complete = c.fabric_delivery_complete != 0;
+  opt.busy_poll = c.fabric_busy_poll != 0;
   if (!discover(*lib, opt, &disc_, &why)) {
     why_ = why;
     return;

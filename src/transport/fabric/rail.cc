@@ -38,7 +38,7 @@ std::unique_ptr<Rail> Rail::open(const Discovery& d, uint32_t index, std::string
   cq_attr.format = FI_CQ_FORMAT_MSG;
   cq_attr.size = kCqSize;
   cq_attr.wait_obj = FI_WAIT_UNSPEC;
-  if (fi_cq_open(r->domain_fid_, &cq_attr, &r->cq_, nullptr) == 0) {
+  if (!d.busy_poll && fi_cq_open(r->domain_fid_, &cq_attr, &r->cq_, nullptr) == 0) {
     r->can_wait_ = true;
   } else {
     cq_attr.wait_obj = FI_WAIT_NONE;
