@@ -7,10 +7,14 @@
 
 namespace tether {
 
+// Progress threads (channels) by default: half the CPUs, at least 4, at most 16. Measured: 4 is best on
+// 2 cores, 16 on a 32-core GPU host (docs/PERFORMANCE.md, "GPU memory over TCP").
+uint32_t default_channels();
+
 struct Config {
   std::string host = "127.0.0.1";   // TETHER_HOST: listen address ("0.0.0.0" for every interface)
   uint16_t port = 0;                // TETHER_PORT: 0 = ephemeral
-  uint32_t channels = 4;            // TETHER_CHANNELS: progress threads; lanes per peer = channels x sockets
+  uint32_t channels = default_channels();            // TETHER_CHANNELS: progress threads; lanes per peer = channels x sockets
   uint32_t sockets_per_channel = 1; // TETHER_SOCKETS_PER_CHANNEL
   uint64_t chunk_bytes = 1 << 20;   // TETHER_CHUNK_BYTES: unit of pipelining and scheduling
   uint32_t window = 32;             // TETHER_WINDOW: chunks in flight (un-acknowledged) per peer
@@ -22,7 +26,24 @@ struct Config {
   uint32_t spin_us = 50;            // TETHER_SPIN_US: wait() on a small transfer spins this long before sleeping
   std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
+  std::string unpack;               // TETHER_UNPACK: kernel, d2d or host; empty = kernel when built, else d2d
   std::string transport = "auto";   // TETHER_TRANSPORT: auto (best both sides offer), tcp, ipc, fabric, netplugin
+  // netplugin transport (docs/NETPLUGIN.md)
+  std::string net_plugin;           // TETHER_NET_PLUGIN: path of an NCCL net plugin (e.g. the TCPX libnccl-net.so)
+  uint32_t net_comms = 0;           // TETHER_NET_COMMS: lanes (send+recv comm pairs) per peer; 0 = one per plugin device, at least 2
+  std::string net_bindings;         // TETHER_NET_BINDINGS: "nic:cpus;nic:cpus" pins the thread serving each plugin device
+  // Many NICs (docs/ARCHITECTURE.md, "NICs, lanes and threads").
+  std::string nics;                 // TETHER_NICS: data NICs in order, "eth1,eth2"; empty = every NIC that is up, ranked
+  std::string control_nic;          // TETHER_CONTROL_NIC: NIC of the control connection; empty = the listen/target address
+  std::string tx_cpus;              // TETHER_TX_CPUS: "eth1:8-21;eth2:22-35" CPUs of the progress threads serving a NIC
+  std::string rx_cpus;              // TETHER_RX_CPUS: same form; a progress thread drives both directions (union)
+  uint32_t pin_threads = 1;         // TETHER_PIN_THREADS: 0 = never pin; 1 = pin to CPUs local to the thread's NIC
+  uint32_t lane_timeout_ms = 5000;  // TETHER_LANE_TIMEOUT_MS: unacknowledged data this long kills a lane (its chunks move)
+  bool disable_ipc = false;         // TETHER_DISABLE_IPC=1: never offer ipc (same-host peers use tcp)
+  std::string ipc_host = "auto";    // TETHER_IPC_HOST: host memory over ipc: auto (cross-memory attach
+                                    // where the kernel allows it, else shared memory), cma (only), shm
+  uint64_t ipc_gpu_chunk_bytes = 16 << 20;  // TETHER_IPC_GPU_CHUNK_BYTES: chunk size over ipc when both ends are
+                                            // GPU memory (copies by the copy engines; small chunks cannot fill NVLink)
   // fabric transport (libfabric, loaded at run time)
   std::string fabric_library;       // TETHER_LIBFABRIC_SO: path of libfabric; "" = the system's libfabric.so.1
   std::string fabric_provider;      // TETHER_FABRIC_PROVIDER: cxi, efa, verbs, tcp, shm; "" = auto (cxi, efa, verbs, tcp)

@@ -32,6 +32,7 @@ class Region {
   void* data() const;
   uint64_t size() const;
   MemoryKind kind() const;
+  int device() const;  // GPU index, -1 for host memory
   bool readonly() const;
   bool valid() const { return state_ != nullptr; }
   // Bytes granting access to [offset, offset+length) of this region and nothing else.
@@ -123,9 +124,31 @@ struct Notification {
   std::string data;
 };
 
+// What a lane or a NIC carried. errors: lanes lost; resends: chunks moved off a lost lane.
+struct LinkStats {
+  uint64_t bytes_sent = 0, bytes_received = 0, chunks_sent = 0, chunks_received = 0, errors = 0, resends = 0;
+};
+struct NicStats {
+  std::string name;   // interface; "other" for lanes on no known interface
+  LinkStats link;
+};
+struct LaneStats {    // one channel (lane) of a live peer
+  uint64_t peer_id = 0;
+  std::string peer_name;
+  uint32_t lane = 0;
+  bool alive = true;
+  std::string local_nic, local_addr, remote_nic, remote_addr;
+  LinkStats link;
+};
+
 struct EndpointStats {
   uint64_t bytes_sent = 0, bytes_received = 0, chunks_sent = 0, chunks_received = 0;
   uint64_t transfers_completed = 0, transfers_failed = 0, rejected_requests = 0;
+  std::vector<NicStats> nics;    // NICs that are data NICs or carried a lane
+  std::vector<LaneStats> lanes;  // lanes of the peers connected now
+  uint64_t ipc_cma_chunks = 0, ipc_shm_chunks = 0;  // chunks this side served as an ipc target, by mover
+  uint64_t ipc_cuda_chunks = 0;  // chunks whose GPU side this endpoint copied with CUDA over ipc
+  uint64_t ipc_cuda_opens = 0;   // CUDA IPC handles of peers' allocations this endpoint opened (cached after)
 };
 
 class Endpoint {

@@ -18,6 +18,10 @@ _OPTIONS = {
     "sockets_per_channel": "sockets_per_channel", "chunk_bytes": "chunk_bytes",
     "window": "window", "socket_buffer": "socket_buffer", "spin_us": "spin_us",
     "auth_token": "auth_token", "name": "name", "transport": "transport",
+    "net_plugin": "net_plugin", "net_comms": "net_comms", "net_bindings": "net_bindings", "unpack": "unpack",
+    "nics": "nics", "control_nic": "control_nic", "tx_cpus": "tx_cpus", "rx_cpus": "rx_cpus",
+    "pin_threads": "pin_threads",
+    "disable_ipc": "disable_ipc", "ipc_host": "ipc_host", "ipc_gpu_chunk_bytes": "ipc_gpu_chunk_bytes",
     "fabric_library": "fabric_library", "fabric_provider": "fabric_provider",
     "fabric_domains": "fabric_domains", "fabric_rails": "fabric_rails",
     "fabric_delivery_complete": "fabric_delivery_complete", "fabric_busy_poll": "fabric_busy_poll",
@@ -25,6 +29,7 @@ _OPTIONS = {
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",
     "heartbeat": "heartbeat_ms", "handshake_timeout": "handshake_timeout_ms",
+    "lane_timeout": "lane_timeout_ms",
 }
 
 
@@ -84,6 +89,7 @@ class Region:
     ptr = property(lambda self: self._r.ptr)
     readonly = property(lambda self: self._r.readonly)
     kind = property(lambda self: self._r.kind)
+    device = property(lambda self: self._r.device, doc="GPU index, or -1 for host memory")
 
     def descriptor(self, offset: int = 0, length: Optional[int] = None) -> bytes:
         """Bytes (a RemoteRegion) granting access to [offset, offset+length) and nothing else."""
@@ -178,18 +184,35 @@ class Peer:
         return f"Peer(id={self.id}, name={self.name!r}, connected={self.connected})"
 
 
+def _as_gpu_bytes(obj: Any) -> Tuple[int, int, bool]:
+    """(pointer, nbytes, readonly) of a C-contiguous GPU array (__cuda_array_interface__: torch, cupy, numba)."""
+    cai = obj.__cuda_array_interface__
+    ptr, ro = cai["data"]
+    shape = tuple(int(n) for n in cai["shape"])
+    itemsize = np.dtype(cai["typestr"]).itemsize
+    strides = cai.get("strides")
+    if strides is not None:
+        expect, step = [], itemsize
+        for n in reversed(shape):
+            expect.append(step)
+            step *= n
+        if tuple(strides) != tuple(reversed(expect)) and int(np.prod(shape)) > 1:
+            raise _tether.InvalidArgument("cannot register a non-contiguous GPU array")
+    return int(ptr or 0), int(np.prod(shape, dtype=np.int64)) * itemsize, bool(ro)
+
+
 def _as_host_bytes(obj: Any) -> Tuple[int, int, bool]:
     """(pointer, nbytes, readonly) of a C-contiguous host buffer (buffer protocol or DLPack)."""
-    if hasattr(obj, "__cuda_array_interface__"):
-        raise _tether.Unavailable("GPU memory is not supported by this build yet")
     try:
         arr = np.asarray(memoryview(obj))
     except TypeError:
         if not hasattr(obj, "__dlpack__"):
             raise _tether.InvalidArgument(
                 f"cannot register {type(obj).__name__}: expected the buffer protocol, DLPack, or (pointer, nbytes)")
-        if hasattr(obj, "__dlpack_device__") and obj.__dlpack_device__()[0] != 1:
-            raise _tether.Unavailable("GPU memory is not supported by this build yet")
+        if hasattr(obj, "__dlpack_device__") and obj.__dlpack_device__()[0] not in (1, 3):  # CPU, CUDA-pinned
+            raise _tether.InvalidArgument(
+                f"cannot register {type(obj).__name__} on DLPack device {obj.__dlpack_device__()}: GPU objects "
+                "need __cuda_array_interface__ (torch, cupy), or pass (pointer, nbytes) with device=")
         arr = np.from_dlpack(obj)
     if not arr.flags.c_contiguous:
         raise _tether.InvalidArgument("cannot register a non-contiguous buffer")
@@ -200,7 +223,8 @@ class Endpoint:
     """One per process. Listens, accepts peers by itself, owns regions, peers and progress threads.
 
     Options (each with a TETHER_* environment override): host, port, channels, sockets_per_channel,
-    chunk_bytes, window, socket_buffer, spin_us, auth_token, name, and in seconds connect_timeout,
+    chunk_bytes, window, socket_buffer, spin_us, auth_token, name, transport, net_plugin, net_comms,
+    net_bindings, unpack, and in seconds connect_timeout,
     peer_timeout, heartbeat, handshake_timeout.
     """
 
@@ -241,20 +265,27 @@ class Endpoint:
             target = target.encode()
         return Peer(self._ep.connect(bytes(target), -1.0 if timeout is None else float(timeout)))
 
-    def register(self, obj: Any, *, readonly: Optional[bool] = None) -> Region:
-        """Registers a numpy array, any buffer-protocol or DLPack object, or (pointer, nbytes)."""
+    def register(self, obj: Any, *, readonly: Optional[bool] = None, device: Optional[int] = None) -> Region:
+        """Registers host or GPU memory: a numpy array or any buffer-protocol / DLPack object, a GPU
+        tensor or array (torch, cupy: anything with __cuda_array_interface__), or (pointer, nbytes).
+        A raw pointer is GPU memory when `device` is given or CUDA says so; host memory otherwise."""
         if isinstance(obj, tuple):
             if len(obj) != 2:
                 raise _tether.InvalidArgument("expected (pointer, nbytes)")
             ptr, nbytes = int(obj[0]), int(obj[1])
             ro = bool(readonly)
+            if device is None:
+                device = _tether.pointer_device(ptr) if ptr else -1
+                device = None if device < 0 else device
+            cuda = device is not None
         else:
-            ptr, nbytes, ro = _as_host_bytes(obj)
+            cuda = hasattr(obj, "__cuda_array_interface__")
+            ptr, nbytes, ro = _as_gpu_bytes(obj) if cuda else _as_host_bytes(obj)
             if readonly is not None:
                 if ro and not readonly:
                     raise _tether.InvalidArgument("the object is read-only; it cannot be registered writable")
                 ro = readonly
-        region = Region(self._ep.register_memory(ptr, nbytes, False, -1, ro), obj)
+        region = Region(self._ep.register_memory(ptr, nbytes, cuda, -1 if device is None else int(device), ro), obj)
         with self._lock:
             self._regions[region.id] = region
         return region

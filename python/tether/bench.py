@@ -23,6 +23,45 @@ import tether
 POISON = 0xA5
 
 
+class Mem:
+    """A benchmark buffer in host memory (numpy) or on GPU `device` (a torch tensor)."""
+
+    def __init__(self, n: int, device: Optional[int] = None):
+        self.device = device
+        if device is None:
+            self.obj = np.empty(max(n, 1), dtype=np.uint8)
+        else:
+            import torch
+            self.obj = torch.empty(max(n, 1), dtype=torch.uint8, device=f"cuda:{device}")
+
+    def fill(self, value: int, n: Optional[int] = None) -> None:
+        if self.device is None:
+            self.obj[:n].fill(value)
+        else:
+            self.obj[:n].fill_(value)
+            self._sync()
+
+    def put(self, off: int, data: np.ndarray) -> None:
+        if self.device is None:
+            self.obj[off:off + data.size] = data
+        else:
+            import torch
+            self.obj[off:off + data.size].copy_(torch.from_numpy(data))
+            self._sync()
+
+    def get(self, off: int, n: int) -> np.ndarray:
+        if self.device is None:
+            return self.obj[off:off + n]
+        return self.obj[off:off + n].cpu().numpy()
+
+    def flip(self, off: int) -> None:
+        self.put(off, self.get(off, 1) ^ 0xFF)
+
+    def _sync(self) -> None:
+        import torch
+        torch.cuda.synchronize(self.device)
+
+
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -149,15 +188,15 @@ def serve(ep: "tether.Endpoint", channel) -> bool:
     """Target side: answers one client's commands until 'exit' (returns False) or 'shutdown' (True).
     Every command is (name, slot, *args): a slot is one target buffer (full mesh drives several);
     ('setup', slot, capacity) (re)allocates it and answers with its descriptor."""
-    slots: dict[int, tuple[np.ndarray, "tether.Region"]] = {}
+    slots: dict[int, tuple[Mem, "tether.Region"]] = {}
     rng = np.random.default_rng()
 
-    def setup(slot: int, n: int):
+    def setup(slot: int, n: int, device: Optional[int] = None):
         if slot in slots:
             ep.deregister(slots[slot][1])
-        b = np.empty(max(n, 1), dtype=np.uint8)
+        b = Mem(n, device)
         b.fill(POISON)
-        slots[slot] = (b, ep.register(b))
+        slots[slot] = (b, ep.register(b.obj))
         return slots[slot][1].descriptor()
 
     peer = getattr(channel, "peer", None)
@@ -168,28 +207,29 @@ def serve(ep: "tether.Endpoint", channel) -> bool:
         if peer is None:
             peer = getattr(channel, "peer", None) or ep.peers()[0]
         if cmd == "setup":
-            channel.send(setup(slot, args[0]))
+            channel.send(setup(slot, *args))
             continue
         buf, region = slots[slot]
         if cmd == "cpu":
             channel.send(cpu_seconds())
         elif cmd == "poison":
-            buf[: args[0]].fill(POISON)
+            buf.fill(POISON, args[0])
             channel.send(True)
         elif cmd == "corrupt":  # fault injection, so tests can prove --check catches a bad byte
-            buf[args[0]] ^= 0xFF
+            buf.flip(args[0])
             channel.send(True)
         elif cmd == "verify":  # [(offset, length), ...], expected digest of their concatenation
             spans, expect = args
             h = hashlib.blake2b(digest_size=16)
             for off, n in spans:
-                h.update(memoryview(buf[off:off + n]))
+                h.update(memoryview(buf.get(off, n)))
             channel.send(h.digest() == expect)
         elif cmd == "fill":  # random source data for reads; returns the digest of the spans
             h = hashlib.blake2b(digest_size=16)
             for off, n in args[0]:
-                buf[off:off + n] = rng.integers(0, 256, n, dtype=np.uint8)
-                h.update(memoryview(buf[off:off + n]))
+                data = rng.integers(0, 256, n, dtype=np.uint8)
+                buf.put(off, data)
+                h.update(memoryview(data))
             channel.send(h.digest())
         elif cmd == "recv":  # post `count` receives of `size` bytes, one after another
             size, count = args
@@ -199,10 +239,10 @@ def serve(ep: "tether.Endpoint", channel) -> bool:
             channel.send(True)
         elif cmd == "recv_check":
             size, expect = args
-            buf[:size].fill(POISON)
+            buf.fill(POISON, size)
             channel.send(True)
             t = peer.recv(region, length=size).wait(300)
-            channel.send(t.bytes == size and digest(buf[:size]) == expect)
+            channel.send(t.bytes == size and digest(buf.get(0, size)) == expect)
         else:
             raise ValueError(f"unknown bench command {cmd!r}")
 
@@ -224,12 +264,12 @@ class Pair:
     (slot `slot` of the server; full mesh runs several slots over one link)."""
 
     def __init__(self, ep: "tether.Endpoint", peer: "tether.Peer", channel, capacity: int, connect_ms: float,
-                 slot: int = 0, lock=None):
+                 slot: int = 0, lock=None, device: Optional[int] = None, remote_device: Optional[int] = None):
         self.ep, self.peer, self.channel, self.capacity, self.connect_ms = ep, peer, channel, capacity, connect_ms
-        self.slot, self.lock = slot, lock
-        self.remote = self.ask("setup", capacity)
-        self.src = np.empty(capacity, dtype=np.uint8)
-        self.src_region = ep.register(self.src)
+        self.slot, self.lock, self.device, self.remote_device = slot, lock, device, remote_device
+        self.remote = self.ask("setup", capacity, remote_device)
+        self.src = Mem(capacity, device)
+        self.src_region = ep.register(self.src.obj)
 
     def ask(self, cmd, *args):
         if self.lock is None:
@@ -250,7 +290,7 @@ class Pair:
 class LocalPair(Pair):
     """Spawns the server as a second local process."""
 
-    def __init__(self, options: dict, capacity: int):
+    def __init__(self, options: dict, capacity: int, device: Optional[int] = None, remote_device: Optional[int] = None):
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_local_server, args=(child, options), daemon=True)
@@ -260,7 +300,8 @@ class LocalPair(Pair):
         ep = tether.Endpoint(**options)
         t0 = time.perf_counter()
         peer = ep.connect(metadata)
-        super().__init__(ep, peer, channel, capacity, (time.perf_counter() - t0) * 1e3)
+        super().__init__(ep, peer, channel, capacity, (time.perf_counter() - t0) * 1e3,
+                         device=device, remote_device=remote_device)
 
     def close(self, shutdown: bool = False) -> None:
         super().close(shutdown)
@@ -272,11 +313,13 @@ class LocalPair(Pair):
 class RemotePair(Pair):
     """Connects to a `tether bench --role server` (metadata bytes or "host:port")."""
 
-    def __init__(self, options: dict, capacity: int, target):
+    def __init__(self, options: dict, capacity: int, target, device: Optional[int] = None,
+                 remote_device: Optional[int] = None):
         ep = tether.Endpoint(**options)
         t0 = time.perf_counter()
         peer = ep.connect(target, timeout=30)
-        super().__init__(ep, peer, NotifyChannel(ep, peer), capacity, (time.perf_counter() - t0) * 1e3)
+        super().__init__(ep, peer, NotifyChannel(ep, peer), capacity, (time.perf_counter() - t0) * 1e3,
+                         device=device, remote_device=remote_device)
 
 
 def _layout(case: Case, capacity: int, rng: np.random.Generator) -> list[tuple[int, int, int]]:
@@ -287,7 +330,7 @@ def _layout(case: Case, capacity: int, rng: np.random.Generator) -> list[tuple[i
     return [(i * case.size, int(order[i]) * case.size, case.size) for i in range(n)]
 
 
-def run_case(pair: Pair, case: Case, transport: str = "tcp", progress: Optional[Callable] = None) -> Result:
+def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: Optional[Callable] = None) -> Result:
     rng = np.random.default_rng()
     blocks = _layout(case, pair.capacity, rng)
     total = case.size * case.num_iovs
@@ -350,8 +393,11 @@ def run_case(pair: Pair, case: Case, transport: str = "tcp", progress: Optional[
         cpu_s = float("nan")
     else:
         cpu_s = pair.ask("cpu") - cpu_s0
+    where = lambda d: "cpu" if d is None else f"gpu{d}"  # noqa: E731
     return Result(
-        mode=case.mode, transport=transport, device="cpu", size=case.size, num_iovs=case.num_iovs,
+        mode=case.mode, transport=transport or pair.peer.transport,
+        device=f"{where(pair.device)}>{where(pair.remote_device)}" if pair.device is not None or pair.remote_device is not None else "cpu",
+        size=case.size, num_iovs=case.num_iovs,
         iters=case.iters, gbps=total * case.iters / elapsed / 1e9,
         lat_p50_us=float(np.percentile(lat, 50) * 1e6), lat_p99_us=float(np.percentile(lat, 99) * 1e6),
         cpu_client=100.0 * cpu_c / elapsed, cpu_server=100.0 * cpu_s / elapsed, check=check_ok)
@@ -361,13 +407,13 @@ def _checked_iteration(pair: Pair, case: Case, blocks, post, rng) -> bool:
     total = case.size * case.num_iovs
     if case.mode == "write":
         for lo, _, n in blocks:
-            pair.src[lo:lo + n] = rng.integers(0, 256, n, dtype=np.uint8)
+            pair.src.put(lo, rng.integers(0, 256, n, dtype=np.uint8))
         pair.ask("poison", pair.capacity)
         post().wait(120)
         h = hashlib.blake2b(digest_size=16)
         spans = sorted(((ro, lo, n) for lo, ro, n in blocks))
         for ro, lo, n in spans:
-            h.update(memoryview(pair.src[lo:lo + n]))
+            h.update(memoryview(pair.src.get(lo, n)))
         return pair.ask("verify", [(ro, n) for ro, _, n in spans], h.digest())
     if case.mode == "read":
         expect_by_remote = pair.ask("fill", [(ro, n) for _, ro, n in sorted(blocks, key=lambda b: b[1])])
@@ -375,10 +421,11 @@ def _checked_iteration(pair: Pair, case: Case, blocks, post, rng) -> bool:
         post().wait(120)
         h = hashlib.blake2b(digest_size=16)
         for lo, ro, n in sorted(blocks, key=lambda b: b[1]):
-            h.update(memoryview(pair.src[lo:lo + n]))
+            h.update(memoryview(pair.src.get(lo, n)))
         return h.digest() == expect_by_remote
-    pair.src[:total] = rng.integers(0, 256, total, dtype=np.uint8)
-    pair.ask("recv_check", total, digest(pair.src[:total]))
+    data = rng.integers(0, 256, total, dtype=np.uint8)
+    pair.src.put(0, data)
+    pair.ask("recv_check", total, digest(data))
     post().wait(120)
     return bool(pair.channel.recv())
 

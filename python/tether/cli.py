@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Optional
 
+import tether
+
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 
 
@@ -44,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk-bytes", type=_csv(parse_size), default=None)
     b.add_argument("--window", type=_csv(int), default=None)
     b.add_argument("--unpack", choices=["kernel", "d2d", "host"], default=None)
-    b.add_argument("--nics", default=None)
+    b.add_argument("--nics", default=None, help="data NICs in order, e.g. eth1,eth2 (sets TETHER_NICS)")
+    b.add_argument("--stats", action="store_true", help="per-NIC and per-channel counters of the driving endpoint")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--role", choices=["local", "server", "client"], default=None,
                    help="local: two processes here (default); server/client: one side each on two hosts. "
@@ -102,6 +105,39 @@ def _run_server(args, options: dict) -> int:
     return 0
 
 
+def _torch_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def stats_tables(console, stats: dict, combo: dict) -> None:
+    """Per-NIC and per-channel (lane) counters: bytes, chunks, lanes lost, chunks resent elsewhere."""
+    from rich.table import Table
+
+    cols = ("MiB sent", "MiB received", "chunks sent", "chunks received", "errors", "resends")
+
+    def nums(x):
+        return [f"{x['bytes_sent'] / 2**20:.1f}", f"{x['bytes_received'] / 2**20:.1f}", str(x["chunks_sent"]),
+                str(x["chunks_received"]), str(x["errors"]), str(x["resends"])]
+
+    t = Table(title=f"per NIC {combo or ''}")
+    for c in ("NIC",) + cols:
+        t.add_column(c, justify="right")
+    for n in stats["nics"]:
+        t.add_row(n["name"], *nums(n))
+    console.print(t)
+    t = Table(title="per channel (lane)")
+    for c in ("peer", "lane", "local NIC", "local", "remote", "alive") + cols:
+        t.add_column(c, justify="right")
+    for l in stats["lanes"]:
+        t.add_row(l["peer"], str(l["lane"]), l["local_nic"] or "-", l["local_addr"], l["remote_addr"],
+                  "yes" if l["alive"] else "[red]no[/red]", *nums(l))
+    console.print(t)
+
+
 def bench(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -121,23 +157,27 @@ def bench(args) -> int:
         console.print("[red]--role client needs --peer HOST:PORT (or torchrun)[/red]")
         return 2
     device = args.device
+    cuda, why, ngpu = tether._tether.gpu_status()[:3]
     if device == "auto":
-        device = "cpu"  # GPU regions arrive with the GPU-over-TCP transport
+        device = "cpu"  # GPU memory on request (--device gpu): same-host ipc moves host memory only so far
     if device == "gpu":
-        console.print("[red]--device gpu: GPU memory is not supported by this build yet[/red]")
-        return 2
-    if args.transport != "auto":
-        import tether
-
-        with tether.Endpoint() as probe:
-            why = probe.transports().get(args.transport, "this build does not have it")
-        if why:
-            console.print(f"[red]--transport {args.transport}: not usable here: {why}[/red]")
+        if not cuda or not _torch_cuda():
+            console.print(f"[red]--device gpu needs CUDA and torch with a GPU here ({why or 'torch has no CUDA'})[/red]")
             return 2
-    # Both sides of every pair use it (TETHER_FABRIC_PROVIDER etc. pick the fabric's provider).
-    base = {} if args.transport == "auto" else {"transport": args.transport}
-    if args.unpack or args.nics:
-        console.print("[yellow]--unpack/--nics have no effect on host-memory TCP transfers[/yellow]")
+        for idx in (args.local_gpu_idx, args.remote_gpu_idx):
+            if not 0 <= idx < ngpu:
+                console.print(f"[red]GPU {idx} does not exist ({ngpu} visible)[/red]")
+                return 2
+    transport_opts = {} if args.transport == "auto" else {"transport": args.transport}
+    if args.transport != "auto":
+        with tether.Endpoint(port=0) as probe:
+            why = probe.transports().get(args.transport, "not built into this tether")
+        if why:
+            console.print(f"[red]--transport {args.transport}: not available here ({why})[/red]")
+            return 2
+    if args.nics:
+        os.environ["TETHER_NICS"] = args.nics  # both endpoints (a local server inherits it)
+    gpu_kw = dict(device=args.local_gpu_idx, remote_device=args.remote_gpu_idx) if device == "gpu" else {}
     modes = args.mode
     for m in modes:
         if m not in ("write", "read", "send"):
@@ -147,7 +187,7 @@ def bench(args) -> int:
     if role == "server":
         single = {k: v[0] for k, v in (("channels", args.channels), ("sockets_per_channel", args.sockets_per_channel),
                                          ("chunk_bytes", args.chunk_bytes), ("window", args.window)) if v}
-        return _run_server(args, dict(base, **single))
+        return _run_server(args, dict(single, **transport_opts))
     if role == "client" and torchrun:
         target = _torch_store().get("tether/bench/metadata")
     else:
@@ -183,8 +223,11 @@ def bench(args) -> int:
                 results.extend(mesh.run(args.gpus, combo, capacity, cases_per_combo, args.single_process,
                                         progress=lambda: progress.advance(task)))
                 continue
-            opts = dict(base, **combo)
-            pair = B.LocalPair(opts, capacity) if role == "local" else B.RemotePair(opts, capacity, target)
+            if args.unpack:
+                combo = dict(combo, unpack=args.unpack)
+            opts = dict(combo, **transport_opts)
+            pair = (B.LocalPair(opts, capacity, **gpu_kw) if role == "local"
+                    else B.RemotePair(opts, capacity, target, **gpu_kw))
             last = i == len(combos) - 1
             try:
                 for case in cases_per_combo:
@@ -192,6 +235,8 @@ def bench(args) -> int:
                     r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda: progress.advance(task))
                     r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
                     results.append(r)
+                if args.stats:
+                    stats_tables(console, pair.ep.stats(), combo)
             finally:
                 pair.close(shutdown=last and bool(torchrun))
 
@@ -217,7 +262,7 @@ def bench(args) -> int:
     if args.json:
         doc = {
             "version": 1, "machine": B.machine_info(),
-            "config": {"transport": results[0].transport if results else args.transport, "device": device, "async_api": args.async_api, "combos": combos},
+            "config": {"transport": ",".join(sorted({r.transport for r in results})) or args.transport, "device": device, "async_api": args.async_api, "combos": combos},
             "results": [dict(B.result_dict(r), config=r.config) for r in results],
         }
         with open(args.json, "w") as f:

@@ -15,19 +15,22 @@ def _read(path: str, default: str = "") -> str:
         return default
 
 
-def _nics() -> list[dict[str, Any]]:
+def _nics(topology: dict[str, Any]) -> list[dict[str, Any]]:
+    """NICs as the C++ side (src/sys/topology.cc) discovered them, plus what it decided about each."""
+    data = topology["data_nics"]
     out = []
-    for dev in sorted(glob.glob("/sys/class/net/*")):
-        name = os.path.basename(dev)
-        speed = _read(f"{dev}/speed", "")
-        pci = os.path.realpath(f"{dev}/device") if os.path.exists(f"{dev}/device") else None
+    for n in topology["nics"]:
         out.append({
-            "name": name,
-            "state": _read(f"{dev}/operstate", "unknown"),
-            "speed_mbps": int(speed) if speed.lstrip("-").isdigit() and int(speed) > 0 else None,
-            "numa_node": int(_read(f"{dev}/device/numa_node", "-1") or -1) if pci else None,
-            "pci_path": pci,
-            "mtu": int(_read(f"{dev}/mtu", "0") or 0),
+            "name": n["name"],
+            "state": "up" if n["up"] else "down",
+            "addrs": n["addrs"],
+            "speed_mbps": n["speed_mbps"] if n["speed_mbps"] > 0 else None,
+            "numa_node": n["numa_node"] if n["pci_path"] else None,
+            "pci_path": n["pci_path"] or None,
+            "local_cpus": n["local_cpus"],
+            "mtu": int(_read(f"/sys/class/net/{n['name']}/mtu", "0") or 0),
+            "use": ("data #%d" % data.index(n["name"]) if n["name"] in data else "") +
+                   (" control" if n["name"] == topology["control_nic"] else ""),
         })
     return out
 
@@ -71,27 +74,18 @@ def _nvlink_matrix() -> str:
         return ""
 
 
-def _pci_closeness(a: str | None, b: str | None) -> int:
-    """Shared leading components of two sysfs PCI paths: more means fewer bridges between them."""
-    if not a or not b:
-        return 0
-    n = 0
-    for x, y in zip(a.split("/"), b.split("/")):
-        if x != y:
-            break
-        n += 1
-    return n
+def topology(gpus: list[dict]) -> dict[str, Any]:
+    """What an endpoint created with this environment would use: data NICs in order, the control NIC,
+    each progress thread's NIC and CPUs, and per GPU its data NICs nearest first (the C++ ranking)."""
+    import tether
+    from tether import _tether
 
-
-def affinity(gpus: list[dict], nics: list[dict]) -> dict[int, list[str]]:
-    """Per GPU, physical NICs ordered nearest first: same NUMA node, then PCI closeness."""
-    physical = [n for n in nics if n["pci_path"]]
-    out = {}
-    for g in gpus:
-        ranked = sorted(physical, key=lambda n: (n["numa_node"] != g["numa_node"],
-                                                 -_pci_closeness(g["pci_path"], n["pci_path"])))
-        out[g["index"]] = [n["name"] for n in ranked]
-    return out
+    try:
+        t = _tether.topology(_tether.Config.from_env(), [(g["pci_path"] or "", g["numa_node"]) for g in gpus])
+    except tether.TetherError as e:
+        return {"error": str(e), "nics": [], "data_nics": [], "control_nic": None, "threads": [], "gpu_nics": {}}
+    t["gpu_nics"] = {str(g["index"]): r for g, r in zip(gpus, t.pop("device_ranks"))}
+    return t
 
 
 def _nccl_net_plugins() -> list[str]:
@@ -154,13 +148,17 @@ def collect() -> dict[str, Any]:
         "fabric": {"available": False, "why": "not in this build yet" + ("" if fabric else "; libfabric.so not found")},
         "netplugin": {"available": False, "why": "not in this build yet"},
     }
-    with tether.Endpoint() as probe:  # what this build reports (fabric: libfabric found, a provider usable)
-        for name, why in probe.transports().items():
-            transports[name] = {"available": why == "", "why": why or transports.get(name, {}).get("why", "usable")}
+    try:
+        with tether.Endpoint() as probe:  # what this build reports (fabric: libfabric found, a provider usable)
+            for name, why in probe.transports().items():
+                transports[name] = {"available": why == "", "why": why or transports.get(name, {}).get("why", "usable")}
+    except tether.TetherError:
+        pass  # a bad TETHER_* setting; the sections below report it
     if transports.get("fabric", {}).get("available"):
         transports["fabric"]["why"] = "libfabric provider " + (os.environ.get("TETHER_FABRIC_PROVIDER") or "auto")
-    nics = _nics()
     gpus = _gpus()
+    topo = topology(gpus)
+    nics = _nics(topo) if topo["nics"] else []
     return {
         "tether": tether.__version__,
         "wire_version": tether.WIRE_VERSION,
@@ -169,7 +167,8 @@ def collect() -> dict[str, Any]:
         "nics": nics,
         "gpus": gpus,
         "nvlink_topology": _nvlink_matrix(),
-        "gpu_nic_affinity": {str(k): v for k, v in affinity(gpus, nics).items()},
+        "gpu_nic_affinity": topo["gpu_nics"],
+        "topology": topo,
         "cuda": bool(cuda),
         "libfabric": fabric,
         "libfabric_providers": _fabric_providers() if fabric else None,
@@ -210,11 +209,21 @@ def render(report: dict[str, Any]) -> None:
     if report["nvlink_topology"]:
         c.print("[bold]GPU topology (nvidia-smi topo -m)[/bold]")
         c.print(report["nvlink_topology"], markup=False)
-    t = _table("NICs", "name", "state", "speed", "NUMA", "PCI path")
+    topo = report["topology"]
+    if topo.get("error"):
+        c.print(f"[red]tether cannot start with this environment: {topo['error']}[/red]")
+    t = _table("NICs", "name", "state", "addresses", "speed", "NUMA", "local CPUs", "tether uses", "PCI path")
     for n in report["nics"]:
-        t.add_row(n["name"], n["state"], f"{n['speed_mbps']} Mb/s" if n["speed_mbps"] else "-",
-                  str(n["numa_node"]) if n["numa_node"] is not None else "-", n["pci_path"] or "virtual")
+        t.add_row(n["name"], n["state"], " ".join(n["addrs"]) or "-",
+                  f"{n['speed_mbps']} Mb/s" if n["speed_mbps"] else "-",
+                  str(n["numa_node"]) if n["numa_node"] is not None else "-", n["local_cpus"] or "-",
+                  n["use"] or "-", n["pci_path"] or "virtual")
     c.print(t)
+    if topo["threads"]:
+        t = _table("Progress threads (TETHER_CHANNELS, TETHER_TX_CPUS / TETHER_RX_CPUS)", "thread", "NIC", "CPUs", "why")
+        for th in topo["threads"]:
+            t.add_row(str(th["thread"]), th["nic"] or "-", th["cpus"] or "any", th["why"])
+        c.print(t)
     t = _table("Transports", "transport", "available", "why")
     for name, v in report["transports"].items():
         t.add_row(name, "[green]yes[/green]" if v["available"] else "[red]no[/red]", v["why"])

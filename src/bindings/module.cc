@@ -13,6 +13,8 @@
 #include <atomic>
 
 #include "core/wire.h"
+#include "gpu/staging.h"
+#include "sys/topology.h"
 #include "tether/endpoint.h"
 
 namespace nb = nanobind;
@@ -135,6 +137,7 @@ NB_MODULE(_tether, m) {
       .def_rw("channels", &Config::channels)
       .def_rw("sockets_per_channel", &Config::sockets_per_channel)
       .def_rw("chunk_bytes", &Config::chunk_bytes)
+      .def_rw("ipc_gpu_chunk_bytes", &Config::ipc_gpu_chunk_bytes)
       .def_rw("window", &Config::window)
       .def_rw("socket_buffer", &Config::socket_buffer)
       .def_rw("connect_timeout_ms", &Config::connect_timeout_ms)
@@ -145,6 +148,18 @@ NB_MODULE(_tether, m) {
       .def_rw("auth_token", &Config::auth_token)
       .def_rw("name", &Config::name)
       .def_rw("transport", &Config::transport)
+      .def_rw("net_plugin", &Config::net_plugin)
+      .def_rw("net_comms", &Config::net_comms)
+      .def_rw("net_bindings", &Config::net_bindings)
+      .def_rw("unpack", &Config::unpack)
+      .def_rw("nics", &Config::nics)
+      .def_rw("control_nic", &Config::control_nic)
+      .def_rw("tx_cpus", &Config::tx_cpus)
+      .def_rw("rx_cpus", &Config::rx_cpus)
+      .def_rw("pin_threads", &Config::pin_threads)
+      .def_rw("lane_timeout_ms", &Config::lane_timeout_ms)
+      .def_rw("disable_ipc", &Config::disable_ipc)
+      .def_rw("ipc_host", &Config::ipc_host)
       .def_rw("fabric_library", &Config::fabric_library)
       .def_rw("fabric_provider", &Config::fabric_provider)
       .def_rw("fabric_domains", &Config::fabric_domains)
@@ -171,6 +186,7 @@ NB_MODULE(_tether, m) {
       .def_prop_ro("ptr", [](const Region& r) { return reinterpret_cast<uintptr_t>(r.data()); })
       .def_prop_ro("readonly", &Region::readonly)
       .def_prop_ro("kind", [](const Region& r) { return r.kind() == MemoryKind::kHost ? "host" : "cuda"; })
+      .def_prop_ro("device", &Region::device)
       .def("descriptor", [](const Region& r, uint64_t offset, std::optional<uint64_t> length) {
             return as_bytes(take(r.descriptor(offset, length.value_or(UINT64_MAX))));
           }, "offset"_a = 0, "length"_a = nb::none());
@@ -239,6 +255,40 @@ NB_MODULE(_tether, m) {
             d["transfers_completed"] = s.transfers_completed;
             d["transfers_failed"] = s.transfers_failed;
             d["rejected_requests"] = s.rejected_requests;
+            auto link = [](nb::dict& x, const LinkStats& l) {
+              x["bytes_sent"] = l.bytes_sent;
+              x["bytes_received"] = l.bytes_received;
+              x["chunks_sent"] = l.chunks_sent;
+              x["chunks_received"] = l.chunks_received;
+              x["errors"] = l.errors;
+              x["resends"] = l.resends;
+            };
+            nb::list nics, lanes;
+            for (auto& n : s.nics) {
+              nb::dict x;
+              x["name"] = n.name;
+              link(x, n.link);
+              nics.append(x);
+            }
+            for (auto& l : s.lanes) {
+              nb::dict x;
+              x["peer_id"] = l.peer_id;
+              x["peer"] = l.peer_name;
+              x["lane"] = l.lane;
+              x["alive"] = l.alive;
+              x["local_nic"] = l.local_nic;
+              x["local_addr"] = l.local_addr;
+              x["remote_nic"] = l.remote_nic;
+              x["remote_addr"] = l.remote_addr;
+              link(x, l.link);
+              lanes.append(x);
+            }
+            d["nics"] = nics;
+            d["lanes"] = lanes;
+            d["ipc_cma_chunks"] = s.ipc_cma_chunks;
+            d["ipc_shm_chunks"] = s.ipc_shm_chunks;
+            d["ipc_cuda_chunks"] = s.ipc_cuda_chunks;
+            d["ipc_cuda_opens"] = s.ipc_cuda_opens;
             return d;
           })
       .def("close", [](Endpoint& e) {
@@ -249,6 +299,62 @@ NB_MODULE(_tether, m) {
           });
 
   m.attr("WIRE_VERSION") = tether::wire::kVersion;
+  // GPU index of a raw pointer (-1: host memory, or no CUDA here).
+  m.def("pointer_device", [](uintptr_t ptr) {
+    auto info = tether::gpu::pointer_info(reinterpret_cast<void*>(ptr));
+    return info.is_ok() && info.value().is_device ? info.value().device : -1;
+  });
+  // (usable, why not) for GPU memory and for the unpack kernels.
+  m.def("gpu_status", [] {
+    std::string why, kwhy;
+    const bool cuda = tether::gpu::cuda(&why) != nullptr;
+    const bool kernels = tether::gpu::kernels_available(&kwhy);
+    return nb::make_tuple(cuda, why, tether::gpu::device_count(), kernels, kwhy);
+  });
+  // What the C++ side decides for a Config on this host: NICs, their order, the control NIC, where
+  // progress threads run, and (with a device's PCI path / NUMA node) the NIC ranking. The doctor shows it.
+  m.def("topology", [](const Config& c, std::vector<std::tuple<std::string, int>> devices) {
+        auto plan = take(sys::make_plan(c));
+        auto nic_dict = [](const sys::Nic& n) {
+          nb::dict x;
+          x["name"] = n.name;
+          nb::list addrs;
+          for (auto& a : n.addrs) addrs.append(a.addr + "/" + std::to_string(a.prefix));
+          x["addrs"] = addrs;
+          x["up"] = n.up;
+          x["loopback"] = n.loopback;
+          x["speed_mbps"] = n.speed_mbps;
+          x["numa_node"] = n.numa_node;
+          x["pci_path"] = n.pci_path;
+          x["local_cpus"] = sys::format_cpu_list(n.local_cpus);
+          return x;
+        };
+        nb::dict d;
+        nb::list all, data, threads, ranks;
+        for (auto& n : plan.all) all.append(nic_dict(n));
+        for (auto& n : plan.data) data.append(n.name);
+        for (size_t t = 0; t < plan.threads.size(); ++t) {
+          const auto& p = plan.threads[t];
+          nb::dict x;
+          x["thread"] = t;
+          x["nic"] = p.nic >= 0 ? nb::object(nb::str(plan.data[size_t(p.nic)].name.c_str())) : nb::none();
+          x["cpus"] = sys::format_cpu_list(p.cpus);
+          x["why"] = p.why;
+          threads.append(x);
+        }
+        for (auto& [path, numa] : devices) {
+          nb::list order;
+          for (size_t i : sys::rank_nics(plan.data, path, numa)) order.append(plan.data[i].name);
+          ranks.append(order);
+        }
+        d["nics"] = all;
+        d["data_nics"] = data;
+        d["control_nic"] = plan.control >= 0 ? nb::object(nb::str(plan.all[size_t(plan.control)].name.c_str())) : nb::none();
+        d["threads"] = threads;
+        d["device_ranks"] = ranks;
+        return d;
+      }, "config"_a, "devices"_a = std::vector<std::tuple<std::string, int>>{});
+
   m.def("_begin_exit", [] { g_exiting.store(true, std::memory_order_release); });
   m.def("_threads_without_gil", [] { return g_released.load(); });
 }

@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 #include <string>
+#include <thread>
+#include <algorithm>
 
 namespace tether {
 namespace {
@@ -15,6 +17,11 @@ void env_str(const char* name, std::string& field) {
 }
 
 }  // namespace
+
+uint32_t default_channels() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return std::clamp<uint32_t>(n / 2, 4, 16);
+}
 
 Config Config::from_env() {
   Config c;
@@ -33,6 +40,19 @@ Config Config::from_env() {
   env_str("TETHER_AUTH_TOKEN", c.auth_token);
   env_str("TETHER_NAME", c.name);
   env_str("TETHER_TRANSPORT", c.transport);
+  env_str("TETHER_NET_PLUGIN", c.net_plugin);
+  env_uint("TETHER_NET_COMMS", c.net_comms);
+  env_str("TETHER_NET_BINDINGS", c.net_bindings);
+  env_str("TETHER_UNPACK", c.unpack);
+  env_str("TETHER_NICS", c.nics);
+  env_str("TETHER_CONTROL_NIC", c.control_nic);
+  env_str("TETHER_TX_CPUS", c.tx_cpus);
+  env_str("TETHER_RX_CPUS", c.rx_cpus);
+  env_uint("TETHER_PIN_THREADS", c.pin_threads);
+  env_uint("TETHER_LANE_TIMEOUT_MS", c.lane_timeout_ms);
+  env_uint("TETHER_DISABLE_IPC", c.disable_ipc);
+  env_str("TETHER_IPC_HOST", c.ipc_host);
+  env_uint("TETHER_IPC_GPU_CHUNK_BYTES", c.ipc_gpu_chunk_bytes);
   env_str("TETHER_LIBFABRIC_SO", c.fabric_library);
   env_str("TETHER_FABRIC_PROVIDER", c.fabric_provider);
   env_str("TETHER_FABRIC_DOMAINS", c.fabric_domains);

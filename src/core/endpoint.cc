@@ -28,8 +28,9 @@ struct MetadataHeader {
   uint16_t port;
   uint8_t endpoint[16];
   uint8_t host_id[32];
-  uint16_t host_len;      // listen host, then hostname, follow
+  uint16_t host_len;      // listen host, then hostname, then control address, follow
   uint16_t hostname_len;
+  uint16_t control_len;   // a wildcard listener's control NIC address ("" if none): where to connect
 };
 #pragma pack(pop)
 
@@ -76,9 +77,23 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
     return Status(Code::kInvalidArgument, "chunk_bytes, window, channels and sockets_per_channel must be positive");
   if (uint64_t(config.channels) * config.sockets_per_channel > kMaxLanes)
     return Status(Code::kInvalidArgument, "channels x sockets_per_channel must be at most 256");
+  // The unpack mode: a typo is an error everywhere; a mode this machine cannot run only where GPUs exist.
+  gpu::Unpack unpack = gpu::Unpack::kD2D;
+  if (auto u = gpu::parse_unpack(config.unpack); u.is_ok()) {
+    unpack = u.value();
+  } else if (u.status().code() == Code::kInvalidArgument || gpu::device_count() > 0) {
+    return u.status();
+  }
+  if (config.ipc_host != "auto" && config.ipc_host != "cma" && config.ipc_host != "shm")
+    return Status(Code::kInvalidArgument, "ipc_host must be auto, cma or shm (got \"" + config.ipc_host + "\")");
   EndpointId id;
   crypto::random_bytes(id.data(), id.size());
   std::shared_ptr<EndpointImpl> ep(new EndpointImpl(config, id));
+  ep->unpack_ = unpack;
+  auto plan = sys::make_plan(config);
+  if (!plan.is_ok()) return plan.status();
+  ep->plan_ = plan.take();
+  for (size_t i = 0; i <= ep->plan_.all.size(); ++i) ep->nic_counters_.push_back(std::make_unique<LinkCounters>());
   ep->host_id_ = sys::host_id();
   ep->name_ = config.name.empty() ? sys::hostname() + ":" + std::to_string(::getpid()) : config.name;
 
@@ -134,7 +149,7 @@ std::string EndpointImpl::address() const {
 }
 
 std::string EndpointImpl::metadata() const {
-  const std::string host = config_.host, hn = sys::hostname();
+  const std::string host = config_.host, hn = sys::hostname(), ctl = control_hint();
   MetadataHeader m{};
   m.magic = kMetadataMagic;
   m.version = wire::kVersion;
@@ -143,8 +158,52 @@ std::string EndpointImpl::metadata() const {
   std::memcpy(m.host_id, host_id_.data(), 32);
   m.host_len = uint16_t(host.size());
   m.hostname_len = uint16_t(hn.size());
+  m.control_len = uint16_t(ctl.size());
   std::string out(reinterpret_cast<const char*>(&m), sizeof m);
-  return out + host + hn;
+  return out + host + hn + ctl;
+}
+
+std::string EndpointImpl::control_hint() const {
+  if (!wildcard(config_.host)) return {};
+  if (plan_.control >= 0) return plan_.all[size_t(plan_.control)].primary()->addr;
+  return plan_.data.empty() ? std::string() : plan_.data.front().primary()->addr;
+}
+
+std::string EndpointImpl::advertised_nics() const {
+  std::vector<sys::RemoteNic> out;
+  for (const sys::Nic& n : plan_.data) {
+    const sys::NicAddr* a = n.primary();
+    if (!wildcard(config_.host) && a->addr != config_.host) continue;  // only what the listen socket serves
+    out.push_back(sys::RemoteNic{n.name, *a});
+  }
+  std::string text = sys::encode_nic_list(out);
+  return text.size() <= 0xffff ? text : std::string();
+}
+
+LanePath EndpointImpl::describe_lane(int fd, const sys::NicPair* pair) {
+  LanePath p;
+  p.local_addr = sys::local_addr(fd);
+  p.remote_addr = sys::remote_addr(fd);
+  p.nic = plan_.data_index_of_addr(p.local_addr);
+  size_t counters = plan_.all.size();  // "other"
+  for (size_t i = 0; i < plan_.all.size() && counters == plan_.all.size(); ++i)
+    for (auto& a : plan_.all[i].addrs)
+      if (a.addr == p.local_addr) {
+        counters = i;
+        p.local_nic = plan_.all[i].name;
+        break;
+      }
+  if (pair) p.remote_nic = pair->remote_name;
+  p.nic_counters = nic_counters_[counters].get();
+  return p;
+}
+
+void EndpointImpl::pin_progress_thread(uint32_t index) const {
+  if (index < plan_.threads.size()) (void)sys::pin_current_thread(plan_.threads[index].cpus);  // checked at create()
+}
+
+uint64_t EndpointImpl::chunk_for(uint64_t remote_chunk_bytes) const {
+  return remote_chunk_bytes ? std::min<uint64_t>(config_.chunk_bytes, remote_chunk_bytes) : config_.chunk_bytes;
 }
 
 uint32_t EndpointImpl::heartbeat_for(uint32_t remote_timeout_ms) const {
@@ -211,7 +270,7 @@ struct Target {
 using Chooser = std::function<Status(std::string_view offers, wire::ClientProof* cp, std::string* offer)>;
 
 Status client_handshake(int fd, const wire::ClientHello& ch, const std::string& token, int64_t deadline,
-                        wire::ServerHello* sh, const Chooser& choose) {
+                        wire::ServerHello* sh, const Chooser& choose, std::string* nic_list) {
   Status s = sys::write_all(fd, &ch, sizeof ch, deadline);
   if (s.is_ok()) s = sys::read_all(fd, sh, sizeof *sh, deadline);
   if (!s.is_ok()) return Status(s.code(), "handshake: " + s.message());
@@ -251,6 +310,13 @@ Status client_handshake(int fd, const wire::ClientHello& ch, const std::string& 
   if (done.status == uint8_t(wire::HelloStatus::kAuthFailed))
     return Status(Code::kAuthFailed, "peer refused our auth token");
   if (done.status != 0) return Status(Code::kProtocolError, "handshake: peer rejected the connection");
+  if (done.nic_list > 0) {  // control socket: the listener's data NICs follow
+    if (!nic_list || ch.kind != uint8_t(wire::SocketKind::kControl))
+      return Status(Code::kProtocolError, "handshake: NIC list on a data connection");
+    nic_list->resize(done.nic_list);
+    s = sys::read_all(fd, nic_list->data(), nic_list->size(), deadline);
+    if (!s.is_ok()) return Status(s.code(), "handshake: " + s.message());
+  }
   return Status::ok();
 }
 
@@ -267,12 +333,13 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
     if (m.version != wire::kVersion)
       return Status(Code::kProtocolError, "metadata from wire version " + std::to_string(m.version) +
                                               ", this build speaks " + std::to_string(wire::kVersion));
-    if (target_bytes.size() != sizeof m + m.host_len + m.hostname_len)
+    if (target_bytes.size() != sizeof m + m.host_len + m.hostname_len + m.control_len)
       return Status(Code::kInvalidArgument, "metadata is truncated or malformed");
     std::string host(target_bytes.substr(sizeof m, m.host_len));
     std::string hn(target_bytes.substr(sizeof m + m.host_len, m.hostname_len));
+    std::string ctl(target_bytes.substr(sizeof m + m.host_len + m.hostname_len, m.control_len));
     const bool same_host = std::memcmp(m.host_id, host_id_.data(), 32) == 0;
-    t.host = !wildcard(host) ? host : same_host ? "127.0.0.1" : hn;
+    t.host = !wildcard(host) ? host : same_host ? "127.0.0.1" : !ctl.empty() ? ctl : hn;
     t.port = m.port;
     t.has_id = true;
     std::memcpy(t.id.data(), m.endpoint, 16);
@@ -290,6 +357,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   ch.session = crypto::random_u64();
   ch.lanes = config_.channels * config_.sockets_per_channel;  // TCP data sockets, if tcp is chosen
   ch.peer_timeout_ms = config_.peer_timeout_ms;
+  ch.chunk_bytes = config_.chunk_bytes;
   std::memcpy(ch.host_id, host_id_.data(), 32);
   copy_name(ch.name, name_);
 
@@ -313,15 +381,52 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   std::vector<int> fds;
   auto cleanup = [&] { for (int fd : fds) ::close(fd); };
   uint32_t lanes = 0;  // TCP data sockets to open: known once the control handshake chose tcp
+  std::string nic_text;
+  std::vector<sys::NicPair> pairs;  // local/remote NIC per channel (src/sys/topology.h)
+  std::vector<uint8_t> pair_bad;
+  std::vector<LanePath> paths;
+  const std::string control_bind = plan_.control >= 0 ? plan_.all[size_t(plan_.control)].primary()->addr : "";
+  const uint32_t per_channel = config_.sockets_per_channel;
   for (uint32_t lane = 0; lane <= lanes; ++lane) {
-    auto fd = sys::connect_tcp(t.host, t.port, deadline, lane == 0 ? 0 : config_.socket_buffer);
+    Result<int> fd = Status(Code::kInternal, "no lane");
+    const sys::NicPair* pair = nullptr;
+    if (lane == 0) {
+      fd = sys::connect_tcp(t.host, t.port, deadline, 0, control_bind);
+    } else {
+      // Channel c uses pair c % n; a pair that cannot connect is skipped for the rest.
+      const size_t first = ((lane - 1) / per_channel) % pairs.size();
+      for (size_t k = 0; k < pairs.size(); ++k) {
+        const size_t i = (first + k) % pairs.size();
+        if (pair_bad[i]) continue;
+        fd = sys::connect_tcp(pairs[i].remote_addr, t.port, deadline, config_.socket_buffer, pairs[i].local_addr);
+        if (fd.is_ok()) { pair = &pairs[i]; break; }
+        pair_bad[i] = 1;
+      }
+    }
     if (!fd.is_ok()) { cleanup(); return fd.status(); }
     fds.push_back(fd.value());
     crypto::random_bytes(ch.nonce, sizeof ch.nonce);
     ch.kind = uint8_t(lane == 0 ? wire::SocketKind::kControl : wire::SocketKind::kData);
     ch.lane = lane == 0 ? 0 : lane - 1;
-    Status s = client_handshake(fd.value(), ch, config_.auth_token, deadline, &sh, lane == 0 ? Chooser(choose) : Chooser());
+    Status s = client_handshake(fd.value(), ch, config_.auth_token, deadline, &sh, lane == 0 ? Chooser(choose) : Chooser(),
+                                lane == 0 ? &nic_text : nullptr);
     if (!s.is_ok()) { cleanup(); return s; }
+    if (lane == 0) {
+      const std::string peer_ip = sys::remote_addr(fd.value());
+      const bool same = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
+      if (!same && !sys::is_loopback_host(peer_ip)) {
+        auto remote = sys::decode_nic_list(nic_text);
+        if (!remote.is_ok()) { cleanup(); return remote.status(); }
+        pairs = sys::pair_nics(plan_.data, remote.value());
+        if (pairs.empty())  // no common subnet with what it advertised: leave from our NIC toward its control address
+          pairs = sys::pair_nics(plan_.data, {sys::RemoteNic{"", sys::NicAddr{peer_ip.find(':') != std::string::npos ? AF_INET6 : AF_INET, peer_ip, 0}}});
+      }
+      if (pairs.empty()) pairs.push_back(sys::NicPair{-1, "", "", t.host, ""});  // routing decides, as for one NIC
+      pair_bad.assign(pairs.size(), 0);
+    } else {
+      sys::set_link_timeout(fd.value(), config_.lane_timeout_ms);
+      paths.push_back(describe_lane(fd.value(), pair));
+    }
     if (t.has_id && std::memcmp(sh.endpoint_id, t.id.data(), 16) != 0) {
       cleanup();
       return Status(Code::kInvalidArgument, "the endpoint at " + t.host + ":" + std::to_string(t.port) +
@@ -335,10 +440,12 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   info.name = read_name(sh.name);
   info.same_host = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
   info.heartbeat_ms = heartbeat_for(sh.peer_timeout_ms);
+  info.chunk_bytes = chunk_for(sh.chunk_bytes);
   info.transport = chosen->name();
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, chosen->lanes_for(remote_offer), chosen);
   peer->control_fd = fds[0];
   peer->lane_fds.assign(fds.begin() + 1, fds.end());
+  peer->lane_paths = std::move(paths);
   for (int fd : peer->lane_fds) sys::tune_data_socket(fd);
   Status s = chosen->attach(peer, peer->lane_fds, remote_offer, true);  // before anyone can post on the peer
   if (!s.is_ok()) {
@@ -392,6 +499,28 @@ std::vector<std::pair<std::string, std::string>> EndpointImpl::transport_status(
 }
 
 Result<Region> EndpointImpl::register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly) {
+  if (ptr && size > 0) {
+    // Ask CUDA what the memory is: a GPU range must lie in one allocation of the GPU it claims.
+    auto info = gpu::pointer_info(ptr);
+    if (!info.is_ok()) return info.status();
+    const gpu::PointerInfo& p = info.value();
+    if (kind == MemoryKind::kCuda) {
+      std::string why;
+      if (!gpu::cuda(&why)) return Status(Code::kUnavailable, "register: GPU memory needs CUDA: " + why);
+      if (!p.is_device) return Status(Code::kInvalidArgument, "register: the pointer is not GPU memory (register it as host memory)");
+      if (device >= 0 && device != p.device)
+        return Status(Code::kInvalidArgument, "register: the memory is on GPU " + std::to_string(p.device) + ", not GPU " +
+                                                  std::to_string(device));
+      device = p.device;
+      const uint64_t at = reinterpret_cast<uint64_t>(ptr);
+      if (at + size > p.alloc_base + p.alloc_size)
+        return Status(Code::kOutOfRange, "register: the range runs " + std::to_string(at + size - p.alloc_base - p.alloc_size) +
+                                             " bytes past the end of its GPU allocation");
+    } else if (p.is_device) {
+      return Status(Code::kInvalidArgument, "register: the pointer is GPU memory of GPU " + std::to_string(p.device) +
+                                                "; register it as kind cuda");
+    }
+  }
   auto r = registry_.add(ptr, size, kind, device, readonly);
   if (!r.is_ok()) return r;
   Region region = r.take();
@@ -528,6 +657,7 @@ void EndpointImpl::advance_handshake(int fd) {
     sh.version = wire::kVersion;
     sh.has_token = !token.empty();
     sh.peer_timeout_ms = config_.peer_timeout_ms;
+    sh.chunk_bytes = config_.chunk_bytes;
     std::memcpy(sh.endpoint_id, id_.data(), 16);
     std::memcpy(sh.nonce, p.server_nonce, 16);
     std::memcpy(sh.host_id, host_id_.data(), 32);
@@ -602,6 +732,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     info.name = read_name(h.name);
     info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
     info.heartbeat_ms = heartbeat_for(h.peer_timeout_ms);
+    info.chunk_bytes = chunk_for(h.chunk_bytes);
     const wire::ClientProof& cp = p.proof;
     const std::string name(cp.transport, strnlen(cp.transport, sizeof cp.transport));
     transport::Transport* chosen = nullptr;
@@ -617,9 +748,15 @@ void EndpointImpl::finish_accept(Pending& p) {
     info.transport = name;
     auto peer = std::make_shared<PeerState>(shared_from_this(), info, cp.lanes, chosen);
     peer->control_fd = fd;
-    if (::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT) != ssize_t(sizeof done)) return;  // peer closes fd
+    // Our data NICs follow the answer (a few hundred bytes: they fit a fresh socket's buffer).
+    const std::string nics = advertised_nics();
+    done.nic_list = uint16_t(nics.size());
+    std::string reply(reinterpret_cast<const char*>(&done), sizeof done);
+    reply += nics;
+    if (::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL | MSG_DONTWAIT) != ssize_t(reply.size())) return;  // peer closes fd
     if (tcp_lanes) {  // the data sockets join next
       peer->lane_fds.assign(h.lanes, -1);
+      peer->lane_paths.resize(h.lanes);
       peer->accept_deadline_ms = sys::now_ms() + config_.handshake_timeout_ms;
       accepting_[h.session] = peer;
       return;
@@ -647,7 +784,9 @@ void EndpointImpl::finish_accept(Pending& p) {
   }
   auto peer = it->second;
   peer->lane_fds[h.lane] = fd;
+  peer->lane_paths[h.lane] = describe_lane(fd, nullptr);
   sys::tune_data_socket(fd);
+  sys::set_link_timeout(fd, config_.lane_timeout_ms);
   bool complete = true;
   for (int lfd : peer->lane_fds) complete &= lfd >= 0;
   if (complete) {  // publish before the last answer: when connect() returns there, peers() shows it here
@@ -818,6 +957,29 @@ EndpointStats Endpoint::stats() const {
   o.transfers_completed = s.transfers_completed.load();
   o.transfers_failed = s.transfers_failed.load();
   o.rejected_requests = s.rejected_requests.load();
+  auto link = [](const core::LinkCounters& c) {
+    return LinkStats{c.bytes_sent.load(), c.bytes_received.load(), c.chunks_sent.load(), c.chunks_received.load(),
+                     c.errors.load(), c.resends.load()};
+  };
+  const auto& plan = impl_->plan();
+  for (size_t i = 0; i <= plan.all.size(); ++i) {
+    const std::string name = i < plan.all.size() ? plan.all[i].name : "other";
+    const LinkStats l = link(impl_->nic_counters(i));
+    const bool data = std::any_of(plan.data.begin(), plan.data.end(), [&](const sys::Nic& n) { return n.name == name; });
+    if (data || l.bytes_sent || l.bytes_received || l.errors) o.nics.push_back(NicStats{name, l});
+  }
+  for (const Peer& p : impl_->peers()) {
+    const auto& st = p.state();
+    for (uint32_t i = 0; i < st->lanes() && i < st->lane_paths.size(); ++i) {
+      const core::LanePath& lp = st->lane_paths[i];
+      o.lanes.push_back(LaneStats{st->info().id, st->info().name, i, st->lane_alive(i), lp.local_nic, lp.local_addr,
+                                  lp.remote_nic, lp.remote_addr, link(st->lane_counters(i))});
+    }
+  }
+  o.ipc_cma_chunks = s.ipc_cma_chunks.load();
+  o.ipc_shm_chunks = s.ipc_shm_chunks.load();
+  o.ipc_cuda_chunks = s.ipc_cuda_chunks.load();
+  o.ipc_cuda_opens = s.ipc_cuda_opens.load();
   return o;
 }
 

@@ -14,7 +14,9 @@
 #include "core/peer.h"
 #include "core/region.h"
 #include "core/wire.h"
+#include "sys/topology.h"
 #include "tether/endpoint.h"
+#include "gpu/staging.h"
 #include "transport/transport.h"
 
 namespace tether::core {
@@ -22,6 +24,9 @@ namespace tether::core {
 struct AtomicStats {
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, chunks_sent{0}, chunks_received{0};
   std::atomic<uint64_t> transfers_completed{0}, transfers_failed{0}, rejected_requests{0};
+  std::atomic<uint64_t> ipc_cma_chunks{0}, ipc_shm_chunks{0};  // chunks served as an ipc target, by mover
+  std::atomic<uint64_t> ipc_cuda_chunks{0};  // chunks whose GPU side was copied by CUDA over ipc (either side)
+  std::atomic<uint64_t> ipc_cuda_opens{0};   // CUDA IPC handles of a peer's allocations opened (once each)
 };
 
 // Shared ownership: the public Endpoint, every PeerState (so user-held Peer and Transfer handles
@@ -52,12 +57,21 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void poll_lane(PeerState* peer, uint32_t lane) { peer->transport->poll(peer, lane); }
   // Registers with the registry, then with every usable transport (descriptor extensions).
   Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
+  // How staged payloads reach GPU memory (Config::unpack, resolved once).
+  gpu::Unpack unpack_mode() const { return unpack_; }
   // (name, why unavailable — empty when usable) of every transport this build knows.
   std::vector<std::pair<std::string, std::string>> transport_status() const;
   void wake_control();
   void push_notification(const PeerInfo& from, std::string data);
   void count_finished(bool ok);
   void peer_failed(PeerState* peer);
+  // NICs and threads (src/sys/topology.h): decided once at create().
+  const sys::Plan& plan() const { return plan_; }
+  const LinkCounters& nic_counters(size_t i) const { return *nic_counters_[i]; }
+  void pin_progress_thread(uint32_t index) const;
+  uint32_t thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic) const {
+    return plan_.thread_for_lane(lane, nic, earlier_on_nic, config_.sockets_per_channel);
+  }
 
  private:
   struct Pending;  // a socket whose handshake is under way (listener side)
@@ -71,16 +85,24 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void flush_control(PeerState& peer);
   void tick(const std::vector<std::shared_ptr<PeerState>>& peers);
   uint32_t heartbeat_for(uint32_t remote_timeout_ms) const;
+  uint64_t chunk_for(uint64_t remote_chunk_bytes) const;
   Result<std::pair<transport::Transport*, std::string>> choose_transport(const wire::Offers& theirs, bool same_host) const;
   void reap();
+  // Which NIC a connected data socket uses on this side (getsockname), and where it goes.
+  LanePath describe_lane(int fd, const sys::NicPair* pair);
+  std::string advertised_nics() const;   // this side's data NICs, sent to connectors
+  std::string control_hint() const;      // where connectors should reach a wildcard listener
 
   Config config_;
   EndpointId id_{};
   std::string name_;
   std::array<uint8_t, 32> host_id_{};
+  gpu::Unpack unpack_ = gpu::Unpack::kD2D;
   RegionRegistry registry_;
   AtomicStats stats_;
   std::vector<std::unique_ptr<transport::Transport>> transports_;
+  sys::Plan plan_;
+  std::vector<std::unique_ptr<LinkCounters>> nic_counters_;  // per plan_.all entry, then one for "other"
 
   int listen_fd_ = -1, epoll_fd_ = -1, event_fd_ = -1;
   uint16_t port_ = 0;

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "core/endpoint_impl.h"
+#include "transport/transport.h"
 
 namespace tether::core {
 namespace {
@@ -45,12 +46,24 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
       endpoint_(std::move(endpoint)),
       info_(std::move(info)),
       lanes_(lanes),
+      batches_(transport && transport->caps().write_batches),
+      gpu_chunk_(transport ? transport->caps().gpu_chunk_bytes : 0),
       lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
       last_heard_ms_(now_ms()) {
   slots_.resize(size_t(lane_window_) * lanes_);
   free_slots_.reserve(slots_.size());
   for (uint32_t i = 0; i < slots_.size(); ++i) free_slots_.push_back(uint32_t(slots_.size()) - 1 - i);
   lane_inflight_.assign(lanes_, 0);
+  lane_dead_.assign(lanes_, 0);
+  live_lanes_ = lanes_;
+  resend_.reserve(slots_.size());
+  lane_counters_ = std::make_unique<LinkCounters[]>(lanes_);
+  lane_bytes_ = std::make_unique<std::atomic<uint64_t>[]>(lanes_);
+}
+
+bool PeerState::lane_alive(uint32_t lane) const {
+  std::lock_guard lock(mu_);
+  return !failed_.load() && lane < lanes_ && !lane_dead_[lane];
 }
 
 uint32_t PeerState::spin_us() const { return endpoint_->config().spin_us; }
@@ -212,7 +225,7 @@ Transfer PeerState::post_notify(std::string data) {
 }
 
 void PeerState::enqueue(TransferState* t) {
-  const uint64_t chunk = endpoint_->config().chunk_bytes;
+  const uint64_t chunk = info_.chunk_bytes;
   uint64_t chunks = 0;
   for (const Segment& s : t->segments) {
     chunks += (s.length + chunk - 1) / chunk;
@@ -242,54 +255,125 @@ void PeerState::enqueue(TransferState* t) {
 
 // ---------------------------------------------------------------- transport side
 
+namespace {
+int32_t device_of(const Segment& g) {
+  return g.local_region && g.local_region->kind == MemoryKind::kCuda ? g.local_region->device : -1;
+}
+}  // namespace
+
+uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk) {
+  const std::vector<Segment>& segs = t->segments;
+  const Segment& first = segs[t->cur_segment];
+  const uint64_t rest = first.length - t->cur_offset;
+  if (rest >= chunk || t->cur_segment + 1 >= segs.size()) return 0;
+  const int32_t dev = device_of(first);
+  size_t end = t->cur_segment + 1;
+  uint64_t total = rest;
+  while (end < segs.size() && end - t->cur_segment < wire::kMaxFragments && total + segs[end].length <= chunk &&
+         device_of(segs[end]) == dev)
+    total += segs[end++].length;
+  const uint32_t n = uint32_t(end - t->cur_segment);
+  if (n < 2) return 0;
+  if (!s.frags) {  // once per slot, on its first batch
+    s.frags = std::make_unique<wire::Fragment[]>(wire::kMaxFragments);
+    s.pieces = std::make_unique<Piece[]>(wire::kMaxFragments);
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    const Segment& g = segs[t->cur_segment + i];
+    const uint64_t skip = i == 0 ? t->cur_offset : 0;
+    s.frags[i] = wire::Fragment{g.region_id, 0, g.key, g.desc_offset, g.desc_length, g.remote_offset + skip, g.length - skip};
+    s.pieces[i] = Piece{g.local + skip, g.length - skip, g.local_region};
+  }
+  t->cur_segment = end;
+  t->cur_offset = 0;
+  s.length = total;
+  return n;
+}
+
 bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
   TransferState* drained = nullptr;
   {
     std::lock_guard lock(mu_);
+    if (lane_dead_[lane] || lane_inflight_[lane] >= lane_window_) return false;
+    if (!resend_.empty()) {  // chunks of a lost lane go first: their transfers are the oldest
+      const uint32_t idx = resend_.back();
+      resend_.pop_back();
+      resend_count_.store(uint32_t(resend_.size()), std::memory_order_release);
+      Slot& s = slots_[idx];
+      s.lane = lane;
+      ++lane_inflight_[lane];
+      lane_bytes_[lane].fetch_add(s.length, std::memory_order_relaxed);
+      *op = s.op;
+      op->hdr.gen = s.gen;
+      op->hdr.flags |= wire::kFlagResent;
+      s.transfer->lane_hint.store(lane, std::memory_order_relaxed);
+      return true;
+    }
     TransferState* t = queue_head_.load(std::memory_order_relaxed);
-    if (!t || lane_inflight_[lane] >= lane_window_ || free_slots_.empty()) return false;
+    if (!t || free_slots_.empty()) return false;
     const Segment& seg = t->segments[t->cur_segment];
-    const uint64_t len = std::min<uint64_t>(endpoint_->config().chunk_bytes, seg.length - t->cur_offset);
+    // GPU to GPU (writes, reads): the transport may want bigger chunks (ipc: copy engines over NVLink).
+    const bool gpu_both = gpu_chunk_ && device_of(seg) >= 0 && seg.entry && seg.entry->remote.kind == MemoryKind::kCuda;
+    const uint64_t chunk = gpu_both ? gpu_chunk_ : info_.chunk_bytes;
     const uint32_t idx = free_slots_.back();
     free_slots_.pop_back();
     Slot& s = slots_[idx];
     s.used = true;
     s.transfer = t;
     s.lane = lane;
-    s.length = len;
     s.local = seg.local + t->cur_offset;
+    s.device = device_of(seg);
     ++lane_inflight_[lane];
-
-    wire::FrameHeader& h = op->hdr;
-    h = {};
-    h.type = static_cast<uint8_t>(t->op == OpKind::kWrite  ? wire::FrameType::kWrite
-                                  : t->op == OpKind::kRead ? wire::FrameType::kReadReq
-                                                           : wire::FrameType::kSendData);
-    h.slot = idx;
-    h.gen = s.gen;
-    h.region_id = seg.region_id;
-    h.key = seg.key;
-    h.desc_offset = seg.desc_offset;
-    h.desc_length = seg.desc_length;
-    h.offset = seg.remote_offset + t->cur_offset;
-    h.length = len;
-    const bool has_payload = t->op != OpKind::kRead;
-    op->payload = has_payload ? s.local : nullptr;
-    op->length = has_payload ? len : 0;
-    op->local = s.local;
-    op->segment = &seg;
-    op->segment_offset = t->cur_offset;
     t->pending.fetch_add(1, std::memory_order_relaxed);
     t->lane_hint.store(lane, std::memory_order_relaxed);
 
-    t->cur_offset += len;
-    if (t->cur_offset == seg.length) {
-      t->cur_offset = 0;
-      if (++t->cur_segment == t->segments.size()) {
-        queue_head_.store(t->next_queued, std::memory_order_release);
-        if (!t->next_queued) queue_tail_ = nullptr;
-        drained = t;
+    wire::FrameHeader& h = op->hdr;
+    h = {};
+    h.slot = idx;
+    h.gen = s.gen;
+    op->segment = &seg;
+    op->segment_offset = t->cur_offset;
+    op->device = s.device;
+    op->local = s.local;
+    const uint32_t n = t->op == OpKind::kWrite && batches_ ? pack_batch(t, s, chunk) : 0;
+    if (n >= 2) {  // many small writes: one frame, one answer
+      h.type = static_cast<uint8_t>(wire::FrameType::kWriteBatch);
+      h.region_id = n;
+      h.length = s.length;
+      op->payload = nullptr;
+      op->length = s.length;
+      op->fragments = n;
+      op->frags = s.frags.get();
+      op->pieces = s.pieces.get();
+    } else {
+      const uint64_t len = std::min<uint64_t>(chunk, seg.length - t->cur_offset);
+      s.length = len;
+      h.type = static_cast<uint8_t>(t->op == OpKind::kWrite  ? wire::FrameType::kWrite
+                                    : t->op == OpKind::kRead ? wire::FrameType::kReadReq
+                                                             : wire::FrameType::kSendData);
+      h.region_id = seg.region_id;
+      h.key = seg.key;
+      h.desc_offset = seg.desc_offset;
+      h.desc_length = seg.desc_length;
+      h.offset = seg.remote_offset + t->cur_offset;
+      h.length = len;
+      const bool has_payload = t->op != OpKind::kRead;
+      op->payload = has_payload ? s.local : nullptr;
+      op->length = has_payload ? len : 0;
+      op->fragments = 0;
+      if (t->op == OpKind::kSend) h.key = chunk;  // the receiver's dedupe unit (one bit per chunk)
+      t->cur_offset += len;
+      if (t->cur_offset == seg.length) {
+        t->cur_offset = 0;
+        ++t->cur_segment;
       }
+    }
+    lane_bytes_[lane].fetch_add(s.length, std::memory_order_relaxed);
+    s.op = *op;  // kept for a resend on another lane (frags/pieces live in the slot too)
+    if (t->cur_segment == t->segments.size()) {
+      queue_head_.store(t->next_queued, std::memory_order_release);
+      if (!t->next_queued) queue_tail_ = nullptr;
+      drained = t;
     }
   }
   if (drained) drained->release();  // the hold; this chunk keeps it pending
@@ -304,6 +388,7 @@ Status PeerState::chunk_error(const Slot& s, uint8_t status) const {
     case Code::kNotFound: msg += "the remote region is not registered (deregistered, or the descriptor names none)"; break;
     case Code::kAccessDenied: msg += "the key does not grant this access (wrong key, or read-only region)"; break;
     case Code::kOutOfRange: msg += "the range lies outside the region"; break;
+    case Code::kUnavailable: msg += "the " + info_.transport + " transport cannot move this memory kind (GPU memory: use transport=tcp)"; break;
     default: msg += code_name(c);
   }
   return Status(c, msg);
@@ -324,13 +409,15 @@ Code PeerState::answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t statu
     ++s.gen;
     free_slots_.push_back(slot);
     --lane_inflight_[lane];
+    lane_bytes_[lane].fetch_sub(s.length, std::memory_order_relaxed);
   }
   if (!err.is_ok()) t->record_error(err);
   t->release();
   return Code::kOk;
 }
 
-Code PeerState::read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest) {
+Code PeerState::read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest,
+                                 int* device) {
   std::lock_guard lock(mu_);
   if (slot >= slots_.size()) return Code::kProtocolError;
   Slot& s = slots_[slot];
@@ -338,23 +425,55 @@ Code PeerState::read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uin
       s.transfer->op != OpKind::kRead)
     return Code::kProtocolError;
   *dest = s.local;
+  *device = s.device;
   return Code::kOk;
 }
 
-Code PeerState::resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint8_t** dest,
-                                  TransferState** recv) {
+Code PeerState::resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint64_t unit, uint16_t flags,
+                                  uint8_t** dest, TransferState** recv, int* device) {
+  *device = -1;
   std::lock_guard lock(mu_);
   auto it = matched_.find(token);
-  if (it == matched_.end()) return Code::kNotFound;
+  if (it == matched_.end()) {
+    // A resent chunk of a message this side completed (and so forgot): its first copy was placed.
+    if ((flags & wire::kFlagResent) && token != 0 && token < next_token_) {
+      *dest = nullptr;
+      *recv = nullptr;
+      return Code::kOk;
+    }
+    return Code::kNotFound;
+  }
   TransferState* r = it->second;
-  if (!in_bounds(offset, length, r->bytes.load(std::memory_order_acquire))) return Code::kOutOfRange;
+  const uint64_t total = r->bytes.load(std::memory_order_acquire);
+  if (!in_bounds(offset, length, total)) return Code::kOutOfRange;
+  // Chunks are whole units of the sender's chunk size (the last one may be short): one bit each.
+  if (unit == 0 || offset % unit != 0 || (length != unit && offset + length != total)) return Code::kInvalidArgument;
+  if (r->unit != unit) {
+    for (uint64_t w : r->placed)
+      if (w) return Code::kInvalidArgument;  // the unit changed mid-message
+    r->unit = unit;
+    r->placed.assign((total / unit + 64) / 64, 0);  // sized at match for our own chunk size: rare
+  }
   r->pending.fetch_add(1, std::memory_order_relaxed);
   *dest = r->segments[0].local + offset;
   *recv = r;
+  const RegionState* l = r->segments[0].local_region;
+  *device = l && l->kind == MemoryKind::kCuda ? l->device : -1;
   return Code::kOk;
 }
 
-void PeerState::send_data_placed(TransferState* recv, uint64_t length) {
+void PeerState::send_data_placed(TransferState* recv, uint64_t offset, uint64_t length) {
+  bool fresh;
+  {
+    std::lock_guard lock(mu_);
+    const uint64_t i = offset / recv->unit;
+    fresh = !(recv->placed[i / 64] >> (i % 64) & 1);
+    recv->placed[i / 64] |= uint64_t(1) << (i % 64);
+  }
+  if (!fresh) {  // the same chunk again (resent): counted the first time
+    recv->release();
+    return;
+  }
   const uint64_t total = recv->received.fetch_add(length, std::memory_order_acq_rel) + length;
   if (total == recv->bytes.load(std::memory_order_acquire)) {
     size_t erased;
@@ -367,26 +486,74 @@ void PeerState::send_data_placed(TransferState* recv, uint64_t length) {
   recv->release();    // this piece
 }
 
+void PeerState::abandon_send_data(TransferState* recv) {
+  if (failed()) recv->record_error(error());
+  recv->release();
+}
+
+void PeerState::lane_failed(uint32_t lane, Status why) {
+  const bool link = why.code() == Code::kConnectionLost || why.code() == Code::kTimeout;
+  bool last = false;
+  {
+    std::lock_guard lock(mu_);
+    if (failed_.load() || lane >= lanes_ || lane_dead_[lane]) return;
+    if (link && live_lanes_ > 1) {
+      lane_dead_[lane] = 1;
+      --live_lanes_;
+    } else {
+      last = link;
+    }
+  }
+  LinkCounters& c = lane_counters_[lane];
+  c.errors.fetch_add(1, std::memory_order_relaxed);
+  if (lane < lane_paths.size() && lane_paths[lane].nic_counters)
+    lane_paths[lane].nic_counters->errors.fetch_add(1, std::memory_order_relaxed);
+  if (!link) {
+    fail(std::move(why));
+  } else if (last) {
+    fail(Status(why.code(), "every data connection to peer '" + info_.name + "' failed; the last: " + why.message()));
+  } else if (lane < lane_fds.size() && lane_fds[lane] >= 0) {
+    ::shutdown(lane_fds[lane], SHUT_RDWR);  // its thread sees the lane dead and retires it
+  }
+}
+
 void PeerState::release_lane(uint32_t lane, Code code) {
   std::vector<TransferState*> orphans;
   Status why;
+  uint64_t moved = 0;
   {
     std::lock_guard lock(mu_);
     why = error_.is_ok() ? Status(code, "connection to peer '" + info_.name + "' lost") : error_;
+    lane_dead_[lane] = 1;
+    const bool survivors = !failed_.load();
     for (uint32_t i = 0; i < slots_.size(); ++i) {
       Slot& s = slots_[i];
       if (!s.used || s.lane != lane) continue;
+      ++s.gen;  // an answer to the lost copy can no longer match
+      if (survivors) {
+        s.lane = UINT32_MAX;
+        resend_.push_back(i);
+        ++moved;
+        continue;
+      }
       orphans.push_back(s.transfer);
       s.used = false;
       s.transfer = nullptr;
-      ++s.gen;
       free_slots_.push_back(i);
     }
+    resend_count_.store(uint32_t(resend_.size()), std::memory_order_release);
     lane_inflight_[lane] = 0;
+    lane_bytes_[lane].store(0, std::memory_order_relaxed);
   }
   for (TransferState* t : orphans) {
     t->record_error(why);
     t->release();
+  }
+  if (moved > 0) {
+    lane_counters_[lane].resends.fetch_add(moved, std::memory_order_relaxed);
+    if (lane < lane_paths.size() && lane_paths[lane].nic_counters)
+      lane_paths[lane].nic_counters->resends.fetch_add(moved, std::memory_order_relaxed);
+    endpoint_->wake_lanes(this, uint64_t(1) << 20);  // every thread: whichever holds a survivor takes them
   }
 }
 
@@ -458,6 +625,8 @@ wire::CtsBody PeerState::match(TransferState* recv, const wire::RtsBody& rts, Tr
     return cts;
   }
   recv->bytes.store(rts.length, std::memory_order_release);
+  recv->unit = info_.chunk_bytes;  // the chunk size both sides agreed on at connect
+  recv->placed.assign((rts.length / recv->unit + 64) / 64, 0);
   if (rts.length == 0) {
     *release_now = recv;
     return cts;
@@ -628,6 +797,16 @@ void PeerState::fail(Status s) {
     for (auto& [tag, q] : posted_recvs_) release.insert(release.end(), q.begin(), q.end());
     for (auto& [token, t] : matched_) release.push_back(t);
     for (auto& [id, t] : awaiting_ack_) finish.push_back(t);
+    for (uint32_t i : resend_) {  // chunks waiting for a surviving lane: there is none now
+      Slot& s = slots_[i];
+      release.push_back(s.transfer);
+      s.used = false;
+      s.transfer = nullptr;
+      ++s.gen;
+      free_slots_.push_back(i);
+    }
+    resend_.clear();
+    resend_count_.store(0, std::memory_order_release);
     awaiting_cts_.clear();
     posted_recvs_.clear();
     unexpected_.clear();

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/lanes.h"
 #include "core/transfer.h"
 #include "core/wire.h"
 #include "tether/endpoint.h"
@@ -23,7 +24,15 @@ namespace tether::core {
 
 class EndpointImpl;
 
+// Local source bytes of one fragment of a batched chunk.
+struct Piece {
+  const uint8_t* data = nullptr;
+  uint64_t length = 0;
+  const RegionState* region = nullptr;  // the local region it lies in
+};
+
 // What a lane puts on the wire next: a header and, for writes and sends, the local payload.
+// A kWriteBatch chunk instead carries `fragments` small writes: frags[i] describes where piece i goes.
 struct ChunkOp {
   wire::FrameHeader hdr;
   const uint8_t* payload = nullptr;
@@ -31,6 +40,10 @@ struct ChunkOp {
   uint8_t* local = nullptr;          // the chunk's local bytes (a read's destination)
   const Segment* segment = nullptr;  // local region, remote descriptor (transport extensions)
   uint64_t segment_offset = 0;       // where in the segment this chunk starts
+  uint32_t fragments = 0;            // kWriteBatch only
+  const wire::Fragment* frags = nullptr;
+  const Piece* pieces = nullptr;
+  int32_t device = -1;               // GPU of the local bytes (all pieces share it), -1 for host memory
 };
 
 struct PeerInfo {
@@ -39,6 +52,7 @@ struct PeerInfo {
   std::string name;
   bool same_host = false;
   std::string transport;         // the transport carrying its data
+  uint64_t chunk_bytes = 1 << 20;  // min of both sides' chunk_bytes: no frame between them is longer
   uint32_t heartbeat_ms = 1000;  // ours, or sooner if the other side's peer_timeout needs it
 };
 
@@ -49,6 +63,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
 
   const PeerInfo& info() const { return info_; }
   uint32_t lanes() const { return lanes_; }
+  uint32_t slot_count() const { return uint32_t(slots_.size()); }  // chunk slots (indices in FrameHeader::slot)
   uint32_t spin_us() const;
   // Reads `lane` from the calling thread if nobody else is (a waiter fetching its own answer).
   void poll(uint32_t lane);
@@ -64,16 +79,33 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   // ---- transport side (called by the lane's progress thread only)
   // Next chunk for `lane` if the lane's window allows; fills op and claims a slot.
   bool next_chunk(uint32_t lane, ChunkOp* op);
-  bool has_work() const { return queue_head_.load(std::memory_order_acquire) != nullptr; }
+  bool has_work() const {
+    return queue_head_.load(std::memory_order_acquire) != nullptr || resend_count_.load(std::memory_order_acquire) > 0;
+  }
   // A target answered chunk (slot, gen). kProtocolError if the answer names no chunk of this lane.
   Code answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t status);
   // Where a kReadResp payload of `length` bytes goes.
-  Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest);
-  // Target side of kSendData: where the bytes go inside the matched recv `token`.
-  Code resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint8_t** dest, TransferState** recv);
-  void send_data_placed(TransferState* recv, uint64_t length);
-  // The lane is gone: answer everything it had in flight with `code`.
+  // `device` is the GPU the bytes go to, or -1 for host memory.
+  Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest, int* device);
+  // Target side of kSendData: where the bytes go inside the matched recv `token` (`unit`: the sender's
+  // chunk size, `flags`: the frame's). kOk with *dest null: a resent chunk already placed; discard it.
+  Code resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint64_t unit, uint16_t flags,
+                         uint8_t** dest, TransferState** recv, int* device);
+  // A chunk of a recv is in place; counted once even if it arrived twice (resent after a lost answer).
+  void send_data_placed(TransferState* recv, uint64_t offset, uint64_t length);
+  // A lane died with a kSendData chunk half received: the sender resends it, unless the peer is gone.
+  void abandon_send_data(TransferState* recv);
+  // A lane's socket failed. Link-level failures (connection lost, timeout) kill only the lane while
+  // another survives: its socket is shut down and its thread retires it. Anything else, or the last
+  // lane, fails the peer.
+  void lane_failed(uint32_t lane, Status why);
+  // The lane is retired: its chunks in flight move to the surviving lanes, or (peer failed) are
+  // answered with `code`.
   void release_lane(uint32_t lane, Code code);
+  LinkCounters& lane_counters(uint32_t lane) { return lane_counters_[lane]; }
+  // Payload bytes of the chunks `lane` holds unanswered (a lock-free hint for the transport).
+  uint64_t lane_bytes(uint32_t lane) const { return lane_bytes_[lane].load(std::memory_order_relaxed); }
+  bool lane_alive(uint32_t lane) const;
 
   // ---- control side (control thread)
   void on_control(wire::ControlType type, const uint8_t* body, uint32_t length);
@@ -94,6 +126,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   transport::Transport* const transport;  // owned by the endpoint, which outlives the peer
   int control_fd = -1;
   std::vector<int> lane_fds;
+  std::vector<LanePath> lane_paths;  // set with lane_fds, before the transport attaches
   // The transport's per-peer state (its lanes), opaque to the core; set before the peer is used.
   std::shared_ptr<void> transport_state;
   // Control-thread-only I/O state.
@@ -106,13 +139,19 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
 
  private:
   struct Slot {
+    ChunkOp op;                 // what was sent: sent again as is if its lane dies
     TransferState* transfer = nullptr;
     uint8_t* local = nullptr;   // read destination
     uint64_t length = 0;
     uint32_t gen = 0;
     uint32_t lane = 0;
+    int32_t device = -1;        // GPU of `local`, -1 for host memory
     bool used = false;
+    std::unique_ptr<wire::Fragment[]> frags;  // a batched chunk's fragments (allocated once, on first batch)
+    std::unique_ptr<Piece[]> pieces;
   };
+  // Packs whole small segments of a write after the cursor into one kWriteBatch chunk (mu_ held).
+  uint32_t pack_batch(TransferState* t, Slot& s, uint64_t chunk);
 
   Transfer start(std::shared_ptr<TransferState> t);  // registers the keepalive
   void enqueue(TransferState* t);                    // puts on the work queue, wakes lanes
@@ -124,6 +163,8 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   const std::shared_ptr<EndpointImpl> endpoint_;
   PeerInfo info_;
   const uint32_t lanes_;
+  const bool batches_;  // the transport takes kWriteBatch chunks
+  const uint64_t gpu_chunk_;  // the transport's chunk size between GPU memory on both ends (0: none)
   const uint32_t lane_window_;
   std::atomic<bool> failed_{false};
   std::atomic<int64_t> last_heard_ms_;
@@ -135,6 +176,12 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   std::vector<Slot> slots_;
   std::vector<uint32_t> free_slots_;
   std::vector<uint32_t> lane_inflight_;
+  std::vector<uint8_t> lane_dead_;
+  uint32_t live_lanes_;
+  std::vector<uint32_t> resend_;         // slots whose lane died, for the next lane with room (capacity: all slots)
+  std::atomic<uint32_t> resend_count_{0};
+  std::unique_ptr<LinkCounters[]> lane_counters_;
+  std::unique_ptr<std::atomic<uint64_t>[]> lane_bytes_;  // written under mu_
 
   // Two-sided rendezvous and notifications (control path; allocation allowed).
   uint64_t next_msg_id_ = 1;

@@ -106,6 +106,7 @@ uint32_t Region::id() const { return state_ ? state_->id : 0; }
 void* Region::data() const { return state_ ? state_->base : nullptr; }
 uint64_t Region::size() const { return state_ ? state_->size : 0; }
 MemoryKind Region::kind() const { return state_ ? state_->kind : MemoryKind::kHost; }
+int Region::device() const { return state_ ? state_->device : -1; }
 bool Region::readonly() const { return state_ && state_->readonly; }
 
 Result<std::string> Region::descriptor(uint64_t offset, uint64_t length) const {

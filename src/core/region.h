@@ -12,6 +12,13 @@
 
 namespace tether::core {
 
+// A GPU region's allocation exported for other processes (ipc transport), made once at registration.
+struct CudaExport {
+  bool ok = false;
+  uint8_t handle[64] = {};       // CUipcMemHandle of the allocation
+  uint64_t alloc_base = 0, alloc_size = 0;
+};
+
 struct RegionState {
   uint32_t id = 0;
   uint8_t* base = nullptr;
@@ -22,6 +29,7 @@ struct RegionState {
   EndpointId endpoint{};
   uint8_t secret[16];              // keys descriptors; never leaves this process
   std::string desc_ext;            // transports' descriptor extensions (wire::encode_offers format)
+  CudaExport cuda_export;          // kCuda regions, when the ipc transport could export them
   std::atomic<bool> live{true};
   std::atomic<int32_t> pins{0};    // in-flight remote accesses; deregister waits for zero
 

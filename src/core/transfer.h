@@ -53,6 +53,8 @@ struct TransferState {
   uint64_t tag = 0;
   uint64_t msg_id = 0;
   std::atomic<uint64_t> received{0};   // recv: payload bytes placed so far
+  uint64_t unit = 0;                   // recv: the sender's chunk size; placed: one bit per chunk (peer lock)
+  std::vector<uint64_t> placed;
 
   // Keeps the state alive while the engine owns it; dropped by finish().
   std::shared_ptr<TransferState> self;

@@ -35,6 +35,7 @@ struct ClientHello {           // connector -> listener
   uint32_t peer_timeout_ms;    // the connector declares us dead after this much silence
   uint8_t host_id[32];         // boot id + network namespace: equal means same host, same netns
   char name[64];
+  uint64_t chunk_bytes;        // the peer uses min(ours, theirs): no frame is longer (0 = no preference)
 };
 struct ServerHello {           // listener -> connector
   uint32_t magic;
@@ -48,6 +49,7 @@ struct ServerHello {           // listener -> connector
   uint8_t host_id[32];
   char name[64];
   uint32_t offers_length;      // control sockets: this many bytes of transport offers follow
+  uint64_t chunk_bytes;
 };
 struct ClientProof {           // connector -> listener
   uint8_t proof[32];           // HMAC(token, "tether-client" | client nonce | server nonce | session | lane)
@@ -57,7 +59,9 @@ struct ClientProof {           // connector -> listener
 };
 struct ServerDone {            // listener -> connector
   uint8_t status;              // HelloStatus
-  uint8_t pad[7];
+  uint8_t pad;
+  uint16_t nic_list;           // control socket: bytes of the listener's NIC list that follow (sys::encode_nic_list)
+  uint8_t pad2[4];
 };
 
 // ---- data sockets ----
@@ -67,16 +71,32 @@ enum class FrameType : uint8_t {
   kReadReq = 3,    // initiator -> target; target answers kReadResp
   kReadResp = 4,   // target -> initiator, payload follows when status == 0
   kSendData = 5,   // sender -> receiver, into a matched recv (region_id = recv token); answered by kAck
+  kWriteBatch = 6, // many small writes in one chunk: region_id = fragment count, length = payload bytes;
+                   // `count` Fragments follow the header, then the payloads in that order; one kAck
 };
+
+// One small write inside a kWriteBatch frame; checked like a kWrite header.
+struct Fragment {
+  uint32_t region_id;
+  uint32_t reserved;
+  uint64_t key, desc_offset, desc_length;
+  uint64_t offset;     // absolute offset in the target region
+  uint64_t length;
+};
+constexpr uint32_t kMaxFragments = 128;  // per kWriteBatch frame
+// A chunk sent again on another lane after its first lane died. The target treats a resent kSendData
+// for a message it already completed as done (its first copy was placed; only the answer was lost).
+constexpr uint16_t kFlagResent = 1;
+constexpr uint16_t kKnownFlags = kFlagResent;
 
 struct FrameHeader {
   uint8_t type;        // FrameType
   uint8_t status;      // tether::Code of the result (answers only)
-  uint16_t reserved;
+  uint16_t flags;      // kFlag* bits; unknown bits are a protocol error
   uint32_t slot;       // initiator's chunk slot; echoed in the answer
   uint32_t gen;        // slot generation; echoed, guards against stale answers
   uint32_t region_id;  // target region id, or recv token for kSendData
-  uint64_t key;        // descriptor key for (region_id, desc_offset, desc_length)
+  uint64_t key;        // descriptor key for (region_id, desc_offset, desc_length); kSendData: the sender's chunk size
   uint64_t desc_offset;
   uint64_t desc_length;
   uint64_t offset;     // absolute byte offset in the target region (or in the message)
@@ -101,11 +121,13 @@ struct RtsBody { uint64_t msg_id, tag, length; };
 struct CtsBody { uint64_t msg_id; uint32_t token; uint8_t status; uint8_t pad[3]; };
 #pragma pack(pop)
 
-static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64);
-static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4);
+static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64 + 8);
+static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4 + 8);
 static_assert(sizeof(ClientProof) == 32 + 16 + 4 + 4);
 static_assert(sizeof(FrameHeader) == 56);
+static_assert(sizeof(Fragment) == 48);
 static_assert(sizeof(ControlHeader) == 8);
+static_assert(sizeof(ServerDone) == 8);
 
 // Transport offers in the handshake: repeated {u8 name length, name, u32 length, bytes}.
 constexpr uint32_t kMaxOffers = 16 << 10;

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -103,7 +104,8 @@ uint16_t local_port(int fd) {
   return ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
 }
 
-Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline_ms, uint32_t buffer_bytes) {
+Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline_ms, uint32_t buffer_bytes,
+                        const std::string& bind_addr) {
   auto res = resolve(host, port, false);
   if (!res.is_ok()) return res.status();
   addrinfo* ai = res.value();
@@ -114,6 +116,23 @@ Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     size_buffers(fd, buffer_bytes);
+    if (!bind_addr.empty()) {
+      sockaddr_storage ss{};
+      socklen_t len = 0;
+      if (a->ai_family == AF_INET && ::inet_pton(AF_INET, bind_addr.c_str(), &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr) == 1) {
+        ss.ss_family = AF_INET;
+        len = sizeof(sockaddr_in);
+      } else if (a->ai_family == AF_INET6 && ::inet_pton(AF_INET6, bind_addr.c_str(), &reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr) == 1) {
+        ss.ss_family = AF_INET6;
+        len = sizeof(sockaddr_in6);
+      }
+      if (len == 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) {
+        last = Status(Code::kUnavailable, "cannot leave from " + bind_addr + " to reach " + host + ": " +
+                                              (len == 0 ? std::string("address family differs") : std::string(std::strerror(errno))));
+        ::close(fd);
+        continue;
+      }
+    }
     int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
       Status w = wait_fd(fd, POLLOUT, deadline_ms);
@@ -165,6 +184,52 @@ Status read_all(int fd, void* buf, size_t len, int64_t deadline_ms) {
     return Status(Code::kConnectionLost, errstr("recv"));
   }
   return Status::ok();
+}
+
+void set_link_timeout(int fd, uint32_t timeout_ms) {
+  if (timeout_ms == 0) return;
+  unsigned int t = timeout_ms;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &t, sizeof t);
+  int one = 1, idle = std::max<int>(1, int(timeout_ms / 2000)), intvl = 1, cnt = std::max<int>(2, int(timeout_ms / 1000));
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+}
+
+namespace {
+std::string numeric(const sockaddr_storage& ss) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, buf, sizeof buf);
+  } else if (ss.ss_family == AF_INET6) {
+    const auto* a6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+    if (IN6_IS_ADDR_V4MAPPED(&a6->sin6_addr)) {
+      ::inet_ntop(AF_INET, &a6->sin6_addr.s6_addr[12], buf, sizeof buf);
+    } else {
+      ::inet_ntop(AF_INET6, &a6->sin6_addr, buf, sizeof buf);
+    }
+  }
+  return buf;
+}
+}  // namespace
+
+std::string local_addr(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return {};
+  return numeric(ss);
+}
+
+std::string remote_addr(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return {};
+  return numeric(ss);
+}
+
+bool is_loopback_host(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
 void tune_data_socket(int fd) {

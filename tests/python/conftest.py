@@ -18,12 +18,14 @@ from tether_testutil import Child, MiB, rand_bytes  # noqa: E402
 
 DEFAULT_BUDGET_S = 45.0
 
-# Configurations exercised by the correctness tests.
-CONFIGS = {
+# Configurations exercised by the correctness tests, on each transport that can carry a pair in
+# one process (auto picks ipc for same-host peers; tcp must keep passing the same tests).
+_SHAPES = {
     "c1s1": dict(channels=1, sockets_per_channel=1),
     "c2s2": dict(channels=2, sockets_per_channel=2),
     "chunk64k": dict(chunk_bytes=64 << 10),
 }
+CONFIGS = {f"{t}-{name}": dict(shape, transport=t) for t in ("tcp", "ipc") for name, shape in _SHAPES.items()}
 
 
 def pytest_configure(config):

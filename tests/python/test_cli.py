@@ -47,7 +47,7 @@ def test_parser_lists_and_defaults():
 
 def test_unavailable_choices_fail_clearly():
     r = run_cli("bench", "--transport", "netplugin", "--quiet")
-    assert r.returncode == 2 and "not usable here" in r.stderr
+    assert r.returncode == 2 and "not available" in r.stderr
     r = run_cli("bench", "--mode", "teleport", "--quiet")
     assert r.returncode == 2 and "unknown mode" in r.stderr
     r = run_cli("bench", "--role", "client", "--quiet")
@@ -67,6 +67,18 @@ def test_json_output_and_check(tmp_path):
                 "check"} <= res.keys()
         assert res["check"] is True and res["gbps"] > 0 and res["iters"] == 4
     assert "GB/s" in r.stdout  # the table
+
+
+@pytest.mark.parametrize("transport,expect", [("auto", "ipc"), ("ipc", "ipc"), ("tcp", "tcp")])
+def test_bench_reports_the_transport_it_used(tmp_path, transport, expect):
+    """A local pair shares the host: auto picks ipc; --transport pins one."""
+    out = tmp_path / "r.json"
+    r = run_cli("bench", "--quiet", "--sizes", "1M", "--mode", "write,read", "--iters", "3", "--check",
+                "--transport", transport, "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [x["transport"] for x in doc["results"]] == [expect, expect] and doc["config"]["transport"] == expect
+    assert all(x["check"] is True for x in doc["results"])
 
 
 def test_json_check_is_null_when_not_asked(tmp_path):
@@ -214,3 +226,22 @@ def test_plot_writes_png(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_bench_stats_per_nic_and_channel():
+    r = run_cli("bench", "--transport", "tcp", "--sizes", "3M", "--iters", "2", "--warmup", "0", "--channels", "2", "--stats", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stderr + r.stdout
+    assert "per NIC" in out and "per channel (lane)" in out, out[-3000:]
+    # loopback: the two lanes (and so the "lo" row) carried the 2 x 3 MiB writes
+    lo = [line for line in out.splitlines() if line.strip("│ ").startswith("lo ")]
+    assert lo and float(lo[0].split("│")[2]) >= 6.0, out[-3000:]
+
+
+def test_doctor_shows_threads_and_refuses_bad_nics():
+    r = run_cli("doctor", "--json")
+    d = json.loads(r.stdout)
+    assert d["topology"]["threads"] and "why" in d["topology"]["threads"][0]
+    env = dict(ENV, TETHER_NICS="no-such-nic7")
+    r = subprocess.run([sys.executable, "-m", "tether", "doctor"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "no-such-nic7" in r.stdout, r.stdout[-2000:]

@@ -653,12 +653,14 @@ STRESS_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.budget(60)
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_close_in_random_orders_under_mixed_load(seed):
+def test_close_in_random_orders_under_mixed_load(seed, transport):
     """3 threads post writes/reads/sends/recvs/notifies (and the accepted side sends and writes
     back) while the endpoints and the peer are closed in a random order; 25 rounds. No crash,
     no hang, no transfer left running. Runs in a subprocess so a crash is reported, not fatal."""
-    env = dict(os.environ, PYTHONPATH=TETHER_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=TETHER_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TETHER_TRANSPORT=transport)
     try:
         r = subprocess.run([sys.executable, "-c", STRESS_SCRIPT, "25", str(seed)], env=env,
                            capture_output=True, timeout=45, text=True)

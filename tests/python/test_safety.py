@@ -27,11 +27,14 @@ from tether_testutil import (
 T = 20.0
 
 
-@pytest.fixture
-def duo(endpoints):
-    a = endpoints(name="initiator")
+@pytest.fixture(params=["tcp", "ipc"])
+def duo(endpoints, request):
+    """Every check runs on both transports: ipc's target must refuse what tcp's refuses, alike."""
+    a = endpoints(name="initiator", transport=request.param)
     b = endpoints(name="target")
-    return a, b, a.connect(b.metadata(), timeout=5)
+    p = a.connect(b.metadata(), timeout=5)
+    assert p.transport == request.param
+    return a, b, p
 
 
 def _fails_with(fn, exc, *args, **kw):
@@ -577,12 +580,14 @@ def _wait_all(transfers, limit):
     return outs, time.monotonic() - t0
 
 
-def test_target_killed_mid_transfer(endpoints, children):
-    me = endpoints(name="survivor")
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_target_killed_mid_transfer(endpoints, children, transport):
+    me = endpoints(name="survivor", transport=transport)
     c = children("victim")
     info = c.call("endpoint", name="victim")
     desc = c.call("register", "big", 64 * MiB, fill=("seed", 5))
     peer = me.connect(info["metadata"], timeout=5)
+    assert peer.transport == transport
     sink = poisoned(64 * MiB)
     rk = me.register(sink)
     src = me.register(rand_bytes(6, 64 * MiB))
@@ -613,7 +618,8 @@ def test_target_killed_mid_transfer(endpoints, children):
     p2.write(src, d2, length=1000).wait(T)
 
 
-def test_initiator_killed_mid_transfer(endpoints, children):
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_initiator_killed_mid_transfer(endpoints, children, transport):
     """The child connects and streams writes into us while we read from it through the accepted
     peer; SIGKILL: our transfers end with ConnectionLost quickly, and our region (which its
     writes were pinning) can be deregistered without hanging."""
@@ -621,12 +627,13 @@ def test_initiator_killed_mid_transfer(endpoints, children):
     mine = poisoned(32 * MiB)
     rm = me.register(mine)
     c = children("streamer")
-    c.call("endpoint", name="streamer")
+    c.call("endpoint", name="streamer", transport=transport)
     c.call("connect", me.metadata())
     their = c.call("register", "src", 64 * MiB, fill=("seed", 9))
     assert c.call("start_stream", "write", "src", rm.descriptor(), 32 * MiB) is True
     assert wait_until(lambda: len(me.peers()) == 1, 5)
     accepted = me.peers()[0]
+    assert accepted.transport == transport
     sink = poisoned(64 * MiB)
     rk = me.register(sink)
     ts = [accepted.read(rk, their) for _ in range(30)]
@@ -652,8 +659,9 @@ def test_initiator_killed_mid_transfer(endpoints, children):
     assert_bytes_equal(dst, src)
 
 
-def test_stopped_peer_times_out(endpoints, children):
-    me = endpoints(name="survivor", peer_timeout=1.0, heartbeat=0.2)
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_stopped_peer_times_out(endpoints, children, transport):
+    me = endpoints(name="survivor", peer_timeout=1.0, heartbeat=0.2, transport=transport)
     c = children("sleeper")
     info = c.call("endpoint", name="sleeper", heartbeat=0.2)
     desc = c.call("register", "big", 64 * MiB)

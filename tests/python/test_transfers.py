@@ -760,27 +760,44 @@ def test_self_connect(endpoints):
     assert sorted(p.name for p in ep.peers()) == ["selfie", "selfie"]
 
 
-def test_stats_count_bytes_exactly(endpoints):
-    a, b = endpoints(chunk_bytes=1 * MiB), endpoints()
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_stats_count_bytes_exactly(endpoints, transport):
+    a, b = endpoints(chunk_bytes=1 * MiB, transport=transport, ipc_host="cma"), endpoints()
     peer = a.connect(b.metadata(), timeout=5)
+    assert peer.transport == transport
+    # chunks b served over ipc: writes by cross-memory attach, reads through a's bounce segment
+    cma, shm = (4, 1) if transport == "ipc" else (0, 0)
     n = 3 * MiB + 5
     src, dst = rand_bytes(8, n), poisoned(n)
     rs, rd = a.register(src), b.register(dst)
     a0, b0 = a.stats(), b.stats()
-    assert set(a0) == {"bytes_sent", "bytes_received", "chunks_sent", "chunks_received",
-                       "transfers_completed", "transfers_failed", "rejected_requests"}
+    scalars = {"bytes_sent", "bytes_received", "chunks_sent", "chunks_received",
+               "transfers_completed", "transfers_failed", "rejected_requests", "ipc_cma_chunks", "ipc_shm_chunks",
+               "ipc_cuda_chunks", "ipc_cuda_opens"}
+    assert set(a0) == scalars | {"nics", "lanes"}
     peer.write(rs, rd.descriptor()).wait(T)
     peer.read(a.register(poisoned(1000)), rd.descriptor(), length=1000).wait(T)
 
     def delta(ep, base):
         s = ep.stats()
-        return {k: s[k] - base[k] for k in s}
+        return {k: s[k] - base[k] for k in scalars}
 
     want_a = {"bytes_sent": n, "bytes_received": 1000, "chunks_sent": 4, "chunks_received": 1,
-              "transfers_completed": 2, "transfers_failed": 0, "rejected_requests": 0}
+              "transfers_completed": 2, "transfers_failed": 0, "rejected_requests": 0,
+              "ipc_cma_chunks": 0, "ipc_shm_chunks": 0, "ipc_cuda_chunks": 0, "ipc_cuda_opens": 0}
     want_b = {"bytes_sent": 1000, "bytes_received": n, "chunks_sent": 1, "chunks_received": 4,
-              "transfers_completed": 0, "transfers_failed": 0, "rejected_requests": 0}
+              "transfers_completed": 0, "transfers_failed": 0, "rejected_requests": 0,
+              "ipc_cma_chunks": cma, "ipc_shm_chunks": shm, "ipc_cuda_chunks": 0, "ipc_cuda_opens": 0}
     assert wait_until(lambda: delta(a, a0) == want_a and delta(b, b0) == want_b, 2), (delta(a, a0), delta(b, b0))
+    # per channel (lane) and per NIC: the same bytes, split by where they went (loopback here; tcp lanes)
+    for ep, sent, received, chunks in ((a, n, 1000, 4), (b, 1000, n, 1)) if transport == "tcp" else ():
+        lanes = ep.stats()["lanes"]
+        assert len(lanes) == 4 and all(l["alive"] and l["local_nic"] == "lo" for l in lanes), lanes
+        assert sum(l["bytes_sent"] for l in lanes) == sent and sum(l["bytes_received"] for l in lanes) == received
+        assert sum(l["chunks_sent"] for l in lanes) == chunks
+        assert sum(l["errors"] + l["resends"] for l in lanes) == 0
+        lo = [x for x in ep.stats()["nics"] if x["name"] == "lo"]
+        assert lo and lo[0]["bytes_sent"] >= sent, ep.stats()["nics"]
     bad = bytearray(rd.descriptor())
     bad[48] ^= 1
     wait_error(peer.write(rs, bytes(bad), length=10))
@@ -873,3 +890,53 @@ def test_socket_buffer_sizes(endpoints, socket_buffer):
     except tether.TransferTimeout:
         pytest.fail(f"1 MiB read with socket_buffer={socket_buffer} still running after 3 s")
     assert_bytes_equal(back, src)
+
+
+def test_many_small_blocks_batched_every_byte(pair_ab=None):
+    """Thousands of small blocks (1 B .. 20 KiB, shuffled) in one writev and one readv: writes travel
+    as batched frames (many fragments per chunk, each checked by the target), reads as chunks."""
+    rng = np.random.default_rng(11)
+    sizes = rng.integers(1, 20 * 1024, 3000)
+    total = int(sizes.sum())
+    offs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    order = rng.permutation(len(sizes))
+    remote_offs = np.empty_like(offs)
+    acc = 0
+    for i in order:  # blocks land in a shuffled order at the target
+        remote_offs[i] = acc
+        acc += sizes[i]
+    with tether.Endpoint() as a, tether.Endpoint() as b:
+        peer = a.connect(b.metadata(), timeout=5)
+        src = rand_bytes(77, total)
+        dst = poisoned(total + 64)
+        rs, rd = a.register(src), b.register(dst)
+        d = rd.descriptor()
+        entries = [(rs, int(offs[i]), d, int(remote_offs[i]), int(sizes[i])) for i in range(len(sizes))]
+        peer.writev(entries, notify=b"kv").wait(30)
+        expect = np.empty(total, np.uint8)
+        for i in range(len(sizes)):
+            expect[remote_offs[i]:remote_offs[i] + sizes[i]] = src[offs[i]:offs[i] + sizes[i]]
+        assert_bytes_equal(dst[:total], expect)
+        assert_poison(dst[total:])
+        back = poisoned(total)
+        rb = a.register(back)
+        peer.readv([(rb, int(offs[i]), d, int(remote_offs[i]), int(sizes[i])) for i in range(len(sizes))]).wait(30)
+        assert_bytes_equal(back, src)
+        assert b.notifications(timeout=5)[0].data == b"kv"
+
+
+def test_batch_with_one_refused_fragment_writes_nothing_of_it():
+    """A batch whose table names a deregistered region is refused whole: no fragment of it lands."""
+    with tether.Endpoint(chunk_bytes=1 << 20, transport="tcp") as a, tether.Endpoint() as b:
+        peer = a.connect(b.metadata(), timeout=5)
+        src = rand_bytes(5, 64 * 1024)
+        good, gone = poisoned(64 * 1024), poisoned(4096)
+        rs, rg, rgone = a.register(src), b.register(good), b.register(gone)
+        dg, dgone = rg.descriptor(), rgone.descriptor()
+        b.deregister(rgone)
+        entries = [(rs, i * 1024, dg, i * 1024, 1024) for i in range(16)] + [(rs, 0, dgone, 0, 1024)]
+        with pytest.raises(tether.RegionNotFound):
+            peer.writev(entries).wait(10)
+        assert_poison(good, "blocks batched with a refused fragment")
+        peer.write(rs, dg, length=1024).wait(10)  # the link is fine afterwards
+        assert_bytes_equal(good[:1024], src[:1024])

@@ -69,13 +69,24 @@ def test_descriptor_extensions_parse_and_malformed_ones_are_refused():
 
 
 
+def test_bad_unpack_mode_is_refused_and_gpu_memory_needs_cuda():
+    with pytest.raises(tether.InvalidArgument, match="kernel, d2d or host"):
+        tether.Endpoint(unpack="bogus")
+    cuda, why = tether._tether.gpu_status()[:2]
+    if cuda:
+        pytest.skip("CUDA is present: tests/python/test_gpu.py covers GPU registration")
+    with tether.Endpoint() as ep:
+        buf = poisoned(4096)
+        with pytest.raises(tether.Unavailable, match="GPU memory needs CUDA"):
+            ep.register((buf.ctypes.data, buf.nbytes), device=0)
+        assert ep.register(buf).kind == "host"
 def test_missing_libfabric_makes_fabric_unavailable_and_nothing_else():
     with tether.Endpoint(fabric_library="/nonexistent/libfabric.so.1") as a, tether.Endpoint() as b:
         why = a.transports()["fabric"]
         assert why, "fabric usable without its library"
         assert "/nonexistent/libfabric.so.1" in why or "without libfabric headers" in why, why
         peer = a.connect(b.metadata(), timeout=5)
-        assert peer.transport == "tcp"
+        assert peer.transport != "fabric"
         src, dst = rand_bytes(2, 1 << 20), poisoned(1 << 20)
         peer.write(a.register(src), b.register(dst).descriptor()).wait(T)
         assert_bytes_equal(dst, src)

@@ -27,8 +27,8 @@ MiB = 1 << 20
 
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
-CLIENT_HELLO_SIZE = 156
-SERVER_HELLO_SIZE = 176  # then offers_length bytes of transport offers (control sockets)
+CLIENT_HELLO_SIZE = 164
+SERVER_HELLO_SIZE = 184  # then offers_length bytes of transport offers (control sockets)
 CLIENT_PROOF_SIZE = 56
 SERVER_DONE_SIZE = 8
 HELLO_VERSION_MISMATCH = 1
@@ -150,10 +150,10 @@ def thread_count() -> int:
 def client_hello(version: int = 2, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
                  has_token: int = 0, magic: int = WIRE_MAGIC, name: bytes = b"raw") -> bytes:
     """A ClientHello (156 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
-    nonce 16, session u64, lane u32, lanes u32, peer timeout ms u32, host id 32, name 64."""
-    msg = struct.pack("<IHBB16s16sQIII32s64s", magic, version, kind, has_token, os.urandom(16),
+    nonce 16, session u64, lane u32, lanes u32, peer timeout ms u32, host id 32, name 64, chunk bytes u64."""
+    msg = struct.pack("<IHBB16s16sQIII32s64sQ", magic, version, kind, has_token, os.urandom(16),
                       os.urandom(16), int.from_bytes(os.urandom(8), "little"), lane, lanes, 10000, bytes(32),
-                      name.ljust(64, b"\0")[:64])
+                      name.ljust(64, b"\0")[:64], 0)
     assert len(msg) == CLIENT_HELLO_SIZE
     return msg
 
@@ -279,6 +279,28 @@ class Child:
         self.parent_conn.close()
 
 
+def refuse_cma(dumpable: bool) -> None:
+    """Drops CAP_SYS_PTRACE from this process and optionally makes it non-dumpable (prctl)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    hdr, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    assert libc.capget(ctypes.byref(hdr), data) == 0, os.strerror(ctypes.get_errno())
+    cap_sys_ptrace = 19
+    data[0].effective &= ~(1 << cap_sys_ptrace)
+    data[0].permitted &= ~(1 << cap_sys_ptrace)
+    assert libc.capset(ctypes.byref(hdr), data) == 0, os.strerror(ctypes.get_errno())
+    if not dumpable:
+        assert libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE
+
+
 def _status_of(transfer, timeout: float) -> tuple:
     import tether
     try:
@@ -298,6 +320,7 @@ class _Agent:
         self.ep = None
         self.peer = None
         self.buffers: dict[str, np.ndarray] = {}
+        self.gpu: dict[str, Any] = {}  # name -> torch tensor (GPU regions)
         self.regions: dict[str, Any] = {}
         self.background: list[threading.Thread] = []
         self.bg_state: dict[str, Any] = {}
@@ -310,9 +333,15 @@ class _Agent:
         self.ep = self.tether.Endpoint(**kw)
         return {"metadata": self.ep.metadata(), "address": self.ep.address, "name": self.ep.name}
 
-    def cmd_register(self, name, size, fill=("poison", POISON), readonly=None, as_bytes=False):
+    def cmd_register(self, name, size, fill=("poison", POISON), readonly=None, as_bytes=False, device=None):
         kind, arg = fill
         buf = rand_bytes(arg, size) if kind == "seed" else poisoned(size, arg)
+        if device is not None:  # a torch tensor on GPU `device`
+            import torch
+            self.gpu[name] = torch.from_numpy(buf).to(f"cuda:{device}")
+            torch.cuda.synchronize(device)
+            self.regions[name] = self.ep.register(self.gpu[name], readonly=readonly)
+            return self.regions[name].descriptor()
         obj = bytes(buf.tobytes()) if as_bytes else buf
         self.buffers[name] = buf if not as_bytes else np.frombuffer(obj, dtype=np.uint8)
         self.regions[name] = self.ep.register(obj, readonly=readonly)
@@ -325,6 +354,10 @@ class _Agent:
         self.ep.deregister(self.regions.pop(name))
 
     def cmd_get(self, name, offset=0, length=None):
+        if name in self.gpu:
+            g = self.gpu[name]
+            end = g.numel() if length is None else offset + length
+            return g[offset:end].cpu().numpy().tobytes()
         b = self.buffers[name]
         end = b.size if length is None else offset + length
         return b[offset:end].tobytes()
@@ -367,7 +400,7 @@ class _Agent:
         t = self._peer(accepted).recv(self.regions[local], offset=offset, length=length, tag=tag)
         st = _status_of(t, timeout)
         n = t.bytes if st[0] == "ok" else 0
-        return st + (self.buffers[local][offset:offset + n].tobytes(),)
+        return st + (self.cmd_get(local, offset, n),)
 
     def cmd_notify(self, data, accepted=False, timeout=10.0):
         return _status_of(self._peer(accepted).notify(data), timeout)
@@ -382,7 +415,6 @@ class _Agent:
     def cmd_check_on_notify(self, name, seed, offset, nbytes, timeout=20.0):
         """Waits for one notification; the moment it arrives, checks that the data it announces
         ([offset, +nbytes) == rand_bytes(seed, nbytes)) is already complete in `name`."""
-        buf = self.buffers[name]
         expected = rand_bytes(seed, nbytes)
         deadline = time.monotonic() + timeout
         notes = []
@@ -390,7 +422,10 @@ class _Agent:
             notes = self.ep.notifications(timeout=max(0.001, deadline - time.monotonic()))
         if not notes:
             return {"notes": [], "mismatch": None, "timed_out": True}
-        snapshot = buf[offset:offset + nbytes].copy()  # what was there when the note arrived
+        if name in self.gpu:  # what was there when the note arrived
+            snapshot = self.gpu[name][offset:offset + nbytes].cpu().numpy()
+        else:
+            snapshot = self.buffers[name][offset:offset + nbytes].copy()
         return {"notes": [tuple(n) for n in notes], "mismatch": first_mismatch(snapshot, expected),
                 "timed_out": False}
 
@@ -433,6 +468,44 @@ class _Agent:
             f(self.regions[local], remote, length=length) for _ in range(count))
         return len(self.bg_state["posted"])
 
+    def cmd_wait_posted(self, timeout=30.0):
+        """Waits for every operation cmd_post started; their (status, detail) tuples, and elapsed s."""
+        t0 = time.monotonic()
+        out = [_status_of(t, max(0.001, timeout - (time.monotonic() - t0))) for t in self.bg_state.pop("posted", [])]
+        return out, time.monotonic() - t0
+
+    def cmd_post_sends(self, local, count, length=None, tag=0):
+        """Posts `count` sends of `local` (they stay in flight; collect with cmd_wait_posted)."""
+        self.bg_state.setdefault("posted", []).extend(
+            self.peer.send(self.regions[local], length=length, tag=tag) for _ in range(count))
+
+    def cmd_post_recvs(self, local, count, length, accepted=True, tag=0):
+        """Posts `count` recvs into consecutive `length`-byte slices of `local`."""
+        peer = self._peer(accepted)
+        self.bg_state.setdefault("posted", []).extend(
+            peer.recv(self.regions[local], offset=i * length, length=length, tag=tag) for i in range(count))
+
+    def cmd_stats(self):
+        return self.ep.stats()
+
+    def cmd_thread_cpus(self):
+        """Cpus_allowed_list of every thread of this process."""
+        out = []
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/status") as f:
+                out += [line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list")]
+        return out
+
+    def cmd_transport(self, accepted=False):
+        return self._peer(accepted).transport
+
+    def cmd_refuse_cma(self, dumpable: bool):
+        """Makes cross-memory attach between this process and its peers fail the way containers
+        do: drop CAP_SYS_PTRACE (root may attach to anything with it) and, unless `dumpable`,
+        become non-dumpable (then no process without CAP_SYS_PTRACE may attach to us)."""
+        refuse_cma(dumpable)
+        return True
+
     def cmd_close(self):
         if self.ep is not None:
             self.ep.close()
@@ -443,6 +516,11 @@ class _Agent:
 
 
 def agent_main(conn, env: dict) -> None:
+    env = dict(env)
+    ns = env.pop("TETHER_TEST_NETNS", None)
+    if ns:  # run inside a test bed's namespace (tests/python/netns.py), before any socket exists
+        import netns
+        netns.enter(ns)
     os.environ.update(env)
     agent = _Agent(conn)
     while True:

@@ -43,13 +43,16 @@ struct SendHeader {
   uint64_t session;   // names the peer link on either side
   uint64_t offset;    // in the message
   uint64_t length;    // payload bytes that follow
+  uint64_t unit;      // the sender's chunk size (the receiver counts chunks once each)
   uint32_t token;     // the matched recv (from the core's CTS)
   uint32_t slot, gen; // the sender's chunk, echoed in the ack
   uint16_t lane;      // the sender's lane, which is also the receiver's lane on this rail
+  uint16_t flags;     // the chunk's frame flags (resent)
   uint8_t type;       // MsgType
   uint8_t status;     // ack: tether Code of the placement
+  uint8_t pad[6];
 };
-static_assert(sizeof(SendHeader) == 40);
+static_assert(sizeof(SendHeader) == 56);
 
 enum class OpKind : uint8_t { kWrite, kFlush, kRead, kSend, kAck, kBounce };
 
@@ -679,8 +682,8 @@ ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
     }
     case FrameType::kSendData: {
       SendHeader& sh = l.headers[c.index];
-      sh = SendHeader{l.session, h.offset, h.length, h.region_id, h.slot, h.gen, uint16_t(l.index),
-                      uint8_t(MsgType::kData), 0};
+      sh = SendHeader{l.session, h.offset, h.length, h.key, h.region_id, h.slot, h.gen, uint16_t(l.index),
+                      h.flags, uint8_t(MsgType::kData), 0, {}};
       iovec iov[2] = {{&sh, sizeof sh}, {const_cast<uint8_t*>(op.payload), op.length}};
       void* descs[2] = {l.headers_mr.desc, desc};
       c.kind = OpKind::kSend;
@@ -765,14 +768,20 @@ void RailThread::bounce_arrived(OpCtx& c, uint64_t len) {
   } else if (h.type == uint8_t(MsgType::kData)) {
     uint8_t* dest = nullptr;
     core::TransferState* recv = nullptr;
-    Code code = h.length == len - sizeof(SendHeader) ? peer->resolve_send_data(h.token, h.offset, h.length, &dest, &recv)
-                                                     : Code::kProtocolError;
-    if (code == Code::kOk) {
+    int device = -1;
+    Code code = h.length == len - sizeof(SendHeader)
+                    ? peer->resolve_send_data(h.token, h.offset, h.length, h.unit, h.flags, &dest, &recv, &device)
+                    : Code::kProtocolError;
+    if (code == Code::kOk && device >= 0) {
+      // A GPU recv without FI_HMEM: this transport has no staging ring (docs/FABRIC.md, GPU memory).
+      peer->abandon_send_data(recv);
+      code = Code::kUnavailable;
+    } else if (code == Code::kOk && dest) {
       std::memcpy(dest, buf + sizeof(SendHeader), h.length);
       stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
       stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
-      peer->send_data_placed(recv, h.length);
-    } else {
+      peer->send_data_placed(recv, h.offset, h.length);
+    } else if (code != Code::kOk) {
       stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
     }
     Lane& l = *lane;

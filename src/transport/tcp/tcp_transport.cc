@@ -1,6 +1,8 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include <linux/sockios.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -12,6 +14,8 @@
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"
+#include "gpu/staging.h"
+#include "transport/frame_target.h"
 
 namespace tether::transport {
 
@@ -27,17 +31,44 @@ namespace {
 constexpr size_t kRxBuffer = 64 << 10;
 constexpr size_t kTxRing = 1024;             // frames a lane holds unsent (chunks + answers)
 constexpr size_t kAnswerRing = 512;          // answers produced by rx, waiting for the tx owner
-constexpr size_t kMaxIov = 64;
+constexpr size_t kMaxIov = 1024;            // IOV_MAX: a batched chunk is a header, a table and its pieces
 constexpr uint64_t kRxBudget = 16ull << 20;  // bytes per lane per turn, for fairness
 constexpr uint64_t kTxBudget = 16ull << 20;
 constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: it wants its answer
+constexpr uint32_t kStageSlots = 8;          // pinned bounce slots per lane and direction (GPU memory)
+
+constexpr uint64_t kLaneQueueChunks = 2;      // chunks a lane's socket may hold (ours + the kernel's)
+
+// Bytes in the socket's send queue (unsent or unacknowledged).
+inline uint64_t kernel_queued(int fd) {
+  int q = 0;
+  return ::ioctl(fd, SIOCOUTQ, &q) == 0 && q > 0 ? uint64_t(q) : 0;
+}
 
 struct TxItem {
   FrameHeader hdr;
   const uint8_t* payload;
   uint64_t length;
   RegionState* pin;  // read responses keep their region pinned until sent
+  int32_t device = -1;                  // payload is in this GPU's memory: stage it before sending
+  uint32_t fragments = 0;               // kWriteBatch from host memory: the table, then the pieces
+  const wire::Fragment* frags = nullptr;
+  const core::Piece* pieces = nullptr;
+  gpu::StagingSlot* stage = nullptr;    // payload was copied here (pinned); send once the copy is done
+  bool staged = false;                  // the copy into `stage` has completed
 };
+
+// A frame received into a bounce slot, waiting for its copy to the GPU before it is answered.
+struct GpuRx {
+  gpu::StagingSlot* slot = nullptr;
+  FrameHeader hdr{};        // the frame (its answer goes out once the copy is done)
+  uint8_t status = 0;
+  RegionState* pin = nullptr;
+  TransferState* recv = nullptr;
+  uint32_t npins = 0;       // a batch's regions, held until its copy is done (in the lane's batch_pins)
+};
+
+constexpr uint64_t kTableBytes = uint64_t(wire::kMaxFragments) * sizeof(wire::Fragment);
 
 enum class RxState { kHeader, kPayload, kDiscard };
 
@@ -56,6 +87,12 @@ class AnswerRing {
     const size_t t = tail_.load(std::memory_order_relaxed);
     items_[t % kAnswerRing] = it;
     tail_.store(t + 1, std::memory_order_seq_cst);
+  }
+  bool peek(TxItem* out) const {
+    const size_t h = head_.load(std::memory_order_relaxed);
+    if (h == tail_.load(std::memory_order_acquire)) return false;
+    *out = items_[h % kAnswerRing];
+    return true;
   }
   bool pop(TxItem* out) {
     const size_t h = head_.load(std::memory_order_relaxed);
@@ -81,6 +118,8 @@ struct Lane {
   ProgressThread* thread = nullptr;
   uint32_t index = 0;
   int fd = -1;
+  core::LinkCounters* ctr = nullptr;      // this lane's counters (owned by the peer)
+  core::LinkCounters* nic_ctr = nullptr;  // its NIC's (owned by the endpoint)
   std::atomic<bool> dead{false};
   std::atomic<bool> tx_owned{false};
   std::atomic<bool> tx_backlog{false};  // unsent bytes wait for EPOLLOUT
@@ -102,9 +141,28 @@ struct Lane {
   uint8_t rx_status = 0;
   RegionState* rx_pin = nullptr;
   TransferState* rx_recv = nullptr;
+  int32_t rx_device = -1;      // >= 0: payload lands in rx_slot, then is copied to rx_final on this GPU
+  gpu::StagingSlot* rx_slot = nullptr;
+  uint8_t* rx_final = nullptr;
   std::atomic<bool> rx_paused{false};   // no room to answer: stop reading until answers drain
   std::atomic<bool> rx_owned{false};    // the progress thread, or a thread polling for its answer
   uint32_t epoll_events = 0;            // progress thread only
+
+  // GPU staging, created on a lane's first GPU chunk. tx_stage belongs to the tx owner; rx_stage
+  // and the gpu_rx FIFO (frames whose copy to the GPU is in flight) to the rx owner.
+  std::unique_ptr<gpu::StagingRing> tx_stage, rx_stage;
+  gpu::Fragment tx_gather[wire::kMaxFragments];  // tx owner: a GPU batch's pieces, for the gather
+  // rx owner: the kWriteBatch being received (destinations checked and pinned before any byte lands)
+  uint32_t rx_nfrags = 0, rx_frag = 0;
+  bool rx_mixed = false;                          // its destinations span host and GPUs, or several GPUs
+  uint8_t* rx_frag_dest[wire::kMaxFragments];
+  uint64_t rx_frag_len[wire::kMaxFragments];
+  RegionState* rx_frag_pin[wire::kMaxFragments];
+  RegionState* gpu_rx_pins[kStageSlots][wire::kMaxFragments];
+  gpu::Fragment rx_unpack[wire::kMaxFragments];
+  GpuRx gpu_rx[kStageSlots];
+  uint32_t gpu_rx_head = 0, gpu_rx_count = 0;
+  std::atomic<uint32_t> gpu_inflight{0};  // staged copies in flight: the progress thread polls, not sleeps
 
   bool try_own() { return !tx_owned.exchange(true, std::memory_order_acquire); }
   void disown() { tx_owned.store(false, std::memory_order_seq_cst); }
@@ -124,35 +182,114 @@ struct TcpPeerLanes {
 
 namespace {
 
+// Starts copying a GPU payload into a pinned tx slot. False without an error: no slot is free yet.
+bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
+  if (!l.tx_stage)
+    l.tx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes + kTableBytes, wire::kMaxFragments);
+  auto slot = l.tx_stage->acquire(it.device);
+  if (!slot.is_ok()) { *error = slot.status(); return false; }
+  if (!slot.value()) return false;
+  gpu::StagingSlot* st = slot.value();
+  gpu::Fragment one{0, const_cast<uint8_t*>(it.payload), it.length};
+  const gpu::Fragment* frags = &one;
+  uint32_t n = 1;
+  if (it.fragments) {  // a batch: the slot holds the fragment table, then every piece gathered
+    const uint64_t table = uint64_t(it.fragments) * sizeof(wire::Fragment);
+    std::memcpy(st->host, it.frags, table);
+    uint64_t at = table;
+    for (uint32_t i = 0; i < it.fragments; ++i) {
+      l.tx_gather[i] = gpu::Fragment{at, const_cast<uint8_t*>(it.pieces[i].data), it.pieces[i].length};
+      at += it.pieces[i].length;
+    }
+    frags = l.tx_gather;
+    n = it.fragments;
+    it.fragments = 0;  // from here on it is one contiguous payload
+  }
+  if (Status s = l.tx_stage->pack(st, it.device, frags, n, ep->unpack_mode()); !s.is_ok()) {
+    l.tx_stage->release(st);
+    *error = s;
+    return false;
+  }
+  it.stage = st;
+  it.payload = st->host;
+  it.device = -1;
+  it.staged = false;
+  l.gpu_inflight.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 // Sends what the lane holds (answers first, then chunks it pulls while its socket keeps up).
-// Caller owns tx. Returns false if the socket failed.
+// Caller owns tx. Returns false if the socket (or a GPU copy) failed.
 bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
-  const uint64_t chunk = ep->config().chunk_bytes;
+  const uint64_t chunk = l.peer->info().chunk_bytes;
   uint64_t budget = kTxBudget;
   auto& stats = ep->stats();
   for (;;) {
     TxItem a;
-    while (l.tx_count < kTxRing && l.answers.pop(&a)) l.queue(a);
-    // Pull only when what this socket holds has (almost) drained: faster sockets pull more.
+    while (l.tx_count < kTxRing && l.answers.peek(&a)) {
+      if (a.device >= 0 && !stage_tx(l, ep, a, error)) {
+        if (!error->is_ok()) return false;
+        break;  // no free slot: the answer waits in the ring
+      }
+      TxItem taken;
+      l.answers.pop(&taken);  // `a` is the (possibly staged) copy we queue
+      l.queue(a);
+    }
+    // Pull only when what this socket holds has (almost) drained: faster sockets pull more. What the
+    // kernel still queues counts too, or a slow link would swallow a socket buffer's worth of chunks
+    // and set the pace at the end of every transfer.
     ChunkOp op;
-    while (l.tx_unsent < chunk && l.tx_count < kTxRing / 2 && l.peer->next_chunk(l.index, &op))
-      l.queue(TxItem{op.hdr, op.payload, op.length, nullptr});
+    // (The kernel holds at most the lane's unanswered chunks, so ask it only when those are many.)
+    const uint64_t limit = kLaneQueueChunks * chunk;
+    const uint64_t queued = l.peer->has_work() && l.peer->lane_bytes(l.index) >= limit ? kernel_queued(l.fd) : 0;
+    while (l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && (!l.tx_stage || l.tx_stage->has_free()) &&
+           l.peer->next_chunk(l.index, &op)) {
+      TxItem it{op.hdr, op.payload, op.length, nullptr};
+      it.device = op.payload || op.fragments ? op.device : -1;
+      if (op.fragments) {
+        it.fragments = op.fragments;
+        it.frags = op.frags;
+        it.pieces = op.pieces;
+        it.length = uint64_t(op.fragments) * sizeof(wire::Fragment) + op.length;
+      }
+      if (it.device >= 0 && !stage_tx(l, ep, it, error)) {
+        if (error->is_ok()) *error = Status(Code::kInternal, "staging: no free slot after checking for one");
+        return false;
+      }
+      l.queue(it);
+    }
     if (l.tx_count == 0 || budget == 0) break;
 
     iovec iov[kMaxIov];
     size_t niov = 0;
     uint64_t skip = l.tx_head_sent;
-    for (size_t i = 0; i < l.tx_count && niov + 2 <= kMaxIov; ++i) {
-      TxItem& it = l.tx[(l.tx_head + i) % kTxRing];
-      if (skip < sizeof(FrameHeader)) {
-        iov[niov++] = {reinterpret_cast<uint8_t*>(&it.hdr) + skip, sizeof(FrameHeader) - skip};
-        skip = 0;
-      } else {
-        skip -= sizeof(FrameHeader);
+    // Every part of every item: header, then the payload (or a batch's table and pieces).
+    auto add = [&](const void* p, uint64_t n) {
+      if (skip >= n) {
+        skip -= n;
+        return;
       }
-      if (it.length > skip) iov[niov++] = {const_cast<uint8_t*>(it.payload) + skip, it.length - skip};
+      iov[niov++] = {static_cast<uint8_t*>(const_cast<void*>(p)) + skip, n - skip};
       skip = 0;
+    };
+    for (size_t i = 0; i < l.tx_count; ++i) {
+      TxItem& it = l.tx[(l.tx_head + i) % kTxRing];
+      if (niov + 2 + it.fragments + 1 > kMaxIov) break;
+      if (it.stage && !it.staged) {  // its copy out of the GPU must finish before its bytes go
+        auto done = l.tx_stage->done(it.stage);
+        if (!done.is_ok()) { *error = done.status(); return false; }
+        if (!done.value()) break;
+        it.staged = true;
+      }
+      add(&it.hdr, sizeof(FrameHeader));
+      if (it.fragments) {
+        add(it.frags, uint64_t(it.fragments) * sizeof(wire::Fragment));
+        for (uint32_t k = 0; k < it.fragments; ++k) add(it.pieces[k].data, it.pieces[k].length);
+      } else if (it.length > 0) {
+        add(it.payload, it.length);
+      }
     }
+    if (niov == 0) break;  // the head waits for its GPU copy; the progress thread polls
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = niov;
@@ -173,10 +310,15 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       sent -= take;
       if (l.tx_head_sent == total) {
         if (it.length > 0) {
-          stats.bytes_sent.fetch_add(it.length, std::memory_order_relaxed);
+          stats.bytes_sent.fetch_add(it.hdr.length, std::memory_order_relaxed);
           stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
+          core::count_sent(l.ctr, l.nic_ctr, it.length);
         }
         if (it.pin) it.pin->unpin();
+        if (it.stage) {
+          l.tx_stage->release(it.stage);
+          l.gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
+        }
         l.tx_head = (l.tx_head + 1) % kTxRing;
         --l.tx_count;
         l.tx_head_sent = 0;
@@ -187,19 +329,84 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
   return true;
 }
 
-// A lane whose socket failed: fail its peer (shutting down every socket of it) once.
+// A lane whose socket failed: the peer moves its chunks to surviving lanes, or fails if none is left.
 void kill_lane(Lane& l, Status why) {
   if (l.dead.exchange(true)) return;
-  l.peer->fail(std::move(why));
+  l.peer->lane_failed(l.index, std::move(why));
 }
 
 bool on_header(Lane& l, core::EndpointImpl* ep);
+bool on_batch(Lane& l, core::EndpointImpl* ep);
 void payload_done(Lane& l, core::EndpointImpl* ep);
+
+// Answers, in order, the frames whose copy from a bounce slot to the GPU has finished. Caller owns rx.
+void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
+  auto& stats = ep->stats();
+  while (l.gpu_rx_count > 0) {
+    GpuRx& g = l.gpu_rx[l.gpu_rx_head];
+    auto done = l.rx_stage->done(g.slot);
+    uint8_t status = g.status;
+    if (!done.is_ok()) {
+      status = uint8_t(Code::kInternal);
+    } else if (!done.value()) {
+      return;
+    }
+    const bool read = static_cast<FrameType>(g.hdr.type) == FrameType::kReadResp;
+    if (!read && l.answers.full()) return;  // the ack waits for room
+    l.rx_stage->release(g.slot);
+    l.gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
+    if (g.pin) g.pin->unpin();
+    for (uint32_t i = 0; i < g.npins; ++i) l.gpu_rx_pins[l.gpu_rx_head][i]->unpin();
+    if (g.recv) l.peer->send_data_placed(g.recv, g.hdr.offset, g.hdr.length);
+    if (status == 0) {
+      stats.bytes_received.fetch_add(g.hdr.length, std::memory_order_relaxed);
+      stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    }
+    l.gpu_rx_head = (l.gpu_rx_head + 1) % kStageSlots;
+    --l.gpu_rx_count;
+    if (read) {
+      if (l.peer->answer(l.index, g.hdr.slot, g.hdr.gen, status) != Code::kOk)
+        kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
+    } else {
+      TxItem ack{};
+      ack.hdr.type = static_cast<uint8_t>(FrameType::kAck);
+      ack.hdr.status = status;
+      ack.hdr.slot = g.hdr.slot;
+      ack.hdr.gen = g.hdr.gen;
+      l.answers.push(ack);
+    }
+  }
+}
+
+// Room to land one more GPU-bound payload? (Checked before a frame is resolved, so nothing is undone.)
+bool gpu_rx_room(const Lane& l) {
+  return !l.rx_stage || (l.gpu_rx_count < kStageSlots && l.rx_stage->has_free());
+}
+
+// Points the payload of the frame being received at a bounce slot; payload_done copies it to `final`.
+bool land_in_bounce(Lane& l, core::EndpointImpl* ep, int device, uint8_t* final) {
+  if (l.rx_hdr.length > ep->config().chunk_bytes) {
+    kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a frame longer than the agreed chunk size"));
+    return false;
+  }
+  if (!l.rx_stage) l.rx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes, wire::kMaxFragments);
+  auto slot = l.rx_stage->acquire(device);
+  if (!slot.is_ok() || !slot.value()) {
+    kill_lane(l, slot.is_ok() ? Status(Code::kInternal, "staging: no free slot after checking for one") : slot.status());
+    return false;
+  }
+  l.rx_slot = slot.value();
+  l.rx_device = device;
+  l.rx_final = final;
+  l.rx_dest = l.rx_slot->host;
+  return true;
+}
 
 // ---------------------------------------------------------------- receive
 
 // Reads and handles what the lane's socket holds, up to `budget` bytes. Caller owns rx.
 void receive(Lane& l, core::EndpointImpl* ep, uint64_t budget = kRxBudget) {
+  if (l.gpu_rx_count > 0) complete_gpu_rx(l, ep);
   while (!l.dead.load(std::memory_order_relaxed) && !l.rx_paused.load(std::memory_order_relaxed) && budget > 0) {
     const size_t buffered = l.rx_end - l.rx_begin;
     if (l.rx_state != RxState::kHeader) {
@@ -225,15 +432,32 @@ void receive(Lane& l, core::EndpointImpl* ep, uint64_t budget = kRxBudget) {
       if (l.rx_dest) l.rx_dest += n;
       l.rx_left -= n;
       budget -= std::min<uint64_t>(budget, n);
-      if (l.rx_left == 0) payload_done(l, ep);
+      if (l.rx_left == 0) {
+        if (l.rx_nfrags > 0 && !l.rx_slot && l.rx_state == RxState::kPayload && ++l.rx_frag < l.rx_nfrags) {
+          l.rx_dest = l.rx_frag_dest[l.rx_frag];  // next piece of a batch, straight to its place
+          l.rx_left = l.rx_frag_len[l.rx_frag];
+        } else {
+          payload_done(l, ep);
+        }
+      }
       continue;
     }
     if (buffered >= sizeof(FrameHeader)) {
       std::memcpy(&l.rx_hdr, l.rx.get() + l.rx_begin, sizeof(FrameHeader));
-      if (!on_header(l, ep)) return;  // paused (no room to answer) or dead
-      l.rx_begin += sizeof(FrameHeader);
-      budget -= std::min<uint64_t>(budget, sizeof(FrameHeader));
-      continue;
+      size_t need = sizeof(FrameHeader);
+      if (static_cast<FrameType>(l.rx_hdr.type) == FrameType::kWriteBatch) {
+        if (l.rx_hdr.region_id < 2 || l.rx_hdr.region_id > wire::kMaxFragments) {
+          kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a malformed batch"));
+          return;
+        }
+        need += size_t(l.rx_hdr.region_id) * sizeof(wire::Fragment);  // the table is read with the header
+      }
+      if (buffered >= need) {
+        if (!on_header(l, ep)) return;  // paused (no room to answer) or dead
+        l.rx_begin += need;
+        budget -= std::min<uint64_t>(budget, need);
+        continue;
+      }
     }
     if (l.rx_begin > 0) {
       std::memmove(l.rx.get(), l.rx.get() + l.rx_begin, buffered);
@@ -258,52 +482,58 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
     kill_lane(l, Status(Code::kProtocolError, std::string("peer '") + l.peer->info().name + "' sent " + what));
     return false;
   };
-  if (h.reserved != 0) return protocol_error("a malformed frame");
+  if (h.flags & ~wire::kKnownFlags) return protocol_error("a malformed frame");
   const auto type = static_cast<FrameType>(h.type);
   const bool needs_answer = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kReadReq;
   if (needs_answer && l.answers.full()) {
     l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once answers have drained
     return false;
   }
-  auto& stats = ep->stats();
+  const bool has_payload = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kWriteBatch ||
+                           (type == FrameType::kReadResp && h.status == 0);
+  if (has_payload && !gpu_rx_room(l)) {
+    l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once a GPU copy has finished
+    return false;
+  }
   switch (type) {
     case FrameType::kWrite:
     case FrameType::kSendData: {
-      RegionState* pin = nullptr;
-      TransferState* recv = nullptr;
-      uint8_t* dest = nullptr;
-      Code c;
-      if (type == FrameType::kWrite) {
-        c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, true, &pin);
-        if (c == Code::kOk) dest = pin->base + h.offset;
-      } else {
-        c = l.peer->resolve_send_data(h.region_id, h.offset, h.length, &dest, &recv);
-      }
-      if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+      const TargetPlan p = plan_target(*ep, *l.peer, h);  // region, key, bounds (or the matched recv)
+      const Code c = p.code;
+      RegionState* pin = p.pin;
+      TransferState* recv = p.recv;
+      uint8_t* dest = p.dest;
+      const int device = p.device;
       l.rx_status = static_cast<uint8_t>(c);
       l.rx_pin = pin;
       l.rx_recv = recv;
       l.rx_dest = dest;  // null: discard the payload, then answer with the error
       l.rx_left = h.length;
       l.rx_state = c == Code::kOk ? RxState::kPayload : RxState::kDiscard;
+      if (c == Code::kOk && device >= 0 && h.length > 0 && !land_in_bounce(l, ep, device, dest)) return false;
       if (l.rx_left == 0) payload_done(l, ep);
       return true;
     }
+    case FrameType::kWriteBatch: return on_batch(l, ep);
     case FrameType::kReadReq: {
-      RegionState* pin = nullptr;
-      Code c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, false, &pin);
+      const TargetPlan p = plan_target(*ep, *l.peer, h);
+      const Code c = p.code;
+      RegionState* pin = p.pin;
       TxItem it{};
       it.hdr.type = static_cast<uint8_t>(FrameType::kReadResp);
       it.hdr.status = static_cast<uint8_t>(c);
       it.hdr.slot = h.slot;
       it.hdr.gen = h.gen;
       if (c == Code::kOk) {
+        if (pin->kind == MemoryKind::kCuda && h.length > ep->config().chunk_bytes) {
+          pin->unpin();
+          return protocol_error("a read request longer than the agreed chunk size");
+        }
         it.hdr.length = h.length;
         it.payload = pin->base + h.offset;
         it.length = h.length;
         it.pin = pin;
-      } else {
-        stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+        it.device = pin->kind == MemoryKind::kCuda ? pin->device : -1;  // the tx owner stages it
       }
       l.answers.push(it);
       return true;
@@ -318,12 +548,14 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
         return true;
       }
       uint8_t* dest = nullptr;
-      if (l.peer->read_destination(l.index, h.slot, h.gen, h.length, &dest) != Code::kOk)
+      int device = -1;
+      if (l.peer->read_destination(l.index, h.slot, h.gen, h.length, &dest, &device) != Code::kOk)
         return protocol_error("read data for no read");
       l.rx_dest = dest;
       l.rx_left = h.length;
       l.rx_status = 0;
       l.rx_state = RxState::kPayload;
+      if (device >= 0 && h.length > 0 && !land_in_bounce(l, ep, device, dest)) return false;
       if (l.rx_left == 0) payload_done(l, ep);
       return true;
     }
@@ -331,27 +563,120 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
   return protocol_error("a frame of unknown type");
 }
 
+// A kWriteBatch header and its table (both in the rx buffer): every fragment is checked and pinned
+// before any byte lands; one refused fragment refuses the whole batch (its payload is discarded).
+bool on_batch(Lane& l, core::EndpointImpl* ep) {
+  const FrameHeader& h = l.rx_hdr;
+  const uint32_t n = h.region_id;
+  const uint8_t* table = l.rx.get() + l.rx_begin + sizeof(FrameHeader);
+  Code c = Code::kOk;
+  uint32_t pinned = 0;
+  int32_t first = -2, gpu = -1;  // device of the first piece (-1 host), and the first GPU seen
+  bool mixed = false;
+  uint64_t sum = 0;
+  for (; pinned < n; ++pinned) {
+    wire::Fragment f;
+    std::memcpy(&f, table + size_t(pinned) * sizeof f, sizeof f);
+    RegionState* pin = nullptr;
+    c = f.reserved != 0 ? Code::kInvalidArgument
+                        : ep->registry().resolve(f.region_id, f.key, f.desc_offset, f.desc_length, f.offset, f.length, true, &pin);
+    if (c != Code::kOk) break;
+    l.rx_frag_pin[pinned] = pin;
+    l.rx_frag_dest[pinned] = pin->base + f.offset;
+    l.rx_frag_len[pinned] = f.length;
+    sum += f.length;
+    const int32_t d = pin->kind == MemoryKind::kCuda ? pin->device : -1;
+    mixed |= first != -2 && d != first;
+    if (first == -2) first = d;
+    if (gpu < 0) gpu = d;
+  }
+  if (c == Code::kOk && sum != h.length) {
+    for (uint32_t i = 0; i < pinned; ++i) l.rx_frag_pin[i]->unpin();
+    kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a batch whose table does not add up"));
+    return false;
+  }
+  l.rx_pin = nullptr;
+  l.rx_recv = nullptr;
+  l.rx_left = h.length;
+  if (c != Code::kOk) {
+    for (uint32_t i = 0; i < pinned; ++i) l.rx_frag_pin[i]->unpin();
+    ep->stats().rejected_requests.fetch_add(1, std::memory_order_relaxed);
+    l.rx_status = static_cast<uint8_t>(c);
+    l.rx_dest = nullptr;
+    l.rx_nfrags = 0;
+    l.rx_state = RxState::kDiscard;
+    return true;
+  }
+  l.rx_status = 0;
+  l.rx_nfrags = n;
+  l.rx_frag = 0;
+  l.rx_mixed = mixed;
+  l.rx_state = RxState::kPayload;
+  if (gpu >= 0)  // some piece goes to a GPU: the whole payload lands in a bounce slot first
+    return land_in_bounce(l, ep, gpu, nullptr);
+  l.rx_dest = l.rx_frag_dest[0];
+  l.rx_left = l.rx_frag_len[0];
+  return true;
+}
+
 void payload_done(Lane& l, core::EndpointImpl* ep) {
   const FrameHeader& h = l.rx_hdr;
   l.rx_state = RxState::kHeader;
   l.rx_dest = nullptr;
+  if (l.rx_slot) {  // in a bounce slot: copy it to the GPU; answer when that copy has finished
+    const uint32_t at = (l.gpu_rx_head + l.gpu_rx_count) % kStageSlots;
+    GpuRx& g = l.gpu_rx[at];
+    g.slot = l.rx_slot;
+    g.hdr = h;
+    g.status = l.rx_status;
+    g.pin = l.rx_pin;
+    g.recv = l.rx_recv;
+    g.npins = l.rx_nfrags;
+    l.rx_slot = nullptr;
+    l.rx_pin = nullptr;
+    l.rx_recv = nullptr;
+    gpu::Unpack mode = ep->unpack_mode();
+    uint32_t n = 1;
+    l.rx_unpack[0] = gpu::Fragment{0, l.rx_final, h.length};
+    if (l.rx_nfrags > 0) {  // a batch: one descriptor per piece (one kernel launch in kernel mode)
+      uint64_t off = 0;
+      for (uint32_t i = 0; i < l.rx_nfrags; ++i) {
+        l.gpu_rx_pins[at][i] = l.rx_frag_pin[i];
+        l.rx_unpack[i] = gpu::Fragment{off, l.rx_frag_dest[i], l.rx_frag_len[i]};
+        off += l.rx_frag_len[i];
+      }
+      n = l.rx_nfrags;
+      if (l.rx_mixed) mode = gpu::Unpack::kD2D;  // pieces on several devices: one copy each
+      l.rx_nfrags = 0;
+    }
+    if (!l.rx_stage->unpack(g.slot, l.rx_device, l.rx_unpack, n, mode).is_ok()) g.status = uint8_t(Code::kInternal);
+    l.rx_device = -1;
+    ++l.gpu_rx_count;
+    l.gpu_inflight.fetch_add(1, std::memory_order_relaxed);
+    complete_gpu_rx(l, ep);  // small copies may be done already
+    return;
+  }
   auto& stats = ep->stats();
   const auto type = static_cast<FrameType>(h.type);
   if (type == FrameType::kReadResp) {
     stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    core::count_received(l.ctr, l.nic_ctr, h.length);
     if (l.peer->answer(l.index, h.slot, h.gen, 0) != Code::kOk)
       kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
     return;
   }
   if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
+  for (uint32_t i = 0; i < l.rx_nfrags; ++i) l.rx_frag_pin[i]->unpin();
+  l.rx_nfrags = 0;
   if (l.rx_recv) {
-    l.peer->send_data_placed(l.rx_recv, h.length);
+    l.peer->send_data_placed(l.rx_recv, h.offset, h.length);
     l.rx_recv = nullptr;
   }
   if (l.rx_status == 0) {
     stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    core::count_received(l.ctr, l.nic_ctr, h.length);
   }
   TxItem ack{};
   ack.hdr.type = static_cast<uint8_t>(FrameType::kAck);
@@ -373,6 +698,7 @@ class ProgressThread {
     ev.data.ptr = nullptr;
     ::epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
     thread_ = std::thread([this] { run(); });
+    while (!started_.load(std::memory_order_acquire)) std::this_thread::yield();  // pinned before we return
   }
   ~ProgressThread() {
     stop();
@@ -417,6 +743,7 @@ class ProgressThread {
   int epfd_ = -1, evfd_ = -1;
   std::thread thread_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> started_{false};
   std::atomic<bool> sleeping_{false};
   std::atomic<bool> work_hint_{false};
   std::mutex mu_;
@@ -453,6 +780,8 @@ void ProgressThread::take_incoming() {
 }
 
 void ProgressThread::run() {
+  ep_->pin_progress_thread(index_);
+  started_.store(true, std::memory_order_release);
   epoll_event events[64];
   while (!stop_.load(std::memory_order_acquire)) {
     sleeping_.store(true, std::memory_order_seq_cst);
@@ -478,6 +807,13 @@ void ProgressThread::run() {
         continue;
       }
       do_tx(*l);
+      if (l->gpu_inflight.load(std::memory_order_relaxed) > 0) {  // GPU copies in flight: poll them
+        if (l->try_own_rx()) {
+          if (l->gpu_rx_count > 0) complete_gpu_rx(*l, ep_);
+          l->disown_rx();
+        }
+        work_hint_.store(true, std::memory_order_relaxed);
+      }
       // Resume what backpressure held back; rx may pause again at once, so loop a few times and,
       // if it still could resume, come back without sleeping.
       for (int k = 0; k < 8 && l->rx_paused.load(std::memory_order_relaxed) && !l->answers.full() &&
@@ -518,11 +854,24 @@ void ProgressThread::retire(Lane& l) {
   ::epoll_ctl(epfd_, EPOLL_CTL_DEL, l.fd, nullptr);
   while (!l.try_own()) cpu_relax();     // a user thread may be mid-send; it holds tx for one sendmsg
   while (!l.try_own_rx()) cpu_relax();  // ... or reading its answer; it holds rx for one pass
+  // Copies still running may touch user memory: they finish before any region is let go.
+  if (l.tx_stage) l.tx_stage->wait_all();
+  if (l.rx_stage) l.rx_stage->wait_all();
   if (l.rx_pin) { l.rx_pin->unpin(); l.rx_pin = nullptr; }
   if (l.rx_recv) {
-    l.rx_recv->record_error(l.peer->error());
-    l.rx_recv->release();
+    l.peer->abandon_send_data(l.rx_recv);
     l.rx_recv = nullptr;
+  }
+  for (uint32_t i = 0; i < l.rx_nfrags; ++i) l.rx_frag_pin[i]->unpin();  // a batch cut short
+  l.rx_nfrags = 0;
+  for (; l.gpu_rx_count > 0; --l.gpu_rx_count, l.gpu_rx_head = (l.gpu_rx_head + 1) % kStageSlots) {
+    GpuRx& g = l.gpu_rx[l.gpu_rx_head];
+    if (g.pin) g.pin->unpin();
+    for (uint32_t i = 0; i < g.npins; ++i) l.gpu_rx_pins[l.gpu_rx_head][i]->unpin();
+    if (g.recv) {
+      g.recv->record_error(l.peer->error());
+      g.recv->release();
+    }
   }
   for (size_t i = 0; i < l.tx_count; ++i) {
     TxItem& it = l.tx[(l.tx_head + i) % kTxRing];
@@ -558,6 +907,7 @@ Caps TcpTransport::caps() const {
   Caps c;
   c.host_memory = true;
   c.uses_tcp_lanes = true;
+  c.write_batches = true;
   return c;
 }
 
@@ -567,19 +917,30 @@ uint32_t TcpTransport::lanes_for(std::string_view) const {
 
 Status TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& fds, std::string_view,
                             bool) {
-  const uint32_t per_channel = std::max<uint32_t>(1, endpoint_->config().sockets_per_channel);
   auto state = std::make_shared<TcpPeerLanes>();
   std::vector<std::shared_ptr<Lane>> lanes;
+  std::vector<uint32_t> thread_of(fds.size());
+  std::vector<uint32_t> on_nic;  // lanes of this peer per NIC so far
   for (uint32_t i = 0; i < fds.size(); ++i) {
     auto lane = std::make_shared<Lane>();
     lane->peer = peer;
     lane->index = i;
     lane->fd = fds[i];
+    lane->ctr = &peer->lane_counters(i);
+    const core::LanePath& path = peer->lane_paths[i];
+    lane->nic_ctr = path.nic_counters;
+    // Lanes on one NIC go to the threads serving that NIC (pinned near it); the rest by channel.
+    uint32_t earlier = 0;
+    if (path.nic >= 0) {
+      if (on_nic.size() <= size_t(path.nic)) on_nic.resize(size_t(path.nic) + 1, 0);
+      earlier = on_nic[size_t(path.nic)]++;
+    }
+    thread_of[i] = endpoint_->thread_for_lane(i, path.nic, earlier) % threads_.size();
     state->lanes.push_back(lane);
     lanes.push_back(std::move(lane));
   }
   peer->transport_state = state;  // weak references: lanes own the peer, not the other way round
-  for (uint32_t i = 0; i < lanes.size(); ++i) threads_[(i / per_channel) % threads_.size()]->adopt(std::move(lanes[i]));
+  for (uint32_t i = 0; i < lanes.size(); ++i) threads_[thread_of[i]]->adopt(std::move(lanes[i]));
   return Status::ok();
 }
 

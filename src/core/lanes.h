@@ -1,0 +1,37 @@
+// Where a peer's lanes run (local NIC, remote address) and what they carried. Counters are relaxed
+// atomics bumped by the lane's thread once per frame; NIC counters live in the endpoint (they outlive
+// peers), lane counters in the peer (they outlive a dead lane, so stats show what it did).
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+namespace tether::core {
+
+struct LinkCounters {
+  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, chunks_sent{0}, chunks_received{0};
+  std::atomic<uint64_t> errors{0};   // lanes lost (socket error, timeout, peer closed it)
+  std::atomic<uint64_t> resends{0};  // chunks in flight on a lost lane, moved to a surviving one
+};
+
+struct LanePath {
+  int nic = -1;                  // index into the endpoint's data NICs; -1: not on one (loopback)
+  std::string local_nic, local_addr, remote_nic, remote_addr;
+  LinkCounters* nic_counters = nullptr;  // endpoint-owned; never null once attached
+};
+
+// Both a lane's and its NIC's counters, one call per finished frame.
+inline void count_sent(LinkCounters* lane, LinkCounters* nic, uint64_t bytes) {
+  for (LinkCounters* c : {lane, nic}) {
+    c->bytes_sent.fetch_add(bytes, std::memory_order_relaxed);
+    c->chunks_sent.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+inline void count_received(LinkCounters* lane, LinkCounters* nic, uint64_t bytes) {
+  for (LinkCounters* c : {lane, nic}) {
+    c->bytes_received.fetch_add(bytes, std::memory_order_relaxed);
+    c->chunks_received.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+}  // namespace tether::core

@@ -1,0 +1,143 @@
+#include "gpu/cuda_api.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+namespace tether::gpu {
+namespace {
+
+struct Loaded {
+  CudaApi api{};
+  bool ok = false;
+  std::string why;
+  int devices = 0;
+  std::vector<CUcontext> contexts;  // primary context per device, retained for the process
+};
+
+template <typename F>
+bool bind(void* lib, const char* name, F*& fn, std::string* why) {
+  fn = reinterpret_cast<F*>(dlsym(lib, name));
+  if (!fn && why->empty()) *why = std::string("libcuda lacks ") + name;
+  return fn != nullptr;
+}
+
+Loaded& loaded() {
+  static Loaded l;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* env = std::getenv("TETHER_LIBCUDA_SO");
+    const char* path = env && *env ? env : "libcuda.so.1";
+    void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+      l.why = std::string("no CUDA driver (") + path + ": " + dlerror() + ")";
+      return;
+    }
+    CudaApi& a = l.api;
+    std::string& w = l.why;
+    bind(lib, "cuInit", a.cuInit, &w);
+    bind(lib, "cuDriverGetVersion", a.cuDriverGetVersion, &w);
+    bind(lib, "cuDeviceGetCount", a.cuDeviceGetCount, &w);
+    bind(lib, "cuDeviceGet", a.cuDeviceGet, &w);
+    bind(lib, "cuDevicePrimaryCtxRetain", a.cuDevicePrimaryCtxRetain, &w);
+    bind(lib, "cuCtxSetCurrent", a.cuCtxSetCurrent, &w);
+    bind(lib, "cuPointerGetAttribute", a.cuPointerGetAttribute, &w);
+    bind(lib, "cuMemGetAddressRange_v2", a.cuMemGetAddressRange, &w);
+    bind(lib, "cuMemHostAlloc", a.cuMemHostAlloc, &w);
+    bind(lib, "cuMemFreeHost", a.cuMemFreeHost, &w);
+    bind(lib, "cuMemAlloc_v2", a.cuMemAlloc, &w);
+    bind(lib, "cuMemFree_v2", a.cuMemFree, &w);
+    bind(lib, "cuStreamCreate", a.cuStreamCreate, &w);
+    bind(lib, "cuStreamDestroy_v2", a.cuStreamDestroy, &w);
+    bind(lib, "cuStreamSynchronize", a.cuStreamSynchronize, &w);
+    bind(lib, "cuEventCreate", a.cuEventCreate, &w);
+    bind(lib, "cuEventRecord", a.cuEventRecord, &w);
+    bind(lib, "cuEventQuery", a.cuEventQuery, &w);
+    bind(lib, "cuEventSynchronize", a.cuEventSynchronize, &w);
+    bind(lib, "cuEventDestroy_v2", a.cuEventDestroy, &w);
+    bind(lib, "cuMemcpyAsync", a.cuMemcpyAsync, &w);
+    bind(lib, "cuMemcpy", a.cuMemcpy, &w);
+    bind(lib, "cuModuleLoadData", a.cuModuleLoadData, &w);
+    bind(lib, "cuModuleGetFunction", a.cuModuleGetFunction, &w);
+    bind(lib, "cuLaunchKernel", a.cuLaunchKernel, &w);
+    bind(lib, "cuGetErrorString", a.cuGetErrorString, &w);
+    bind(lib, "cuIpcGetMemHandle", a.cuIpcGetMemHandle, &w);
+    bind(lib, "cuIpcOpenMemHandle_v2", a.cuIpcOpenMemHandle, &w);
+    bind(lib, "cuIpcCloseMemHandle", a.cuIpcCloseMemHandle, &w);
+    if (!w.empty()) return;  // the library stays loaded: harmless, and unloading CUDA is not
+    if (CUresult r = a.cuInit(0); r != kCudaSuccess) {
+      w = cuda_error("cuInit", r);
+      return;
+    }
+    if (CUresult r = a.cuDeviceGetCount(&l.devices); r != kCudaSuccess || l.devices == 0) {
+      w = r != kCudaSuccess ? cuda_error("cuDeviceGetCount", r) : "the CUDA driver sees no GPU";
+      return;
+    }
+    l.contexts.assign(size_t(l.devices), nullptr);
+    for (int d = 0; d < l.devices; ++d) {
+      CUdevice dev;
+      CUresult r = a.cuDeviceGet(&dev, d);
+      if (r == kCudaSuccess) r = a.cuDevicePrimaryCtxRetain(&l.contexts[size_t(d)], dev);
+      if (r != kCudaSuccess) {
+        w = cuda_error("cuDevicePrimaryCtxRetain", r);
+        return;
+      }
+    }
+    l.ok = true;
+  });
+  return l;
+}
+
+}  // namespace
+
+const CudaApi* cuda(std::string* why) {
+  Loaded& l = loaded();
+  if (!l.ok && why) *why = l.why;
+  return l.ok ? &l.api : nullptr;
+}
+
+int device_count() { return cuda() ? loaded().devices : 0; }
+
+std::string cuda_error(const char* call, CUresult r) {
+  const char* s = nullptr;
+  const CudaApi& a = loaded().api;
+  if (a.cuGetErrorString) a.cuGetErrorString(r, &s);
+  return std::string(call) + ": " + (s ? s : "CUDA error") + " (" + std::to_string(r) + ")";
+}
+
+Status use_device(int device) {
+  // Set every time: the application (torch) may have switched this thread's context meanwhile.
+  const CudaApi* a = cuda();
+  Loaded& l = loaded();
+  if (!a) return Status(Code::kUnavailable, l.why);
+  if (device < 0 || device >= l.devices)
+    return Status(Code::kInvalidArgument, "GPU " + std::to_string(device) + " does not exist (" +
+                                              std::to_string(l.devices) + " visible)");
+  if (CUresult r = a->cuCtxSetCurrent(l.contexts[size_t(device)]); r != kCudaSuccess)
+    return Status(Code::kInternal, cuda_error("cuCtxSetCurrent", r));
+  return Status::ok();
+}
+
+Result<PointerInfo> pointer_info(const void* ptr) {
+  PointerInfo info;
+  std::string why;
+  const CudaApi* a = cuda(&why);
+  if (!a) return info;  // without CUDA every pointer is host memory
+  const auto p = reinterpret_cast<CUdeviceptr>(ptr);
+  unsigned type = 0;
+  if (a->cuPointerGetAttribute(&type, kPointerAttrMemoryType, p) != kCudaSuccess) return info;  // unknown to CUDA: host
+  if (type != kMemoryTypeDevice) return info;  // pinned or managed host memory
+  info.is_device = true;
+  if (CUresult r = a->cuPointerGetAttribute(&info.device, kPointerAttrDeviceOrdinal, p); r != kCudaSuccess)
+    return Status(Code::kInternal, cuda_error("cuPointerGetAttribute(DEVICE_ORDINAL)", r));
+  size_t size = 0;
+  if (Status s = use_device(info.device); !s.is_ok()) return s;
+  if (CUresult r = a->cuMemGetAddressRange(&info.alloc_base, &size, p); r != kCudaSuccess)
+    return Status(Code::kInternal, cuda_error("cuMemGetAddressRange", r));
+  info.alloc_size = size;
+  return info;
+}
+
+}  // namespace tether::gpu

@@ -1,0 +1,81 @@
+// The CUDA driver API, loaded at run time (dlopen libcuda.so.1): one build runs with or without a
+// GPU, and nothing links against CUDA. Only the calls tether uses, declared from the documented ABI.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "tether/status.h"
+
+namespace tether::gpu {
+
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = uint64_t;
+using CUcontext = struct CUctx_st*;
+using CUstream = struct CUstream_st*;
+using CUevent = struct CUevent_st*;
+using CUmodule = struct CUmod_st*;
+using CUfunction = struct CUfunc_st*;
+struct CUipcMemHandle { char reserved[64]; };
+
+constexpr CUresult kCudaSuccess = 0;
+constexpr CUresult kCudaNotReady = 600;
+constexpr int kPointerAttrContext = 1, kPointerAttrMemoryType = 2, kPointerAttrDeviceOrdinal = 9;
+constexpr unsigned kMemoryTypeHost = 1, kMemoryTypeDevice = 2, kMemoryTypeUnified = 4;
+constexpr unsigned kHostAllocPortable = 1, kHostAllocDeviceMap = 2;
+constexpr unsigned kStreamNonBlocking = 1, kEventDisableTiming = 2;
+constexpr unsigned kIpcLazyEnablePeerAccess = 1;
+
+struct CudaApi {
+  CUresult (*cuInit)(unsigned);
+  CUresult (*cuDriverGetVersion)(int*);
+  CUresult (*cuDeviceGetCount)(int*);
+  CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*cuCtxSetCurrent)(CUcontext);
+  CUresult (*cuPointerGetAttribute)(void*, int, CUdeviceptr);
+  CUresult (*cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
+  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned);
+  CUresult (*cuMemFreeHost)(void*);
+  CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
+  CUresult (*cuMemFree)(CUdeviceptr);
+  CUresult (*cuStreamCreate)(CUstream*, unsigned);
+  CUresult (*cuStreamDestroy)(CUstream);
+  CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuEventCreate)(CUevent*, unsigned);
+  CUresult (*cuEventRecord)(CUevent, CUstream);
+  CUresult (*cuEventQuery)(CUevent);
+  CUresult (*cuEventSynchronize)(CUevent);
+  CUresult (*cuEventDestroy)(CUevent);
+  CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);  // any direction (UVA)
+  CUresult (*cuMemcpy)(CUdeviceptr, CUdeviceptr, size_t);
+  CUresult (*cuModuleLoadData)(CUmodule*, const void*);
+  CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             CUstream, void**, void**);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
+  CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned);
+  CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
+};
+
+// The loaded API, or null with `why` saying what is missing (no driver, no GPU, a missing symbol).
+// Loads once, on first use; thread-safe. TETHER_LIBCUDA_SO overrides the library path.
+const CudaApi* cuda(std::string* why = nullptr);
+int device_count();  // 0 without CUDA
+
+// "cuMemcpyAsync: invalid argument (1)"-style message for a failed call.
+std::string cuda_error(const char* call, CUresult r);
+// Makes device `device`'s primary context current on the calling thread.
+Status use_device(int device);
+
+// What a pointer is: host memory (incl. pinned), or GPU memory of `device`.
+struct PointerInfo {
+  bool is_device = false;
+  int device = -1;
+  uint64_t alloc_base = 0, alloc_size = 0;  // the allocation it lies in (device memory only)
+};
+Result<PointerInfo> pointer_info(const void* ptr);
+
+}  // namespace tether::gpu

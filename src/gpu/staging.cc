@@ -1,0 +1,212 @@
+#include "gpu/staging.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+
+#include "gpu/copy_kernel.h"
+
+namespace tether::gpu {
+namespace {
+
+Status check(const char* call, CUresult r) {
+  return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, cuda_error(call, r));
+}
+
+// TETHER_KERNEL_STAGING=direct (default): the copy kernel touches the pinned slot itself;
+// =scratch: the slot is copied to/from device memory by the copy engine around the kernel.
+bool direct_kernel() {
+  static const bool direct = [] {
+    const char* v = std::getenv("TETHER_KERNEL_STAGING");
+    return !(v && std::string(v) == "scratch");
+  }();
+  return direct;
+}
+
+
+}  // namespace
+
+Result<Unpack> parse_unpack(const std::string& name) {
+  if (name.empty()) return kernels_available() ? Unpack::kKernel : Unpack::kD2D;
+  if (name == "kernel") {
+    std::string why;
+    if (!kernels_available(&why)) return Status(Code::kUnavailable, "unpack=kernel: " + why);
+    return Unpack::kKernel;
+  }
+  if (name == "d2d") return Unpack::kD2D;
+  if (name == "host") return Unpack::kHost;
+  return Status(Code::kInvalidArgument, "unpack must be kernel, d2d or host, not '" + name + "'");
+}
+
+const char* unpack_name(Unpack u) {
+  switch (u) {
+    case Unpack::kKernel: return "kernel";
+    case Unpack::kD2D: return "d2d";
+    case Unpack::kHost: return "host";
+  }
+  return "?";
+}
+
+bool kernels_available(std::string* why) {
+#ifdef TETHER_HAVE_KERNELS
+  if (!cuda(why)) return false;
+  auto k = copy_kernel(0);
+  if (!k.is_ok() && why) *why = k.status().message();
+  return k.is_ok();
+#else
+  if (why) *why = "this build has no GPU kernels (nvcc was not found at build time)";
+  return false;
+#endif
+}
+
+StagingRing::StagingRing(uint32_t slots, uint64_t capacity, uint32_t max_fragments)
+    : max_fragments_(max_fragments), capacity_(capacity), slots_(slots) {}
+
+StagingRing::~StagingRing() {
+  const CudaApi* a = cuda();
+  if (!a) return;
+  for (StagingSlot& s : slots_) {
+    for (auto& d : s.per_device) {
+      if (d.event) {
+        a->cuEventSynchronize(d.event);  // nothing may still be copying into memory freed below
+        a->cuEventDestroy(d.event);
+      }
+      if (d.stream) a->cuStreamDestroy(d.stream);
+      if (d.scratch) a->cuMemFree(d.scratch);
+      if (d.table) a->cuMemFree(d.table);
+    }
+    if (s.host) a->cuMemFreeHost(s.host);
+  }
+}
+
+Result<StagingSlot*> StagingRing::acquire(int device) {
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    StagingSlot& s = slots_[(next_ + i) % slots_.size()];
+    if (s.busy) continue;
+    if (!s.host) {  // first use: the only allocation a slot ever makes on the host
+      std::string why;
+      const CudaApi* a = cuda(&why);
+      if (!a) return Status(Code::kUnavailable, why);
+      if (Status st = use_device(device); !st.is_ok()) return st;  // pinned allocations need a context
+      void* p = nullptr;
+      const uint64_t bytes = capacity_ + uint64_t(max_fragments_) * 3 * sizeof(uint64_t);
+      if (Status st = check("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, kHostAllocPortable | kHostAllocDeviceMap)); !st.is_ok())
+        return st;
+      s.host = static_cast<uint8_t*>(p);
+      s.capacity = capacity_;
+      s.per_device.resize(size_t(device_count()));
+    }
+    next_ = uint32_t((next_ + i + 1) % slots_.size());
+    s.busy = true;
+    return &s;
+  }
+  return static_cast<StagingSlot*>(nullptr);
+}
+
+Status StagingRing::ready(StagingSlot& s, int device) {
+  if (device < 0 || size_t(device) >= s.per_device.size())
+    return Status(Code::kInvalidArgument, "GPU " + std::to_string(device) + " does not exist");
+  if (Status st = use_device(device); !st.is_ok()) return st;
+  const CudaApi* a = cuda();
+  auto& d = s.per_device[size_t(device)];
+  if (!d.stream) {
+    if (Status st = check("cuStreamCreate", a->cuStreamCreate(&d.stream, kStreamNonBlocking)); !st.is_ok()) return st;
+    if (Status st = check("cuEventCreate", a->cuEventCreate(&d.event, kEventDisableTiming)); !st.is_ok()) return st;
+  }
+  return Status::ok();
+}
+
+Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint32_t n, Unpack mode, bool to_slot) {
+  if (n > max_fragments_) return Status(Code::kInternal, "staging: too many fragments for one chunk");
+  if (Status st = ready(s, device); !st.is_ok()) return st;
+  const CudaApi* a = cuda();
+  auto& d = s.per_device[size_t(device)];
+  s.device = device;
+  auto host_at = [&](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(s.host + f.offset); };
+  auto ptr = [](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(f.ptr); };
+  if (mode == Unpack::kKernel && n > 1 && direct_kernel()) {
+    // The kernel reads (unpack) or writes (gather) the pinned slot itself over PCIe, and reads its
+    // descriptor block from there too: one launch, no copy through device scratch memory.
+    if (auto fn = copy_kernel(device); !fn.is_ok()) return fn.status();
+    auto* table = reinterpret_cast<uint64_t*>(s.host + capacity_);
+    uint64_t longest = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      table[3 * i + 0] = to_slot ? ptr(frags[i]) : host_at(frags[i]);
+      table[3 * i + 1] = to_slot ? host_at(frags[i]) : ptr(frags[i]);
+      table[3 * i + 2] = frags[i].length;
+      longest = std::max(longest, frags[i].length);
+    }
+    if (Status st = launch_copy(device, d.stream, reinterpret_cast<CUdeviceptr>(table), n, longest); !st.is_ok()) return st;
+  } else if (mode == Unpack::kKernel && n > 1) {
+    if (auto fn = copy_kernel(device); !fn.is_ok()) return fn.status();
+    if (!d.scratch) {
+      if (Status st = check("cuMemAlloc", a->cuMemAlloc(&d.scratch, capacity_)); !st.is_ok()) return st;
+      if (Status st = check("cuMemAlloc", a->cuMemAlloc(&d.table, max_fragments_ * 3 * sizeof(uint64_t))); !st.is_ok()) return st;
+    }
+    // The descriptor block lives in pinned memory after the payload, so its upload is truly async.
+    auto* table = reinterpret_cast<uint64_t*>(s.host + capacity_);
+    uint64_t begin = UINT64_MAX, extent = 0, longest = 0;  // only [begin, extent) of the slot moves
+    for (uint32_t i = 0; i < n; ++i) {
+      begin = std::min(begin, frags[i].offset);
+      const uint64_t scratch = d.scratch + frags[i].offset;
+      table[3 * i + 0] = to_slot ? ptr(frags[i]) : scratch;
+      table[3 * i + 1] = to_slot ? scratch : ptr(frags[i]);
+      table[3 * i + 2] = frags[i].length;
+      extent = std::max(extent, frags[i].offset + frags[i].length);
+      longest = std::max(longest, frags[i].length);
+    }
+    if (Status st = check("cuMemcpyAsync(descriptors)", a->cuMemcpyAsync(d.table, reinterpret_cast<CUdeviceptr>(table),
+                                                                        n * 3 * sizeof(uint64_t), d.stream));
+        !st.is_ok())
+      return st;
+    if (!to_slot) {
+      if (Status st = check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(d.scratch + begin, reinterpret_cast<CUdeviceptr>(s.host + begin),
+                                                                           extent - begin, d.stream));
+          !st.is_ok())
+        return st;
+    }
+    if (Status st = launch_copy(device, d.stream, d.table, n, longest); !st.is_ok()) return st;
+    if (to_slot) {
+      if (Status st = check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), d.scratch + begin,
+                                                                            extent - begin, d.stream));
+          !st.is_ok())
+        return st;
+    }
+  } else {
+    for (uint32_t i = 0; i < n; ++i) {
+      const CUdeviceptr dst = to_slot ? host_at(frags[i]) : ptr(frags[i]);
+      const CUdeviceptr src = to_slot ? ptr(frags[i]) : host_at(frags[i]);
+      const CUresult r = mode == Unpack::kHost ? a->cuMemcpy(dst, src, frags[i].length)
+                                               : a->cuMemcpyAsync(dst, src, frags[i].length, d.stream);
+      if (Status st = check(mode == Unpack::kHost ? "cuMemcpy" : "cuMemcpyAsync", r); !st.is_ok()) return st;
+    }
+  }
+  return check("cuEventRecord", a->cuEventRecord(d.event, d.stream));
+}
+
+Status StagingRing::pack(StagingSlot* slot, int device, const Fragment* frags, uint32_t n, Unpack mode) {
+  return copy(*slot, device, frags, n, mode, true);
+}
+
+Status StagingRing::unpack(StagingSlot* slot, int device, const Fragment* frags, uint32_t n, Unpack mode) {
+  return copy(*slot, device, frags, n, mode, false);
+}
+
+void StagingRing::wait_all() {
+  const CudaApi* a = cuda();
+  if (!a) return;
+  for (StagingSlot& s : slots_)
+    for (auto& d : s.per_device)
+      if (d.event) a->cuEventSynchronize(d.event);
+}
+
+Result<bool> StagingRing::done(StagingSlot* slot) {
+  if (slot->device < 0) return true;
+  const CudaApi* a = cuda();
+  const CUresult r = a->cuEventQuery(slot->per_device[size_t(slot->device)].event);
+  if (r == kCudaNotReady) return false;
+  if (r != kCudaSuccess) return Status(Code::kInternal, cuda_error("cuEventQuery", r));
+  return true;
+}
+
+}  // namespace tether::gpu

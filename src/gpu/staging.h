@@ -1,0 +1,87 @@
+// Staging: pinned host bounce buffers for transports that cannot touch GPU memory, and the copies
+// in and out of them. A lane owns one StagingRing for sending and one for receiving; a slot is
+// reused only after the copy out of (or into) it has completed — its CUDA event says so (the seeds'
+// irecv_consumed rule). Nothing here allocates after a slot's first use on a device.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu/cuda_api.h"
+#include "tether/status.h"
+
+namespace tether::gpu {
+
+// How received bytes reach scattered destinations (TETHER_UNPACK / Config::unpack).
+enum class Unpack : uint8_t {
+  kKernel,  // one copy of the chunk to the GPU, then one kernel launch with a descriptor block
+  kD2D,     // one async copy per fragment
+  kHost,    // synchronous copies through host memory (debugging)
+};
+Result<Unpack> parse_unpack(const std::string& name);  // "" = the best available
+const char* unpack_name(Unpack u);
+bool kernels_available(std::string* why = nullptr);   // built with nvcc and loadable on this GPU
+
+// One piece of a staged chunk: `length` bytes at `offset` inside the slot <-> `ptr` elsewhere.
+struct Fragment {
+  uint64_t offset = 0;
+  uint8_t* ptr = nullptr;
+  uint64_t length = 0;
+};
+
+struct StagingSlot {
+  uint8_t* host = nullptr;     // pinned, `capacity` bytes, mapped into every GPU's address space
+  uint64_t capacity = 0;
+  int device = -1;             // device of the copy in flight
+  bool busy = false;           // a copy is in flight or the bytes are still needed
+  struct PerDevice {
+    CUstream stream = nullptr;
+    CUevent event = nullptr;
+    CUdeviceptr scratch = 0;   // device copy of the chunk (kernel mode), `capacity` bytes
+    CUdeviceptr table = 0;     // descriptor block (kernel mode)
+  };
+  std::vector<PerDevice> per_device;
+  std::unique_ptr<uint64_t[]> table;  // host side of the descriptor block: (src, dst, len) triples
+};
+
+class StagingRing {
+ public:
+  // `slots` buffers of `capacity` bytes, allocated on first use; fragments per chunk at most `max_fragments`.
+  StagingRing(uint32_t slots, uint64_t capacity, uint32_t max_fragments);
+  ~StagingRing();
+  StagingRing(const StagingRing&) = delete;
+  StagingRing& operator=(const StagingRing&) = delete;
+
+  // A free slot for a copy on `device`, or null when every slot is busy (retry once one is released).
+  Result<StagingSlot*> acquire(int device);
+  // Copies GPU fragments (ptr = GPU source) into `slot` (device `device`), asynchronously.
+  Status pack(StagingSlot* slot, int device, const Fragment* frags, uint32_t n, Unpack mode);
+  // Copies the slot's bytes out to fragments (ptr = destination on `device`), asynchronously.
+  Status unpack(StagingSlot* slot, int device, const Fragment* frags, uint32_t n, Unpack mode);
+  // True once the copy issued on `slot` has finished (CUDA event); errors are reported as Status.
+  Result<bool> done(StagingSlot* slot);
+  void release(StagingSlot* slot) {
+    slot->busy = false;
+    slot->device = -1;
+  }
+  uint32_t max_fragments() const { return max_fragments_; }
+  // Blocks until every copy issued on this ring has finished (before memory they touch goes away).
+  void wait_all();
+  bool has_free() const {
+    for (const StagingSlot& s : slots_)
+      if (!s.busy) return true;
+    return false;
+  }
+
+ private:
+  Status ready(StagingSlot& s, int device);
+  Status copy(StagingSlot& s, int device, const Fragment* frags, uint32_t n, Unpack mode, bool to_slot);
+
+  uint32_t max_fragments_;
+  uint64_t capacity_;
+  std::vector<StagingSlot> slots_;
+  uint32_t next_ = 0;
+};
+
+}  // namespace tether::gpu

@@ -1,0 +1,95 @@
+// NIC topology: which network interfaces this host has (addresses, speed, NUMA node, PCI path, local
+// CPUs), which of them an endpoint uses for data and control, how they rank for a device, how lanes pair
+// local and remote NICs, and where progress threads run. Read once when an endpoint is created; never on
+// the data path.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tether/config.h"
+#include "tether/status.h"
+
+namespace tether::sys {
+
+struct NicAddr {
+  int family = 0;      // AF_INET or AF_INET6
+  std::string addr;    // numeric form
+  int prefix = 0;      // netmask length
+};
+
+struct Nic {
+  std::string name;
+  std::vector<NicAddr> addrs;
+  bool up = false;          // IFF_UP and IFF_RUNNING (carrier)
+  bool loopback = false;
+  int speed_mbps = -1;      // /sys/class/net/X/speed; -1 unknown
+  int numa_node = -1;
+  std::string pci_path;     // sysfs path of the PCI function behind it; empty for virtual interfaces
+  std::vector<int> local_cpus;  // the device's local_cpulist; empty when unknown
+  // First IPv4 address, else first IPv6, else empty.
+  const NicAddr* primary() const;
+};
+
+// Every interface with its addresses (getifaddrs for this network namespace, sysfs for the rest).
+std::vector<Nic> discover_nics();
+
+// Lower is nearer. Shared leading components of two sysfs PCI paths count most (fewer bridges between
+// the device and the NIC), then a shared NUMA node, then speed.
+std::vector<size_t> rank_nics(const std::vector<Nic>& nics, const std::string& device_pci_path, int device_numa);
+
+// A NIC as the other side advertises it (the listener's data NICs travel in the handshake).
+struct RemoteNic {
+  std::string name;
+  NicAddr addr;
+};
+std::string encode_nic_list(const std::vector<RemoteNic>& nics);
+Result<std::vector<RemoteNic>> decode_nic_list(std::string_view text);
+
+// One lane's path: local NIC (index into the endpoint's data NICs, -1 none: let routing choose) and
+// remote address to connect to.
+struct NicPair {
+  int local = -1;
+  std::string local_addr;   // bind address; empty: no bind
+  std::string local_name;
+  std::string remote_addr;
+  std::string remote_name;
+};
+// Pairs of (local data NIC, remote NIC) that share a subnet, in local use order, spread so that
+// consecutive entries use different local NICs. Empty when none share a subnet (the caller then uses its control
+// address for every lane).
+std::vector<NicPair> pair_nics(const std::vector<Nic>& local, const std::vector<RemoteNic>& remote);
+bool same_subnet(const NicAddr& a, const std::string& b_addr, int b_prefix);
+
+// "0-3,8,10-11" -> {0,1,2,3,8,10,11}.
+Result<std::vector<int>> parse_cpu_list(std::string_view text);
+std::string format_cpu_list(const std::vector<int>& cpus);
+struct CpuBinding {
+  std::string nic;
+  std::vector<int> cpus;
+};
+// "eth1:8-21;eth2:22-35".
+Result<std::vector<CpuBinding>> parse_cpu_bindings(std::string_view text);
+Status pin_current_thread(const std::vector<int>& cpus);
+std::vector<int> online_cpus();
+
+// What an endpoint decided from its Config and this host.
+struct ThreadPlacement {
+  int nic = -1;               // data NIC this progress thread serves first (-1: none)
+  std::vector<int> cpus;      // empty: not pinned
+  std::string why;            // "TETHER_TX_CPUS/TETHER_RX_CPUS", "NUMA-local to eth1", "not pinned: ..."
+};
+struct Plan {
+  std::vector<Nic> all;                 // every interface
+  std::vector<Nic> data;                // data NICs in use order (TETHER_NICS, else ranked)
+  int control = -1;                     // index into `all` of the control NIC, -1: routing decides
+  std::vector<ThreadPlacement> threads; // one per progress thread (Config::channels)
+  // Progress thread for lane `i` of a peer whose lane sits on data NIC `nic` (-1: unknown), given how
+  // many earlier lanes of that peer sit on the same NIC.
+  uint32_t thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic, uint32_t sockets_per_channel) const;
+  int data_index_of_addr(const std::string& addr) const;
+};
+Result<Plan> make_plan(const Config& config);
+
+}  // namespace tether::sys

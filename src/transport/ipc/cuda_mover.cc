@@ -1,0 +1,213 @@
+#include "transport/ipc/cuda_mover.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <string>
+
+#include "gpu/copy_kernel.h"
+
+namespace tether::transport::ipc {
+
+using gpu::CudaApi;
+using gpu::CUdeviceptr;
+using gpu::cuda_error;
+using gpu::kCudaSuccess;
+
+namespace {
+
+Status check(const char* call, gpu::CUresult r) {
+  return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, cuda_error(call, r));
+}
+
+// A process may open the allocations of one GPU of another process in one context only (CUDA IPC
+// rule), so every allocation of (other process, its GPU) is opened on the GPU the first one was.
+int home_device(pid_t pid, int their_device, int prefer) {
+  static std::mutex mu;
+  static std::map<std::pair<pid_t, int>, int> homes;
+  std::lock_guard lock(mu);
+  return homes.try_emplace({pid, their_device}, prefer).first->second;
+}
+
+}  // namespace
+
+Status export_region(core::RegionState& region) {
+  if (region.kind != MemoryKind::kCuda || region.size == 0) return Status::ok();
+  const CudaApi* a = gpu::cuda();
+  if (!a) return Status::ok();
+  auto info = gpu::pointer_info(region.base);  // makes the region's GPU current
+  if (!info.is_ok() || !info.value().is_device) return Status::ok();  // not exportable: ipc refuses its chunks
+  gpu::CUipcMemHandle h;
+  // Fails for memory from the VMM API (e.g. torch's expandable segments): its chunks are refused.
+  if (a->cuIpcGetMemHandle(&h, info.value().alloc_base) != kCudaSuccess) return Status::ok();
+  std::memcpy(region.cuda_export.handle, h.reserved, sizeof h.reserved);
+  region.cuda_export.alloc_base = info.value().alloc_base;
+  region.cuda_export.alloc_size = info.value().alloc_size;
+  region.cuda_export.ok = true;
+  return Status::ok();
+}
+
+bool region_ref(const core::RegionState& region, CudaRef* out) {
+  const core::CudaExport& e = region.cuda_export;
+  if (region.kind != MemoryKind::kCuda || !e.ok) return false;
+  std::memcpy(out->handle, e.handle, sizeof out->handle);
+  out->base = e.alloc_base;
+  out->size = e.alloc_size;
+  out->device = region.device;
+  out->pad = 0;
+  return true;
+}
+
+Mapping::~Mapping() {
+  const CudaApi* a = gpu::cuda();
+  if (!a || !ptr || !opened) return;
+  // Every copy that used it has completed: users hold the mapping until their event fired.
+  if (gpu::use_device(device).is_ok()) a->cuIpcCloseMemHandle(ptr);
+}
+
+Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = by_base_.find(ref.base);
+    if (it != by_base_.end() && it->second->size == ref.size &&
+        std::memcmp(it->second->handle, ref.handle, sizeof ref.handle) == 0)
+      return it->second;
+  }
+  std::string why;
+  const CudaApi* a = gpu::cuda(&why);
+  if (!a) return Status(Code::kUnavailable, why);
+  const int n = gpu::device_count();
+  if (prefer < 0 || prefer >= n) prefer = ref.device >= 0 && ref.device < n ? ref.device : 0;
+  auto m = std::make_shared<Mapping>();
+  std::memcpy(m->handle, ref.handle, sizeof ref.handle);
+  m->remote_base = ref.base;
+  m->device = home_device(pid_, ref.device, prefer);
+  if (Status s = gpu::use_device(m->device); !s.is_ok()) return s;
+  if (pid_ == ::getpid()) {  // two endpoints of one process: CUDA refuses to open our own handle; no need
+    auto info = gpu::pointer_info(reinterpret_cast<void*>(ref.base));
+    if (!info.is_ok() || !info.value().is_device || info.value().alloc_base != ref.base || info.value().alloc_size != ref.size)
+      return Status(Code::kNotFound, "ipc: a GPU allocation of this process is gone");
+    m->ptr = ref.base;
+    m->size = ref.size;
+    m->device = info.value().device;
+  } else {
+    gpu::CUipcMemHandle h;
+    std::memcpy(h.reserved, ref.handle, sizeof h.reserved);
+    if (Status s = check("cuIpcOpenMemHandle", a->cuIpcOpenMemHandle(&m->ptr, h, gpu::kIpcLazyEnablePeerAccess)); !s.is_ok()) {
+      m->ptr = 0;
+      return s;
+    }
+    m->opened = true;
+    opens_->fetch_add(1, std::memory_order_relaxed);
+    // The size the driver mapped, not the one we were told: bounds checks use this.
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (Status s = check("cuMemGetAddressRange", a->cuMemGetAddressRange(&base, &size, m->ptr)); !s.is_ok()) return s;
+    m->size = std::min<uint64_t>(size - (m->ptr - base), ref.size);
+    if (m->size != ref.size) return Status(Code::kProtocolError, "a peer's GPU allocation is smaller than it says");
+  }
+  std::lock_guard lock(mu_);
+  auto& slot = by_base_[ref.base];
+  if (slot && slot->size == m->size && std::memcmp(slot->handle, m->handle, sizeof m->handle) == 0)
+    return slot;  // another lane opened it meanwhile (the driver counted ours: closing it is right)
+  slot = m;       // new, or replaces a freed allocation (closed when its last copy lets go)
+  return m;
+}
+
+CudaLane::~CudaLane() {
+  const CudaApi* a = gpu::cuda();
+  if (!a) return;
+  for (size_t d = 0; d < devs_.size(); ++d) {
+    Dev& v = devs_[d];
+    if (!v.stream) continue;
+    if (!gpu::use_device(int(d)).is_ok()) continue;
+    a->cuStreamSynchronize(v.stream);
+    if (v.event) a->cuEventDestroy(v.event);
+    a->cuStreamDestroy(v.stream);
+    if (v.table) a->cuMemFree(v.table);
+    if (v.host_table) a->cuMemFreeHost(v.host_table);
+  }
+  if (bounce_) a->cuMemFreeHost(bounce_);
+}
+
+Result<CudaLane::Dev*> CudaLane::ready(int device) {
+  std::string why;
+  const CudaApi* a = gpu::cuda(&why);
+  if (!a) return Status(Code::kUnavailable, why);
+  if (Status s = gpu::use_device(device); !s.is_ok()) return s;
+  if (devs_.empty()) devs_.resize(size_t(gpu::device_count()));
+  Dev& d = devs_[size_t(device)];
+  if (!d.stream) {  // first use of this GPU on this lane
+    if (Status s = check("cuStreamCreate", a->cuStreamCreate(&d.stream, gpu::kStreamNonBlocking)); !s.is_ok()) return s;
+    if (Status s = check("cuEventCreate", a->cuEventCreate(&d.event, gpu::kEventDisableTiming)); !s.is_ok()) return s;
+  }
+  return &d;
+}
+
+Status CudaLane::finish(Dev& d, const char* what) {
+  const CudaApi* a = gpu::cuda();
+  if (Status s = check("cuEventRecord", a->cuEventRecord(d.event, d.stream)); !s.is_ok()) return s;
+  const gpu::CUresult r = a->cuEventSynchronize(d.event);
+  return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, std::string(what) + ": " + cuda_error("cuEventSynchronize", r));
+}
+
+Status CudaLane::copy(int device, CUdeviceptr dst, CUdeviceptr src, uint64_t len) {
+  auto d = ready(device);
+  if (!d.is_ok()) return d.status();
+  if (len == 0) return Status::ok();
+  if (Status s = check("cuMemcpyAsync", gpu::cuda()->cuMemcpyAsync(dst, src, len, d.value()->stream)); !s.is_ok()) return s;
+  return finish(*d.value(), "ipc copy");
+}
+
+Status CudaLane::copy_many(int device, const uint64_t* triples, uint32_t n, bool kernel) {
+  if (n > kMaxCopyTriples) return Status(Code::kInternal, "ipc: too many fragments for one copy");
+  auto got = ready(device);
+  if (!got.is_ok()) return got.status();
+  Dev& d = *got.value();
+  const CudaApi* a = gpu::cuda();
+  if (kernel) {
+    const uint64_t bytes = uint64_t(kMaxCopyTriples) * 3 * sizeof(uint64_t);
+    if (!d.table) {
+      if (Status s = check("cuMemAlloc", a->cuMemAlloc(&d.table, bytes)); !s.is_ok()) return s;
+      void* p = nullptr;
+      if (Status s = check("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, gpu::kHostAllocPortable)); !s.is_ok()) return s;
+      d.host_table = static_cast<uint64_t*>(p);
+    }
+    // The previous launch has completed (every call waits), so the pinned block is free to refill.
+    uint64_t longest = 0;
+    for (uint32_t i = 0; i < n; ++i) longest = std::max(longest, triples[3 * i + 2]);
+    std::memcpy(d.host_table, triples, size_t(n) * 3 * sizeof(uint64_t));
+    if (Status s = check("cuMemcpyAsync(descriptors)",
+                         a->cuMemcpyAsync(d.table, reinterpret_cast<CUdeviceptr>(d.host_table), size_t(n) * 3 * sizeof(uint64_t), d.stream));
+        !s.is_ok())
+      return s;
+    if (Status s = gpu::launch_copy(device, d.stream, d.table, n, longest); !s.is_ok()) return s;
+  } else {
+    for (uint32_t i = 0; i < n; ++i)
+      if (triples[3 * i + 2] > 0)
+        if (Status s = check("cuMemcpyAsync", a->cuMemcpyAsync(triples[3 * i + 1], triples[3 * i], triples[3 * i + 2], d.stream));
+            !s.is_ok())
+          return s;
+  }
+  return finish(d, "ipc batch copy");
+}
+
+Result<uint8_t*> CudaLane::bounce(uint64_t bytes) {
+  if (bounce_size_ >= bytes) return bounce_;
+  std::string why;
+  const CudaApi* a = gpu::cuda(&why);
+  if (!a) return Status(Code::kUnavailable, why);
+  if (Status s = gpu::use_device(0); !s.is_ok()) return s;  // pinned allocations need a context; portable to all
+  if (bounce_) a->cuMemFreeHost(bounce_);  // every copy through it has completed (each call waits)
+  bounce_ = nullptr;
+  bounce_size_ = 0;
+  void* p = nullptr;
+  if (Status s = check("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, gpu::kHostAllocPortable)); !s.is_ok()) return s;
+  bounce_ = static_cast<uint8_t*>(p);
+  bounce_size_ = bytes;
+  return bounce_;
+}
+
+}  // namespace tether::transport::ipc

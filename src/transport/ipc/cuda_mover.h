@@ -1,0 +1,102 @@
+// GPU memory over ipc: CUDA IPC handles, the other side's allocations opened once and cached, and
+// each lane's CUDA streams. A GPU chunk names the initiator's bytes as (allocation handle, offset);
+// the side that copies opens that allocation once per peer and copies with cuMemcpyAsync (copy
+// engines, over NVLink between GPUs) or, for a batch of small blocks, one copy-kernel launch over
+// peer pointers. See docs/ARCHITECTURE.md, "Same host: the ipc transport".
+#pragma once
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "core/region.h"
+#include "gpu/cuda_api.h"
+#include "tether/status.h"
+
+namespace tether::transport::ipc {
+
+#pragma pack(push, 1)
+// One allocation of the process that sends it, as another process can open it.
+struct CudaRef {
+  uint8_t handle[64];  // CUipcMemHandle of the allocation
+  uint64_t base;       // its address in the sender: the cache key
+  uint64_t size;       // its size: every offset and length is checked against the opened mapping
+  int32_t device;      // the sender's ordinal of its GPU (a hint for where to open it)
+  uint32_t pad;
+};
+#pragma pack(pop)
+static_assert(sizeof(CudaRef) == 88);
+
+// Exports a GPU region at registration: the handle of the allocation it lies in (once per region).
+Status export_region(core::RegionState& region);
+// The region's export as a CudaRef; false when it has none (host memory, or the export failed).
+bool region_ref(const core::RegionState& region, CudaRef* out);
+
+// One allocation of the other process, opened in this process; closed when its last user lets go.
+struct Mapping {
+  uint8_t handle[64];
+  uint64_t remote_base = 0, size = 0;
+  gpu::CUdeviceptr ptr = 0;
+  int device = -1;  // the context it was opened in; copies touching it run on this GPU's streams
+  bool opened = false;  // false: the other side is this very process (two endpoints), ptr is its own
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping();
+};
+
+// The other side's allocations this side opened, by their base there. Each is opened once and kept
+// until the peer goes (this object is destroyed) or the same base arrives with a different handle
+// (the allocation was freed and another took its place): then the old mapping is closed once the
+// copies still using it are done, and the new one opened.
+class CudaImports {
+ public:
+  CudaImports(pid_t pid, std::atomic<uint64_t>* opens) : pid_(pid), opens_(opens) {}
+  // The mapping of `ref`'s allocation. `prefer`: the GPU the copy would best run on (used when the
+  // first allocation of that GPU of the other process is opened; later ones follow it).
+  Result<std::shared_ptr<Mapping>> get(const CudaRef& ref, int prefer);
+
+ private:
+  pid_t pid_;
+  std::atomic<uint64_t>* opens_;
+  std::mutex mu_;  // held for the lookup only, never across a CUDA call
+  std::unordered_map<uint64_t, std::shared_ptr<Mapping>> by_base_;
+};
+
+// One lane's CUDA resources, used by its thread only: a stream and event per GPU (created on first
+// use), a pinned bounce buffer for host bytes on their way to or from a GPU, a descriptor block.
+class CudaLane {
+ public:
+  CudaLane() = default;
+  CudaLane(const CudaLane&) = delete;
+  CudaLane& operator=(const CudaLane&) = delete;
+  ~CudaLane();
+  // Copies `len` bytes (unified addresses: any direction) on `device`'s stream and waits for them.
+  Status copy(int device, gpu::CUdeviceptr dst, gpu::CUdeviceptr src, uint64_t len);
+  // `n` (src, dst, len) triples: one kernel launch when `kernel`, else one async copy each; waits.
+  Status copy_many(int device, const uint64_t* triples, uint32_t n, bool kernel);
+  // Pinned host memory of at least `bytes` (allocated on first use, grown rarely).
+  Result<uint8_t*> bounce(uint64_t bytes);
+
+ private:
+  struct Dev {
+    gpu::CUstream stream = nullptr;
+    gpu::CUevent event = nullptr;
+    gpu::CUdeviceptr table = 0;  // device copy of the descriptor block
+    uint64_t* host_table = nullptr;  // pinned
+  };
+  Result<Dev*> ready(int device);
+  Status finish(Dev& d, const char* what);
+
+  std::vector<Dev> devs_;
+  uint8_t* bounce_ = nullptr;
+  uint64_t bounce_size_ = 0;
+};
+
+constexpr uint32_t kMaxCopyTriples = 128;  // wire::kMaxFragments: one batch
+
+}  // namespace tether::transport::ipc

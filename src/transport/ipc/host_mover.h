@@ -1,0 +1,77 @@
+// Movers: how a chunk's bytes cross between the two processes of an ipc peer. The initiator says
+// where its local bytes are (Where + addr in every request frame); the target validates the
+// request against its own registry first, then moves the bytes with the mover for that place.
+// Host memory has two: cross-memory attach (the target reads/writes the initiator's address space
+// with process_vm_readv/writev) and a shared-memory bounce segment (the initiator stages through
+// it). GPU memory is moved by CUDA (cuda_mover.h, Where::kCuda).
+#pragma once
+#include <sys/types.h>
+
+#include <cstdint>
+
+namespace tether::transport::ipc {
+
+enum class Where : uint8_t {
+  kNone = 0,  // answers
+  kCma = 1,   // addr: a virtual address in the initiator
+  kShm = 2,   // addr: a byte offset in the initiator's bounce segment
+  kCuda = 3,  // addr: a byte offset in the GPU allocation the frame's CudaRef names (cuda_mover.h)
+};
+
+class Mover {
+ public:
+  virtual ~Mover() = default;
+  // Target side. `remote` is the initiator's addr for this mover. 0 on success, else an errno.
+  virtual int pull(uint64_t remote, uint8_t* dst, uint64_t len) = 0;        // initiator -> dst
+  // src -> initiator. Only into the initiator's bounce segment for now: a push into its own memory
+  // could land after it gave up on the chunk and reused that memory (see ARCHITECTURE.md).
+  virtual int push(const uint8_t* src, uint64_t remote, uint64_t len) = 0;
+};
+
+// Cross-memory attach into process `pid` (as the kernel named it, SO_PEERCRED).
+class CmaMover final : public Mover {
+ public:
+  explicit CmaMover(pid_t pid) : pid_(pid) {}
+  int pull(uint64_t remote, uint8_t* dst, uint64_t len) override;
+  int push(const uint8_t* src, uint64_t remote, uint64_t len) override;
+  // Reads 8 bytes at `addr` in the other process, checks them against `expect` and writes them
+  // back: 0 when both work, else the errno (EPERM: ptrace rules, a non-dumpable peer, seccomp...).
+  int probe(uint64_t addr, uint64_t expect);
+
+ private:
+  pid_t pid_;
+};
+
+// A sealed memfd mapped shared: this side's bounce slots, or the other side's mapped here.
+class Segment {
+ public:
+  Segment() = default;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment();
+  // Creates one of `bytes` (pages are allocated only when touched), sealed against resizing.
+  int create(uint64_t bytes);
+  // Maps one received from the other side; refuses one that could shrink under us (SIGBUS).
+  int map(int fd);
+  uint8_t* base() const { return base_; }
+  uint64_t size() const { return size_; }
+  int fd() const { return fd_; }
+
+ private:
+  int fd_ = -1;
+  uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+// The other side's bounce segment, mapped here: offsets are bounds-checked against its size.
+class ShmMover final : public Mover {
+ public:
+  explicit ShmMover(const Segment& theirs) : seg_(theirs) {}
+  int pull(uint64_t remote, uint8_t* dst, uint64_t len) override;
+  int push(const uint8_t* src, uint64_t remote, uint64_t len) override;
+
+ private:
+  const Segment& seg_;
+};
+
+}  // namespace tether::transport::ipc

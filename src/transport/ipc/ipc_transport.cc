@@ -1,0 +1,1051 @@
+#include "transport/ipc/ipc_transport.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstddef>
+#include <cstring>
+#include <thread>
+
+#include "core/crypto.h"
+#include "core/endpoint_impl.h"
+#include "core/peer.h"
+#include "core/region.h"
+#include "gpu/copy_kernel.h"
+#include "sys/net.h"
+#include "transport/ipc/cuda_mover.h"
+#include "transport/ipc/host_mover.h"
+
+namespace tether::transport {
+
+using core::ChunkOp;
+using core::PeerState;
+using core::RegionState;
+using core::TransferState;
+using wire::FrameHeader;
+using wire::FrameType;
+
+namespace ipc {
+
+constexpr uint32_t kHelloMagic = 0x43504954;  // "TIPC"
+constexpr uint16_t kIpcVersion = 2;  // 2: GPU memory (CudaRef in every frame), batches
+constexpr int kSocketBuffer = 1 << 20;        // frames in flight per lane are bounded by the window
+constexpr int64_t kParkedExpiryMs = 10000;    // lanes nobody claimed (their connect failed)
+
+#pragma pack(push, 1)
+// Every message on a lane after its setup: the tcp frame header, and for requests where the
+// initiator's bytes are. The target trusts addr only as a place in the INITIATOR's memory.
+struct Frame {
+  FrameHeader hdr;
+  uint8_t where;    // Where (requests); kNone in answers
+  uint8_t pad[7];
+  uint64_t addr;    // kCma: address in the initiator; kShm: offset in its bounce segment; kCuda: offset in `cuda`
+                    // (a kWriteBatch of GPU pieces: the number of CudaRefs at the end of the message)
+  CudaRef cuda;     // kCuda: the allocation; in a kReadResp, the TARGET's (the initiator copies, then kReadDone)
+};
+// A kWriteBatch message: the Frame, `hdr.region_id` entries, then (kCuda) `addr` CudaRefs.
+struct BatchEntry {
+  wire::Fragment frag;  // checked like a kWrite header
+  uint64_t addr;        // where the piece is (as Frame::addr for the frame's `where`)
+  uint32_t ref;         // kCuda: index of its allocation among the CudaRefs
+  uint32_t pad;
+};
+// Lane setup. Stage 1: listener -> connector on every lane (segment fd on lane 0). Stage 2:
+// connector -> listener on lane 0 (its segment fd, its verdict). Stage 3: listener -> connector.
+struct Hello {
+  uint32_t magic;
+  uint16_t version;
+  uint8_t stage;
+  uint8_t verdict;       // stages 2, 3: the receiver may describe its chunks by address (kCma)
+  uint64_t session;
+  uint32_t lane, lanes;
+  uint64_t cookie_addr;  // 8 bytes at this address in the sender hold `cookie`: the CMA probe
+  uint64_t cookie;
+};
+#pragma pack(pop)
+static_assert(sizeof(Frame) == 160);
+static_assert(sizeof(BatchEntry) == 64);
+constexpr size_t kMaxMsg = sizeof(Frame) + wire::kMaxFragments * (sizeof(BatchEntry) + sizeof(CudaRef));
+// ipc's own frame type: initiator -> target, "the read of (slot, gen) is copied out, let go of the region".
+constexpr uint8_t kReadDone = 0x40;
+static_assert(sizeof(Hello) == 40);
+
+struct IpcPeer {
+  uint64_t session = 0;
+  pid_t pid = 0;                     // the other process, as the kernel names it (SO_PEERCRED)
+  std::vector<int> fds;              // lane sockets (owned by PeerState::lane_fds)
+  std::vector<std::weak_ptr<Lane>> lanes;
+  uint64_t cookie = 0;               // the other side probes this
+  Segment own;                       // our chunks' bounce slots (used when !out_cma)
+  Segment theirs;                    // the other side's, mapped (their kShm chunks)
+  std::unique_ptr<CmaMover> cma;     // set when our probe of the other side worked
+  std::unique_ptr<ShmMover> shm;
+  bool out_cma = false;              // our chunks are described by address
+  uint64_t slot_bytes = 0;           // one chunk per core slot in `own`
+  std::atomic<bool> ready{false};    // setup done: lanes may pull and serve
+  std::unique_ptr<CudaImports> imports;  // the other side's GPU allocations we opened (kept until the peer goes)
+  std::atomic<uint32_t> next{0};
+};
+
+struct Lane {
+  std::mutex mu;                     // guards letting go of peer/ip against stop()
+  std::shared_ptr<PeerState> peer;   // held while the thread runs
+  std::shared_ptr<IpcPeer> ip;
+  uint32_t index = 0;
+  int fd = -1;
+  bool setup_first = false;          // listener's lane 0: finish the setup before serving
+  std::thread thread;
+  std::atomic<bool> finished{false};
+  // Lane thread only:
+  std::unique_ptr<uint8_t[]> rx;     // one message (kMaxMsg)
+  std::unique_ptr<CudaLane> cuda;    // streams, bounce buffer
+  struct Held { uint32_t slot, gen; RegionState* pin; };
+  std::vector<Held> held;            // regions pinned for reads the initiator is pulling (until kReadDone)
+  RegionState* pins[wire::kMaxFragments];
+  std::shared_ptr<Mapping> maps[wire::kMaxFragments];
+  uint64_t triples[3 * wire::kMaxFragments];
+};
+
+namespace {
+
+std::string hex(uint64_t v) {
+  static const char* d = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 15; i >= 0; --i, v >>= 4) s[i] = d[v & 15];
+  return s;
+}
+
+socklen_t abstract_addr(const std::string& name, sockaddr_un* a) {
+  std::memset(a, 0, sizeof *a);
+  a->sun_family = AF_UNIX;
+  std::memcpy(a->sun_path + 1, name.data(), std::min(name.size(), sizeof a->sun_path - 2));
+  return socklen_t(offsetof(sockaddr_un, sun_path) + 1 + std::min(name.size(), sizeof a->sun_path - 2));
+}
+
+Status errno_status(Code c, const std::string& what, int e = errno) { return Status(c, what + ": " + std::strerror(e)); }
+
+// One message, with an fd attached when fd >= 0.
+bool send_msg(int fd, const void* buf, size_t len, int pass_fd) {
+  iovec iov{const_cast<void*>(buf), len};
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))];
+  if (pass_fd >= 0) {
+    std::memset(ctl, 0, sizeof ctl);
+    m.msg_control = ctl;
+    m.msg_controllen = sizeof ctl;
+    cmsghdr* c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+  }
+  for (;;) {
+    ssize_t n = ::sendmsg(fd, &m, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    return n == ssize_t(len);
+  }
+}
+
+// One message (blocking, or bounded by deadline_ms when >= 0); *got_fd receives a passed fd.
+ssize_t recv_msg(int fd, void* buf, size_t len, int* got_fd, int64_t deadline_ms) {
+  if (deadline_ms >= 0) {
+    pollfd p{fd, POLLIN, 0};
+    for (;;) {
+      const int64_t left = deadline_ms - sys::now_ms();
+      if (left <= 0) { errno = ETIMEDOUT; return -1; }
+      int r = ::poll(&p, 1, int(left));
+      if (r > 0) break;
+      if (r < 0 && errno != EINTR) return -1;
+    }
+  }
+  iovec iov{buf, len};
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))];
+  m.msg_control = ctl;
+  m.msg_controllen = sizeof ctl;
+  ssize_t n;
+  do n = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
+  while (n < 0 && errno == EINTR);
+  if (got_fd) *got_fd = -1;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    int f;
+    std::memcpy(&f, CMSG_DATA(c), sizeof f);
+    if (got_fd && *got_fd < 0) *got_fd = f; else ::close(f);
+  }
+  if (n >= 0 && (m.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) { errno = EMSGSIZE; return -1; }
+  return n;
+}
+
+bool peer_cred(int fd, ucred* out) {
+  socklen_t len = sizeof *out;
+  return ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, out, &len) == 0;
+}
+
+void fail_peer(PeerState& p, Code c, const std::string& why) { p.fail(Status(c, "ipc lane to peer '" + p.info().name + "': " + why)); }
+
+// ---------------------------------------------------------------- initiator side
+
+// A chunk that cannot go: answered at once, nothing moves.
+void refuse(PeerState& p, uint32_t lane, const ChunkOp& op, Code c) { p.answer(lane, op.hdr.slot, op.hdr.gen, uint8_t(c)); }
+
+// Where GPU bytes [ptr, ptr+len) of `region` lie for the other process: false if it cannot open them
+// (the export failed at registration, e.g. VMM memory) or they leave the allocation.
+bool gpu_place(const RegionState* region, const uint8_t* ptr, uint64_t len, CudaRef* ref, uint64_t* offset) {
+  if (!region || !region_ref(*region, ref)) return false;
+  const uint64_t at = reinterpret_cast<uint64_t>(ptr);
+  if (at < ref->base || at - ref->base > ref->size || len > ref->size - (at - ref->base)) return false;
+  *offset = at - ref->base;
+  return true;
+}
+
+// A kWriteBatch: the fragments and where each piece is, in one message; host pieces
+// are staged in the slot's part of the bounce segment when the target cannot reach us by address.
+bool send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+  const uint32_t n = op.fragments;
+  alignas(16) uint8_t msg[kMaxMsg];  // on the sending thread's stack (about 20 KiB): any thread may send
+  auto* ents = reinterpret_cast<BatchEntry*>(msg + sizeof(Frame));
+  auto* refs = reinterpret_cast<CudaRef*>(msg + sizeof(Frame) + n * sizeof(BatchEntry));
+  Frame f{};
+  f.hdr = op.hdr;
+  const bool gpu = op.device >= 0;
+  f.where = uint8_t(gpu ? Where::kCuda : ip.out_cma ? Where::kCma : Where::kShm);
+  uint32_t nrefs = 0;
+  uint64_t staged = uint64_t(op.hdr.slot) * ip.slot_bytes;
+  for (uint32_t i = 0; i < n; ++i) {
+    const core::Piece& pc = op.pieces[i];
+    BatchEntry e{};
+    e.frag = op.frags[i];
+    if (gpu) {
+      CudaRef r;
+      if (!gpu_place(pc.region, pc.data, pc.length, &r, &e.addr)) {
+        refuse(p, lane, op, Code::kUnavailable);
+        return true;
+      }
+      uint32_t k = 0;
+      while (k < nrefs && refs[k].base != r.base) ++k;
+      if (k == nrefs) refs[nrefs++] = r;
+      e.ref = k;
+    } else if (ip.out_cma) {
+      e.addr = reinterpret_cast<uint64_t>(pc.data);
+    } else {
+      e.addr = staged;
+      if (pc.length) std::memcpy(ip.own.base() + staged, pc.data, pc.length);  // the batch fits a chunk: the slot
+      staged += pc.length;
+    }
+    ents[i] = e;
+  }
+  f.addr = nrefs;
+  std::memcpy(msg, &f, sizeof f);
+  const size_t bytes = sizeof(Frame) + n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef);
+  if (send_msg(ip.fds[lane], msg, bytes, -1)) return true;
+  fail_peer(p, Code::kConnectionLost, std::strerror(errno));
+  return false;
+}
+
+// Describes (and for shm, stages) a pulled chunk and sends it. False if the lane is gone.
+bool send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+  if (op.fragments > 0) return send_batch(ip, p, lane, op);
+  Frame f{};
+  f.hdr = op.hdr;
+  // Reads always land in our segment (host regions) or are copied by us out of the target's GPU
+  // allocation (GPU regions): no process ever writes into another's memory, so a peer we gave up on
+  // (its answer never came) cannot scribble over memory we have handed back.
+  const bool read = op.hdr.type == uint8_t(FrameType::kReadReq);
+  if (op.device >= 0 && !read) {  // our GPU bytes: the target opens our allocation and copies
+    if (!gpu_place(op.segment ? op.segment->local_region : nullptr, op.payload, op.length, &f.cuda, &f.addr)) {
+      refuse(p, lane, op, Code::kUnavailable);
+      return true;
+    }
+    f.where = uint8_t(Where::kCuda);
+  } else if (ip.out_cma && !read) {
+    f.where = uint8_t(Where::kCma);
+    f.addr = reinterpret_cast<uint64_t>(op.local);
+  } else {
+    f.where = uint8_t(Where::kShm);
+    f.addr = uint64_t(op.hdr.slot) * ip.slot_bytes;
+    if (op.length > 0) std::memcpy(ip.own.base() + f.addr, op.payload, op.length);  // slot is ours until answered
+  }
+  if (send_msg(ip.fds[lane], &f, sizeof f, -1)) return true;
+  fail_peer(p, Code::kConnectionLost, std::strerror(errno));
+  return false;
+}
+
+void pump_lane(IpcPeer& ip, PeerState& p, uint32_t lane) {
+  ChunkOp op;
+  while (p.next_chunk(lane, &op))
+    if (!send_chunk(ip, p, lane, op)) return;
+}
+
+// Spreads queued chunks over every lane, one per lane per round, while windows allow.
+void pump_all(IpcPeer& ip, PeerState& p) {
+  const uint32_t n = uint32_t(ip.fds.size());
+  const uint32_t first = ip.next.fetch_add(1, std::memory_order_relaxed);
+  for (bool any = true; any;) {
+    any = false;
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint32_t lane = (first + i) % n;
+      ChunkOp op;
+      if (!p.next_chunk(lane, &op)) continue;
+      if (!send_chunk(ip, p, lane, op)) return;
+      any = true;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- target side
+
+Mover* mover_for(IpcPeer& ip, uint8_t where) {
+  return where == uint8_t(Where::kCma) ? static_cast<Mover*>(ip.cma.get())
+       : where == uint8_t(Where::kShm) ? static_cast<Mover*>(ip.shm.get())
+                                       : nullptr;
+}
+
+// What moving one piece came to: `code` answers the chunk; `err` (an errno) ends the lane (EPROTO: the
+// request names memory this side cannot reach; else the other process is gone).
+struct Moved {
+  Code code = Code::kOk;
+  int err = 0;
+};
+
+// Copies `len` initiator bytes, described by (where, addr, ref), to `dst` (host, or GPU `dev`).
+Moved pull_piece(Lane& l, core::EndpointImpl* ep, uint8_t where, uint64_t addr, const CudaRef* ref, uint8_t* dst, int dev,
+                 uint64_t len) {
+  IpcPeer& ip = *l.ip;
+  auto& stats = ep->stats();
+  Moved m;
+  if (len == 0) return m;
+  if (where == uint8_t(Where::kCuda)) {  // their GPU memory: opened once, copied by this GPU's copy engines
+    auto map = ip.imports->get(*ref, dev);
+    if (!map.is_ok()) return Moved{Code::kUnavailable, 0};
+    const Mapping& mp = *map.value();
+    if (addr > mp.size || len > mp.size - addr) return Moved{Code::kOk, EPROTO};
+    if (!l.cuda->copy(mp.device, reinterpret_cast<uint64_t>(dst), mp.ptr + addr, len).is_ok()) return Moved{Code::kInternal, 0};
+    stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+    return m;
+  }
+  Mover* mv = mover_for(ip, where);
+  if (!mv) return Moved{Code::kOk, EPROTO};
+  if (dev < 0) {
+    m.err = mv->pull(addr, dst, len);
+  } else {  // their host bytes into our GPU: through a pinned bounce buffer
+    auto b = l.cuda->bounce(len);
+    if (!b.is_ok()) return Moved{Code::kInternal, 0};
+    m.err = mv->pull(addr, b.value(), len);
+    if (!m.err && !l.cuda->copy(dev, reinterpret_cast<uint64_t>(dst), reinterpret_cast<uint64_t>(b.value()), len).is_ok())
+      m.code = Code::kInternal;
+    if (!m.err) stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!m.err) (where == uint8_t(Where::kCma) ? stats.ipc_cma_chunks : stats.ipc_shm_chunks).fetch_add(1, std::memory_order_relaxed);
+  return m;
+}
+
+bool answer_frame(Lane& l, const FrameHeader& h, Code c, uint8_t where = 0, uint64_t addr = 0, const CudaRef* ref = nullptr) {
+  Frame a{};
+  a.hdr.type = uint8_t(h.type == uint8_t(FrameType::kReadReq) ? FrameType::kReadResp : FrameType::kAck);
+  a.hdr.status = uint8_t(c);
+  a.hdr.slot = h.slot;
+  a.hdr.gen = h.gen;
+  a.hdr.length = h.length;
+  a.where = where;
+  a.addr = addr;
+  if (ref) a.cuda = *ref;
+  if (send_msg(l.fd, &a, sizeof a, -1)) return true;
+  fail_peer(*l.peer, Code::kConnectionLost, std::strerror(errno));
+  return false;
+}
+
+bool lane_error(PeerState& p, int err) {
+  fail_peer(p, err == EPROTO ? Code::kProtocolError : Code::kConnectionLost,
+            err == EPROTO ? "a request names memory this side cannot reach"
+                          : std::string("moving its bytes failed (") + std::strerror(err) + "); is the process gone?");
+  return false;
+}
+
+void count_served(core::EndpointImpl* ep, bool read, uint64_t length) {
+  auto& stats = ep->stats();
+  (read ? stats.bytes_sent : stats.bytes_received).fetch_add(length, std::memory_order_relaxed);
+  (read ? stats.chunks_sent : stats.chunks_received).fetch_add(1, std::memory_order_relaxed);
+}
+
+// Validates a request exactly as tcp does, moves the bytes, answers. False: the lane must end.
+bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
+  PeerState& p = *l.peer;
+  IpcPeer& ip = *l.ip;
+  const FrameHeader& h = f.hdr;
+  const auto type = static_cast<FrameType>(h.type);
+  auto& stats = ep->stats();
+  RegionState* pin = nullptr;
+  TransferState* recv = nullptr;
+  uint8_t* local = nullptr;
+  int device = -1;
+  Code c;
+  if (type == FrameType::kSendData) {
+    c = p.resolve_send_data(h.region_id, h.offset, h.length, h.key, h.flags, &local, &recv, &device);
+  } else {
+    c = ep->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length,
+                               type == FrameType::kWrite, &pin);
+    if (c == Code::kOk) {
+      local = pin->base + h.offset;
+      device = pin->kind == MemoryKind::kCuda ? pin->device : -1;
+    }
+  }
+  if (c == Code::kOk && type == FrameType::kReadReq && device >= 0) {
+    // Our GPU bytes: the initiator copies them out of our allocation itself; the region stays pinned
+    // (deregister waits) until it says it is done (kReadDone), or the lane ends.
+    CudaRef ref;
+    uint64_t at = 0;
+    if (!gpu_place(pin, local, h.length, &ref, &at)) {
+      pin->unpin();
+      stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+      return answer_frame(l, h, Code::kUnavailable);
+    }
+    l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+    count_served(ep, true, h.length);
+    stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+    return answer_frame(l, h, Code::kOk, uint8_t(Where::kCuda), at, &ref);
+  }
+  Moved m;
+  if (c == Code::kOk && h.length > 0 && local) {
+    if (type == FrameType::kReadReq) {  // our host bytes into the initiator's segment
+      Mover* mv = mover_for(ip, f.where);
+      if (f.where != uint8_t(Where::kShm) || !mv) m.err = EPROTO;
+      else m.err = mv->push(local, f.addr, h.length);
+      if (!m.err) stats.ipc_shm_chunks.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      m = pull_piece(l, ep, f.where, f.addr, &f.cuda, local, device, h.length);
+      if (m.code != Code::kOk) c = m.code;
+    }
+  }
+  if (pin) pin->unpin();
+  if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+  if (recv) {
+    if (!m.err && c == Code::kOk) {
+      p.send_data_placed(recv, h.offset, h.length);
+    } else {
+      recv->record_error(m.err ? Status(Code::kConnectionLost, "lost the sender's data")
+                               : Status(c, "receiving GPU data over ipc failed"));
+      recv->release();
+    }
+  }
+  if (m.err) return lane_error(p, m.err);
+  if (c == Code::kOk) count_served(ep, type == FrameType::kReadReq, h.length);
+  return answer_frame(l, h, c);
+}
+
+// kReadDone: the initiator has copied a read out of our GPU region; let go of it.
+bool read_done(Lane& l, const FrameHeader& h) {
+  for (size_t i = 0; i < l.held.size(); ++i) {
+    if (l.held[i].slot != h.slot || l.held[i].gen != h.gen) continue;
+    l.held[i].pin->unpin();
+    l.held[i] = l.held.back();
+    l.held.pop_back();
+    return true;
+  }
+  fail_peer(*l.peer, Code::kProtocolError, "read done for no read");
+  return false;
+}
+
+// A kWriteBatch: every fragment is checked and pinned before any byte lands; GPU pieces into GPU
+// memory of one device go in one copy-kernel launch over peer pointers. False: the lane must end.
+bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t bytes) {
+  PeerState& p = *l.peer;
+  IpcPeer& ip = *l.ip;
+  Frame f;
+  std::memcpy(&f, msg, sizeof f);
+  const FrameHeader& h = f.hdr;
+  const uint32_t n = h.region_id;
+  const bool gpu = f.where == uint8_t(Where::kCuda);
+  const uint64_t nrefs = gpu ? f.addr : 0;
+  if (n < 1 || n > wire::kMaxFragments || nrefs > n || (gpu && nrefs == 0) ||
+      bytes != sizeof(Frame) + n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef)) {
+    fail_peer(p, Code::kProtocolError, "a malformed batch");
+    return false;
+  }
+  auto entry = [&](uint32_t i) {
+    BatchEntry e;
+    std::memcpy(&e, msg + sizeof(Frame) + i * sizeof(BatchEntry), sizeof e);
+    return e;
+  };
+  auto ref_at = [&](uint32_t k) {
+    CudaRef r;
+    std::memcpy(&r, msg + sizeof(Frame) + n * sizeof(BatchEntry) + k * sizeof(CudaRef), sizeof r);
+    return r;
+  };
+  auto& stats = ep->stats();
+  Code c = Code::kOk;
+  uint32_t pinned = 0;
+  uint64_t total = 0;
+  for (; pinned < n; ++pinned) {
+    const wire::Fragment fr = entry(pinned).frag;
+    c = ep->registry().resolve(fr.region_id, fr.key, fr.desc_offset, fr.desc_length, fr.offset, fr.length, true, &l.pins[pinned]);
+    if (c != Code::kOk) break;
+    total += fr.length;
+  }
+  int err = c == Code::kOk && total != h.length ? EPROTO : 0;
+  if (c == Code::kOk && !err && gpu) {
+    // Map every allocation, check every piece, then one launch when all of it is GPU memory of the
+    // GPU the mappings live on (else one async copy per piece; either way one wait).
+    uint32_t k = 0;
+    for (; k < nrefs && c == Code::kOk; ++k) {
+      const CudaRef r = ref_at(k);
+      auto m = ip.imports->get(r, l.pins[0]->kind == MemoryKind::kCuda ? l.pins[0]->device : -1);
+      if (m.is_ok()) l.maps[k] = m.take(); else c = Code::kUnavailable;
+    }
+    const int dev = c == Code::kOk ? l.maps[0]->device : -1;
+    bool one_kernel = c == Code::kOk && gpu::copy_kernel(dev).is_ok();
+    for (uint32_t i = 0; i < n && c == Code::kOk && !err; ++i) {
+      const BatchEntry e = entry(i);
+      if (e.ref >= nrefs) { err = EPROTO; break; }
+      const Mapping& mp = *l.maps[e.ref];
+      if (e.addr > mp.size || e.frag.length > mp.size - e.addr) { err = EPROTO; break; }
+      const RegionState* r = l.pins[i];
+      one_kernel = one_kernel && mp.device == dev && r->kind == MemoryKind::kCuda && r->device == dev;
+      l.triples[3 * i + 0] = mp.ptr + e.addr;
+      l.triples[3 * i + 1] = reinterpret_cast<uint64_t>(r->base + e.frag.offset);
+      l.triples[3 * i + 2] = e.frag.length;
+    }
+    if (c == Code::kOk && !err) {
+      if (l.cuda->copy_many(dev, l.triples, n, one_kernel).is_ok()) stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+      else c = Code::kInternal;
+    }
+    for (uint32_t j = 0; j < k; ++j) l.maps[j].reset();
+  } else if (c == Code::kOk && !err) {
+    for (uint32_t i = 0; i < n && c == Code::kOk && !err; ++i) {
+      const BatchEntry e = entry(i);
+      const RegionState* r = l.pins[i];
+      Moved m = pull_piece(l, ep, f.where, e.addr, nullptr, r->base + e.frag.offset,
+                           r->kind == MemoryKind::kCuda ? r->device : -1, e.frag.length);
+      c = m.code;
+      err = m.err;
+    }
+  }
+  for (uint32_t i = 0; i < pinned; ++i) l.pins[i]->unpin();
+  if (err) return lane_error(p, err);
+  if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+  else count_served(ep, false, h.length);
+  return answer_frame(l, h, c);
+}
+
+// An answer to one of our chunks. False: the lane must end.
+bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
+  PeerState& p = *l.peer;
+  IpcPeer& ip = *l.ip;
+  const FrameHeader& h = f.hdr;
+  auto& stats = ep->stats();
+  uint8_t status = h.status;
+  if (h.type == uint8_t(FrameType::kReadResp) && h.status == 0) {
+    uint8_t* dest = nullptr;
+    int device = -1;
+    if (p.read_destination(l.index, h.slot, h.gen, h.length, &dest, &device) != Code::kOk) {
+      fail_peer(p, Code::kProtocolError, "read data for no read");
+      return false;
+    }
+    const uint64_t dst = reinterpret_cast<uint64_t>(dest);
+    if (f.where == uint8_t(Where::kCuda)) {  // the target's GPU region: we copy it out, then release it
+      auto map = ip.imports->get(f.cuda, device);
+      if (!map.is_ok()) {
+        status = uint8_t(Code::kUnavailable);
+      } else {
+        const Mapping& mp = *map.value();
+        if (f.addr > mp.size || h.length > mp.size - f.addr) {
+          fail_peer(p, Code::kProtocolError, "read data outside the allocation it names");
+          return false;
+        }
+        if (!l.cuda->copy(mp.device, dst, mp.ptr + f.addr, h.length).is_ok()) status = uint8_t(Code::kInternal);
+        else stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+      }
+      Frame done{};
+      done.hdr.type = kReadDone;
+      done.hdr.slot = h.slot;
+      done.hdr.gen = h.gen;
+      if (!send_msg(l.fd, &done, sizeof done, -1)) {
+        fail_peer(p, Code::kConnectionLost, std::strerror(errno));
+        return false;
+      }
+    } else if (f.where == uint8_t(Where::kNone)) {  // reads of host regions come via our segment
+      if (h.length > ip.slot_bytes) {
+        fail_peer(p, Code::kProtocolError, "read data longer than a chunk");
+        return false;
+      }
+      const uint8_t* from = ip.own.base() + uint64_t(h.slot) * ip.slot_bytes;
+      if (device < 0) {
+        std::memcpy(dest, from, h.length);
+      } else if (!l.cuda->copy(device, dst, reinterpret_cast<uint64_t>(from), h.length).is_ok()) {
+        status = uint8_t(Code::kInternal);
+      } else {
+        stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+      }
+    } else {
+      fail_peer(p, Code::kProtocolError, "a malformed read answer");
+      return false;
+    }
+    if (status == 0) {
+      stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+      stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+    }
+  } else if (h.type == uint8_t(FrameType::kAck) && h.status == 0) {
+    stats.bytes_sent.fetch_add(h.length, std::memory_order_relaxed);
+    stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (p.answer(l.index, h.slot, h.gen, status) != Code::kOk) {
+    fail_peer(p, Code::kProtocolError, "an answer to no request");
+    return false;
+  }
+  return true;
+}
+
+// Decides, from our probe of the other side, how we serve its chunks; false (and *why) when the
+// configuration forbids the outcome.
+bool probe_other(IpcPeer& ip, const Hello& theirs, int host_mode, std::string* why) {
+  if (host_mode == 2) return true;  // shm only: never touch the other address space
+  auto cma = std::make_unique<CmaMover>(ip.pid);
+  const int e = cma->probe(theirs.cookie_addr, theirs.cookie);
+  if (e == 0) {
+    ip.cma = std::move(cma);
+    return true;
+  }
+  if (host_mode == 1) {
+    *why = std::string("cross-memory attach to the peer is refused (") + std::strerror(e) + ") and TETHER_IPC_HOST=cma";
+    return false;
+  }
+  return true;
+}
+
+bool take_verdict(IpcPeer& ip, uint8_t verdict, int host_mode, std::string* why) {
+  ip.out_cma = verdict != 0 && host_mode != 2;
+  if (host_mode == 1 && !ip.out_cma) {
+    *why = "the peer cannot attach to this process's memory (non-dumpable, ptrace rules or seccomp?) and TETHER_IPC_HOST=cma";
+    return false;
+  }
+  return true;
+}
+
+Hello hello(const IpcPeer& ip, uint8_t stage, uint32_t lane, uint32_t lanes) {
+  Hello m{};
+  m.magic = kHelloMagic;
+  m.version = kIpcVersion;
+  m.stage = stage;
+  m.session = ip.session;
+  m.lane = lane;
+  m.lanes = lanes;
+  m.cookie_addr = reinterpret_cast<uint64_t>(&ip.cookie);
+  m.cookie = ip.cookie;
+  return m;
+}
+
+bool valid_hello(const Hello& m, uint8_t stage, uint64_t session) {
+  return m.magic == kHelloMagic && m.version == kIpcVersion && m.stage == stage && m.session == session;
+}
+
+// Listener's lane 0: the connector's stage 2 arrives, we probe it and send our verdict.
+bool finish_listener_setup(Lane& l, int host_mode) {
+  PeerState& p = *l.peer;
+  IpcPeer& ip = *l.ip;
+  Hello m{};
+  int fd = -1;
+  ssize_t n = recv_msg(l.fd, &m, sizeof m, &fd, -1);
+  if (n != ssize_t(sizeof m) || !valid_hello(m, 2, ip.session) || fd < 0) {
+    if (fd >= 0) ::close(fd);
+    if (!p.failed()) fail_peer(p, n <= 0 ? Code::kConnectionLost : Code::kProtocolError, "setup failed");
+    return false;
+  }
+  std::string why;
+  if (int e = ip.theirs.map(fd)) why = std::string("cannot map the peer's bounce segment: ") + std::strerror(e);
+  else ip.shm = std::make_unique<ShmMover>(ip.theirs);
+  if (why.empty()) probe_other(ip, m, host_mode, &why);
+  if (why.empty()) take_verdict(ip, m.verdict, host_mode, &why);
+  if (!why.empty()) {
+    fail_peer(p, Code::kUnavailable, why);
+    return false;
+  }
+  Hello r = hello(ip, 3, 0, uint32_t(ip.fds.size()));
+  r.verdict = ip.cma != nullptr;
+  ip.ready.store(true, std::memory_order_seq_cst);  // before the connector may send requests
+  if (!send_msg(l.fd, &r, sizeof r, -1)) {
+    fail_peer(p, Code::kConnectionLost, std::strerror(errno));
+    return false;
+  }
+  pump_all(ip, p);  // chunks posted while we were setting up
+  return true;
+}
+
+void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
+  PeerState& p = *l->peer;
+  if (!l->setup_first || finish_listener_setup(*l, host_mode)) {
+    for (;;) {
+      ssize_t n = ::recv(l->fd, l->rx.get(), kMaxMsg, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        fail_peer(p, Code::kConnectionLost, n == 0 ? "the peer closed it" : std::strerror(errno));
+        break;
+      }
+      Frame f{};
+      if (size_t(n) >= sizeof f) std::memcpy(&f, l->rx.get(), sizeof f);
+      const auto type = static_cast<FrameType>(f.hdr.type);
+      const bool batch = type == FrameType::kWriteBatch;
+      const bool done = f.hdr.type == kReadDone;
+      const bool request = type == FrameType::kWrite || type == FrameType::kReadReq || type == FrameType::kSendData;
+      const bool answer = type == FrameType::kAck || type == FrameType::kReadResp;
+      if (size_t(n) < sizeof f || (!batch && n != ssize_t(sizeof f)) || (f.hdr.flags & ~wire::kKnownFlags) != 0 ||
+          (!request && !answer && !batch && !done) || !l->ip->ready.load(std::memory_order_acquire)) {
+        fail_peer(p, Code::kProtocolError, "the peer sent a malformed frame");
+        break;
+      }
+      if (request) {
+        if (!serve(*l, ep, f)) break;
+      } else if (batch) {
+        if (!serve_batch(*l, ep, l->rx.get(), size_t(n))) break;
+      } else if (done) {
+        if (!read_done(*l, f.hdr)) break;
+      } else {
+        if (!take_answer(*l, ep, f)) break;
+        pump_lane(*l->ip, p, l->index);  // the answer freed room in this lane's window
+      }
+    }
+  }
+  for (auto& h : l->held) h.pin->unpin();  // reads the initiator never finished: it cannot any more
+  l->held.clear();
+  l->cuda.reset();  // waits for its streams
+  p.release_lane(l->index, Code::kConnectionLost);  // after fail(): nothing new can be pulled
+  // Let go at once, so a dead peer's sockets and segments go with it; the thread is joined later.
+  // Never the endpoint's last reference: close() joins every lane thread before it lets go.
+  std::shared_ptr<PeerState> peer;
+  std::shared_ptr<IpcPeer> ip;
+  {
+    std::lock_guard lock(l->mu);
+    peer.swap(l->peer);
+    ip.swap(l->ip);
+  }
+  l->finished.store(true, std::memory_order_release);
+}
+
+// The connector's side of lane matching: lanes of every concurrent connect arrive at one socket;
+// whoever accepts parks each lane under its session for the attach that waits for it.
+struct Accepted {
+  int fd;
+  Hello hello;
+  int seg_fd;
+  ucred cred;
+  int64_t at_ms;
+};
+
+}  // namespace
+
+// Per endpoint: the socket listeners connect their lanes to, and the lanes parked by session.
+struct Rendezvous {
+  int fd = -1;
+  std::string name;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool accepting = false;
+  std::unordered_map<uint64_t, std::vector<Accepted>> parked;
+};
+
+}  // namespace ipc
+
+using namespace ipc;
+
+// ---------------------------------------------------------------- transport
+
+IpcTransport::IpcTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
+  const Config& c = endpoint->config();
+  host_mode_ = c.ipc_host == "cma" ? 1 : c.ipc_host == "shm" ? 2 : 0;
+  if (c.disable_ipc) {
+    unavailable_ = "disabled (disable_ipc / TETHER_DISABLE_IPC=1)";
+    return;
+  }
+  Segment probe;
+  if (int e = probe.create(4096)) {
+    unavailable_ = std::string("memfd_create refused: ") + std::strerror(e);
+    return;
+  }
+  rendezvous_ = std::make_unique<Rendezvous>();
+  Rendezvous* rv = rendezvous_.get();
+  rv->name = "tether-ipc-" + hex(crypto::random_u64());
+  rv->fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  sockaddr_un a;
+  const socklen_t len = abstract_addr(rv->name, &a);
+  if (rv->fd < 0 || ::bind(rv->fd, reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(rv->fd, 1024) != 0)
+    unavailable_ = std::string("abstract unix sockets refused: ") + std::strerror(errno);
+}
+
+IpcTransport::~IpcTransport() {
+  stop();
+  if (!rendezvous_) return;
+  for (auto& [s, v] : rendezvous_->parked)
+    for (auto& m : v) { ::close(m.fd); if (m.seg_fd >= 0) ::close(m.seg_fd); }
+  if (rendezvous_->fd >= 0) ::close(rendezvous_->fd);
+}
+
+Caps IpcTransport::caps() const {
+  Caps c;
+  c.host_memory = true;
+  c.cuda_memory = gpu::cuda() != nullptr;
+  c.same_host_only = true;
+  c.write_batches = true;
+  c.gpu_chunk_bytes = endpoint_->config().ipc_gpu_chunk_bytes;
+  return c;
+}
+
+// GPU regions are exported once, here: every chunk from or to them names this handle.
+Status IpcTransport::register_region(RegionState& region, std::string*) { return export_region(region); }
+
+// version, session, then the name of this endpoint's lane socket. Stateless: the listener offers
+// it to every connector, and the session in it tells each attach() which lanes are its own.
+std::string IpcTransport::offer(uint64_t session) {
+  if (!rendezvous_) return {};
+  const std::string& name = rendezvous_->name;
+  std::string out(2 + 8, '\0');
+  std::memcpy(out.data(), &kIpcVersion, 2);
+  std::memcpy(out.data() + 2, &session, 8);
+  return out + name;
+}
+
+namespace {
+bool parse_offer(std::string_view o, uint64_t* session, std::string* name) {
+  uint16_t v;
+  if (o.size() < 11 || o.size() > 100) return false;
+  std::memcpy(&v, o.data(), 2);
+  std::memcpy(session, o.data() + 2, 8);
+  *name = std::string(o.substr(10));
+  return v == kIpcVersion;
+}
+}  // namespace
+
+uint32_t IpcTransport::lanes_for(std::string_view) const { return std::max<uint32_t>(1, endpoint_->config().channels); }
+
+Status IpcTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>&, std::string_view remote_offer,
+                            bool initiator) {
+  {
+    std::lock_guard lock(mu_);
+    if (stopped_) return Status(Code::kCancelled, "endpoint closed");
+    reap_finished();
+  }
+  return initiator ? attach_connector(peer, remote_offer) : attach_listener(peer, remote_offer);
+}
+
+namespace {
+std::shared_ptr<IpcPeer> new_peer(PeerState& p, uint64_t session, uint64_t chunk_bytes, Status* s) {
+  auto ip = std::make_shared<IpcPeer>();
+  ip->session = session;
+  ip->cookie = crypto::random_u64() | 1;
+  const uint64_t chunk = chunk_bytes;
+  ip->slot_bytes = chunk;
+  if (int e = ip->own.create(uint64_t(p.slot_count()) * chunk)) *s = Status(Code::kUnavailable, std::string("bounce segment: ") + std::strerror(e));
+  return ip;
+}
+}  // namespace
+
+// Control thread, right after answering the handshake: connect every lane to the connector's
+// socket (never blocks: a full backlog is an error) and introduce it; lane 0's thread finishes.
+Status IpcTransport::attach_listener(const std::shared_ptr<PeerState>& peer, std::string_view remote_offer) {
+  uint64_t session;
+  std::string name;
+  if (!parse_offer(remote_offer, &session, &name)) return Status(Code::kProtocolError, "malformed ipc offer");
+  Status s;
+  auto ip = new_peer(*peer, session, endpoint_->config().chunk_bytes, &s);
+  if (!s.is_ok()) return s;
+  const uint32_t lanes = peer->lanes();
+  std::vector<int> fds;
+  auto cleanup = [&] { for (int fd : fds) ::close(fd); };
+  sockaddr_un a;
+  const socklen_t alen = abstract_addr(name, &a);
+  for (uint32_t i = 0; i < lanes; ++i) {
+    int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) { s = errno_status(Code::kUnavailable, "socket"); break; }
+    fds.push_back(fd);
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), alen) != 0) { s = errno_status(Code::kConnectionLost, "connect to the peer's lane socket"); break; }
+    ucred cred{};
+    if (!peer_cred(fd, &cred) || cred.uid != ::geteuid()) { s = Status(Code::kAccessDenied, "the peer's lane socket belongs to another user"); break; }
+    if (i == 0) ip->pid = cred.pid;
+    else if (cred.pid != ip->pid) { s = Status(Code::kProtocolError, "lanes lead to different processes"); break; }
+    Hello m = hello(*ip, 1, i, lanes);
+    if (!send_msg(fd, &m, sizeof m, i == 0 ? ip->own.fd() : -1)) { s = errno_status(Code::kConnectionLost, "introducing a lane"); break; }
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // the lane thread blocks in recv()
+  }
+  if (!s.is_ok()) { cleanup(); return s; }
+  ip->fds = fds;
+  peer->lane_fds = fds;  // the peer owns them now: fail() shuts them down, its destructor closes them
+  return start_lanes(peer, ip, true);
+}
+
+// The connecting thread: collect our lanes (parked by session), probe, exchange verdicts.
+Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, std::string_view remote_offer) {
+  uint64_t session;
+  std::string name;
+  if (!parse_offer(remote_offer, &session, &name)) return Status(Code::kProtocolError, "malformed ipc offer");
+  Rendezvous& rv = *rendezvous_;
+  const uint32_t lanes = peer->lanes();
+  const int64_t deadline = sys::now_ms() + endpoint_->config().connect_timeout_ms;
+  std::vector<Accepted> mine;
+  auto cleanup = [&] {
+    for (auto& m : mine) {
+      ::close(m.fd);
+      if (m.seg_fd >= 0) ::close(m.seg_fd);
+    }
+  };
+  Status s;
+  {
+    std::unique_lock lock(rv.mu);
+    for (;;) {
+      if (auto it = rv.parked.find(session); it != rv.parked.end()) {
+        for (auto& m : it->second) mine.push_back(m);
+        rv.parked.erase(it);
+      }
+      if (mine.size() >= lanes) break;
+      const int64_t now = sys::now_ms();
+      if (now >= deadline) { s = Status(Code::kTimeout, "the peer never opened its ipc lanes"); break; }
+      if (rv.accepting) {
+        rv.cv.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(deadline - now, 20)));
+        continue;
+      }
+      // This thread accepts for everyone for a while.
+      rv.accepting = true;
+      lock.unlock();
+      std::vector<Accepted> got;
+      pollfd pf[2] = {{rv.fd, POLLIN, 0}, {peer->control_fd, POLLRDHUP, 0}};
+      int r = ::poll(pf, 2, int(std::min<int64_t>(deadline - now, 20)));
+      bool gone = r > 0 && (pf[1].revents & (POLLRDHUP | POLLHUP | POLLERR));
+      for (;;) {
+        int fd = ::accept4(rv.fd, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd < 0) break;
+        Accepted m{fd, {}, -1, {}, sys::now_ms()};
+        // The introduction follows the connect at once; a same-user stranger could stall us, briefly.
+        if (!peer_cred(fd, &m.cred) || m.cred.uid != ::geteuid() ||
+            recv_msg(fd, &m.hello, sizeof m.hello, &m.seg_fd, sys::now_ms() + 1000) != ssize_t(sizeof m.hello) ||
+            m.hello.magic != kHelloMagic || m.hello.version != kIpcVersion || m.hello.stage != 1) {
+          ::close(fd);
+          if (m.seg_fd >= 0) ::close(m.seg_fd);
+          continue;
+        }
+        got.push_back(m);
+      }
+      lock.lock();
+      rv.accepting = false;
+      for (auto& m : got) rv.parked[m.hello.session].push_back(m);
+      for (auto it = rv.parked.begin(); it != rv.parked.end();) {  // lanes of connects that failed
+        if (it->first != session && sys::now_ms() - it->second.front().at_ms > kParkedExpiryMs) {
+          for (auto& m : it->second) { ::close(m.fd); if (m.seg_fd >= 0) ::close(m.seg_fd); }
+          it = rv.parked.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      rv.cv.notify_all();
+      if (gone) { s = Status(Code::kConnectionLost, "the peer closed the connection during ipc setup"); break; }
+    }
+  }
+  if (!s.is_ok()) { cleanup(); return s; }
+  // Every lane once, all from one process; lane 0 carries the listener's bounce segment.
+  std::vector<int> fds(lanes, -1);
+  auto ip = new_peer(*peer, session, endpoint_->config().chunk_bytes, &s);
+  for (auto& m : mine) {
+    if (!s.is_ok()) break;
+    if (m.hello.lanes != lanes || m.hello.lane >= lanes || fds[m.hello.lane] >= 0 || m.cred.pid != mine[0].cred.pid ||
+        (m.hello.lane == 0) != (m.seg_fd >= 0))
+      s = Status(Code::kProtocolError, "malformed ipc lanes from the peer");
+    else fds[m.hello.lane] = m.fd;
+  }
+  if (!s.is_ok()) { cleanup(); return s; }
+  const Accepted* zero = nullptr;
+  for (auto& m : mine) if (m.hello.lane == 0) zero = &m;
+  ip->pid = zero->cred.pid;
+  ip->fds = fds;
+  for (int fd : fds) ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
+  std::string why;
+  const int seg_fd = zero->seg_fd;
+  for (auto& m : mine) m.seg_fd = -1;  // the segment takes it
+  if (int e = ip->theirs.map(seg_fd)) why = std::string("cannot map the peer's bounce segment: ") + std::strerror(e);
+  else ip->shm = std::make_unique<ShmMover>(ip->theirs);
+  if (why.empty()) probe_other(*ip, zero->hello, host_mode_, &why);
+  if (!why.empty()) { cleanup(); return Status(Code::kUnavailable, why); }
+  Hello m2 = hello(*ip, 2, 0, lanes);
+  m2.verdict = ip->cma != nullptr;
+  Hello m3{};
+  if (!send_msg(fds[0], &m2, sizeof m2, ip->own.fd()) ||
+      recv_msg(fds[0], &m3, sizeof m3, nullptr, deadline) != ssize_t(sizeof m3) || !valid_hello(m3, 3, session)) {
+    cleanup();
+    return Status(Code::kConnectionLost, "ipc setup: the peer did not finish it (see its error)");
+  }
+  if (!take_verdict(*ip, m3.verdict, host_mode_, &why)) { cleanup(); return Status(Code::kUnavailable, why); }
+  ip->ready.store(true, std::memory_order_seq_cst);
+  peer->lane_fds = fds;
+  return start_lanes(peer, ip, false);
+}
+
+Status IpcTransport::start_lanes(const std::shared_ptr<PeerState>& peer, const std::shared_ptr<IpcPeer>& ip, bool listener) {
+  std::vector<std::shared_ptr<Lane>> made;
+  for (uint32_t i = 0; i < ip->fds.size(); ++i) {
+    auto l = std::make_shared<Lane>();
+    l->peer = peer;
+    l->ip = ip;
+    l->index = i;
+    l->fd = ip->fds[i];
+    l->setup_first = listener && i == 0;
+    l->rx = std::make_unique<uint8_t[]>(kMaxMsg);
+    l->cuda = std::make_unique<CudaLane>();
+    l->held.reserve(std::min<uint32_t>(peer->slot_count(), 4096));
+    ip->lanes.push_back(l);
+    made.push_back(std::move(l));
+  }
+  ip->imports = std::make_unique<CudaImports>(ip->pid, &endpoint_->stats().ipc_cuda_opens);
+  peer->transport_state = ip;
+  std::lock_guard lock(mu_);
+  if (stopped_) return Status(Code::kCancelled, "endpoint closed");  // the peer closes the fds
+  for (auto& l : made) {
+    l->thread = std::thread(lane_main, l.get(), endpoint_, host_mode_);
+    lanes_.push_back(std::move(l));
+  }
+  return Status::ok();
+}
+
+void IpcTransport::reap_finished() {
+  for (size_t i = 0; i < lanes_.size();) {
+    if (lanes_[i]->finished.load(std::memory_order_acquire)) {
+      lanes_[i]->thread.join();
+      lanes_[i] = std::move(lanes_.back());
+      lanes_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+void IpcTransport::wake(PeerState* peer, uint64_t) {
+  auto* ip = static_cast<IpcPeer*>(peer->transport_state.get());
+  if (!ip || !ip->ready.load(std::memory_order_seq_cst)) return;  // setup pumps when it finishes
+  pump_all(*ip, *peer);
+}
+
+void IpcTransport::stop() {
+  std::vector<std::shared_ptr<Lane>> all;
+  {
+    std::lock_guard lock(mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    all.swap(lanes_);
+  }
+  for (auto& l : all) {
+    std::shared_ptr<PeerState> p;
+    {
+      std::lock_guard lock(l->mu);
+      p = l->peer;
+    }
+    if (p) p->fail(Status(Code::kCancelled, "endpoint closed"));  // shuts the lanes down: recv() returns
+  }
+  for (auto& l : all)
+    if (l->thread.joinable()) l->thread.join();
+}
+
+}  // namespace tether::transport

@@ -1,0 +1,66 @@
+// ipc transport: two processes on one host (same boot, same network namespace, same user).
+// Lanes are unix-domain SOCK_SEQPACKET sockets carrying the tcp transport's 56-byte FrameHeader
+// plus where the initiator's local bytes are; the TARGET validates every request against its
+// registry (region, key, bounds, read-only) and then moves the bytes itself with a Mover
+// (host_mover.h): cross-memory attach where the kernel allows it towards that peer, else a
+// shared-memory bounce segment. No byte crosses a socket.
+//
+// Each lane has one thread blocked in recv() on its socket: it serves the peer's requests and
+// takes the answers to ours. Requests are sent by whichever thread pulls the chunk (the posting
+// thread for the first window, the lane thread as answers free room), so nothing needs waking.
+#pragma once
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace tether::core {
+class EndpointImpl;
+struct RegionState;
+}
+
+namespace tether::transport {
+
+namespace ipc {
+struct Lane;
+struct IpcPeer;
+struct Rendezvous;
+}  // namespace ipc
+
+class IpcTransport final : public Transport {
+ public:
+  explicit IpcTransport(core::EndpointImpl* endpoint);
+  ~IpcTransport() override;
+  const char* name() const override { return "ipc"; }
+  Caps caps() const override;
+  int priority() const override { return 10; }
+  std::string unavailable_reason() const override { return unavailable_; }
+  std::string offer(uint64_t session) override;
+  uint32_t lanes_for(std::string_view remote_offer) const override;
+  Status register_region(core::RegionState& region, std::string* desc_ext) override;
+  Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
+                std::string_view remote_offer, bool initiator) override;
+  void wake(core::PeerState* peer, uint64_t chunks) override;
+  void stop() override;
+
+ private:
+  Status attach_connector(const std::shared_ptr<core::PeerState>& peer, std::string_view remote_offer);
+  Status attach_listener(const std::shared_ptr<core::PeerState>& peer, std::string_view remote_offer);
+  Status start_lanes(const std::shared_ptr<core::PeerState>& peer, const std::shared_ptr<ipc::IpcPeer>& ip, bool listener);
+  void reap_finished();  // joins lane threads that ended (mu_ held)
+
+  core::EndpointImpl* endpoint_;
+  std::string unavailable_;
+  int host_mode_ = 0;  // 0 auto, 1 cma only, 2 shm only (Config::ipc_host)
+
+  std::unique_ptr<ipc::Rendezvous> rendezvous_;  // where listeners connect our lanes
+  std::mutex mu_;
+  bool stopped_ = false;
+  std::vector<std::shared_ptr<ipc::Lane>> lanes_;        // every lane thread not yet joined
+};
+
+}  // namespace tether::transport

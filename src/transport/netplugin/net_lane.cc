@@ -1,0 +1,514 @@
+#include "transport/netplugin/net_lane.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "core/endpoint_impl.h"
+#include "core/peer.h"
+#include "core/region.h"
+
+namespace tether::transport {
+
+using wire::FrameHeader;
+using wire::FrameType;
+
+namespace {
+int tag_of(uint64_t seq, int part) { return int(((seq << 1) | uint64_t(part)) & 0x7fffffff); }
+}  // namespace
+
+// ---------------------------------------------------------------- region table
+
+void RegionTable::add(core::RegionState* r) {
+  std::unique_lock lock(mu_);
+  regions_.push_back(r);
+}
+void RegionTable::remove(const core::RegionState* r) {
+  std::unique_lock lock(mu_);
+  regions_.erase(std::remove(regions_.begin(), regions_.end(), r), regions_.end());
+}
+core::RegionState* RegionTable::find(const uint8_t* p, uint64_t length) const {
+  std::shared_lock lock(mu_);
+  for (core::RegionState* r : regions_)
+    if (p >= r->base && core::in_bounds(uint64_t(p - r->base), length, r->size)) return r;
+  return nullptr;
+}
+
+// ---------------------------------------------------------------- lane
+
+NetLane::NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<core::PeerState> peer,
+                 uint32_t index, Comms comms, Unpacker* unpacker, const RegionTable* regions, bool consume_early)
+    : net_(std::move(net)), ep_(ep), peer_(std::move(peer)), index_(index), comms_(comms), unpacker_(unpacker),
+      regions_(regions),
+      unpack_device_(comms.recv_dev && comms.recv_dev->type == netabi::kDeviceUnpack && comms.recv_dev->handle),
+      consume_early_(consume_early && unpack_device_) {
+  if (unpack_device_) unpack_ = static_cast<netabi::UnpackDeviceHandle*>(comms_.recv_dev->handle);
+}
+
+NetLane::~NetLane() {
+  if (!retired_) retire();
+}
+
+Status NetLane::init() {
+  // Unpack devices leave the posted buffer alone: one landing area serves every receive. Others write
+  // it: one 4 MiB area per frame in flight (address space only until used).
+  landing_bytes_ = unpack_device_ ? kMaxFrame : kMaxFrame * kFramesInFlight;
+  landing_.reset(new uint8_t[landing_bytes_]);
+  int rc = net_->reg_mr(comms_.send, tx_hdr_.data(), tx_hdr_.size() * sizeof(FrameHeader), netabi::kPtrHost, &tx_hdr_mr_);
+  if (rc == netabi::kSuccess)
+    rc = net_->reg_mr(comms_.recv, rx_hdr_.data(), rx_hdr_.size() * sizeof(FrameHeader), netabi::kPtrHost, &rx_hdr_mr_);
+  if (rc == netabi::kSuccess) rc = net_->reg_mr(comms_.recv, landing_.get(), landing_bytes_, netabi::kPtrHost, &landing_mr_);
+  if (rc != netabi::kSuccess)
+    return Status(Code::kUnavailable, "net plugin '" + net_->name() + "' regMr of host buffers: " + net_result_name(rc));
+  return Status::ok();
+}
+
+void NetLane::kill(Status why) {
+  if (dead_.exchange(true, std::memory_order_acq_rel)) return;
+  peer_->fail(std::move(why));
+}
+
+bool NetLane::fail_plugin(const char* call, int rc) {
+  kill(Status(Code::kConnectionLost, "net plugin '" + net_->name() + "' " + call + " on a lane to peer '" +
+                                         peer_->info().name + "': " + net_result_name(rc)));
+  return false;
+}
+
+bool NetLane::protocol_error(const char* what) {
+  kill(Status(Code::kProtocolError, std::string("peer '") + peer_->info().name + "' sent " + what));
+  return false;
+}
+
+bool NetLane::step() {
+  if (dead()) return false;
+  if (peer_->failed()) {
+    kill(peer_->error());
+    return false;
+  }
+  if (dereg_requested_.load(std::memory_order_acquire) != dereg_done_.load(std::memory_order_relaxed)) process_dereg();
+  bool moved = progress_rx();
+  if (!dead()) moved |= progress_tx();
+  if (!dead()) moved |= post_receives();
+  return moved;
+}
+
+// ---------------------------------------------------------------- registrations
+
+void* NetLane::mr_for(core::RegionState* region) {
+  for (auto& [r, mh] : mrs_)
+    if (r == region) return mh;
+  // First payload from this region on this comm: register it (the plugin pins / imports it once).
+  void* mh = nullptr;
+  const int type = region->kind == MemoryKind::kCuda ? netabi::kPtrCuda : netabi::kPtrHost;
+  if (type == netabi::kPtrCuda) {
+    kill(Status(Code::kUnavailable, "netplugin: sending from GPU memory needs the GPU path (not in this build)"));
+    return nullptr;
+  }
+  const int rc = net_->reg_mr(comms_.send, region->base, region->size, type, &mh);
+  if (rc != netabi::kSuccess) {
+    fail_plugin("regMr", rc);
+    return nullptr;
+  }
+  mrs_.emplace_back(region, mh);
+  return mh;
+}
+
+void* NetLane::payload_mr(const TxFrame& f) {
+  core::RegionState* region = f.pin ? f.pin : regions_->find(f.payload, f.length);
+  if (!region) {
+    kill(Status(Code::kInternal, "netplugin: a payload outside every registered region"));
+    return nullptr;
+  }
+  return mr_for(region);
+}
+
+uint64_t NetLane::request_dereg(const core::RegionState* r) {
+  std::lock_guard lock(dereg_mu_);
+  dereg_queue_.push_back(r);
+  return dereg_requested_.fetch_add(1, std::memory_order_acq_rel) + 1;
+}
+
+void NetLane::process_dereg() {
+  std::vector<const core::RegionState*> todo;
+  uint64_t upto;
+  {
+    std::lock_guard lock(dereg_mu_);
+    todo.swap(dereg_queue_);
+    upto = dereg_requested_.load(std::memory_order_acquire);
+  }
+  for (const core::RegionState* r : todo)
+    for (size_t i = 0; i < mrs_.size(); ++i)
+      if (mrs_[i].first == r) {
+        net_->dereg_mr(comms_.send, mrs_[i].second);
+        mrs_[i] = mrs_.back();
+        mrs_.pop_back();
+        break;
+      }
+  dereg_done_.store(upto, std::memory_order_release);
+}
+
+// ---------------------------------------------------------------- receive
+
+bool NetLane::post_receives() {
+  bool moved = false;
+  // The window is checked before posting: a pair goes out only if both requests fit under the limit.
+  while (rx_count_ < kFramesInFlight && rx_requests_ + 2 <= kRequestLimit) {
+    const size_t i = (rx_head_ + rx_count_) % kFramesInFlight;
+    RxPosted& r = rx_[i];
+    r = RxPosted{};
+    r.k = rx_posted_;
+    uint8_t* land = unpack_device_ ? landing_.get() : landing_.get() + i * kMaxFrame;
+    int rc = net_->irecv(comms_.recv, &rx_hdr_[i], sizeof(FrameHeader), tag_of(rx_seq_, 0), rx_hdr_mr_, &r.hreq);
+    if (rc != netabi::kSuccess) return fail_plugin("irecv", rc);
+    if (!r.hreq) break;  // the plugin asks us to come back later
+    ++rx_posted_, ++rx_requests_;
+    // The payload receive must follow at once (messages match in posting order); a plugin that
+    // accepted the header but defers the payload gets asked again next pass.
+    rc = net_->irecv(comms_.recv, land, kMaxFrame, tag_of(rx_seq_, 1), landing_mr_, &r.preq);
+    if (rc != netabi::kSuccess) return fail_plugin("irecv", rc);
+    if (!r.preq) return fail_plugin("irecv (payload deferred)", netabi::kInternalError);
+    ++rx_posted_, ++rx_requests_;
+    ++rx_seq_;
+    ++rx_count_;
+    moved = true;
+  }
+  return moved;
+}
+
+bool NetLane::consume(void* req) {
+  // Host-type plugins free a receive when test() reports it done; unpack plugins when it is consumed.
+  if (unpack_device_) {
+    const int rc = net_->irecv_consumed(comms_.recv, req);
+    if (rc != netabi::kSuccess) return fail_plugin("irecvConsumed", rc);
+  }
+  --rx_requests_;
+  return true;
+}
+
+// Copies a small received message (a header) out of the bounce pages on the host.
+bool NetLane::read_unpacked(const RxPosted& r, uint64_t k, void* out, uint64_t length) {
+  const int slot = int(k % netabi::kUnpackQueueDepth);
+  const uint64_t n = unpack_->meta->cnt[slot];
+  const netabi::UnpackEntry* frags = unpack_->meta->mem[slot];
+  if (check_fragments(frags, n, length) != Code::kOk) return protocol_error("unpack metadata outside the message (plugin bug)");
+  const auto* bounce = static_cast<const uint8_t*>(unpack_->bounce_buf);
+  for (uint64_t i = 0; i < n; ++i) std::memcpy(static_cast<uint8_t*>(out) + frags[i].dst_off, bounce + frags[i].src_off, frags[i].len);
+  return true;
+}
+
+bool NetLane::push_answer(const TxFrame& f) {
+  if (txq_count_ == kTxQueue) return false;
+  txq_[(txq_head_ + txq_count_) % kTxQueue] = f;
+  ++txq_count_;
+  return true;
+}
+
+bool NetLane::on_header(RxPosted& r) {
+  const FrameHeader& h = r.hdr;
+  if (h.flags & ~wire::kKnownFlags) return protocol_error("a malformed frame");
+  switch (static_cast<FrameType>(h.type)) {
+    case FrameType::kWrite:
+    case FrameType::kSendData:
+      if (h.length > kMaxFrame) return protocol_error("a frame larger than a plugin receive");
+      r.plan = plan_target(*ep_, *peer_, h);
+      if (r.plan.code == Code::kOk && r.plan.device >= 0) {
+        // GPU destinations need the GPU unpack (src/gpu); until then they are refused, not corrupted.
+        if (r.plan.recv) r.plan.recv->record_error(Status(Code::kUnavailable, "netplugin: GPU destinations need the GPU unpack"));
+        abandon(*peer_, r.plan);
+        r.plan.code = Code::kUnavailable;
+      }
+      r.dest = r.plan.code == Code::kOk ? r.plan.dest : nullptr;  // null: discard, then answer the error
+      r.expect = h.length;
+      return true;
+    case FrameType::kReadReq: {
+      r.plan = plan_target(*ep_, *peer_, h);
+      if (r.plan.code == Code::kOk && h.length > kMaxFrame) {
+        r.plan.pin->unpin();
+        r.plan = TargetPlan{};
+        r.plan.code = Code::kInvalidArgument;  // the initiator's chunks exceed what one receive carries
+      }
+      TxFrame f;
+      f.hdr = read_response(h, r.plan);
+      if (r.plan.code == Code::kOk) f.payload = r.plan.source, f.length = h.length, f.pin = r.plan.pin;
+      r.plan.pin = nullptr;  // the response owns the pin now
+      push_answer(f);        // room was checked before the header was taken
+      r.expect = 0;
+      return true;
+    }
+    case FrameType::kAck:
+      if (peer_->answer(index_, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
+      r.expect = 0;
+      return true;
+    case FrameType::kReadResp:
+      if (h.status != 0) {
+        if (peer_->answer(index_, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
+        r.expect = 0;
+        return true;
+      }
+      {
+        int device = -1;
+        if (h.length > kMaxFrame || peer_->read_destination(index_, h.slot, h.gen, h.length, &r.dest, &device) != Code::kOk)
+          return protocol_error("read data for no read");
+        if (device >= 0) {
+          kill(Status(Code::kUnavailable, "netplugin: reads into GPU memory need the GPU unpack (not in this build)"));
+          return false;
+        }
+      }
+      r.expect = h.length;
+      return true;
+    case FrameType::kWriteBatch:  // never sent to us: Caps::write_batches is off
+      break;
+  }
+  return protocol_error("a frame of unknown type");
+}
+
+bool NetLane::finish_rx(RxPosted& r) {
+  const FrameHeader& h = r.hdr;
+  switch (static_cast<FrameType>(h.type)) {
+    case FrameType::kWrite:
+    case FrameType::kSendData: {
+      TxFrame ack;
+      ack.hdr = finish_placed(*ep_, *peer_, h, r.plan);
+      push_answer(ack);  // room was checked before the header was taken
+      return true;
+    }
+    case FrameType::kReadResp:
+      if (h.status == 0) {
+        ep_->stats().bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+        ep_->stats().chunks_received.fetch_add(1, std::memory_order_relaxed);
+        if (peer_->answer(index_, h.slot, h.gen, 0) != Code::kOk) return protocol_error("an answer to no request");
+      }
+      return true;
+    default:
+      return true;
+  }
+}
+
+bool NetLane::finish_deferred() {
+  if (!has_deferred_) return true;
+  has_deferred_ = false;
+  Status s = unpacker_->start(deferred_frags_.data(), deferred_frags_.size(),
+                              static_cast<const uint8_t*>(unpack_->bounce_buf), deferred_.dest, &deferred_.ticket);
+  while (s.is_ok() && !unpacker_->done(deferred_.ticket)) {
+  }
+  if (!s.is_ok()) {
+    kill(s);
+    return false;
+  }
+  return finish_rx(deferred_);
+}
+
+bool NetLane::progress_rx() {
+  bool moved = false;
+  // (fault injection only) a deferred copy waits at most until the lane has nothing else to do.
+  if (has_deferred_ && rx_count_ > 0 && rx_[rx_head_].stage == RxStage::kHeader && ++deferred_idle_ > 64) {
+    deferred_idle_ = 0;
+    if (!finish_deferred()) return false;
+  }
+  while (rx_count_ > 0 && !dead()) {
+    const size_t i = rx_head_;
+    RxPosted& r = rx_[i];
+    if (r.stage == RxStage::kHeader) {
+      // Each header may produce one answer: take it only if the answer has room.
+      if (txq_count_ == kTxQueue) break;
+      int done = 0;
+      size_t size = 0;
+      int rc = net_->test(r.hreq, &done, &size);
+      if (rc != netabi::kSuccess) return fail_plugin("test (receive)", rc);
+      if (!done) break;
+      if (size != sizeof(FrameHeader)) return protocol_error("a frame header of the wrong size");
+      if (unpack_device_) {
+        if (!read_unpacked(r, r.k, &r.hdr, sizeof(FrameHeader))) return false;
+      } else {
+        std::memcpy(&r.hdr, &rx_hdr_[i], sizeof(FrameHeader));
+      }
+      if (!consume(r.hreq)) return false;  // the header is copied out: its pages may go back
+      r.hreq = nullptr;
+      if (!on_header(r)) return false;
+      r.stage = RxStage::kPayload;
+      moved = true;
+    }
+    if (r.stage == RxStage::kPayload) {
+      int done = 0;
+      size_t size = 0;
+      int rc = net_->test(r.preq, &done, &size);
+      if (rc != netabi::kSuccess) return fail_plugin("test (receive)", rc);
+      if (!done) break;
+      if (size != r.expect) return protocol_error("a payload whose length differs from its header");
+      if (consume_early_ && r.dest && size > 0) {
+        // The seeds' bug, on purpose: the pages go back at test-done and the copy runs later (as an
+        // asynchronous unpack would), after the plugin has received the next frames.
+        if (!finish_deferred()) return false;
+        const int slot = int((r.k + 1) % netabi::kUnpackQueueDepth);
+        const uint64_t n = unpack_->meta->cnt[slot];
+        if (check_fragments(unpack_->meta->mem[slot], n, size) != Code::kOk) return protocol_error("bad unpack metadata");
+        deferred_frags_.assign(unpack_->meta->mem[slot], unpack_->meta->mem[slot] + n);
+        if (!consume(r.preq)) return false;
+        r.preq = nullptr;
+        deferred_ = r;
+        has_deferred_ = true;
+        rx_head_ = (rx_head_ + 1) % kFramesInFlight;
+        --rx_count_;
+        moved = true;
+        continue;
+      }
+      if (r.dest && size > 0) {
+        if (unpack_device_) {
+          const int slot = int((r.k + 1) % netabi::kUnpackQueueDepth);
+          const uint64_t n = unpack_->meta->cnt[slot];
+          const netabi::UnpackEntry* frags = unpack_->meta->mem[slot];
+          if (check_fragments(frags, n, size) != Code::kOk) return protocol_error("unpack metadata outside the message (plugin bug)");
+          Status s = unpacker_->start(frags, n, static_cast<const uint8_t*>(unpack_->bounce_buf), r.dest, &r.ticket);
+          if (!s.is_ok()) {
+            kill(s);
+            return false;
+          }
+          r.unpacking = true;
+        } else {
+          std::memcpy(r.dest, landing_.get() + i * kMaxFrame, size);
+        }
+      }
+      r.stage = RxStage::kUnpacking;
+      moved = true;
+    }
+    // The pages go back only after the unpack has completed: the plugin reuses them at once.
+    if (r.unpacking && !unpacker_->done(r.ticket)) break;
+    r.unpacking = false;
+    if (r.preq && !consume(r.preq)) return false;
+    r.preq = nullptr;
+    if (!finish_rx(r)) return false;
+    rx_head_ = (rx_head_ + 1) % kFramesInFlight;
+    --rx_count_;
+    moved = true;
+  }
+  return moved;
+}
+
+// ---------------------------------------------------------------- send
+
+bool NetLane::progress_tx() {
+  bool moved = false;
+  auto& stats = ep_->stats();
+  // Completions, oldest first (a request reported done is never tested again).
+  while (tx_count_ > 0) {
+    TxPosted& p = tx_[tx_head_];
+    if (!p.payload_posted) break;
+    int rc;
+    if (!p.hdone) {
+      size_t sz;
+      int done = 0;
+      if ((rc = net_->test(p.hreq, &done, &sz)) != netabi::kSuccess) return fail_plugin("test (send)", rc);
+      if (done) p.hdone = true, --tx_requests_;
+    }
+    if (!p.pdone) {
+      size_t sz;
+      int done = 0;
+      if ((rc = net_->test(p.preq, &done, &sz)) != netabi::kSuccess) return fail_plugin("test (send)", rc);
+      if (done) p.pdone = true, --tx_requests_;
+    }
+    if (!p.hdone || !p.pdone) break;
+    if (p.f.length > 0) {
+      stats.bytes_sent.fetch_add(p.f.length, std::memory_order_relaxed);
+      stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (p.f.pin) p.f.pin->unpin();
+    tx_head_ = (tx_head_ + 1) % kFramesInFlight;
+    --tx_count_;
+    moved = true;
+  }
+  // A frame whose payload the plugin deferred goes first.
+  if (tx_count_ > 0) {
+    TxPosted& last = tx_[(tx_head_ + tx_count_ - 1) % kFramesInFlight];
+    if (!last.payload_posted) {
+      const size_t i = (tx_head_ + tx_count_ - 1) % kFramesInFlight;
+      void* mh = last.f.length > 0 ? payload_mr(last.f) : tx_hdr_mr_;
+      if (!mh) return false;
+      void* data = last.f.length > 0 ? const_cast<uint8_t*>(last.f.payload) : static_cast<void*>(&tx_hdr_[i]);
+      const int rc = net_->isend(comms_.send, data, last.f.length, tag_of(tx_seq_ - 1, 1), mh, &last.preq);
+      if (rc != netabi::kSuccess) return fail_plugin("isend", rc);
+      if (!last.preq) return moved;
+      last.payload_posted = true;
+      ++tx_requests_;
+    }
+  }
+  // Post: the window is checked before a frame is taken, so both its requests fit under the limit.
+  while (tx_count_ < kFramesInFlight && tx_requests_ + 2 <= kRequestLimit) {
+    if (txq_count_ == 0) {
+      core::ChunkOp op;
+      if (!peer_->next_chunk(index_, &op)) break;
+      TxFrame f;
+      f.hdr = op.hdr;
+      f.payload = op.payload;
+      f.length = op.length;
+      txq_[(txq_head_ + txq_count_) % kTxQueue] = f;
+      ++txq_count_;
+    }
+    TxFrame& f = txq_[txq_head_];
+    const size_t i = (tx_head_ + tx_count_) % kFramesInFlight;
+    void* mh = f.length > 0 ? payload_mr(f) : tx_hdr_mr_;
+    if (!mh) return false;
+    TxPosted& p = tx_[i];
+    p = TxPosted{};
+    p.f = f;
+    tx_hdr_[i] = f.hdr;
+    int rc = net_->isend(comms_.send, &tx_hdr_[i], sizeof(FrameHeader), tag_of(tx_seq_, 0), tx_hdr_mr_, &p.hreq);
+    if (rc != netabi::kSuccess) return fail_plugin("isend", rc);
+    if (!p.hreq) break;  // come back later; the frame stays queued
+    ++tx_requests_;
+    txq_head_ = (txq_head_ + 1) % kTxQueue;
+    --txq_count_;
+    ++tx_count_;
+    ++tx_seq_;
+    moved = true;
+    void* data = f.length > 0 ? const_cast<uint8_t*>(f.payload) : static_cast<void*>(&tx_hdr_[i]);
+    rc = net_->isend(comms_.send, data, f.length, tag_of(tx_seq_ - 1, 1), mh, &p.preq);
+    if (rc != netabi::kSuccess) return fail_plugin("isend", rc);
+    if (!p.preq) break;  // posted next pass, before anything else
+    p.payload_posted = true;
+    ++tx_requests_;
+  }
+  return moved;
+}
+
+// ---------------------------------------------------------------- teardown
+
+void NetLane::retire() {
+  if (retired_) return;
+  retired_ = true;
+  dead_.store(true, std::memory_order_release);
+  // An unpack in flight still reads the bounce pages: let it finish before the comm goes away.
+  for (size_t k = 0; k < rx_count_; ++k) {
+    RxPosted& r = rx_[(rx_head_ + k) % kFramesInFlight];
+    while (r.unpacking && !unpacker_->done(r.ticket)) std::this_thread::yield();
+    abandon(*peer_, r.plan);
+  }
+  rx_count_ = 0;
+  if (has_deferred_) abandon(*peer_, deferred_.plan), has_deferred_ = false;
+  for (size_t k = 0; k < tx_count_; ++k) {
+    TxPosted& p = tx_[(tx_head_ + k) % kFramesInFlight];
+    if (p.f.pin) p.f.pin->unpin();
+  }
+  tx_count_ = 0;
+  for (size_t k = 0; k < txq_count_; ++k) {
+    TxFrame& f = txq_[(txq_head_ + k) % kTxQueue];
+    if (f.pin) f.pin->unpin();
+  }
+  txq_count_ = 0;
+  peer_->release_lane(index_, Code::kConnectionLost);
+  for (auto& [r, mh] : mrs_) net_->dereg_mr(comms_.send, mh);
+  mrs_.clear();
+  {
+    std::lock_guard lock(dereg_mu_);
+    dereg_queue_.clear();
+    dereg_done_.store(dereg_requested_.load());
+  }
+  if (tx_hdr_mr_) net_->dereg_mr(comms_.send, tx_hdr_mr_);
+  if (rx_hdr_mr_) net_->dereg_mr(comms_.recv, rx_hdr_mr_);
+  if (landing_mr_) net_->dereg_mr(comms_.recv, landing_mr_);
+  tx_hdr_mr_ = rx_hdr_mr_ = landing_mr_ = nullptr;
+  if (comms_.send) net_->close_send(comms_.send);
+  if (comms_.recv) net_->close_recv(comms_.recv);
+  comms_.send = comms_.recv = nullptr;
+}
+
+}  // namespace tether::transport

@@ -1,0 +1,147 @@
+"""GPU memory over TCP between two processes (issue 4): every pairing (GPU->GPU on different and on the
+same GPU, host->GPU, GPU->host), every operation, each unpack mode; random data, poisoned
+destinations, every byte checked. Needs CUDA, torch with a GPU; skipped otherwise, saying why."""
+import numpy as np
+import pytest
+
+import tether
+from tether_testutil import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
+
+try:
+    import torch
+    _have_torch = torch.cuda.is_available()
+except ImportError:  # pragma: no cover - CPU CI
+    torch, _have_torch = None, False
+_cuda, _why, _ngpu, _kernels, _kwhy = tether._tether.gpu_status()
+if not (_cuda and _have_torch):
+    pytest.skip(f"GPU tests need CUDA and torch with a GPU (tether: {_why or 'ok'}; torch cuda: {_have_torch})",
+                allow_module_level=True)
+
+T = 60
+MODES = ["kernel", "d2d", "host"]
+# (local memory, remote memory): "gpu0"/"gpu1" = that GPU, "host" = host memory
+PAIRS = [("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu0", "host")]
+SIZE = 5 * MiB + 12345  # several chunks and a partial one
+
+
+def _dev(kind):
+    d = None if kind == "host" else int(kind[-1])
+    if d is not None and d >= _ngpu:
+        pytest.skip(f"needs GPU {d}; {_ngpu} visible")
+    return d
+
+
+class Local:
+    """This process's side: an endpoint and regions on host or GPU."""
+
+    def __init__(self, mode):
+        self.ep = tether.Endpoint(unpack=mode, transport="tcp")  # GPU over TCP staging (issue 4)
+        self.mem = {}
+
+    def region(self, name, kind, size, seed=None):
+        buf = rand_bytes(seed, size) if seed is not None else poisoned(size)
+        d = _dev(kind)
+        obj = buf if d is None else torch.from_numpy(buf).to(f"cuda:{d}")
+        if d is not None:
+            torch.cuda.synchronize(d)
+        self.mem[name] = obj
+        return self.ep.register(obj)
+
+    def get(self, name):
+        obj = self.mem[name]
+        return obj if isinstance(obj, np.ndarray) else obj.cpu().numpy()
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    if request.param == "kernel" and not _kernels:
+        pytest.skip(f"unpack=kernel unavailable: {_kwhy}")
+    return request.param
+
+
+@pytest.fixture
+def pair(mode, children):
+    """(local, child) connected, both with `mode`."""
+    c = children("gpu-peer", env={"TETHER_UNPACK": mode})
+    info = c.call("endpoint")
+    local = Local(mode)
+    peer = local.ep.connect(info["metadata"], timeout=10)
+    assert peer.transport == "tcp"
+    yield local, peer, c
+    local.ep.close()
+
+
+@pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_write_and_notify(pair, lk, rk):
+    local, peer, c = pair
+    desc = c.call("register", "dst", SIZE, device=_dev(rk))
+    src = local.region("src", lk, SIZE, seed=41)
+    c.start("check_on_notify", "dst", 41, 0, SIZE)
+    peer.write(src, desc, notify=b"done").wait(T)
+    r = c.result(T)
+    assert not r["timed_out"] and r["mismatch"] is None, r
+    assert_bytes_equal(np.frombuffer(c.call("get", "dst"), np.uint8), rand_bytes(41, SIZE))
+
+
+@pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_read(pair, lk, rk):
+    local, peer, c = pair
+    desc = c.call("register", "src", SIZE, fill=("seed", 42), device=_dev(rk))
+    dst = local.region("dst", lk, SIZE + 100)
+    peer.read(dst, desc, local_offset=100).wait(T)
+    got = local.get("dst")
+    assert_poison(got[:100])
+    assert_bytes_equal(got[100:], rand_bytes(42, SIZE))
+
+
+@pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_vectored_write_and_read(pair, lk, rk):
+    """Many small scattered blocks both ways (the KV-cache pattern), offsets shuffled."""
+    local, peer, c = pair
+    blocks, bs = 300, 16 * 1024 + 64
+    n = blocks * bs
+    desc = c.call("register", "dst", n, device=_dev(rk))
+    src = local.region("src", lk, n, seed=43)
+    order = np.random.default_rng(7).permutation(blocks)
+    peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
+    got = np.frombuffer(c.call("get", "dst"), np.uint8)
+    want = rand_bytes(43, n).reshape(blocks, bs)
+    expect = np.empty_like(want)
+    expect[order] = want
+    assert_bytes_equal(got, expect.reshape(-1))
+    back = local.region("back", lk, n)
+    peer.readv([(back, int(j) * bs, desc, int(j) * bs, bs) for j in order]).wait(T)
+    assert_bytes_equal(local.get("back"), expect.reshape(-1))
+
+
+@pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_send_recv(pair, lk, rk):
+    local, peer, c = pair
+    c.call("register", "rbuf", SIZE + 7, device=_dev(rk))
+    c.start("recv", "rbuf", tag=5, accepted=True)
+    src = local.region("src", lk, SIZE, seed=44)
+    peer.send(src, tag=5).wait(T)
+    assert c.result(T)[:2] == ("ok", SIZE)
+    got = np.frombuffer(c.call("get", "rbuf"), np.uint8)
+    assert_bytes_equal(got[:SIZE], rand_bytes(44, SIZE))
+    assert_poison(got[SIZE:])
+
+
+def test_gpu_region_checks():
+    with tether.Endpoint() as ep:
+        t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+        r = ep.register(t)
+        assert r.kind == "cuda" and r.device == 0 and r.size == 1 << 20
+        r2 = ep.register((t.data_ptr(), 4096))  # raw pointer: CUDA says it is GPU 0
+        assert r2.kind == "cuda" and r2.device == 0
+        with pytest.raises(tether.OutOfRange, match="past the end of its GPU allocation"):
+            ep.register((t.data_ptr(), (1 << 20) + (64 << 20)), device=0)
+        if _ngpu > 1:
+            with pytest.raises(tether.InvalidArgument, match="not GPU 1"):
+                ep.register((t.data_ptr(), 4096), device=1)
+        with pytest.raises(tether.InvalidArgument, match="non-contiguous"):
+            ep.register(torch.zeros(64, 64, dtype=torch.uint8, device="cuda:0")[:, :8])
+        h = np.zeros(4096, np.uint8)
+        with pytest.raises(tether.InvalidArgument, match="not GPU memory"):
+            ep.register((h.ctypes.data, h.nbytes), device=0)
+

@@ -1,0 +1,198 @@
+"""GPU memory over the ipc transport (issue 5): two processes on one host, CUDA IPC handles opened once
+per peer, copies by the copy engines, batches by one copy-kernel launch over peer pointers. Every
+pairing (GPU0->GPU1, same GPU, host->GPU, GPU->host), every operation, random data, poisoned
+destinations, every byte; the handle cache (no reopen; a freed and reallocated allocation is noticed);
+a deregistered region is refused. Needs CUDA and torch with a GPU (two for GPU0<->GPU1); skipped
+otherwise, saying why."""
+import numpy as np
+import pytest
+
+import tether
+from tether_testutil import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
+
+try:
+    import torch
+    _have_torch = torch.cuda.is_available()
+except ImportError:  # pragma: no cover - CPU CI
+    torch, _have_torch = None, False
+_cuda, _why, _ngpu, _kernels, _kwhy = tether._tether.gpu_status()
+if not (_cuda and _have_torch):
+    pytest.skip(f"ipc GPU tests need CUDA and torch with a GPU (tether: {_why or 'ok'}; torch cuda: {_have_torch})",
+                allow_module_level=True)
+
+T = 60
+PAIRS = [("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu1", "host"), ("gpu1", "gpu0")]
+SIZE = 37 * MiB + 12345  # several 16 MiB GPU chunks and a partial one
+
+
+def _dev(kind):
+    d = None if kind == "host" else int(kind[-1])
+    if d is not None and d >= _ngpu:
+        pytest.skip(f"needs GPU {d}; {_ngpu} visible")
+    return d
+
+
+class Local:
+    def __init__(self, **kw):
+        self.ep = tether.Endpoint(transport="ipc", **kw)
+        self.mem = {}
+
+    def region(self, name, kind, size, seed=None):
+        buf = rand_bytes(seed, size) if seed is not None else poisoned(size)
+        d = _dev(kind)
+        obj = buf if d is None else torch.from_numpy(buf).to(f"cuda:{d}")
+        if d is not None:
+            torch.cuda.synchronize(d)
+        self.mem[name] = obj
+        return self.ep.register(obj)
+
+    def get(self, name):
+        obj = self.mem[name]
+        return obj if isinstance(obj, np.ndarray) else obj.cpu().numpy()
+
+
+@pytest.fixture
+def pair(children):
+    c = children("ipc-gpu-peer")
+    info = c.call("endpoint", transport="ipc")
+    local = Local()
+    peer = local.ep.connect(info["metadata"], timeout=10)
+    assert peer.transport == "ipc"
+    yield local, peer, c
+    local.ep.close()
+
+
+def _get(c, name):
+    return np.frombuffer(c.call("get", name), np.uint8)
+
+
+@pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_write_and_notify(pair, lk, rk):
+    local, peer, c = pair
+    desc = c.call("register", "dst", SIZE + 10, device=_dev(rk))
+    src = local.region("src", lk, SIZE, seed=41)
+    c.start("check_on_notify", "dst", 41, 5, SIZE)
+    peer.write(src, desc, remote_offset=5, notify=b"done").wait(T)
+    r = c.result(T)
+    assert not r["timed_out"] and r["mismatch"] is None, r
+    got = _get(c, "dst")
+    assert_bytes_equal(got[5:5 + SIZE], rand_bytes(41, SIZE))
+    assert_poison(got[:5])
+    assert_poison(got[5 + SIZE:])
+    if lk != "host" and rk != "host":
+        assert c.call("stats")["ipc_cuda_chunks"] >= 3  # the target's copy engines moved it
+
+
+@pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_read(pair, lk, rk):
+    local, peer, c = pair
+    desc = c.call("register", "src", SIZE, fill=("seed", 42), device=_dev(rk))
+    dst = local.region("dst", lk, SIZE + 100)
+    peer.read(dst, desc, local_offset=100).wait(T)
+    got = local.get("dst")
+    assert_poison(got[:100])
+    assert_bytes_equal(got[100:], rand_bytes(42, SIZE))
+    # the target's region stayed pinned only until we said done: deregistering it does not hang
+    c.call("deregister", "src", timeout=10)
+
+
+@pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
+@pytest.mark.parametrize("blocks,bs", [(300, 16 * 1024 + 64), (4096, 16 * 1024)], ids=["300x16k+64", "4096x16k"])
+def test_vectored_write_and_read(pair, lk, rk, blocks, bs):
+    """Many small scattered blocks both ways in one writev/readv (batches: one kernel per batch)."""
+    local, peer, c = pair
+    n = blocks * bs
+    desc = c.call("register", "dst", n, device=_dev(rk))
+    src = local.region("src", lk, n, seed=43)
+    order = np.random.default_rng(7).permutation(blocks)
+    peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
+    got = _get(c, "dst")
+    want = rand_bytes(43, n).reshape(blocks, bs)
+    expect = np.empty_like(want)
+    expect[order] = want
+    assert_bytes_equal(got, expect.reshape(-1))
+    back = local.region("back", lk, n)
+    peer.readv([(back, int(j) * bs, desc, int(j) * bs, bs) for j in order]).wait(T)
+    assert_bytes_equal(local.get("back"), expect.reshape(-1))
+
+
+@pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_send_recv(pair, lk, rk):
+    local, peer, c = pair
+    c.call("register", "rbuf", SIZE + 7, device=_dev(rk))
+    c.start("recv", "rbuf", tag=5, accepted=True)
+    src = local.region("src", lk, SIZE, seed=44)
+    peer.send(src, tag=5).wait(T)
+    assert c.result(T)[:2] == ("ok", SIZE)
+    got = _get(c, "rbuf")
+    assert_bytes_equal(got[:SIZE], rand_bytes(44, SIZE))
+    assert_poison(got[SIZE:])
+
+
+def test_child_writes_into_our_gpu(pair):
+    """The other direction: the child initiates a GPU write into our GPU region."""
+    local, peer, c = pair
+    dst = local.region("dst", "gpu0", 3 * MiB)
+    c.call("register", "s", 3 * MiB, fill=("seed", 45), device=_dev("gpu1") if _ngpu > 1 else 0)
+    assert c.call("write", "s", dst.descriptor(), accepted=True) == ("ok", 3 * MiB)
+    assert_bytes_equal(local.get("dst"), rand_bytes(45, 3 * MiB))
+
+
+def test_handle_cache_no_reopen_and_reallocation(pair):
+    """The target opens our allocation once; later transfers reuse it. Freed and reallocated memory at
+    the same address carries a new handle: the target notices, opens the new one, copies the new bytes."""
+    local, peer, c = pair
+    desc = c.call("register", "dst", 8 * MiB, device=0)
+    src = local.region("src", "gpu0", 8 * MiB, seed=46)
+    opens0 = c.call("stats")["ipc_cuda_opens"]
+    peer.write(src, desc).wait(T)
+    opens1 = c.call("stats")["ipc_cuda_opens"]
+    assert opens1 == opens0 + 1
+    for _ in range(5):
+        peer.write(src, desc).wait(T)
+    assert c.call("stats")["ipc_cuda_opens"] == opens1, "the target reopened a cached allocation"
+    assert_bytes_equal(_get(c, "dst"), rand_bytes(46, 8 * MiB))
+    # free our allocation (for real: empty the caching allocator) and take a new one
+    base = local.mem["src"].data_ptr()
+    local.ep.deregister(src)
+    del local.mem["src"]
+    torch.cuda.synchronize(0)
+    torch.cuda.empty_cache()
+    src2 = local.region("src2", "gpu0", 8 * MiB, seed=47)
+    peer.write(src2, desc).wait(T)
+    assert_bytes_equal(_get(c, "dst"), rand_bytes(47, 8 * MiB))
+    if local.mem["src2"].data_ptr() == base:  # same address, new allocation: must have been reopened
+        assert c.call("stats")["ipc_cuda_opens"] == opens1 + 1
+
+
+def test_deregistered_region_refused(pair):
+    local, peer, c = pair
+    desc = c.call("register", "dst", 4 * MiB, device=0)
+    src = local.region("src", "gpu0", 4 * MiB, seed=48)
+    peer.write(src, desc).wait(T)
+    c.call("deregister", "dst")
+    with pytest.raises(tether.RegionNotFound):
+        peer.write(src, desc).wait(T)
+    with pytest.raises(tether.RegionNotFound):
+        peer.read(src, desc).wait(T)
+    assert peer.connected  # refused cleanly: the link lives on
+    desc2 = c.call("register", "dst2", 4 * MiB, device=0)
+    peer.write(src, desc2).wait(T)
+    assert_bytes_equal(_get(c, "dst2"), rand_bytes(48, 4 * MiB))
+
+
+def test_two_endpoints_of_one_process():
+    """ipc between two endpoints of one process: CUDA will not open this process's own handles; the
+    pointers are used as they are (nothing opened)."""
+    with tether.Endpoint(transport="ipc") as a, tether.Endpoint(transport="ipc") as b:
+        peer = a.connect(b.metadata(), timeout=10)
+        assert peer.transport == "ipc"
+        n = 9 * MiB + 3
+        src = torch.from_numpy(rand_bytes(49, n)).to("cuda:0")
+        dst = torch.from_numpy(poisoned(n + 1)).to(f"cuda:{min(1, _ngpu - 1)}")
+        torch.cuda.synchronize()
+        peer.write(a.register(src), b.register(dst).descriptor(), remote_offset=1).wait(T)
+        got = dst.cpu().numpy()
+        assert_poison(got[:1])
+        assert_bytes_equal(got[1:], rand_bytes(49, n))
+        assert a.stats()["ipc_cuda_opens"] == 0 and b.stats()["ipc_cuda_opens"] == 0
