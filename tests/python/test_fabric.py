@@ -338,3 +338,16 @@ def test_shm_provider_moves_every_byte(endpoints):
     back = poisoned(n)
     peer.read(a.register(back), desc, length=n).wait(T)
     assert_bytes_equal(back, src)
+
+
+def test_accepting_side_shows_the_peer_when_connect_returns(endpoints):
+    """The listener attaches fabric peers before answering: once connect() returns, peers() there
+    lists the peer (the bench's server relies on it)."""
+    b = endpoints(**FAB)
+    for _ in range(20):
+        a = tether.Endpoint(**FAB)
+        try:
+            a.connect(b.metadata(), timeout=5)
+            assert any(p.connected and p.transport == "fabric" for p in b.peers()), b.peers()
+        finally:
+            a.close()

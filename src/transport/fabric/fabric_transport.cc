@@ -231,6 +231,7 @@ class FabricTransportImpl final : public Transport {
     c.host_memory = true;
     c.cuda_memory = disc_.mr.hmem;
     c.one_sided = true;
+    c.attach_before_answer = true;  // attaching inserts the connector's addresses; nothing to wait for
     return c;
   }
   // Hardware providers beat kernel TCP; libfabric's own tcp/shm providers do not (tether's tcp
