@@ -54,6 +54,18 @@ class Mem:
             return self.obj[off:off + n]
         return self.obj[off:off + n].cpu().numpy()
 
+    def randomize(self, off: int, n: int, rng: np.random.Generator) -> None:
+        """Random bytes into [off, off+n). On a GPU they are made there (torch's generator, seeded from
+        `rng`): a full mesh fills many GPU sources at once, and host-made bytes would serialise on the GIL."""
+        if self.device is None:
+            self.obj[off:off + n] = rng.integers(0, 256, n, dtype=np.uint8)
+            return
+        import torch
+        gen = torch.Generator(device=f"cuda:{self.device}")
+        gen.manual_seed(int(rng.integers(0, 2**62)))
+        self.obj[off:off + n].random_(0, 256, generator=gen)
+        self._sync()
+
     def flip(self, off: int) -> None:
         self.put(off, self.get(off, 1) ^ 0xFF)
 
@@ -204,7 +216,7 @@ def serve(ep: "tether.Endpoint", channel) -> bool:
         cmd, slot, *args = channel.recv(timeout=24 * 3600)
         if cmd in ("exit", "shutdown"):
             return cmd == "shutdown"
-        if peer is None:
+        if peer is None and cmd in ("recv", "recv_check"):  # only receives need the link itself
             peer = getattr(channel, "peer", None) or ep.peers()[0]
         if cmd == "setup":
             channel.send(setup(slot, *args))
@@ -227,9 +239,8 @@ def serve(ep: "tether.Endpoint", channel) -> bool:
         elif cmd == "fill":  # random source data for reads; returns the digest of the spans
             h = hashlib.blake2b(digest_size=16)
             for off, n in args[0]:
-                data = rng.integers(0, 256, n, dtype=np.uint8)
-                buf.put(off, data)
-                h.update(memoryview(data))
+                buf.randomize(off, n, rng)
+                h.update(memoryview(buf.get(off, n)))
             channel.send(h.digest())
         elif cmd == "recv":  # post `count` receives of `size` bytes, one after another
             size, count = args
@@ -330,7 +341,10 @@ def _layout(case: Case, capacity: int, rng: np.random.Generator) -> list[tuple[i
     return [(i * case.size, int(order[i]) * case.size, case.size) for i in range(n)]
 
 
-def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: Optional[Callable] = None) -> Result:
+def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: Optional[Callable] = None,
+             before_timing: Optional[Callable[[], None]] = None) -> Result:
+    """One case: the checked pass (with --check), warm-up, then the timed pass. `before_timing` runs
+    right before the timed pass (a full mesh waits there for every flow, so the timed passes overlap)."""
     rng = np.random.default_rng()
     blocks = _layout(case, pair.capacity, rng)
     total = case.size * case.num_iovs
@@ -363,6 +377,8 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
         pair.ask("recv", total, case.warmup + case.iters)
     for _ in range(case.warmup):
         post().wait(120)
+    if before_timing:
+        before_timing()
     lat = np.empty(case.iters)
     cpu_c0, cpu_s0 = cpu_seconds(), pair.ask("cpu") if case.mode != "send" else None
     t0 = time.perf_counter()
@@ -407,7 +423,7 @@ def _checked_iteration(pair: Pair, case: Case, blocks, post, rng) -> bool:
     total = case.size * case.num_iovs
     if case.mode == "write":
         for lo, _, n in blocks:
-            pair.src.put(lo, rng.integers(0, 256, n, dtype=np.uint8))
+            pair.src.randomize(lo, n, rng)
         pair.ask("poison", pair.capacity)
         post().wait(120)
         h = hashlib.blake2b(digest_size=16)

@@ -54,10 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "Under torchrun (2 ranks) rank 0 is the client, rank 1 the server.")
     b.add_argument("--listen", default=None, metavar="HOST:PORT", help="server: where to listen (default 0.0.0.0:0)")
     b.add_argument("--peer", default=None, metavar="HOST:PORT", help="client: the server's address")
-    b.add_argument("--full-mesh", action="store_true", help="drive --gpus pairs at once; per-pair and aggregate rows")
-    b.add_argument("--gpus", type=int, default=2, help="pairs in a full mesh (pair i drives device i)")
+    b.add_argument("--full-mesh", action="store_true",
+                   help="many flows at once; per-flow and aggregate rows. Host memory: --gpus pairs. "
+                        "--device gpu: every ordered GPU pair i>j of --gpus GPUs")
+    b.add_argument("--gpus", type=int, default=2, help="full mesh: pairs (host memory) or GPUs (--device gpu)")
     b.add_argument("--single-process", action="store_true",
-                   help="full mesh: one process (one endpoint) per side for all pairs, not one per pair")
+                   help="full mesh: one process (one endpoint) per side for all flows, not one per pair/GPU")
+    b.add_argument("--nccl", nargs="?", const="default,socket", default=None, metavar="default,socket",
+                   help="GPU full mesh: also run NCCL all-pairs send/recv on the same GPUs and sizes "
+                        "(default transport, socket transport forced, or both)")
 
     d = sub.add_parser("doctor", help="what this machine offers and what tether will use")
     d.add_argument("--json", action="store_true")
@@ -210,22 +215,43 @@ def bench(args) -> int:
     if args.full_mesh and (role != "local" or args.gpus < 1):
         console.print("[red]--full-mesh runs locally (two hosts: start one bench pair per device) with --gpus >= 1[/red]")
         return 2
+    if args.nccl and not (args.full_mesh and device == "gpu"):
+        console.print("[red]--nccl goes with --full-mesh --device gpu[/red]")
+        return 2
+    nccl_variants = [v for v in (args.nccl or "").split(",") if v]
+    if any(v not in ("default", "socket") for v in nccl_variants):
+        console.print(f"[red]--nccl takes default, socket or both, not {args.nccl!r}[/red]")
+        return 2
+    if args.full_mesh and device == "gpu":
+        if not 2 <= args.gpus <= ngpu:
+            console.print(f"[red]a GPU full mesh takes 2 <= --gpus <= {ngpu} (the GPUs visible here)[/red]")
+            return 2
+        if "send" in modes:
+            console.print("[red]a GPU full mesh runs write and read (send needs a receiver per flow)[/red]")
+            return 2
+    from tether import mesh
+    n_flows = len(mesh.flows(args.gpus, device == "gpu"))
     total_ops = len(combos) * sum(c.iters * (2 if c.check else 1) for c in cases_per_combo)
     if args.full_mesh:
-        total_ops = len(combos) * len(cases_per_combo) * args.gpus
+        total_ops = len(combos) * len(cases_per_combo) * n_flows
     t_start = time.perf_counter()
     with Progress(console=console, transient=True, disable=args.quiet) as progress:
         task = progress.add_task("bench", total=total_ops)
         for i, combo in enumerate(combos):
-            if args.full_mesh:
-                from tether import mesh
-
-                results.extend(mesh.run(args.gpus, combo, capacity, cases_per_combo, args.single_process,
-                                        progress=lambda: progress.advance(task)))
-                continue
             if args.unpack:
                 combo = dict(combo, unpack=args.unpack)
             opts = dict(combo, **transport_opts)
+            if args.full_mesh:
+                progress.update(task, description=f"full mesh, {n_flows} flows {combo or ''}")
+                try:
+                    results.extend(mesh.run(args.gpus, opts, capacity, cases_per_combo, args.single_process,
+                                            gpu=device == "gpu", progress=lambda: progress.advance(task)))
+                except Exception as e:  # a worker's traceback in full, then its cause on one line
+                    text = str(e).strip() or type(e).__name__
+                    print(text, file=sys.stderr)
+                    console.print(f"[red]full mesh failed: {text.splitlines()[-1]}[/red]")
+                    return 1
+                continue
             pair = (B.LocalPair(opts, capacity, **gpu_kw) if role == "local"
                     else B.RemotePair(opts, capacity, target, **gpu_kw))
             last = i == len(combos) - 1
@@ -240,6 +266,14 @@ def bench(args) -> int:
             finally:
                 pair.close(shutdown=last and bool(torchrun))
 
+    nccl_failed = False
+    for variant in nccl_variants:
+        rows, why = _nccl_rows(args.gpus, sizes, args.iters, variant == "socket")
+        if why:
+            console.print(f"[red]NCCL all-pairs ({variant}) failed: {why}[/red]")
+            nccl_failed = True
+        results.extend(rows)
+
     table = Table(title=f"tether bench ({time.perf_counter() - t_start:.1f} s)")
     for col in ("mode", "transport", "device", "size", "num_iovs", "GB/s", "p50 µs", "p99 µs", "CPU% client", "CPU% server", "check"):
         table.add_column(col, justify="right")
@@ -249,13 +283,15 @@ def bench(args) -> int:
         table.add_column("config")
     for r in results:
         row = [r.mode, r.transport, r.device, B.human(r.size), str(r.num_iovs), f"{r.gbps:.2f}",
-               f"{r.lat_p50_us:.1f}", f"{r.lat_p99_us:.1f}", f"{r.cpu_client:.0f}",
+               f"{r.lat_p50_us:.1f}", f"{r.lat_p99_us:.1f}",
+               "-" if r.cpu_client != r.cpu_client else f"{r.cpu_client:.0f}",
                "-" if r.cpu_server != r.cpu_server else f"{r.cpu_server:.0f}",
                {None: "-", True: "ok", False: "[red]FAILED[/red]"}[r.check]]
         if args.full_mesh:
             row.append(str(r.config.get("pair")))
         if len(combos) > 1:
-            row.append(" ".join(f"{k}={v}" for k, v in r.config.items() if k not in ("connect_ms", "pair", "mesh_s")))
+            row.append(" ".join(f"{k}={v}" for k, v in r.config.items()
+                                if k not in ("connect_ms", "pair", "mesh_s", "shape", "transport", "unpack")))
         table.add_row(*row)
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
@@ -273,7 +309,30 @@ def bench(args) -> int:
     if failed:
         console.print(f"[red]--check found corrupted bytes in {len(failed)} case(s)[/red]")
         return 1
-    return 0
+    return 1 if nccl_failed else 0
+
+
+def _nccl_rows(n: int, sizes: list, iters: Optional[int], socket: bool) -> tuple[list, Optional[str]]:
+    """NCCL all-pairs rows from `python -m tether.nccl_mesh` in its own process (NCCL's environment
+    and state stay out of this one). Returns (rows, None) or ([], why)."""
+    import subprocess
+    import tempfile
+
+    from tether import bench as B
+
+    with tempfile.TemporaryDirectory(prefix="tether-nccl-") as tmp:
+        path = os.path.join(tmp, "nccl.json")
+        cmd = [sys.executable, "-m", "tether.nccl_mesh", "--gpus", str(n), "--sizes", ",".join(map(str, sizes)),
+               "--json", path] + (["--iters", str(iters)] if iters else []) + (["--socket"] if socket else [])
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired:
+            return [], "no result in 900 s"
+        if not os.path.exists(path):
+            return [], (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        with open(path) as f:
+            doc = json.load(f)
+    return [B.Result(**r) for r in doc["results"]], None
 
 
 def _plot(results, path: str) -> None:

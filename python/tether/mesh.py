@@ -1,124 +1,336 @@
-"""`tether bench --full-mesh`: N pairs at once, the seeds' run_p2p_fullmesh.sh done as a feature.
+"""`tether bench --full-mesh`: many flows at once, the seeds' run_p2p_fullmesh.sh done as a feature.
 
-Pair i drives device i on the initiating side. Two shapes, as the seeds compared them:
-- one process per device (default): N driver processes, each with its own endpoint and its own server
-  process, start every case together (a barrier) so the pairs really overlap;
-- one process for all (--single-process): one endpoint on each side serves every pair; N driver
-  threads share the link, so the pairs share the lanes, NICs and progress threads.
-Aggregate GB/s = all bytes moved / the slowest pair's time.
+Flows:
+- host memory (default): N pairs, pair i = one initiator and one target, both in host memory;
+- GPU memory (--device gpu): every ordered GPU pair i>j (i != j) of N GPUs at once, N*(N-1) flows,
+  each writing (or reading) between GPU i memory on the initiating side and GPU j memory on the target.
+
+Two shapes, as the seeds compared them:
+- one process per GPU/pair (default).
+  Host memory: N driver processes, each with its own endpoint and its own target process.
+  GPU memory: N processes, process i owns GPU i and one endpoint. That endpoint drives the N-1 flows
+  out of GPU i (one thread each) and is also the target of the N-1 flows into GPU i (one command
+  thread each answers its initiator over a pipe); so every flow crosses between two processes and
+  each process holds (N-1) sources and (N-1) targets on its own GPU.
+- one process for all (--single-process): one endpoint on each side (two processes in all) serves
+  every flow; one driver thread per flow, so the flows share the lanes, NICs and progress threads.
+  GPU memory: the initiating process holds every source (flow i>j's on GPU i), the target process
+  every target (on GPU j).
+
+Every case starts on a barrier, and every flow waits for all others once more right before its
+timed pass, so the timed passes overlap (checked passes and warm-ups come first).
+Rows: one per flow, then (GPU memory) one per GPU for its egress, then the aggregate
+(all bytes moved / the slowest flow's time).
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import threading
 import time
+import traceback
 from typing import Callable, Optional
 
 from tether import bench as B
 
+_BROKEN = "BrokenBarrierError"
+Flow = tuple[int, Optional[int]]  # (initiating index, target GPU or None for host memory)
 
-def _aggregate(case_results: list[B.Result], one_process: bool) -> B.Result:
-    first = case_results[0]
-    moved = [r.size * r.num_iovs * r.iters for r in case_results]
-    slowest = max(m / (r.gbps * 1e9) for m, r in zip(moved, case_results))
-    checks = [r.check for r in case_results]
+
+def flows(n: int, all_pairs: bool) -> list[Flow]:
+    """All pairs (GPU memory): every ordered pair (i, j), i != j, i-major. Else N pairs (i, None)."""
+    if all_pairs:
+        return [(i, j) for i in range(n) for j in range(n) if i != j]
+    return [(i, None) for i in range(n)]
+
+
+def label(flow: Flow):
+    """The `pair` of a row: "i>j" for a GPU flow, i for a host pair (as before GPU flows existed)."""
+    i, j = flow
+    return i if j is None else f"{i}>{j}"
+
+
+def _moved(r: B.Result) -> int:
+    return r.size * r.num_iovs * r.iters
+
+
+def _seconds(r: B.Result) -> float:
+    return _moved(r) / (r.gbps * 1e9)
+
+
+def combine(rows: list[B.Result], pair, device: str, cpu: Callable[[list[float]], float],
+            cpu_server: Optional[Callable[[list[float]], float]] = None) -> B.Result:
+    """Rows measured at the same time as one: all their bytes / the slowest one's time.
+    `cpu` folds the CPU% columns (sum for separate processes, max for shared ones);
+    `cpu_server`, when given, folds the target side's."""
+    first = rows[0]
+    checks = [r.check for r in rows]
     return B.Result(
-        mode=first.mode, transport=first.transport, device=first.device, size=first.size,
-        num_iovs=first.num_iovs, iters=sum(r.iters for r in case_results), gbps=sum(moved) / slowest / 1e9,
-        lat_p50_us=max(r.lat_p50_us for r in case_results), lat_p99_us=max(r.lat_p99_us for r in case_results),
-        # One process for all pairs: every pair measured that same process, so take the largest.
-        cpu_client=(max if one_process else sum)(r.cpu_client for r in case_results),
-        cpu_server=(max if one_process else sum)(r.cpu_server for r in case_results),
+        mode=first.mode, transport=first.transport, device=device, size=first.size,
+        num_iovs=first.num_iovs, iters=sum(r.iters for r in rows),
+        gbps=sum(_moved(r) for r in rows) / max(_seconds(r) for r in rows) / 1e9,
+        lat_p50_us=max(r.lat_p50_us for r in rows), lat_p99_us=max(r.lat_p99_us for r in rows),
+        cpu_client=cpu([r.cpu_client for r in rows]), cpu_server=(cpu_server or cpu)([r.cpu_server for r in rows]),
         check=None if all(c is None for c in checks) else all(c is True for c in checks),
-        config=dict(first.config, pair="all"))
+        config=dict(first.config, pair=pair))
 
 
-def _worker(index: int, options: dict, capacity: int, cases: list, barrier, out) -> None:
+def _per_process_cpu(rows: list[B.Result], key: Callable[[B.Result], int]) -> Callable[[list[float]], float]:
+    """Each process counted once: its flows all report the whole process, so take the largest of each
+    group and add the groups up."""
+    def fold(values: list[float]) -> float:
+        groups: dict[int, float] = {}
+        for r, v in zip(rows, values):
+            k = key(r)
+            groups[k] = v if k not in groups or math.isnan(groups[k]) else max(groups[k], v)
+        return sum(groups.values())
+    return fold
+
+
+def summarize(case_rows: list[B.Result], case_flows: list[Flow], single_process: bool,
+              gpu: bool = True) -> list[B.Result]:
+    """Per-GPU egress rows (all-pairs flows) and the aggregate row for one case's flow rows."""
+    all_pairs = case_flows[0][1] is not None
+    where = "gpu" if gpu else "proc"
+    if single_process:
+        cpu = max  # one process on each side measured every flow
+    elif all_pairs:  # process i drives the flows out of GPU i and serves those into GPU i
+        src = {id(r): f[0] for r, f in zip(case_rows, case_flows)}
+        dst = {id(r): f[1] for r, f in zip(case_rows, case_flows)}
+        cpu = _per_process_cpu(case_rows, lambda r: src[id(r)])
+        cpu_server = _per_process_cpu(case_rows, lambda r: dst[id(r)])
+    else:
+        cpu = sum
+    if single_process or not all_pairs:
+        cpu_server = cpu
+    out = []
+    if all_pairs:
+        n = max(max(f[0], f[1]) for f in case_flows) + 1
+        for g in range(n):
+            mine = [r for r, f in zip(case_rows, case_flows) if f[0] == g]
+            if mine:
+                out.append(combine(mine, f"{g}>*", f"{where}{g}>*", max))
+    device = f"{where} x{len({f[0] for f in case_flows})}" if all_pairs else case_rows[0].device
+    out.append(combine(case_rows, "all", device, cpu, cpu_server))
+    return out
+
+
+# ---------------------------------------------------------------- one process per pair, host memory
+
+def _host_worker(index: int, options: dict, capacity: int, cases: list, barrier, timing, out) -> None:
     pair = B.LocalPair(options, capacity)
     try:
         for k, case in enumerate(cases):
             barrier.wait(600)
-            r = B.run_case(pair, case)
+            r = B.run_case(pair, case, before_timing=lambda: timing.wait(600))
             r.config = dict(options, pair=index, connect_ms=round(pair.connect_ms, 2))
             out.put((index, k, r))
+    except BaseException:
+        timing.abort()
+        out.put((index, -1, traceback.format_exc()))
+        raise
     finally:
         pair.close()
 
 
-def run_processes(n: int, options: dict, capacity: int, cases: list, progress: Optional[Callable] = None):
+# ---------------------------------------------------------------- one process per GPU, GPU memory
+
+def _gpu_worker(g: int, options: dict, capacity: int, cases: list, outgoing: list, incoming: list,
+                meta_out, meta_in, barrier, timing, out, gpu: bool) -> None:
+    """Process g: owns GPU g and one endpoint; drives the flows g>j, serves the flows k>g.
+    (gpu=False: the same shape over host memory, so the CPU suite covers it.)"""
+    import tether
+
+    ep = tether.Endpoint(**options)
+    servers = [threading.Thread(target=B.serve, args=(ep, B.PipeChannel(c)), daemon=True) for _, c in incoming]
+    pairs: list[tuple[int, B.Pair]] = []
+    try:
+        for t in servers:
+            t.start()
+        meta_out.put((g, ep.metadata()))
+        metadata = meta_in.recv()
+        for j, conn in outgoing:
+            t0 = time.perf_counter()
+            peer = ep.connect(metadata[j], timeout=60)
+            pairs.append((j, B.Pair(ep, peer, B.PipeChannel(conn), capacity, (time.perf_counter() - t0) * 1e3,
+                                    device=g if gpu else None, remote_device=j if gpu else None)))
+        for k, case in enumerate(cases):
+            barrier.wait(600)
+            errors: list[str] = []
+
+            def drive(j: int, pair: B.Pair) -> None:
+                try:
+                    r = B.run_case(pair, case, before_timing=lambda: timing.wait(600))
+                    r.config = dict(options, pair=f"{g}>{j}", connect_ms=round(pair.connect_ms, 2))
+                    out.put(((g, j), k, r))
+                except BaseException:  # reported below; the others must not wait for this flow
+                    errors.append(traceback.format_exc())
+                    timing.abort()
+
+            threads = [threading.Thread(target=drive, args=p) for p in pairs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:  # a flow's own failure, not the broken barrier it left the others
+                raise RuntimeError(f"GPU {g}: " + next((e for e in errors if _BROKEN not in e), errors[0]))
+        for _, pair in pairs:
+            pair.channel.send(("exit", 0))
+        for t in servers:  # every initiator into GPU g said exit: nothing lands here any more
+            t.join(120)
+    except BaseException:
+        timing.abort()
+        barrier.abort()
+        out.put(((g, None), -1, traceback.format_exc()))
+        raise
+    finally:
+        ep.close()
+
+
+def _collect(procs, out, want: int, progress: Optional[Callable]) -> dict:
+    results: dict = {}
+    while len(results) < want:
+        if not any(p.is_alive() for p in procs) and out.empty():
+            raise RuntimeError("a full-mesh worker died; see its error above")
+        try:
+            key, k, r = out.get(timeout=1)
+        except Exception:  # queue.Empty: look at the workers again
+            continue
+        if k < 0:  # other workers fail in turn at the barrier this one broke: report the cause
+            first, deadline = (key, r), time.monotonic() + 3
+            while _BROKEN in first[1] and time.monotonic() < deadline:
+                try:
+                    key, k, r = out.get(timeout=0.5)
+                except Exception:  # queue.Empty
+                    continue
+                if k < 0 and _BROKEN not in r:
+                    first = (key, r)
+            raise RuntimeError(f"full-mesh worker {first[0]} failed:\n{first[1]}")
+        results[(key, k)] = r
+        if progress:
+            progress()
+    return results
+
+
+def _join(procs, failed: bool) -> None:
+    """Wait for the workers; after a failure the others may wait on a barrier or a pipe forever: end them."""
+    for p in procs:
+        p.join(2 if failed else 30)
+        if p.is_alive():
+            p.kill()
+
+
+def run_processes(n: int, options: dict, capacity: int, cases: list, gpu: bool = False,
+                  all_pairs: bool = False, progress: Optional[Callable] = None) -> list[list[B.Result]]:
     ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(i, options, capacity, cases, barrier, out)) for i in range(n)]
+    fl = flows(n, all_pairs)
+    barrier, timing, out = ctx.Barrier(n), ctx.Barrier(len(fl)), ctx.Queue()
+    if not all_pairs:
+        procs = [ctx.Process(target=_host_worker, args=(i, options, capacity, cases, barrier, timing, out))
+                 for i in range(n)]
+        keys = list(range(n))
+    else:
+        outgoing: list[list] = [[] for _ in range(n)]
+        incoming: list[list] = [[] for _ in range(n)]
+        for i, j in fl:  # one command pipe per flow: initiator in process i, target thread in process j
+            a, b = ctx.Pipe()
+            outgoing[i].append((j, a))
+            incoming[j].append((i, b))
+        meta_out = ctx.Queue()
+        meta_pipes = [ctx.Pipe() for _ in range(n)]
+        procs = [ctx.Process(target=_gpu_worker, args=(g, options, capacity, cases, outgoing[g], incoming[g],
+                                                       meta_out, meta_pipes[g][1], barrier, timing, out, gpu))
+                 for g in range(n)]
+        keys = fl
     for p in procs:
         p.start()
-    results: dict[tuple[int, int], B.Result] = {}
     try:
-        while len(results) < n * len(cases):
-            if not any(p.is_alive() for p in procs) and out.empty():
-                raise RuntimeError("a full-mesh worker died; see its error above")
-            try:
-                i, k, r = out.get(timeout=1)
-            except Exception:  # queue.Empty: look at the workers again
-                continue
-            results[(i, k)] = r
-            if progress:
-                progress()
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return [[results[(i, k)] for i in range(n)] for k in range(len(cases))]
+        if all_pairs:  # every endpoint's metadata to every process, once all exist
+            metadata: dict[int, bytes] = {}
+            deadline = time.monotonic() + 300
+            while len(metadata) < n:
+                if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                    err = out.get(timeout=5) if not out.empty() else None
+                    raise RuntimeError(f"full-mesh GPU workers did not start: {err[2] if err else 'timeout'}")
+                try:
+                    g, m = meta_out.get(timeout=1)
+                    metadata[g] = m
+                except Exception:  # queue.Empty
+                    continue
+            for conn, _ in meta_pipes:
+                conn.send(metadata)
+        results = _collect(procs, out, len(keys) * len(cases), progress)
+    except BaseException:
+        _join(procs, failed=True)
+        raise
+    _join(procs, failed=False)
+    return [[results[(key, k)] for key in keys] for k in range(len(cases))]
 
 
-def run_single_process(n: int, options: dict, capacity: int, cases: list, progress: Optional[Callable] = None):
-    first = B.LocalPair(options, capacity)
+# ---------------------------------------------------------------- one process for all
+
+def run_single_process(n: int, options: dict, capacity: int, cases: list, gpu: bool = False,
+                       all_pairs: bool = False, progress: Optional[Callable] = None) -> list[list[B.Result]]:
+    fl = flows(n, all_pairs)
+    for case in cases:
+        if case.mode == "send":
+            raise ValueError("--single-process full mesh runs write and read (send needs a server per pair)")
+    first = B.LocalPair(options, capacity, device=fl[0][0] if gpu else None, remote_device=fl[0][1] if gpu else None)
     lock = threading.Lock()
     first.lock = lock
-    pairs = [first] + [B.Pair(first.ep, first.peer, first.channel, capacity, first.connect_ms, slot=i, lock=lock)
-                       for i in range(1, n)]
-    out: list[list[Optional[B.Result]]] = [[None] * n for _ in cases]
-    errors: list[BaseException] = []
+    pairs = [first]
+    out: list[list[Optional[B.Result]]] = [[None] * len(fl) for _ in cases]
     try:
+        for s, (i, j) in enumerate(fl[1:], start=1):
+            pairs.append(B.Pair(first.ep, first.peer, first.channel, capacity, first.connect_ms, slot=s, lock=lock,
+                                device=i if gpu else None, remote_device=j if gpu else None))
         for k, case in enumerate(cases):
-            if case.mode == "send":
-                raise ValueError("--single-process full mesh runs write and read (send needs a server per pair)")
-            barrier = threading.Barrier(n)
+            start, timing = threading.Barrier(len(fl)), threading.Barrier(len(fl))
+            errors: list[BaseException] = []
 
-            def drive(i: int) -> None:
+            def drive(s: int) -> None:
                 try:
-                    barrier.wait(600)
-                    r = B.run_case(pairs[i], case)
-                    r.config = dict(options, pair=i, connect_ms=round(first.connect_ms, 2))
-                    out[k][i] = r
+                    start.wait(600)
+                    r = B.run_case(pairs[s], case, before_timing=lambda: timing.wait(600))
+                    r.config = dict(options, pair=label(fl[s]), connect_ms=round(first.connect_ms, 2))
+                    out[k][s] = r
                 except BaseException as e:  # surfaced below, after every thread has ended
                     errors.append(e)
-                    barrier.abort()
+                    start.abort()
+                    timing.abort()
 
-            threads = [threading.Thread(target=drive, args=(i,)) for i in range(n)]
+            threads = [threading.Thread(target=drive, args=(s,)) for s in range(len(fl))]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             if errors:
-                raise errors[0]
+                raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
             if progress:
-                for _ in range(n):
+                for _ in fl:
                     progress()
     finally:
         first.close()
     return out
 
 
-def run(n: int, options: dict, capacity: int, cases: list, single_process: bool,
-        progress: Optional[Callable] = None) -> list[B.Result]:
-    """Per case: the N per-pair results, then their aggregate."""
+def run(n: int, options: dict, capacity: int, cases: list, single_process: bool, gpu: bool = False,
+        progress: Optional[Callable] = None, all_pairs: Optional[bool] = None) -> list[B.Result]:
+    """Per case: one row per flow, then (all pairs) one egress row per GPU, then the aggregate.
+    GPU memory runs all pairs; `all_pairs=True` runs that shape over host memory too (tests)."""
+    all_pairs = gpu if all_pairs is None else all_pairs
+    if all_pairs and any(c.mode == "send" for c in cases):
+        raise ValueError("an all-pairs mesh runs write and read (send needs a receiver per flow)")
     t0 = time.perf_counter()
-    per_case = (run_single_process if single_process else run_processes)(n, options, capacity, cases, progress)
+    per_case = (run_single_process if single_process else run_processes)(n, options, capacity, cases, gpu,
+                                                                         all_pairs, progress)
+    fl = flows(n, all_pairs)
     rows: list[B.Result] = []
     for case_results in per_case:
         rows.extend(case_results)
-        rows.append(_aggregate(case_results, single_process))
+        rows.extend(summarize(case_results, fl, single_process, gpu))
+    shape = "single-process" if single_process else ("process-per-gpu" if all_pairs else "process-per-pair")
     for r in rows:
         r.config["mesh_s"] = round(time.perf_counter() - t0, 2)
+        r.config["shape"] = shape
     return rows

@@ -14,6 +14,7 @@
 
 #include "core/wire.h"
 #include "gpu/staging.h"
+#include "gpu/unpack_bench.h"
 #include "sys/topology.h"
 #include "tether/endpoint.h"
 
@@ -304,6 +305,26 @@ NB_MODULE(_tether, m) {
     auto info = tether::gpu::pointer_info(reinterpret_cast<void*>(ptr));
     return info.is_ok() && info.value().is_device ? info.value().device : -1;
   });
+  // bench/gpu/unpack_bench.py: the shared copy kernel vs per-fragment and contiguous cuMemcpyAsync.
+  m.def("unpack_bench", [](int device, uint64_t chunk_bytes, uint64_t frag_bytes, uint32_t iters, uint64_t seed) {
+        auto result = [&] {
+          nb::gil_scoped_release unlocked;
+          return tether::gpu::bench_unpack(device, chunk_bytes, frag_bytes, iters, seed);
+        }();
+        auto rows = take(std::move(result));
+        nb::list out;
+        for (auto& r : rows) {
+          nb::dict d;
+          d["method"] = r.method;
+          d["stream_gbps"] = r.stream_gbps;
+          d["alone_gbps"] = r.alone_gbps;
+          d["mismatches"] = r.mismatches;
+          out.append(d);
+        }
+        return out;
+      },
+      nb::arg("device") = 0, nb::arg("chunk_bytes") = 4u << 20, nb::arg("frag_bytes") = 4096, nb::arg("iters") = 1000,
+      nb::arg("seed") = 1);
   // (usable, why not) for GPU memory and for the unpack kernels.
   m.def("gpu_status", [] {
     std::string why, kwhy;

@@ -66,6 +66,9 @@ Loaded& loaded() {
     bind(lib, "cuIpcGetMemHandle", a.cuIpcGetMemHandle, &w);
     bind(lib, "cuIpcOpenMemHandle_v2", a.cuIpcOpenMemHandle, &w);
     bind(lib, "cuIpcCloseMemHandle", a.cuIpcCloseMemHandle, &w);
+    // Optional (benchmarks only): CUDA 13 names it _v2; older drivers only have the plain one.
+    a.cuEventElapsedTime = reinterpret_cast<decltype(a.cuEventElapsedTime)>(dlsym(lib, "cuEventElapsedTime_v2"));
+    if (!a.cuEventElapsedTime) a.cuEventElapsedTime = reinterpret_cast<decltype(a.cuEventElapsedTime)>(dlsym(lib, "cuEventElapsedTime"));
     if (!w.empty()) return;  // the library stays loaded: harmless, and unloading CUDA is not
     if (CUresult r = a.cuInit(0); r != kCudaSuccess) {
       w = cuda_error("cuInit", r);

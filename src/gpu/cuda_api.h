@@ -48,6 +48,7 @@ struct CudaApi {
   CUresult (*cuEventQuery)(CUevent);
   CUresult (*cuEventSynchronize)(CUevent);
   CUresult (*cuEventDestroy)(CUevent);
+  CUresult (*cuEventElapsedTime)(float*, CUevent, CUevent);  // ms (optional: may be null)
   CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);  // any direction (UVA)
   CUresult (*cuMemcpy)(CUdeviceptr, CUdeviceptr, size_t);
   CUresult (*cuModuleLoadData)(CUmodule*, const void*);

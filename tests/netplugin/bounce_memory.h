@@ -1,6 +1,6 @@
-// Where the test plugin's bounce pages live. Host memory on CPU machines; GPU memory (through a
-// dlopen'ed CUDA runtime) on the device machine, like GPUDirect-TCPX's devmem page pool.
-// TETHER_TESTNET_BOUNCE=host|cuda picks one.
+// Where the test plugin's bounce pages live. Host memory on CPU machines; GPU memory (through the
+// dlopen'ed CUDA driver) on the device machine, like GPUDirect-TCPX's devmem page pool.
+// TETHER_TESTNET_BOUNCE=host|cuda picks one; TETHER_TESTNET_CUDA_DEVICE (0) the GPU.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -27,5 +27,8 @@ class BounceMemory {
 
 // kind: "host" or "cuda". Returns null and sets *error when the kind cannot be had.
 std::unique_ptr<BounceMemory> make_bounce_memory(const std::string& kind, size_t bytes, std::string* error);
+
+// Copies `len` bytes of GPU memory to host memory (sends from CUDA buffers: the socket needs host bytes).
+bool copy_from_gpu(void* dst, const void* src, size_t len, std::string* error);
 
 }  // namespace testnet

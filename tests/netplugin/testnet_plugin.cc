@@ -10,8 +10,9 @@
 // Progress happens inside test(); each comm must be driven by one thread at a time (like NCCL's proxy).
 //
 // Knobs: TETHER_TESTNET_DEVICES (2), TETHER_TESTNET_ADDR (127.0.0.1), TETHER_TESTNET_POOL_BYTES
-// (32 MiB of bounce pages per recv comm), TETHER_TESTNET_BOUNCE=host|cuda, TETHER_TESTNET_UNPACK=1
-// (0: an ordinary host plugin that receives into the posted buffer).
+// (32 MiB of bounce pages per recv comm), TETHER_TESTNET_BOUNCE=host|cuda (cuda: bounce pages in GPU
+// memory of TETHER_TESTNET_CUDA_DEVICE, ptrSupport includes CUDA and sends from GPU memory are
+// accepted), TETHER_TESTNET_UNPACK=1 (0: an ordinary host plugin that receives into the posted buffer).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -88,6 +89,7 @@ struct Request {
   MsgHeader hdr{};
   size_t hdr_got = 0;  // header bytes moved
   std::vector<uint32_t> pages;  // bounce pages this receive holds
+  std::vector<uint8_t> host_copy;  // a send from CUDA memory, copied out at isend (TCPX sends from GPU memory)
 };
 
 struct Comm {
@@ -473,6 +475,16 @@ int tn_isend(void* send_comm, void* data, int size, int tag, void* mhandle, void
   }
   r->recv = false;
   r->data = static_cast<uint8_t*>(data);
+  if (static_cast<MemHandle*>(mhandle)->type == kPtrCuda && size > 0) {
+    std::string err;
+    r->host_copy.resize(size_t(size));
+    if (!testnet::copy_from_gpu(r->host_copy.data(), data, size_t(size), &err)) {
+      WARN("testnet: %s", err.c_str());
+      r->used = false;
+      return kSystemError;
+    }
+    r->data = r->host_copy.data();
+  }
   r->size = size_t(size);
   r->tag = tag;
   r->hdr = MsgHeader{kMsgMagic, tag, uint64_t(size)};

@@ -37,11 +37,11 @@ core::RegionState* RegionTable::find(const uint8_t* p, uint64_t length) const {
 // ---------------------------------------------------------------- lane
 
 NetLane::NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<core::PeerState> peer,
-                 uint32_t index, Comms comms, Unpacker* unpacker, const RegionTable* regions, bool consume_early)
-    : net_(std::move(net)), ep_(ep), peer_(std::move(peer)), index_(index), comms_(comms), unpacker_(unpacker),
-      regions_(regions),
+                 uint32_t index, Comms comms, const RegionTable* regions, Options opts)
+    : net_(std::move(net)), ep_(ep), peer_(std::move(peer)), index_(index), comms_(comms), regions_(regions),
+      opts_(std::move(opts)),
       unpack_device_(comms.recv_dev && comms.recv_dev->type == netabi::kDeviceUnpack && comms.recv_dev->handle),
-      consume_early_(consume_early && unpack_device_) {
+      consume_early_(opts_.consume_early && unpack_device_) {
   if (unpack_device_) unpack_ = static_cast<netabi::UnpackDeviceHandle*>(comms_.recv_dev->handle);
 }
 
@@ -54,6 +54,9 @@ Status NetLane::init() {
   // it: one 4 MiB area per frame in flight (address space only until used).
   landing_bytes_ = unpack_device_ ? kMaxFrame : kMaxFrame * kFramesInFlight;
   landing_.reset(new uint8_t[landing_bytes_]);
+  auto u = make_unpacker(opts_.unpack, unpack_device_ ? unpack_->bounce_buf : landing_.get());
+  if (!u.is_ok()) return u.status();
+  unpacker_ = u.take();
   int rc = net_->reg_mr(comms_.send, tx_hdr_.data(), tx_hdr_.size() * sizeof(FrameHeader), netabi::kPtrHost, &tx_hdr_mr_);
   if (rc == netabi::kSuccess)
     rc = net_->reg_mr(comms_.recv, rx_hdr_.data(), rx_hdr_.size() * sizeof(FrameHeader), netabi::kPtrHost, &rx_hdr_mr_);
@@ -99,11 +102,7 @@ void* NetLane::mr_for(core::RegionState* region) {
     if (r == region) return mh;
   // First payload from this region on this comm: register it (the plugin pins / imports it once).
   void* mh = nullptr;
-  const int type = region->kind == MemoryKind::kCuda ? netabi::kPtrCuda : netabi::kPtrHost;
-  if (type == netabi::kPtrCuda) {
-    kill(Status(Code::kUnavailable, "netplugin: sending from GPU memory needs the GPU path (not in this build)"));
-    return nullptr;
-  }
+  const int type = region->kind == MemoryKind::kCuda ? netabi::kPtrCuda : netabi::kPtrHost;  // cuda: opts_.cuda_send
   const int rc = net_->reg_mr(comms_.send, region->base, region->size, type, &mh);
   if (rc != netabi::kSuccess) {
     fail_plugin("regMr", rc);
@@ -113,13 +112,23 @@ void* NetLane::mr_for(core::RegionState* region) {
   return mh;
 }
 
-void* NetLane::payload_mr(const TxFrame& f) {
+core::RegionState* NetLane::region_of(const TxFrame& f) {
   core::RegionState* region = f.pin ? f.pin : regions_->find(f.payload, f.length);
-  if (!region) {
-    kill(Status(Code::kInternal, "netplugin: a payload outside every registered region"));
+  if (!region) kill(Status(Code::kInternal, "netplugin: a payload outside every registered region"));
+  return region;
+}
+
+void* NetLane::slot_mr(gpu::StagingSlot* slot) {
+  for (auto& [s, mh] : slot_mrs_)
+    if (s == slot) return mh;
+  void* mh = nullptr;
+  const int rc = net_->reg_mr(comms_.send, slot->host, slot->capacity, netabi::kPtrHost, &mh);
+  if (rc != netabi::kSuccess) {
+    fail_plugin("regMr (staging)", rc);
     return nullptr;
   }
-  return mr_for(region);
+  slot_mrs_.emplace_back(slot, mh);
+  return mh;
 }
 
 uint64_t NetLane::request_dereg(const core::RegionState* r) {
@@ -185,15 +194,29 @@ bool NetLane::consume(void* req) {
   return true;
 }
 
-// Copies a small received message (a header) out of the bounce pages on the host.
-bool NetLane::read_unpacked(const RxPosted& r, uint64_t k, void* out, uint64_t length) {
+// Copies a small received message (a header) out of the bounce pages into host memory.
+bool NetLane::read_unpacked(uint64_t k, void* out, uint64_t length) {
   const int slot = int(k % netabi::kUnpackQueueDepth);
   const uint64_t n = unpack_->meta->cnt[slot];
   const netabi::UnpackEntry* frags = unpack_->meta->mem[slot];
   if (check_fragments(frags, n, length) != Code::kOk) return protocol_error("unpack metadata outside the message (plugin bug)");
-  const auto* bounce = static_cast<const uint8_t*>(unpack_->bounce_buf);
-  for (uint64_t i = 0; i < n; ++i) std::memcpy(static_cast<uint8_t*>(out) + frags[i].dst_off, bounce + frags[i].src_off, frags[i].len);
+  if (Status s = unpacker_->read(frags, n, static_cast<const uint8_t*>(unpack_->bounce_buf), out); !s.is_ok()) {
+    kill(s);
+    return false;
+  }
   return true;
+}
+
+bool NetLane::unpack_wait() {
+  for (;;) {
+    auto d = unpacker_->done();
+    if (!d.is_ok()) {
+      kill(d.status());
+      return false;
+    }
+    if (d.value()) return true;
+    std::this_thread::yield();
+  }
 }
 
 bool NetLane::push_answer(const TxFrame& f) {
@@ -211,13 +234,8 @@ bool NetLane::on_header(RxPosted& r) {
     case FrameType::kSendData:
       if (h.length > kMaxFrame) return protocol_error("a frame larger than a plugin receive");
       r.plan = plan_target(*ep_, *peer_, h);
-      if (r.plan.code == Code::kOk && r.plan.device >= 0) {
-        // GPU destinations need the GPU unpack (src/gpu); until then they are refused, not corrupted.
-        if (r.plan.recv) r.plan.recv->record_error(Status(Code::kUnavailable, "netplugin: GPU destinations need the GPU unpack"));
-        abandon(*peer_, r.plan);
-        r.plan.code = Code::kUnavailable;
-      }
       r.dest = r.plan.code == Code::kOk ? r.plan.dest : nullptr;  // null: discard, then answer the error
+      r.device = r.plan.device;
       r.expect = h.length;
       return true;
     case FrameType::kReadReq: {
@@ -245,15 +263,8 @@ bool NetLane::on_header(RxPosted& r) {
         r.expect = 0;
         return true;
       }
-      {
-        int device = -1;
-        if (h.length > kMaxFrame || peer_->read_destination(index_, h.slot, h.gen, h.length, &r.dest, &device) != Code::kOk)
-          return protocol_error("read data for no read");
-        if (device >= 0) {
-          kill(Status(Code::kUnavailable, "netplugin: reads into GPU memory need the GPU unpack (not in this build)"));
-          return false;
-        }
-      }
+      if (h.length > kMaxFrame || peer_->read_destination(index_, h.slot, h.gen, h.length, &r.dest, &r.device) != Code::kOk)
+        return protocol_error("read data for no read");
       r.expect = h.length;
       return true;
     case FrameType::kWriteBatch:  // never sent to us: Caps::write_batches is off
@@ -288,14 +299,12 @@ bool NetLane::finish_deferred() {
   if (!has_deferred_) return true;
   has_deferred_ = false;
   Status s = unpacker_->start(deferred_frags_.data(), deferred_frags_.size(),
-                              static_cast<const uint8_t*>(unpack_->bounce_buf), deferred_.dest, &deferred_.ticket);
-  while (s.is_ok() && !unpacker_->done(deferred_.ticket)) {
-  }
+                              static_cast<const uint8_t*>(unpack_->bounce_buf), deferred_.dest, deferred_.device);
   if (!s.is_ok()) {
     kill(s);
     return false;
   }
-  return finish_rx(deferred_);
+  return unpack_wait() && finish_rx(deferred_);
 }
 
 bool NetLane::progress_rx() {
@@ -318,7 +327,7 @@ bool NetLane::progress_rx() {
       if (!done) break;
       if (size != sizeof(FrameHeader)) return protocol_error("a frame header of the wrong size");
       if (unpack_device_) {
-        if (!read_unpacked(r, r.k, &r.hdr, sizeof(FrameHeader))) return false;
+        if (!read_unpacked(r.k, &r.hdr, sizeof(FrameHeader))) return false;
       } else {
         std::memcpy(&r.hdr, &rx_hdr_[i], sizeof(FrameHeader));
       }
@@ -353,26 +362,43 @@ bool NetLane::progress_rx() {
         continue;
       }
       if (r.dest && size > 0) {
+        // Unpack devices: the plugin's fragments over its bounce pages. Others: one fragment, the
+        // whole payload in this receive's landing area.
+        const netabi::UnpackEntry* frags;
+        uint64_t n = 1;
+        const uint8_t* from;
+        netabi::UnpackEntry whole{uint32_t(i * kMaxFrame), uint32_t(size), 0};
         if (unpack_device_) {
           const int slot = int((r.k + 1) % netabi::kUnpackQueueDepth);
-          const uint64_t n = unpack_->meta->cnt[slot];
-          const netabi::UnpackEntry* frags = unpack_->meta->mem[slot];
+          n = unpack_->meta->cnt[slot];
+          frags = unpack_->meta->mem[slot];
           if (check_fragments(frags, n, size) != Code::kOk) return protocol_error("unpack metadata outside the message (plugin bug)");
-          Status s = unpacker_->start(frags, n, static_cast<const uint8_t*>(unpack_->bounce_buf), r.dest, &r.ticket);
-          if (!s.is_ok()) {
-            kill(s);
-            return false;
-          }
-          r.unpacking = true;
+          from = static_cast<const uint8_t*>(unpack_->bounce_buf);
         } else {
-          std::memcpy(r.dest, landing_.get() + i * kMaxFrame, size);
+          frags = &whole;
+          from = landing_.get();
         }
+        if (Status s = unpacker_->start(frags, n, from, r.dest, r.device); !s.is_ok()) {
+          kill(s);
+          return false;
+        }
+        r.unpacking = true;
       }
       r.stage = RxStage::kUnpacking;
       moved = true;
     }
     // The pages go back only after the unpack has completed: the plugin reuses them at once.
-    if (r.unpacking && !unpacker_->done(r.ticket)) break;
+    if (r.unpacking) {
+      auto d = unpacker_->done();
+      if (!d.is_ok()) {
+        kill(d.status());
+        return false;
+      }
+      if (!d.value()) {
+        moved = true;  // a GPU copy finishes in microseconds: keep polling rather than sleep
+        break;
+      }
+    }
     r.unpacking = false;
     if (r.preq && !consume(r.preq)) return false;
     r.preq = nullptr;
@@ -412,23 +438,20 @@ bool NetLane::progress_tx() {
       stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
     }
     if (p.f.pin) p.f.pin->unpin();
+    if (p.slot) tx_stage_->release(p.slot), p.slot = nullptr;  // the plugin has sent from it
     tx_head_ = (tx_head_ + 1) % kFramesInFlight;
     --tx_count_;
     moved = true;
   }
-  // A frame whose payload the plugin deferred goes first.
+  // A frame whose payload is not posted yet (the plugin deferred it, or its pinned copy is not
+  // done) goes first: messages match in posting order.
   if (tx_count_ > 0) {
-    TxPosted& last = tx_[(tx_head_ + tx_count_ - 1) % kFramesInFlight];
-    if (!last.payload_posted) {
-      const size_t i = (tx_head_ + tx_count_ - 1) % kFramesInFlight;
-      void* mh = last.f.length > 0 ? payload_mr(last.f) : tx_hdr_mr_;
-      if (!mh) return false;
-      void* data = last.f.length > 0 ? const_cast<uint8_t*>(last.f.payload) : static_cast<void*>(&tx_hdr_[i]);
-      const int rc = net_->isend(comms_.send, data, last.f.length, tag_of(tx_seq_ - 1, 1), mh, &last.preq);
-      if (rc != netabi::kSuccess) return fail_plugin("isend", rc);
-      if (!last.preq) return moved;
-      last.payload_posted = true;
-      ++tx_requests_;
+    const size_t i = (tx_head_ + tx_count_ - 1) % kFramesInFlight;
+    if (!tx_[i].payload_posted) {
+      const Post r = post_payload(tx_[i], i);
+      if (r == Post::kDead) return false;
+      if (r == Post::kCopying) return true;  // a GPU copy finishes in microseconds: do not go to sleep
+      if (r == Post::kLater) return moved;
     }
   }
   // Post: the window is checked before a frame is taken, so both its requests fit under the limit.
@@ -445,11 +468,10 @@ bool NetLane::progress_tx() {
     }
     TxFrame& f = txq_[txq_head_];
     const size_t i = (tx_head_ + tx_count_) % kFramesInFlight;
-    void* mh = f.length > 0 ? payload_mr(f) : tx_hdr_mr_;
-    if (!mh) return false;
     TxPosted& p = tx_[i];
     p = TxPosted{};
     p.f = f;
+    p.seq = tx_seq_;
     tx_hdr_[i] = f.hdr;
     int rc = net_->isend(comms_.send, &tx_hdr_[i], sizeof(FrameHeader), tag_of(tx_seq_, 0), tx_hdr_mr_, &p.hreq);
     if (rc != netabi::kSuccess) return fail_plugin("isend", rc);
@@ -460,14 +482,59 @@ bool NetLane::progress_tx() {
     ++tx_count_;
     ++tx_seq_;
     moved = true;
-    void* data = f.length > 0 ? const_cast<uint8_t*>(f.payload) : static_cast<void*>(&tx_hdr_[i]);
-    rc = net_->isend(comms_.send, data, f.length, tag_of(tx_seq_ - 1, 1), mh, &p.preq);
-    if (rc != netabi::kSuccess) return fail_plugin("isend", rc);
-    if (!p.preq) break;  // posted next pass, before anything else
-    p.payload_posted = true;
-    ++tx_requests_;
+    const Post r = post_payload(p, i);
+    if (r == Post::kDead) return false;
+    if (r != Post::kPosted) break;  // posted by a later pass, before anything else
   }
   return moved;
+}
+
+NetLane::Post NetLane::post_payload(TxPosted& p, size_t i) {
+  void* data = &tx_hdr_[i];  // an empty payload: any registered address will do
+  void* mh = tx_hdr_mr_;
+  if (p.f.length > 0) {
+    core::RegionState* region = region_of(p.f);
+    if (!region) return Post::kDead;
+    if (region->kind == MemoryKind::kCuda && !opts_.cuda_send) {
+      // The plugin takes host pointers only: copy the payload to a pinned slot first.
+      if (!p.slot) {
+        if (!tx_stage_) tx_stage_ = std::make_unique<gpu::StagingRing>(kStageSlots, kMaxFrame, 1);
+        auto got = tx_stage_->acquire(region->device);
+        if (!got.is_ok()) {
+          kill(got.status());
+          return Post::kDead;
+        }
+        if (!got.value()) return Post::kLater;  // every slot waits for its send to complete
+        p.slot = got.value();
+        const gpu::Fragment whole{0, const_cast<uint8_t*>(p.f.payload), p.f.length};
+        if (Status s = tx_stage_->pack(p.slot, region->device, &whole, 1, gpu::Unpack::kD2D); !s.is_ok()) {
+          kill(s);
+          return Post::kDead;
+        }
+      }
+      auto copied = tx_stage_->done(p.slot);
+      if (!copied.is_ok()) {
+        kill(copied.status());
+        return Post::kDead;
+      }
+      if (!copied.value()) return Post::kCopying;
+      data = p.slot->host;
+      mh = slot_mr(p.slot);
+    } else {
+      data = const_cast<uint8_t*>(p.f.payload);
+      mh = mr_for(region);  // a GPU region only when the plugin takes CUDA pointers
+    }
+    if (!mh) return Post::kDead;
+  }
+  const int rc = net_->isend(comms_.send, data, p.f.length, tag_of(p.seq, 1), mh, &p.preq);
+  if (rc != netabi::kSuccess) {
+    fail_plugin("isend", rc);
+    return Post::kDead;
+  }
+  if (!p.preq) return Post::kLater;
+  p.payload_posted = true;
+  ++tx_requests_;
+  return Post::kPosted;
 }
 
 // ---------------------------------------------------------------- teardown
@@ -477,16 +544,14 @@ void NetLane::retire() {
   retired_ = true;
   dead_.store(true, std::memory_order_release);
   // An unpack in flight still reads the bounce pages: let it finish before the comm goes away.
-  for (size_t k = 0; k < rx_count_; ++k) {
-    RxPosted& r = rx_[(rx_head_ + k) % kFramesInFlight];
-    while (r.unpacking && !unpacker_->done(r.ticket)) std::this_thread::yield();
-    abandon(*peer_, r.plan);
-  }
+  if (unpacker_) unpacker_->wait();
+  for (size_t k = 0; k < rx_count_; ++k) abandon(*peer_, rx_[(rx_head_ + k) % kFramesInFlight].plan);
   rx_count_ = 0;
   if (has_deferred_) abandon(*peer_, deferred_.plan), has_deferred_ = false;
   for (size_t k = 0; k < tx_count_; ++k) {
     TxPosted& p = tx_[(tx_head_ + k) % kFramesInFlight];
     if (p.f.pin) p.f.pin->unpin();
+    if (p.slot) tx_stage_->release(p.slot), p.slot = nullptr;
   }
   tx_count_ = 0;
   for (size_t k = 0; k < txq_count_; ++k) {
@@ -497,6 +562,9 @@ void NetLane::retire() {
   peer_->release_lane(index_, Code::kConnectionLost);
   for (auto& [r, mh] : mrs_) net_->dereg_mr(comms_.send, mh);
   mrs_.clear();
+  if (tx_stage_) tx_stage_->wait_all();  // copies into slots the plugin will not send now
+  for (auto& [slot, mh] : slot_mrs_) net_->dereg_mr(comms_.send, mh);
+  slot_mrs_.clear();
   {
     std::lock_guard lock(dereg_mu_);
     dereg_queue_.clear();

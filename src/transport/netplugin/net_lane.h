@@ -8,15 +8,21 @@
 // header/payload pairs under the same limit. A received header is checked (frame_target.h) before
 // its payload is placed; the payload is unpacked from the plugin's bounce pages to the checked
 // destination and the receive is handed back (irecvConsumed) only after the unpack has completed.
+//
+// GPU memory: received payload reaches GPU destinations through the lane's Unpacker (unpacker.h);
+// payload from GPU memory goes to the plugin as a CUDA pointer when the device's ptrSupport has
+// NCCL_PTR_CUDA, else it is first copied to a pinned host slot (gpu::StagingRing) and sent from there.
 #pragma once
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
 #include <vector>
 
 #include "core/wire.h"
+#include "gpu/staging.h"
 #include "tether/status.h"
 #include "transport/frame_target.h"
 #include "transport/netplugin/plugin.h"
@@ -33,6 +39,7 @@ namespace tether::transport {
 constexpr uint32_t kRequestLimit = 16;               // per comm, per direction
 constexpr uint32_t kFramesInFlight = kRequestLimit / 2;
 constexpr uint64_t kMaxFrame = netabi::kUnpackMaxRecv;  // 4 MiB: the most one unpack receive carries
+constexpr uint32_t kStageSlots = 4;  // pinned copies of GPU payloads in flight per lane (plugins without CUDA pointers)
 
 // Address -> registered region, for finding the registration a send payload belongs to.
 class RegionTable {
@@ -54,13 +61,18 @@ class NetLane {
     void* recv = nullptr;
     netabi::DeviceHandle* recv_dev = nullptr;
   };
+  struct Options {
+    std::string unpack;          // TETHER_UNPACK
+    bool cuda_send = false;      // the device takes CUDA pointers (ptrSupport & NCCL_PTR_CUDA)
+    bool consume_early = false;  // test-only fault (TETHER_NET_FAULT=consume_early)
+  };
   NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<core::PeerState> peer,
-          uint32_t index, Comms comms, Unpacker* unpacker, const RegionTable* regions, bool consume_early = false);
+          uint32_t index, Comms comms, const RegionTable* regions, Options opts);
   ~NetLane();
   NetLane(const NetLane&) = delete;
   NetLane& operator=(const NetLane&) = delete;
 
-  // Registers the header and landing buffers. Called once before the first step().
+  // Registers the header and landing buffers, makes the unpacker. Called once before the first step().
   Status init();
   // One pass over the lane: completes, unpacks, answers and posts what it can. True if anything moved.
   bool step();
@@ -85,12 +97,16 @@ class NetLane {
     uint64_t length = 0;
     core::RegionState* pin = nullptr;  // read responses keep their region pinned until sent
   };
+  enum class Post { kPosted, kLater, kCopying, kDead };  // kCopying: a pinned copy is in flight (keep polling)
   struct TxPosted {
     TxFrame f;
     void* hreq = nullptr;
     void* preq = nullptr;
+    uint64_t seq = 0;                  // frame number: tags 2*seq (header), 2*seq+1 (payload)
     bool payload_posted = false;
     bool hdone = false, pdone = false;
+    int stage_device = -1;             // >= 0: GPU payload sent from a pinned copy (slot)
+    gpu::StagingSlot* slot = nullptr;  // held until the payload send has completed
   };
   enum class RxStage { kHeader, kPayload, kUnpacking };
   struct RxPosted {
@@ -101,8 +117,8 @@ class NetLane {
     wire::FrameHeader hdr{};
     TargetPlan plan;
     uint8_t* dest = nullptr;        // null: nothing to place (no payload, or rejected)
+    int device = -1;                // dest is memory of this GPU (-1: host)
     uint64_t expect = 0;            // payload bytes the header announced
-    uint64_t ticket = 0;
     bool unpacking = false;
   };
 
@@ -115,10 +131,13 @@ class NetLane {
   bool fail_plugin(const char* call, int rc);
   bool protocol_error(const char* what);
   void* mr_for(core::RegionState* region);
-  void* payload_mr(const TxFrame& f);  // null: the lane was killed
+  core::RegionState* region_of(const TxFrame& f);  // null: the lane was killed
+  Post post_payload(TxPosted& p, size_t i);
+  void* slot_mr(gpu::StagingSlot* slot);
   void process_dereg();
   bool consume(void* req);
-  bool read_unpacked(const RxPosted& r, uint64_t k, void* out, uint64_t length);
+  bool read_unpacked(uint64_t k, void* out, uint64_t length);
+  bool unpack_wait();  // finishes the copy in flight; false: the lane was killed
   bool push_answer(const TxFrame& f);
 
   const std::shared_ptr<NetPlugin> net_;
@@ -126,8 +145,9 @@ class NetLane {
   const std::shared_ptr<core::PeerState> peer_;
   const uint32_t index_;
   Comms comms_;
-  Unpacker* const unpacker_;
+  std::unique_ptr<Unpacker> unpacker_;
   const RegionTable* const regions_;
+  const Options opts_;
   const bool unpack_device_;
   const bool consume_early_;  // test-only fault (TETHER_NET_FAULT=consume_early): proves the tests catch it
   bool has_deferred_ = false;  // (fault only) a frame consumed before its copy
@@ -163,6 +183,9 @@ class NetLane {
 
   // Registrations of regions on the send comm (progress thread only).
   std::vector<std::pair<const core::RegionState*, void*>> mrs_;
+  // GPU payloads for a plugin without CUDA pointers: pinned copies, registered on first use.
+  std::unique_ptr<gpu::StagingRing> tx_stage_;
+  std::vector<std::pair<const gpu::StagingSlot*, void*>> slot_mrs_;
   std::mutex dereg_mu_;
   std::vector<const core::RegionState*> dereg_queue_;
   std::atomic<uint64_t> dereg_requested_{0}, dereg_done_{0};

@@ -184,12 +184,11 @@ NetpluginTransport::NetpluginTransport(core::EndpointImpl* endpoint) : endpoint_
     }
     devices_.push_back(p.take());
   }
-  auto u = make_unpacker(cfg.unpack, any_gpu_bounce);
-  if (!u.is_ok()) {
-    unavailable_ = u.status().message();
+  // Each lane makes its own unpacker (its streams and descriptor block); the mode is checked here once.
+  if (Status s = check_unpack_mode(cfg.unpack, any_gpu_bounce); !s.is_ok()) {
+    unavailable_ = s.message();
     return;
   }
-  unpacker_ = u.take();
   if (!cfg.net_bindings.empty()) {
     auto b = parse_net_bindings(cfg.net_bindings);
     if (!b.is_ok()) unavailable_ = b.status().message();
@@ -201,6 +200,7 @@ NetpluginTransport::~NetpluginTransport() { stop(); }
 Caps NetpluginTransport::caps() const {
   Caps c;
   c.host_memory = true;
+  c.cuda_memory = true;  // GPU destinations through the lane's unpacker; GPU sources direct or staged
   return c;
 }
 
@@ -355,7 +355,11 @@ Status NetpluginTransport::attach(const std::shared_ptr<core::PeerState>& peer, 
 
   std::vector<std::shared_ptr<NetLane>> lanes;
   for (uint32_t i = 0; i < n; ++i) {
-    auto lane = std::make_shared<NetLane>(net_, endpoint_, peer, i, comms[i], unpacker_.get(), &regions_, consume_early_);
+    NetLane::Options opts;
+    opts.unpack = endpoint_->config().unpack;
+    opts.cuda_send = (devices_[size_t(comms[i].dev)].ptr_support & netabi::kPtrCuda) != 0;
+    opts.consume_early = consume_early_;
+    auto lane = std::make_shared<NetLane>(net_, endpoint_, peer, i, comms[i], &regions_, std::move(opts));
     comms[i] = NetLane::Comms{};  // the lane owns and closes them now
     Status s = lane->init();
     if (!s.is_ok()) {

@@ -58,7 +58,6 @@ class NetpluginTransport final : public Transport {
   std::string unavailable_;
   bool consume_early_ = false;  // TETHER_NET_FAULT=consume_early (tests only)
   std::shared_ptr<NetPlugin> net_;
-  std::unique_ptr<Unpacker> unpacker_;
   std::vector<NetDeviceProps> devices_;
   RegionTable regions_;
 

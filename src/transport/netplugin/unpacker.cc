@@ -1,21 +1,161 @@
 #include "transport/netplugin/unpacker.h"
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
+
+#include "gpu/cuda_api.h"
+#include "gpu/staging.h"
+#include "gpu/copy_kernel.h"
 
 namespace tether::transport {
 
 namespace {
 
-class HostUnpacker final : public Unpacker {
+using gpu::CUdeviceptr;
+
+Status cuda_check(const char* call, gpu::CUresult r) {
+  return r == gpu::kCudaSuccess ? Status::ok() : Status(Code::kInternal, "netplugin unpack: " + gpu::cuda_error(call, r));
+}
+
+class CopyUnpacker final : public Unpacker {
  public:
-  const char* name() const override { return "host"; }
+  CopyUnpacker(gpu::Unpack mode, bool bounce_on_gpu, int bounce_device)
+      : mode_(mode), bounce_on_gpu_(bounce_on_gpu), bounce_device_(bounce_device) {}
+
+  ~CopyUnpacker() override {
+    wait();
+    const gpu::CudaApi* a = gpu::cuda();
+    if (!a) return;
+    for (size_t d = 0; d < per_device_.size(); ++d) {
+      PerDevice& p = per_device_[d];
+      if (!p.stream) continue;
+      (void)gpu::use_device(int(d));
+      a->cuEventDestroy(p.event);
+      a->cuStreamDestroy(p.stream);
+      if (p.table) a->cuMemFree(p.table);
+    }
+    if (host_table_) a->cuMemFreeHost(host_table_);
+  }
+
+  const char* name() const override { return bounce_on_gpu_ ? gpu::unpack_name(mode_) : "host"; }
+
   Status start(const netabi::UnpackEntry* frags, uint64_t n, const uint8_t* bounce, uint8_t* dest,
-               uint64_t* ticket) override {
-    for (uint64_t i = 0; i < n; ++i) std::memcpy(dest + frags[i].dst_off, bounce + frags[i].src_off, frags[i].len);
-    *ticket = 0;
+               int dest_device) override {
+    wait();  // one copy in flight: its resources (stream order, descriptor block) are reused below
+    if (!bounce_on_gpu_ && dest_device < 0) {  // host to host: done when the loop is
+      for (uint64_t i = 0; i < n; ++i) std::memcpy(dest + frags[i].dst_off, bounce + frags[i].src_off, frags[i].len);
+      return Status::ok();
+    }
+    const int device = bounce_on_gpu_ ? bounce_device_ : dest_device;  // where the copy runs
+    PerDevice* p = nullptr;
+    if (Status s = ready(device, &p); !s.is_ok()) return s;
+    const gpu::CudaApi* a = gpu::cuda();
+    if (mode_ == gpu::Unpack::kKernel && bounce_on_gpu_ && dest_device == bounce_device_) {
+      if (Status s = launch(*p, device, frags, n, bounce, dest); !s.is_ok()) return s;
+    } else {
+      for (uint64_t i = 0; i < n; ++i) {
+        const auto dst = reinterpret_cast<CUdeviceptr>(dest + frags[i].dst_off);
+        const auto src = reinterpret_cast<CUdeviceptr>(bounce + frags[i].src_off);
+        if (Status s = cuda_check("cuMemcpyAsync", a->cuMemcpyAsync(dst, src, frags[i].len, p->stream)); !s.is_ok())
+          return s;
+      }
+    }
+    if (Status s = cuda_check("cuEventRecord", a->cuEventRecord(p->event, p->stream)); !s.is_ok()) return s;
+    pending_ = device;
+    if (mode_ == gpu::Unpack::kHost) wait();
     return Status::ok();
   }
-  bool done(uint64_t) override { return true; }  // the copies above have completed
+
+  Result<bool> done() override {
+    if (pending_ < 0) return true;
+    if (Status s = gpu::use_device(pending_); !s.is_ok()) return s;
+    const gpu::CUresult r = gpu::cuda()->cuEventQuery(per_device_[size_t(pending_)].event);
+    if (r == gpu::kCudaNotReady) return false;
+    pending_ = -1;
+    if (r != gpu::kCudaSuccess) return cuda_check("cuEventQuery (the unpack failed)", r);
+    return true;
+  }
+
+  Status read(const netabi::UnpackEntry* frags, uint64_t n, const uint8_t* bounce, void* out) override {
+    auto* o = static_cast<uint8_t*>(out);
+    if (!bounce_on_gpu_) {
+      for (uint64_t i = 0; i < n; ++i) std::memcpy(o + frags[i].dst_off, bounce + frags[i].src_off, frags[i].len);
+      return Status::ok();
+    }
+    // On our own non-blocking stream (not the legacy default stream, which waits for the app's work).
+    PerDevice* p = nullptr;
+    if (Status s = ready(bounce_device_, &p); !s.is_ok()) return s;
+    const gpu::CudaApi* a = gpu::cuda();
+    for (uint64_t i = 0; i < n; ++i) {
+      const auto dst = reinterpret_cast<CUdeviceptr>(o + frags[i].dst_off);
+      const auto src = reinterpret_cast<CUdeviceptr>(bounce + frags[i].src_off);
+      if (Status s = cuda_check("cuMemcpyAsync(header)", a->cuMemcpyAsync(dst, src, frags[i].len, p->stream)); !s.is_ok())
+        return s;
+    }
+    return cuda_check("cuStreamSynchronize(header)", a->cuStreamSynchronize(p->stream));
+  }
+
+  void wait() override {
+    if (pending_ < 0) return;
+    if (gpu::use_device(pending_).is_ok()) gpu::cuda()->cuEventSynchronize(per_device_[size_t(pending_)].event);
+    pending_ = -1;  // an error shows again on the next CUDA call of this context
+  }
+
+ private:
+  struct PerDevice {
+    gpu::CUstream stream = nullptr;
+    gpu::CUevent event = nullptr;
+    CUdeviceptr table = 0;  // descriptor block on the GPU (kernel mode, bounce device only)
+  };
+
+  Status ready(int device, PerDevice** out) {
+    if (Status s = gpu::use_device(device); !s.is_ok()) return s;
+    if (per_device_.empty()) per_device_.resize(size_t(gpu::device_count()));
+    PerDevice& p = per_device_[size_t(device)];  // use_device checked the index
+    const gpu::CudaApi* a = gpu::cuda();
+    if (!p.stream) {
+      if (Status s = cuda_check("cuStreamCreate", a->cuStreamCreate(&p.stream, gpu::kStreamNonBlocking)); !s.is_ok()) return s;
+      if (Status s = cuda_check("cuEventCreate", a->cuEventCreate(&p.event, gpu::kEventDisableTiming)); !s.is_ok()) return s;
+    }
+    *out = &p;
+    return Status::ok();
+  }
+
+  // One receive: its descriptor block (bounce + src_off, dest + dst_off, len) goes up from pinned
+  // memory on the stream, then one launch of the shared copy kernel.
+  Status launch(PerDevice& p, int device, const netabi::UnpackEntry* frags, uint64_t n, const uint8_t* bounce,
+                uint8_t* dest) {
+    const gpu::CudaApi* a = gpu::cuda();
+    constexpr size_t kTableBytes = netabi::kUnpackMaxEntries * 3 * sizeof(uint64_t);
+    if (!host_table_) {
+      void* h = nullptr;
+      if (Status s = cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&h, kTableBytes, gpu::kHostAllocPortable)); !s.is_ok())
+        return s;
+      host_table_ = static_cast<uint64_t*>(h);
+    }
+    if (!p.table)
+      if (Status s = cuda_check("cuMemAlloc", a->cuMemAlloc(&p.table, kTableBytes)); !s.is_ok()) return s;
+    uint64_t longest = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+      host_table_[3 * i + 0] = reinterpret_cast<uint64_t>(bounce + frags[i].src_off);
+      host_table_[3 * i + 1] = reinterpret_cast<uint64_t>(dest + frags[i].dst_off);
+      host_table_[3 * i + 2] = frags[i].len;
+      longest = std::max<uint64_t>(longest, frags[i].len);
+    }
+    if (Status s = cuda_check("cuMemcpyAsync(descriptors)",
+                              a->cuMemcpyAsync(p.table, reinterpret_cast<CUdeviceptr>(host_table_), n * 3 * sizeof(uint64_t), p.stream));
+        !s.is_ok())
+      return s;
+    return gpu::launch_copy(device, p.stream, p.table, uint32_t(n), longest);
+  }
+
+  const gpu::Unpack mode_;
+  const bool bounce_on_gpu_;
+  const int bounce_device_;
+  std::vector<PerDevice> per_device_;
+  uint64_t* host_table_ = nullptr;  // pinned; rewritten only after the last copy has completed
+  int pending_ = -1;                // device of the copy in flight, -1: none
 };
 
 }  // namespace
@@ -31,19 +171,26 @@ Code check_fragments(const netabi::UnpackEntry* frags, uint64_t n, uint64_t leng
   return total == length ? Code::kOk : Code::kProtocolError;
 }
 
-Result<std::unique_ptr<Unpacker>> make_unpacker(const std::string& mode, bool bounce_on_gpu) {
-  // Host bounce pages (the testnet plugin on CPU): a memcpy per fragment whatever the mode asks for
-  // GPU copies. GPU bounce pages (TCPX devmem): the GPU unpack.
-  if (!bounce_on_gpu) {
-    if (!mode.empty() && mode != "host" && mode != "kernel" && mode != "d2d")
-      return Status(Code::kInvalidArgument, "TETHER_UNPACK must be kernel, d2d or host, not '" + mode + "'");
-    return std::unique_ptr<Unpacker>(new HostUnpacker());
-  }
-  if (mode == "host")
-    return Status(Code::kUnavailable, "the plugin's bounce buffer is GPU memory: TETHER_UNPACK=host cannot read it");
-  if (mode.empty() || mode == "kernel" || mode == "d2d")
-    return Status(Code::kUnavailable, "TETHER_UNPACK=" + mode + " needs the GPU unpack of src/gpu (not in this build)");
-  return Status(Code::kInvalidArgument, "TETHER_UNPACK must be kernel, d2d or host, not '" + mode + "'");
+Status check_unpack_mode(const std::string& mode, bool bounce_on_gpu) {
+  if (!mode.empty() && mode != "host" && mode != "kernel" && mode != "d2d")
+    return Status(Code::kInvalidArgument, "TETHER_UNPACK must be kernel, d2d or host, not '" + mode + "'");
+  if (!bounce_on_gpu) return Status::ok();  // host bounce pages: memcpy, or CUDA copies for GPU destinations
+  std::string why;
+  if (!gpu::cuda(&why)) return Status(Code::kUnavailable, "the net plugin's bounce buffer is GPU memory and CUDA is unavailable: " + why);
+  if (mode == "kernel" && !gpu::kernels_available(&why))
+    return Status(Code::kUnavailable, "TETHER_UNPACK=kernel: " + why);
+  return Status::ok();
+}
+
+Result<std::unique_ptr<Unpacker>> make_unpacker(const std::string& mode, const void* bounce) {
+  auto info = gpu::pointer_info(bounce);  // host memory when CUDA is absent
+  if (!info.is_ok()) return info.status();
+  const bool on_gpu = info.value().is_device;
+  if (Status s = check_unpack_mode(mode, on_gpu); !s.is_ok()) return s;
+  gpu::Unpack m = gpu::Unpack::kD2D;
+  if (mode == "host") m = gpu::Unpack::kHost;
+  else if (mode == "kernel" || (mode.empty() && on_gpu && gpu::kernels_available())) m = gpu::Unpack::kKernel;
+  return std::unique_ptr<Unpacker>(new CopyUnpacker(m, on_gpu, on_gpu ? info.value().device : -1));
 }
 
 }  // namespace tether::transport

@@ -1,0 +1,138 @@
+#include "gpu/unpack_bench.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "gpu/cuda_api.h"
+#include "gpu/copy_kernel.h"
+
+namespace tether::gpu {
+namespace {
+
+Status check(const char* call, CUresult r) {
+  return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, cuda_error(call, r));
+}
+#define TRY(call, expr)                                   \
+  do {                                                    \
+    if (Status s_ = check(call, (expr)); !s_.is_ok()) return s_; \
+  } while (0)
+
+// Everything the run allocates, freed on every way out.
+struct Resources {
+  const CudaApi* a = nullptr;
+  CUstream stream = nullptr;
+  CUevent ev[2] = {nullptr, nullptr};
+  CUdeviceptr bounce = 0, dest = 0, table = 0;
+  uint64_t* host_table = nullptr;
+  ~Resources() {
+    if (stream) a->cuStreamSynchronize(stream);
+    for (CUevent e : ev)
+      if (e) a->cuEventDestroy(e);
+    if (stream) a->cuStreamDestroy(stream);
+    for (CUdeviceptr p : {bounce, dest, table})
+      if (p) a->cuMemFree(p);
+    if (host_table) a->cuMemFreeHost(host_table);
+  }
+};
+
+}  // namespace
+
+Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_bytes, uint64_t frag_bytes, uint32_t iters,
+                                                 uint64_t seed) {
+  std::string why;
+  const CudaApi* a = cuda(&why);
+  if (!a) return Status(Code::kUnavailable, why);
+  if (!a->cuEventElapsedTime) return Status(Code::kUnavailable, "libcuda lacks cuEventElapsedTime");
+  if (frag_bytes == 0 || chunk_bytes % frag_bytes != 0 || chunk_bytes / frag_bytes > 65535 || iters == 0)
+    return Status(Code::kInvalidArgument, "chunk must be a multiple of the fragment size, at most 65535 fragments");
+  if (Status s = use_device(device); !s.is_ok()) return s;
+  const uint64_t n = chunk_bytes / frag_bytes;
+
+  Resources r;
+  r.a = a;
+  TRY("cuStreamCreate", a->cuStreamCreate(&r.stream, kStreamNonBlocking));
+  TRY("cuEventCreate", a->cuEventCreate(&r.ev[0], 0));
+  TRY("cuEventCreate", a->cuEventCreate(&r.ev[1], 0));
+  TRY("cuMemAlloc", a->cuMemAlloc(&r.bounce, chunk_bytes));
+  TRY("cuMemAlloc", a->cuMemAlloc(&r.dest, chunk_bytes));
+  TRY("cuMemAlloc", a->cuMemAlloc(&r.table, n * 3 * sizeof(uint64_t)));
+  void* ht = nullptr;
+  TRY("cuMemHostAlloc", a->cuMemHostAlloc(&ht, n * 3 * sizeof(uint64_t), kHostAllocPortable));
+  r.host_table = static_cast<uint64_t*>(ht);
+
+  // Random bounce contents; fragment i of the chunk lies in bounce page perm[i] (a shuffled pool).
+  std::vector<uint8_t> pattern(chunk_bytes), expect(chunk_bytes), got(chunk_bytes), poison(chunk_bytes, 0xA5);
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  auto next = [&x] {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return x;
+  };
+  for (auto& b : pattern) b = uint8_t(next());
+  std::vector<uint64_t> perm(n);
+  std::iota(perm.begin(), perm.end(), 0);
+  for (uint64_t i = n - 1; i > 0; --i) std::swap(perm[i], perm[next() % (i + 1)]);
+  for (uint64_t i = 0; i < n; ++i) {
+    std::memcpy(&expect[i * frag_bytes], &pattern[perm[i] * frag_bytes], frag_bytes);
+    r.host_table[3 * i + 0] = r.bounce + perm[i] * frag_bytes;
+    r.host_table[3 * i + 1] = r.dest + i * frag_bytes;
+    r.host_table[3 * i + 2] = frag_bytes;
+  }
+  TRY("cuMemcpy(bounce)", a->cuMemcpy(r.bounce, reinterpret_cast<CUdeviceptr>(pattern.data()), chunk_bytes));
+
+  auto op = [&](const std::string& method) -> Status {
+    if (method == "kernel") {  // what the netplugin unpacker does per receive
+      TRY("cuMemcpyAsync(descriptors)", a->cuMemcpyAsync(r.table, reinterpret_cast<CUdeviceptr>(r.host_table),
+                                                         n * 3 * sizeof(uint64_t), r.stream));
+      return launch_copy(device, r.stream, r.table, uint32_t(n), frag_bytes);
+    }
+    if (method == "d2d") {
+      for (uint64_t i = 0; i < n; ++i)
+        TRY("cuMemcpyAsync", a->cuMemcpyAsync(r.host_table[3 * i + 1], r.host_table[3 * i], frag_bytes, r.stream));
+      return Status::ok();
+    }
+    TRY("cuMemcpyAsync", a->cuMemcpyAsync(r.dest, r.bounce, chunk_bytes, r.stream));
+    return Status::ok();
+  };
+  auto elapsed_ms = [&](float* ms) -> Status {
+    TRY("cuEventSynchronize", a->cuEventSynchronize(r.ev[1]));
+    TRY("cuEventElapsedTime", a->cuEventElapsedTime(ms, r.ev[0], r.ev[1]));
+    return Status::ok();
+  };
+
+  std::vector<UnpackBenchRow> rows;
+  for (const char* method : {"kernel", "d2d", "contiguous"}) {
+    UnpackBenchRow row;
+    row.method = method;
+    TRY("cuMemcpy(poison)", a->cuMemcpy(r.dest, reinterpret_cast<CUdeviceptr>(poison.data()), chunk_bytes));
+    for (int w = 0; w < 10; ++w)
+      if (Status s = op(method); !s.is_ok()) return s;
+    // Back to back.
+    TRY("cuEventRecord", a->cuEventRecord(r.ev[0], r.stream));
+    for (uint32_t i = 0; i < iters; ++i)
+      if (Status s = op(method); !s.is_ok()) return s;
+    TRY("cuEventRecord", a->cuEventRecord(r.ev[1], r.stream));
+    float ms = 0;
+    if (Status s = elapsed_ms(&ms); !s.is_ok()) return s;
+    row.stream_gbps = double(chunk_bytes) * iters / (double(ms) * 1e6);
+    // One at a time.
+    double total_ms = 0;
+    for (uint32_t i = 0; i < iters; ++i) {
+      TRY("cuEventRecord", a->cuEventRecord(r.ev[0], r.stream));
+      if (Status s = op(method); !s.is_ok()) return s;
+      TRY("cuEventRecord", a->cuEventRecord(r.ev[1], r.stream));
+      if (Status s = elapsed_ms(&ms); !s.is_ok()) return s;
+      total_ms += ms;
+    }
+    row.alone_gbps = double(chunk_bytes) * iters / (total_ms * 1e6);
+    // Every byte, once: the unpacks must have put each page in its place, the plain copy the pool as is.
+    TRY("cuStreamSynchronize", a->cuStreamSynchronize(r.stream));
+    TRY("cuMemcpy(check)", a->cuMemcpy(reinterpret_cast<CUdeviceptr>(got.data()), r.dest, chunk_bytes));
+    const std::vector<uint8_t>& want = row.method == "contiguous" ? pattern : expect;
+    for (uint64_t i = 0; i < chunk_bytes; ++i) row.mismatches += got[i] != want[i];
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+}  // namespace tether::gpu
