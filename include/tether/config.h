@@ -44,6 +44,15 @@ struct Config {
                                     // where the kernel allows it, else shared memory), cma (only), shm
   uint64_t ipc_gpu_chunk_bytes = 16 << 20;  // TETHER_IPC_GPU_CHUNK_BYTES: chunk size over ipc when both ends are
                                             // GPU memory (copies by the copy engines; small chunks cannot fill NVLink)
+  // fabric transport (libfabric, loaded at run time)
+  std::string fabric_library;       // TETHER_LIBFABRIC_SO: path of libfabric; "" = the system's libfabric.so.1
+  std::string fabric_provider;      // TETHER_FABRIC_PROVIDER: cxi, efa, verbs, tcp, shm; "" = auto (cxi, efa, verbs, tcp)
+  std::string fabric_domains;       // TETHER_FABRIC_DOMAINS: comma-separated domains (NICs) to use; "" = all
+  uint32_t fabric_rails = 0;        // TETHER_FABRIC_RAILS: at most this many rails (domains); 0 = all
+  uint32_t fabric_busy_poll = 0;    // TETHER_FABRIC_BUSY_POLL: 1 = progress threads never sleep in the CQ
+                                    // (always on for shm, whose CQ wait does not see its peers)
+  uint32_t fabric_delivery_complete = 1;  // TETHER_FABRIC_DELIVERY_COMPLETE: 0 = never ask it (writes then
+                                          // end with a one-byte flush read; for providers and tests)
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();

@@ -192,7 +192,7 @@ def bench(args) -> int:
     if role == "server":
         single = {k: v[0] for k, v in (("channels", args.channels), ("sockets_per_channel", args.sockets_per_channel),
                                          ("chunk_bytes", args.chunk_bytes), ("window", args.window)) if v}
-        return _run_server(args, single)
+        return _run_server(args, dict(single, **transport_opts))
     if role == "client" and torchrun:
         target = _torch_store().get("tether/bench/metadata")
     else:

@@ -148,6 +148,14 @@ def collect() -> dict[str, Any]:
         "fabric": {"available": False, "why": "not in this build yet" + ("" if fabric else "; libfabric.so not found")},
         "netplugin": {"available": False, "why": "not in this build yet"},
     }
+    try:
+        with tether.Endpoint() as probe:  # what this build reports (fabric: libfabric found, a provider usable)
+            for name, why in probe.transports().items():
+                transports[name] = {"available": why == "", "why": why or transports.get(name, {}).get("why", "usable")}
+    except tether.TetherError:
+        pass  # a bad TETHER_* setting; the sections below report it
+    if transports.get("fabric", {}).get("available"):
+        transports["fabric"]["why"] = "libfabric provider " + (os.environ.get("TETHER_FABRIC_PROVIDER") or "auto")
     gpus = _gpus()
     topo = topology(gpus)
     nics = _nics(topo) if topo["nics"] else []

@@ -160,7 +160,13 @@ NB_MODULE(_tether, m) {
       .def_rw("pin_threads", &Config::pin_threads)
       .def_rw("lane_timeout_ms", &Config::lane_timeout_ms)
       .def_rw("disable_ipc", &Config::disable_ipc)
-      .def_rw("ipc_host", &Config::ipc_host);
+      .def_rw("ipc_host", &Config::ipc_host)
+      .def_rw("fabric_library", &Config::fabric_library)
+      .def_rw("fabric_provider", &Config::fabric_provider)
+      .def_rw("fabric_domains", &Config::fabric_domains)
+      .def_rw("fabric_rails", &Config::fabric_rails)
+      .def_rw("fabric_delivery_complete", &Config::fabric_delivery_complete)
+      .def_rw("fabric_busy_poll", &Config::fabric_busy_poll);
 
   nb::class_<RemoteRegion>(m, "RemoteRegion")
       .def("__init__", [](RemoteRegion* self, nb::bytes b) { new (self) RemoteRegion(take(RemoteRegion::parse(as_string(b)))); })

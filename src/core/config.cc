@@ -53,6 +53,12 @@ Config Config::from_env() {
   env_uint("TETHER_DISABLE_IPC", c.disable_ipc);
   env_str("TETHER_IPC_HOST", c.ipc_host);
   env_uint("TETHER_IPC_GPU_CHUNK_BYTES", c.ipc_gpu_chunk_bytes);
+  env_str("TETHER_LIBFABRIC_SO", c.fabric_library);
+  env_str("TETHER_FABRIC_PROVIDER", c.fabric_provider);
+  env_str("TETHER_FABRIC_DOMAINS", c.fabric_domains);
+  env_uint("TETHER_FABRIC_RAILS", c.fabric_rails);
+  env_uint("TETHER_FABRIC_DELIVERY_COMPLETE", c.fabric_delivery_complete);
+  env_uint("TETHER_FABRIC_BUSY_POLL", c.fabric_busy_poll);
   return c;
 }
 

@@ -747,13 +747,33 @@ void EndpointImpl::finish_accept(Pending& p) {
     }
     info.transport = name;
     auto peer = std::make_shared<PeerState>(shared_from_this(), info, cp.lanes, chosen);
+    const bool early = !tcp_lanes && chosen->caps().attach_before_answer;
+    if (early) {  // attach and publish first: connect() returning there means peers() shows it here
+      Status s = chosen->attach(peer, {}, p.offer, false);
+      if (!s.is_ok()) {
+        done.status = uint8_t(wire::HelloStatus::kBadRequest);
+        ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ::close(fd);
+        peer->fail(Status(s.code(), "accept: transport " + name + ": " + s.message()));
+        return;
+      }
+      std::lock_guard lock(peers_mu_);
+      peers_[peer->info().id] = peer;
+    }
     peer->control_fd = fd;
     // Our data NICs follow the answer (a few hundred bytes: they fit a fresh socket's buffer).
     const std::string nics = advertised_nics();
     done.nic_list = uint16_t(nics.size());
     std::string reply(reinterpret_cast<const char*>(&done), sizeof done);
     reply += nics;
-    if (::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL | MSG_DONTWAIT) != ssize_t(reply.size())) return;  // peer closes fd
+    if (::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL | MSG_DONTWAIT) != ssize_t(reply.size())) {
+      if (early) peer->fail(Status(Code::kConnectionLost, "accept: the connector left during the handshake"));
+      return;  // peer closes fd
+    }
+    if (early) {
+      adopt_peer(peer);
+      return;
+    }
     if (tcp_lanes) {  // the data sockets join next
       peer->lane_fds.assign(h.lanes, -1);
       peer->lane_paths.resize(h.lanes);

@@ -2,6 +2,7 @@
 
 #include "transport/netplugin/netplugin_transport.h"
 #include "transport/ipc/ipc_transport.h"
+#include "transport/fabric/fabric_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace tether::transport {
@@ -11,6 +12,7 @@ std::vector<std::unique_ptr<Transport>> make_transports(core::EndpointImpl* endp
   all.push_back(std::make_unique<TcpTransport>(endpoint));
   all.push_back(std::make_unique<NetpluginTransport>(endpoint));
   all.push_back(std::make_unique<IpcTransport>(endpoint));
+  all.push_back(make_fabric_transport(endpoint));
   return all;
 }
 

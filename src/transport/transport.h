@@ -31,6 +31,9 @@ struct Caps {
   bool one_sided = false;       // target CPU not involved (RDMA)
   bool same_host_only = false;  // only offered to peers on this host (ipc)
   bool uses_tcp_lanes = false;  // its lanes are the TCP data sockets opened during connect
+  // attach() needs nothing from the connector: the listener attaches and publishes the peer before
+  // answering, so when connect() returns there, peers() shows the peer here (as with tcp lanes).
+  bool attach_before_answer = false;
   bool write_batches = false;   // understands kWriteBatch chunks (many small writes in one frame)
   uint64_t gpu_chunk_bytes = 0; // chunk size when both ends of a write/read are GPU memory (0: the peer's chunk_bytes)
 };

@@ -46,7 +46,7 @@ def test_parser_lists_and_defaults():
 
 
 def test_unavailable_choices_fail_clearly():
-    r = run_cli("bench", "--transport", "fabric", "--quiet")
+    r = run_cli("bench", "--transport", "netplugin", "--quiet")
     assert r.returncode == 2 and "not available" in r.stderr
     r = run_cli("bench", "--mode", "teleport", "--quiet")
     assert r.returncode == 2 and "unknown mode" in r.stderr

@@ -1,0 +1,213 @@
+#include "transport/fabric/discovery.h"
+
+#include <rdma/fi_domain.h>
+
+#include <cstring>
+#include <set>
+#include <sstream>
+
+namespace tether::transport::fabric {
+
+namespace {
+
+constexpr uint64_t kCaps = FI_RMA | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_MSG;
+// Every registration mode handled generically (FI_MR_RAW, FI_MR_MMU_NOTIFY are not: providers
+// demanding them are left out by fi_getinfo).
+constexpr int kMrModes =
+    FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_HMEM;
+
+std::string core_name(const fi_info* info) {
+  const char* p = info->fabric_attr && info->fabric_attr->prov_name ? info->fabric_attr->prov_name : "";
+  const char* semi = std::strchr(p, ';');
+  return semi ? std::string(p, semi) : std::string(p);
+}
+
+std::string domain_name(const fi_info* info) {
+  return info->domain_attr && info->domain_attr->name ? info->domain_attr->name : "";
+}
+
+fi_info* make_hints(const Lib& lib, const std::string& provider, bool hmem, bool delivery_complete) {
+  fi_info* h = lib.dupinfo(nullptr);
+  if (!h) return nullptr;
+  h->caps = kCaps | (hmem ? FI_HMEM : 0);
+  h->mode = FI_CONTEXT | FI_CONTEXT2;   // our operation contexts start with a struct fi_context2
+  h->ep_attr->type = FI_EP_RDM;
+  h->domain_attr->mr_mode = kMrModes;
+  h->domain_attr->threading = FI_THREAD_SAFE;
+  if (delivery_complete) h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+  if (!provider.empty()) h->fabric_attr->prov_name = ::strdup(provider.c_str());
+  return h;
+}
+
+// fi_getinfo for `provider` ("" = any); null when nothing matches.
+fi_info* query(const Lib& lib, const std::string& provider, const char* node, bool hmem, bool dc,
+               std::string* why) {
+  fi_info* hints = make_hints(lib, provider, hmem, dc);
+  if (!hints) {
+    *why = "fi_dupinfo failed";
+    return nullptr;
+  }
+  fi_info* list = nullptr;
+  const int rc = lib.getinfo(kApiVersion, node, nullptr, node ? FI_SOURCE : 0, hints, &list);
+  lib.freeinfo(hints);
+  if (rc != 0) {
+    *why = "fi_getinfo(" + (provider.empty() ? std::string("any provider") : provider) + "): " + lib.error(rc);
+    return nullptr;
+  }
+  return list;
+}
+
+std::set<std::string> split(const std::string& s) {
+  std::set<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) out.insert(item);
+  return out;
+}
+
+bool is_socket_provider(const std::string& p) { return p == "tcp"; }
+
+}  // namespace
+
+const std::vector<std::string>& known_providers() {
+  static const std::vector<std::string> names{"cxi", "efa", "verbs", "tcp", "shm"};
+  return names;
+}
+
+MrMode MrMode::from(const fi_info* info) {
+  MrMode m;
+  const int bits = info->domain_attr->mr_mode;
+  m.local = bits & FI_MR_LOCAL;
+  m.virt_addr = bits & FI_MR_VIRT_ADDR;
+  m.prov_key = bits & FI_MR_PROV_KEY;
+  m.allocated = bits & FI_MR_ALLOCATED;
+  m.endpoint = bits & FI_MR_ENDPOINT;
+  m.hmem = (bits & FI_MR_HMEM) || (info->caps & FI_HMEM);
+  m.key_size = info->domain_attr->mr_key_size ? info->domain_attr->mr_key_size : 8;
+  // FI_MR_BASIC (old style) means virtual addresses, provider keys, allocated memory.
+  if (bits == FI_MR_BASIC) m.virt_addr = m.prov_key = m.allocated = true;
+  return m;
+}
+
+std::string MrMode::describe() const {
+  std::string s;
+  auto add = [&](bool on, const char* n) {
+    if (!on) return;
+    if (!s.empty()) s += ",";
+    s += n;
+  };
+  add(local, "local");
+  add(virt_addr, "virt_addr");
+  add(prov_key, "prov_key");
+  add(allocated, "allocated");
+  add(endpoint, "endpoint");
+  add(hmem, "hmem");
+  return (s.empty() ? "none" : s) + " key_size=" + std::to_string(key_size);
+}
+
+Discovery& Discovery::operator=(Discovery&& o) noexcept {
+  if (this == &o) return *this;
+  for (fi_info* i : rails) lib->freeinfo(i);
+  lib = o.lib;
+  provider = std::move(o.provider);
+  provider_full = std::move(o.provider_full);
+  rails = std::move(o.rails);
+  o.rails.clear();
+  mr = o.mr;
+  delivery_complete = o.delivery_complete;
+  fence = o.fence;
+  busy_poll = o.busy_poll;
+  warning = std::move(o.warning);
+  return *this;
+}
+
+Discovery::~Discovery() {
+  for (fi_info* i : rails) lib->freeinfo(i);
+}
+
+bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::string* why) {
+  std::string provider = opt.provider;
+  if (!provider.empty()) {
+    bool known = false;
+    for (const auto& p : known_providers()) known |= p == provider;
+    if (!known) {
+      *why = "TETHER_FABRIC_PROVIDER=" + provider + ": not one of cxi, efa, verbs, tcp, shm";
+      return false;
+    }
+  } else {
+    // auto: the first provider, in rank order, that offers an RDM endpoint with RMA.
+    std::string err;
+    fi_info* all = query(lib, "", nullptr, false, false, &err);
+    for (const char* p : {"cxi", "efa", "verbs", "tcp"}) {
+      for (fi_info* i = all; i && provider.empty(); i = i->next)
+        if (core_name(i) == p) provider = p;
+      if (!provider.empty()) break;
+    }
+    if (all) lib.freeinfo(all);
+    if (provider.empty()) {
+      *why = "no libfabric provider among cxi, efa, verbs, tcp offers RDM endpoints with RMA" +
+             (err.empty() ? "" : " (" + err + ")");
+      return false;
+    }
+  }
+
+  // Socket providers follow the endpoint's address (its interface is the one rail) unless the
+  // domains (interfaces) are named.
+  const bool bind_host = is_socket_provider(provider) && opt.domains.empty() && !opt.host.empty() && opt.host != "0.0.0.0";
+  const char* node = bind_host ? opt.host.c_str() : nullptr;
+
+  // Best first: device memory and delivery-complete writes; then without each.
+  fi_info* list = nullptr;
+  bool hmem = false, dc = false;
+  for (int attempt = opt.delivery_complete ? 0 : 2; attempt < 4 && !list; ++attempt) {
+    hmem = !(attempt & 1);
+    dc = attempt < 2;
+    list = query(lib, provider, node, hmem, dc, why);
+  }
+  if (!list) return false;
+
+  const std::set<std::string> keep = split(opt.domains);
+  std::set<std::string> seen;
+  Discovery d;
+  d.lib = &lib;
+  d.provider = provider;
+  d.delivery_complete = dc;
+  // shm's completion queue wait is not woken by its peers' progress (measured: a write hangs while
+  // the target sleeps in fi_cq_sread), so its threads poll.
+  d.busy_poll = opt.busy_poll || provider == "shm";
+  for (fi_info* i = list; i; i = i->next) {
+    if (core_name(i) != provider) continue;
+    const std::string dom = domain_name(i);
+    if (!keep.empty() && !keep.count(dom)) continue;
+    if (!bind_host && is_socket_provider(provider) && dom == "lo" && keep.empty()) continue;
+    if (!seen.insert(dom).second) continue;   // one rail per domain (NIC); the first is preferred
+    if (opt.max_rails && d.rails.size() >= opt.max_rails) break;
+    if (d.rails.empty()) {
+      d.provider_full = i->fabric_attr->prov_name;
+      d.mr = MrMode::from(i);
+      d.mr.hmem = d.mr.hmem && hmem;
+      d.fence = i->caps & FI_FENCE;
+      // Without delivery-complete writes each write chunk is followed by a one-byte read of its
+      // last byte (fenced where offered, else ordered read-after-write); with neither, nothing
+      // makes the data visible before the notification.
+      if (!dc && !d.fence && !(i->tx_attr->msg_order & FI_ORDER_RAW))
+        d.warning = "provider " + provider + " offers neither FI_DELIVERY_COMPLETE nor read-after-write "
+                    "ordering: a notification may reach the target before the data it announces";
+    }
+    d.rails.push_back(lib.dupinfo(i));
+  }
+  lib.freeinfo(list);
+  if (d.rails.empty()) {
+    *why = "libfabric provider " + provider + " offers no usable domain" +
+           (opt.domains.empty() ? "" : " among TETHER_FABRIC_DOMAINS=" + opt.domains);
+    return false;
+  }
+  if (provider == "cxi" && lib.version() < FI_VERSION(2, 0))
+    d.warning += "libfabric " + std::to_string(lib.major()) + "." + std::to_string(lib.minor()) +
+                " with the cxi provider: throughput collapses once registrations pass ~1.5 GiB "
+                "(fixed in libfabric 2.0); keep registered regions small or upgrade";
+  *out = std::move(d);
+  return true;
+}
+
+}  // namespace tether::transport::fabric

@@ -1,0 +1,828 @@
+#include "transport/fabric/fabric_transport.h"
+
+#include <rdma/fi_errno.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "core/crypto.h"
+#include "core/endpoint_impl.h"
+#include "core/peer.h"
+#include "core/region.h"
+#include "transport/fabric/discovery.h"
+#include "transport/fabric/libfabric.h"
+#include "transport/fabric/rail.h"
+
+namespace tether::transport::fabric {
+
+using core::ChunkOp;
+using core::PeerState;
+using core::RegionState;
+using wire::FrameType;
+
+struct Lane;
+
+namespace {
+
+constexpr uint32_t kOfferMagic = 0x42414654;  // "TFAB"
+constexpr uint32_t kBounceBuffers = 8;        // posted receives per rail (send/recv chunks)
+constexpr int kIdleWaitMs = 20;               // a sleeping progress thread still notices failed peers
+constexpr int kSpinTurns = 1;                 // idle turns polling before sleeping in the CQ (2 cores: spinning steals the peer's)
+
+// Two-sided messages: a send/recv chunk (header, then payload) and the receiver's answer to it.
+// The sender's chunk is answered only by the ack, i.e. once its bytes are in the recv buffer.
+enum class MsgType : uint8_t { kData = 1, kAck = 2 };
+struct SendHeader {
+  uint64_t session;   // names the peer link on either side
+  uint64_t offset;    // in the message
+  uint64_t length;    // payload bytes that follow
+  uint64_t unit;      // the sender's chunk size (the receiver counts chunks once each)
+  uint32_t token;     // the matched recv (from the core's CTS)
+  uint32_t slot, gen; // the sender's chunk, echoed in the ack
+  uint16_t lane;      // the sender's lane, which is also the receiver's lane on this rail
+  uint16_t flags;     // the chunk's frame flags (resent)
+  uint8_t type;       // MsgType
+  uint8_t status;     // ack: tether Code of the placement
+  uint8_t pad[6];
+};
+static_assert(sizeof(SendHeader) == 56);
+
+enum class OpKind : uint8_t { kWrite, kFlush, kRead, kSend, kAck, kBounce };
+
+// Every posted operation's context: preallocated, recycled, first member a fi_context2.
+struct OpCtx {
+  fi_context2 ctx;
+  OpKind kind = OpKind::kWrite;
+  Lane* lane = nullptr;      // null for bounce buffers
+  uint32_t slot = 0, gen = 0, index = 0;
+  uint64_t length = 0;
+  uint64_t raddr = 0, key = 0;   // writes: where they went (for the flush read)
+};
+
+std::string be_u64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+
+// Offer: magic, session, bounce payload bytes, provider, rail addresses.
+struct Offer {
+  uint64_t session = 0;
+  uint64_t bounce = 0;
+  std::string provider;
+  std::vector<std::string> rails;
+
+  std::string encode() const {
+    std::string o(reinterpret_cast<const char*>(&kOfferMagic), 4);
+    o += be_u64(session) + be_u64(bounce);
+    o += char(uint8_t(provider.size()));
+    o += provider;
+    o += char(uint8_t(rails.size()));
+    for (auto& r : rails) {
+      const uint16_t n = uint16_t(r.size());
+      o.append(reinterpret_cast<const char*>(&n), 2).append(r);
+    }
+    return o;
+  }
+  static bool parse(std::string_view in, Offer* out) {
+    auto take = [&](void* p, size_t n) {
+      if (in.size() < n) return false;
+      std::memcpy(p, in.data(), n);
+      in.remove_prefix(n);
+      return true;
+    };
+    uint32_t magic = 0;
+    uint8_t n = 0;
+    if (!take(&magic, 4) || magic != kOfferMagic || !take(&out->session, 8) || !take(&out->bounce, 8) || !take(&n, 1) ||
+        in.size() < n)
+      return false;
+    out->provider.assign(in.substr(0, n));
+    in.remove_prefix(n);
+    if (!take(&n, 1) || n == 0) return false;
+    for (uint8_t i = 0; i < n; ++i) {
+      uint16_t len = 0;
+      if (!take(&len, 2) || in.size() < len) return false;
+      out->rails.emplace_back(in.substr(0, len));
+      in.remove_prefix(len);
+    }
+    return true;
+  }
+};
+
+// Descriptor extension: u8 rails, then per rail {u64 key, u64 base}.
+bool ext_rail(std::string_view ext, uint32_t rail, uint64_t* key, uint64_t* base) {
+  if (ext.empty() || uint8_t(ext[0]) <= rail || ext.size() < 1 + 16 * size_t(uint8_t(ext[0]))) return false;
+  std::memcpy(key, ext.data() + 1 + 16 * rail, 8);
+  std::memcpy(base, ext.data() + 1 + 16 * rail + 8, 8);
+  return true;
+}
+
+bool connection_error(int err) {
+  switch (err) {
+    case FI_ENOTCONN: case FI_ECONNRESET: case FI_ECONNREFUSED: case FI_ECONNABORTED: case FI_EHOSTUNREACH:
+    case FI_ETIMEDOUT: case FI_ESHUTDOWN: case FI_ENETDOWN: case FI_ENETUNREACH:
+    case FI_ECANCELED:  // flushed: the provider's connection went away under it
+      return true;
+    default:
+      return false;
+  }
+}
+
+int64_t now_ms() { return core::PeerState::now_ms(); }
+
+}  // namespace
+
+class RailThread;
+
+// One peer on one rail.
+struct Lane {
+  std::shared_ptr<PeerState> peer;
+  RailThread* thread = nullptr;
+  uint32_t index = 0;        // lane index within the peer
+  uint32_t rail = 0;         // local rail == remote rail index in the descriptor extension
+  fi_addr_t remote = FI_ADDR_NOTAVAIL;
+  uint64_t session = 0;
+  std::vector<OpCtx> ops;    // one per chunk the lane may have in flight
+  std::vector<uint32_t> free_ops;
+  std::vector<SendHeader> headers;  // registered (FI_MR_LOCAL): [0, window) chunks', then acks
+  RailMr headers_mr;
+  std::vector<OpCtx> ack_ops;       // one per ack header
+  std::vector<uint32_t> free_acks;
+  std::vector<SendHeader> ack_queue; // acks not yet posted (a ring; bounded by the peer's window)
+  size_t ack_head = 0, ack_count = 0;
+  std::vector<uint32_t> flushes;    // write ops whose flush read is not yet posted (a ring)
+  size_t flush_head = 0, flush_count = 0;
+  ChunkOp stalled{};         // pulled but refused with -FI_EAGAIN: posted again after progress
+  bool has_stalled = false;
+  uint32_t inflight = 0;
+  bool dead = false;         // progress thread only
+  bool released = false;
+  int64_t dead_since = 0;
+};
+
+struct FabricPeer {
+  std::vector<std::weak_ptr<Lane>> lanes;
+  std::atomic<uint32_t> next{0};
+};
+
+// A rail and the thread that drives it.
+class RailThread {
+ public:
+  RailThread(class FabricTransportImpl* owner, std::unique_ptr<Rail> rail) : owner_(owner), rail_(std::move(rail)) {}
+  ~RailThread() { join(); }
+  bool start(uint64_t bounce_bytes, std::string* why);
+  void join() {
+    stop_.store(true);
+    rail_->wake();
+    if (thread_.joinable()) thread_.join();
+  }
+  void adopt(std::shared_ptr<Lane> lane) {
+    std::lock_guard lock(mu_);
+    incoming_.push_back(std::move(lane));
+    version_.fetch_add(1, std::memory_order_release);
+    rail_->wake();
+  }
+  void wake() {
+    woken_.store(true, std::memory_order_release);
+    rail_->wake();
+  }
+  Rail& rail() { return *rail_; }
+  void free_bounce();
+  // Lanes still present at stop(): answer their chunks with kCancelled.
+  void cancel_all();
+  // After the thread has ended: close lanes' registrations and let go of them (lanes hold their
+  // peers, which hold the endpoint that owns us).
+  void drop_lanes();
+
+ private:
+  void run();
+  bool drive(Lane& l);
+  ssize_t post(Lane& l, OpCtx& c, const ChunkOp& op);
+  void complete(const fi_cq_msg_entry& e);
+  void failed(OpCtx* c, int err);
+  void bounce_arrived(OpCtx& c, uint64_t len);
+  void retire(Lane& l, Code code);
+
+  FabricTransportImpl* owner_;
+  std::unique_ptr<Rail> rail_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false}, woken_{false};
+  std::mutex mu_;
+  std::vector<std::shared_ptr<Lane>> incoming_;  // guarded by mu_
+  std::atomic<uint64_t> version_{0};
+  std::vector<std::shared_ptr<Lane>> lanes_;     // thread only
+  std::vector<std::shared_ptr<Lane>> retired_;   // kept until stop: late completions still name them
+  std::vector<uint8_t> bounce_;                  // kBounceBuffers x (header + payload)
+  uint64_t bounce_stride_ = 0;
+  RailMr bounce_mr_;
+  std::vector<OpCtx> bounce_ops_;
+};
+
+class FabricTransportImpl final : public Transport {
+ public:
+  explicit FabricTransportImpl(core::EndpointImpl* endpoint);
+  ~FabricTransportImpl() override;
+  const char* name() const override { return "fabric"; }
+  Caps caps() const override {
+    Caps c;
+    c.host_memory = true;
+    c.cuda_memory = disc_.mr.hmem;
+    c.one_sided = true;
+    c.attach_before_answer = true;  // attaching inserts the connector's addresses; nothing to wait for
+    return c;
+  }
+  // Hardware providers beat kernel TCP; libfabric's own tcp/shm providers do not (tether's tcp
+  // transport is faster than tcp;ofi_rxm on the same sockets), so auto picks them only by request.
+  int priority() const override { return disc_.provider == "tcp" || disc_.provider == "shm" ? -1 : 10; }
+  std::string unavailable_reason() const override {
+    if (open_failed_.load(std::memory_order_acquire)) return open_status_.message();
+    return why_;
+  }
+  std::string offer(uint64_t session) override;
+  uint32_t lanes_for(std::string_view remote_offer) const override;
+  Status register_region(RegionState& region, std::string* desc_ext) override;
+  void deregister_region(RegionState& region) override;
+  Status attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& tcp_fds, std::string_view remote_offer,
+                bool initiator) override;
+  void wake(PeerState* peer, uint64_t chunks) override;
+  void stop() override;
+
+  // Progress threads' lookups (brief locks, no system calls under them).
+  void* local_desc(const RegionState* region, uint32_t rail) {
+    std::shared_lock lock(regions_mu_);
+    auto it = regions_.find(region);
+    return it == regions_.end() || rail >= it->second.size() ? nullptr : it->second[rail].desc;
+  }
+  bool local_registered(const RegionState* region) {
+    std::shared_lock lock(regions_mu_);
+    return regions_.count(region) != 0;
+  }
+  std::shared_ptr<PeerState> peer_by_session(uint64_t session) {
+    std::lock_guard lock(sessions_mu_);
+    auto it = sessions_.find(session);
+    return it == sessions_.end() ? nullptr : it->second.lock();
+  }
+  core::EndpointImpl* endpoint() { return endpoint_; }
+  uint64_t bounce_payload() const { return endpoint_->config().chunk_bytes; }
+  int64_t grace_ms() const { return endpoint_->config().peer_timeout_ms; }
+
+ private:
+  Status open_rails();   // lazily, on first offer/registration/attach
+
+  core::EndpointImpl* endpoint_;
+  std::string why_;
+  Discovery disc_;
+  std::mutex open_mu_;
+  bool opened_ = false;
+  Status open_status_;
+  std::atomic<bool> open_failed_{false};
+  std::vector<std::unique_ptr<RailThread>> rails_;
+  std::atomic<bool> stopped_{false};
+
+  std::shared_mutex regions_mu_;
+  std::unordered_map<const RegionState*, std::vector<RailMr>> regions_;
+  std::mutex sessions_mu_;
+  std::unordered_map<uint64_t, std::weak_ptr<PeerState>> sessions_;
+};
+
+// ---------------------------------------------------------------- transport
+
+FabricTransportImpl::FabricTransportImpl(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
+  const Config& c = endpoint->config();
+  std::string why;
+  const Lib* lib = Lib::load(c.fabric_library, &why);
+  if (!lib) {
+    why_ = why;
+    return;
+  }
+  DiscoveryOptions opt;
+  opt.provider = c.fabric_provider;
+  opt.domains = c.fabric_domains;
+  opt.max_rails = c.fabric_rails;
+  opt.host = c.host;
+  opt.delivery_complete = c.fabric_delivery_complete != 0;
+  opt.busy_poll = c.fabric_busy_poll != 0;
+  if (!discover(*lib, opt, &disc_, &why)) {
+    why_ = why;
+    return;
+  }
+  if (!disc_.warning.empty()) {
+    static std::once_flag once;
+    std::call_once(once, [&] { std::fprintf(stderr, "tether: warning: %s\n", disc_.warning.c_str()); });
+  }
+}
+
+FabricTransportImpl::~FabricTransportImpl() {
+  stop();
+  // Registrations close before their domains.
+  for (auto& [region, mrs] : regions_)
+    for (uint32_t i = 0; i < mrs.size() && i < rails_.size(); ++i) rails_[i]->rail().deregister(&mrs[i]);
+  regions_.clear();
+  for (auto& r : rails_) r->free_bounce();
+  rails_.clear();
+}
+
+Status FabricTransportImpl::open_rails() {
+  std::lock_guard lock(open_mu_);
+  if (opened_) return open_status_;
+  opened_ = true;
+  for (uint32_t i = 0; i < disc_.rails.size(); ++i) {
+    std::string why;
+    auto rail = Rail::open(disc_, i, &why);
+    std::unique_ptr<RailThread> t;
+    if (rail) t = std::make_unique<RailThread>(this, std::move(rail));
+    if (!t || !t->start(bounce_payload(), &why)) {
+      if (t) t->free_bounce();
+      for (auto& r : rails_) r->free_bounce();
+      rails_.clear();
+      open_status_ = Status(Code::kUnavailable, why);
+      open_failed_.store(true, std::memory_order_release);
+      return open_status_;
+    }
+    rails_.push_back(std::move(t));
+  }
+  return open_status_ = Status::ok();
+}
+
+std::string FabricTransportImpl::offer(uint64_t session) {
+  if (!open_rails().is_ok()) return {};
+  Offer o;
+  o.session = session;
+  o.bounce = bounce_payload();
+  o.provider = disc_.provider;
+  for (auto& r : rails_) o.rails.push_back(r->rail().address());
+  return o.encode();
+}
+
+uint32_t FabricTransportImpl::lanes_for(std::string_view remote_offer) const {
+  Offer o;
+  if (!Offer::parse(remote_offer, &o)) return 1;  // attach() reports the problem
+  return uint32_t(std::max<size_t>(1, std::min(o.rails.size(), disc_.rails.size())));
+}
+
+// A region fabric cannot register fails registration only where fabric was asked for by name;
+// otherwise its descriptors carry no fabric extension and a fabric peer's chunks say so.
+Status FabricTransportImpl::register_region(RegionState& region, std::string* desc_ext) {
+  const bool required = endpoint_->config().transport == "fabric";
+  Status s = open_rails();
+  if (!s.is_ok()) return required ? s : Status::ok();
+  const bool device = region.kind == MemoryKind::kCuda;
+  if (device && !disc_.mr.hmem) {
+    // No FI_HMEM here: device regions travel through the core's staging path (issue 4); the
+    // descriptor carries no fabric extension, so a fabric peer gets a clear per-chunk error.
+    return Status::ok();
+  }
+  std::vector<RailMr> mrs(rails_.size());
+  std::string ext(1, char(uint8_t(rails_.size())));
+  for (uint32_t i = 0; i < rails_.size(); ++i) {
+    std::string why;
+    // Requested keys (when the provider does not pick them) are random: a key is a capability.
+    if (!rails_[i]->rail().register_memory(region.base, region.size, device ? region.device : -1, tether::crypto::random_u64(),
+                                           !region.readonly, &mrs[i], &why)) {
+      for (uint32_t j = 0; j < i; ++j) rails_[j]->rail().deregister(&mrs[j]);
+      return required ? Status(Code::kUnavailable, why) : Status::ok();
+    }
+    ext += be_u64(mrs[i].key) + be_u64(mrs[i].base);
+  }
+  {
+    std::unique_lock lock(regions_mu_);
+    regions_[&region] = std::move(mrs);
+  }
+  *desc_ext = std::move(ext);
+  return Status::ok();
+}
+
+void FabricTransportImpl::deregister_region(RegionState& region) {
+  std::vector<RailMr> mrs;
+  {
+    std::unique_lock lock(regions_mu_);
+    auto it = regions_.find(&region);
+    if (it == regions_.end()) return;
+    mrs = std::move(it->second);
+    regions_.erase(it);
+  }
+  for (uint32_t i = 0; i < mrs.size() && i < rails_.size(); ++i) rails_[i]->rail().deregister(&mrs[i]);
+}
+
+Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>&,
+                                   std::string_view remote_offer, bool) {
+  if (stopped_.load()) return Status(Code::kCancelled, "endpoint closed");
+  Status s = open_rails();
+  if (!s.is_ok()) return s;
+  Offer o;
+  if (!Offer::parse(remote_offer, &o)) return Status(Code::kProtocolError, "malformed fabric offer from the peer");
+  if (o.provider != disc_.provider)
+    return Status(Code::kUnavailable, "the peer uses libfabric provider '" + o.provider + "', this endpoint '" +
+                                          disc_.provider + "' (set TETHER_FABRIC_PROVIDER alike on both sides)");
+  if (o.bounce < endpoint_->config().chunk_bytes)
+    return Status(Code::kInvalidArgument, "the peer receives send/recv chunks of at most " + std::to_string(o.bounce) +
+                                              " bytes; this endpoint's chunk_bytes is " +
+                                              std::to_string(endpoint_->config().chunk_bytes) + " (set them alike)");
+  const uint32_t window = std::max<uint32_t>(1, endpoint_->config().window);
+  auto state = std::make_shared<FabricPeer>();
+  std::vector<std::shared_ptr<Lane>> lanes;
+  auto undo = [&](Status err) {
+    for (auto& l : lanes) {
+      l->thread->rail().deregister(&l->headers_mr);
+      l->thread->rail().remove(l->remote);
+    }
+    return err;
+  };
+  for (uint32_t i = 0; i < peer->lanes(); ++i) {
+    auto l = std::make_shared<Lane>();
+    l->peer = peer;
+    l->index = i;
+    l->rail = i % rails_.size();
+    l->session = o.session;
+    l->thread = rails_[l->rail].get();
+    Rail& rail = l->thread->rail();
+    std::string why;
+    l->remote = rail.insert(o.rails[i % o.rails.size()], &why);
+    if (l->remote == FI_ADDR_NOTAVAIL) return undo(Status(Code::kConnectionLost, why));
+    l->ops.resize(window);
+    l->flushes.resize(window);
+    l->ack_ops.resize(window);
+    l->ack_queue.resize(2 * size_t(window) + kBounceBuffers);
+    l->headers.resize(2 * size_t(window));
+    for (uint32_t k = 0; k < window; ++k) {
+      l->ops[k].index = k;
+      l->ops[k].lane = l.get();
+      l->free_ops.push_back(window - 1 - k);
+      l->ack_ops[k].index = window + k;
+      l->ack_ops[k].lane = l.get();
+      l->ack_ops[k].kind = OpKind::kAck;
+      l->free_acks.push_back(window - 1 - k);
+    }
+    if (!rail.register_memory(l->headers.data(), l->headers.size() * sizeof(SendHeader), -1, tether::crypto::random_u64(),
+                              false, &l->headers_mr, &why)) {
+      rail.remove(l->remote);
+      return undo(Status(Code::kUnavailable, why));
+    }
+    state->lanes.push_back(l);
+    lanes.push_back(std::move(l));
+  }
+  {
+    std::lock_guard lock(sessions_mu_);
+    for (auto it = sessions_.begin(); it != sessions_.end();) it = it->second.expired() ? sessions_.erase(it) : std::next(it);
+    sessions_[o.session] = peer;
+  }
+  peer->transport_state = state;  // weak references: lanes own the peer
+  for (auto& l : lanes) l->thread->adopt(std::move(l));
+  return Status::ok();
+}
+
+void FabricTransportImpl::wake(PeerState* peer, uint64_t chunks) {
+  auto* state = static_cast<FabricPeer*>(peer->transport_state.get());
+  if (!state || state->lanes.empty()) return;
+  // Round-robin from the next lane: one chunk wakes one rail, many wake them all (striping).
+  const size_t n = state->lanes.size();
+  const size_t k = size_t(std::min<uint64_t>(std::max<uint64_t>(chunks, 1), n));
+  const uint32_t first = state->next.fetch_add(uint32_t(k), std::memory_order_relaxed);
+  for (size_t i = 0; i < k; ++i)
+    if (auto l = state->lanes[(first + i) % n].lock()) l->thread->wake();
+}
+
+void FabricTransportImpl::stop() {
+  if (stopped_.exchange(true)) return;
+  for (auto& r : rails_) r->join();
+  for (auto& r : rails_) r->cancel_all();
+  for (auto& r : rails_) r->drop_lanes();
+}
+
+// ---------------------------------------------------------------- rail threads
+
+bool RailThread::start(uint64_t bounce_bytes, std::string* why) {
+  bounce_stride_ = (sizeof(SendHeader) + bounce_bytes + 63) & ~uint64_t(63);
+  bounce_.resize(bounce_stride_ * kBounceBuffers);
+  if (!rail_->register_memory(bounce_.data(), bounce_.size(), -1, tether::crypto::random_u64(), false, &bounce_mr_, why))
+    return false;
+  bounce_ops_.resize(kBounceBuffers);
+  for (uint32_t i = 0; i < kBounceBuffers; ++i) {
+    OpCtx& c = bounce_ops_[i];
+    c.kind = OpKind::kBounce;
+    c.index = i;
+    ssize_t rc;
+    while ((rc = rail_->post_recv(bounce_.data() + i * bounce_stride_, bounce_stride_, bounce_mr_.desc, &c)) == -FI_EAGAIN) {
+      fi_cq_msg_entry e[8];
+      void* f = nullptr;
+      int err = 0;
+      rail_->poll(e, 8, &f, &err);
+    }
+    if (rc) {
+      *why = "rail " + rail_->domain() + ": fi_recv: " + rail_->lib().error(int(rc));
+      return false;
+    }
+  }
+  thread_ = std::thread([this] { run(); });
+  return true;
+}
+
+void RailThread::free_bounce() {
+  drop_lanes();
+  rail_->deregister(&bounce_mr_);
+}
+
+void RailThread::drop_lanes() {
+  std::lock_guard lock(mu_);
+  for (auto* set : {&lanes_, &retired_, &incoming_}) {
+    for (auto& l : *set) rail_->deregister(&l->headers_mr);
+    set->clear();
+  }
+}
+
+void RailThread::run() {
+  uint64_t seen = ~0ull;
+  int idle = 0;
+  fi_cq_msg_entry done[64];
+  while (!stop_.load(std::memory_order_acquire)) {
+    if (const uint64_t v = version_.load(std::memory_order_acquire); v != seen) {
+      std::lock_guard lock(mu_);
+      seen = v;
+      for (auto& l : incoming_) lanes_.push_back(std::move(l));
+      incoming_.clear();
+    }
+    woken_.store(false, std::memory_order_relaxed);
+    bool busy = false;
+    for (size_t i = 0; i < lanes_.size();) {
+      busy |= drive(*lanes_[i]);
+      if (lanes_[i]->released) {
+        retired_.push_back(std::move(lanes_[i]));
+        lanes_[i] = std::move(lanes_.back());
+        lanes_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    for (size_t i = 0; i < retired_.size();) {
+      if (retired_[i]->inflight == 0) {
+        rail_->deregister(&retired_[i]->headers_mr);
+        retired_[i] = std::move(retired_.back());
+        retired_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+    // Sleep in the completion queue only when nothing is pending: a provider with manual
+    // progress (tcp) moves data, ours and incoming, only while someone reads this queue.
+    const bool sleep = !busy && !woken_.load(std::memory_order_acquire) && ++idle > kSpinTurns;
+    void* bad = nullptr;
+    int err = 0;
+    const ssize_t n = rail_->poll(done, 64, &bad, &err, sleep ? kIdleWaitMs : 0);
+    if (n > 0) {
+      for (ssize_t i = 0; i < n; ++i) complete(done[i]);
+      idle = 0;
+    } else if (n == -FI_EAVAIL) {
+      failed(static_cast<OpCtx*>(bad), err);
+      idle = 0;
+    }
+    if (busy) idle = 0;
+  }
+}
+
+// Pulls and posts what the lane has room for. True if it did anything.
+bool RailThread::drive(Lane& l) {
+  if (l.released) return false;
+  PeerState& peer = *l.peer;
+  if (!l.dead && peer.failed()) {
+    l.dead = true;
+    l.dead_since = now_ms();
+  }
+  if (l.dead) {
+    // Nothing more is posted: flush reads not yet sent fail now, acks are dropped.
+    while (l.flush_count > 0) {
+      OpCtx& c = l.ops[l.flushes[l.flush_head]];
+      l.flush_head = (l.flush_head + 1) % l.flushes.size();
+      --l.flush_count;
+      --l.inflight;
+      l.free_ops.push_back(c.index);
+      peer.answer(l.index, c.slot, c.gen, uint8_t(Code::kConnectionLost));
+    }
+    l.ack_count = 0;
+    // Wait for the provider to hand back what is in flight (it fails them once the connection
+    // is gone), but not forever: after the grace period the lane lets go regardless.
+    if (l.inflight == 0 || now_ms() - l.dead_since > owner_->grace_ms()) retire(l, Code::kConnectionLost);
+    return false;
+  }
+  bool did = false;
+  while (l.flush_count > 0) {
+    OpCtx& c = l.ops[l.flushes[l.flush_head]];
+    const ssize_t rc = rail_->flush_read(&l.headers[c.index], l.headers_mr.desc, l.remote, c.raddr + c.length - 1, c.key, &c);
+    if (rc == -FI_EAGAIN) break;
+    l.flush_head = (l.flush_head + 1) % l.flushes.size();
+    --l.flush_count;
+    did = true;
+    if (rc != 0) {
+      --l.inflight;
+      l.free_ops.push_back(c.index);
+      peer.answer(l.index, c.slot, c.gen, uint8_t(Code::kConnectionLost));
+    }
+  }
+  while (l.ack_count > 0 && !l.free_acks.empty()) {
+    OpCtx& c = l.ack_ops[l.free_acks.back()];
+    SendHeader& sh = l.headers[c.index];
+    sh = l.ack_queue[l.ack_head];
+    iovec iov{&sh, sizeof sh};
+    void* desc = l.headers_mr.desc;
+    const ssize_t rc = rail_->send(&iov, &desc, 1, l.remote, &c);
+    if (rc == -FI_EAGAIN) break;
+    l.free_acks.pop_back();
+    l.ack_head = (l.ack_head + 1) % l.ack_queue.size();
+    --l.ack_count;
+    did = true;
+    if (rc == 0) ++l.inflight;  // else lost: the sender's chunk fails when its peer does
+  }
+  if (!l.has_stalled && !peer.has_work()) return did;
+  while (!l.free_ops.empty()) {
+    if (!l.has_stalled) {
+      if (!peer.next_chunk(l.index, &l.stalled)) break;
+      l.has_stalled = true;
+    }
+    OpCtx& c = l.ops[l.free_ops.back()];
+    const ssize_t rc = post(l, c, l.stalled);
+    if (rc == -FI_EAGAIN) break;  // progress (the CQ read that follows), then retry
+    l.has_stalled = false;
+    did = true;
+    if (rc == 0) {
+      l.free_ops.pop_back();
+      ++l.inflight;
+      continue;
+    }
+    // Refused locally (no registration for this rail, provider error): this chunk fails alone.
+    const wire::FrameHeader& h = l.stalled.hdr;
+    const Code code = rc > 0 ? Code(rc) : Code::kInvalidArgument;
+    peer.answer(l.index, h.slot, h.gen, uint8_t(code));
+  }
+  return did;
+}
+
+// 0 posted, -FI_EAGAIN retry later, <0 provider error, >0 a tether Code for a local refusal.
+ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
+  const wire::FrameHeader& h = op.hdr;
+  c.slot = h.slot;
+  c.gen = h.gen;
+  const core::Segment* seg = op.segment;
+  void* desc = seg && seg->local_region ? owner_->local_desc(seg->local_region, l.rail) : nullptr;
+  if (seg && seg->local_region && !desc && !owner_->local_registered(seg->local_region))
+    return ssize_t(Code::kUnavailable);  // the local region has no fabric registration (device memory without FI_HMEM)
+  switch (FrameType(h.type)) {
+    case FrameType::kWrite:
+    case FrameType::kReadReq: {
+      uint64_t key = 0, base = 0;
+      if (!seg || !seg->entry || !ext_rail(seg->entry->remote.ext_for("fabric"), l.rail, &key, &base))
+        return ssize_t(Code::kNotFound);  // the descriptor carries no fabric registration for this rail
+      const bool write = FrameType(h.type) == FrameType::kWrite;
+      c.kind = write ? OpKind::kWrite : OpKind::kRead;
+      c.length = h.length;
+      c.raddr = base + h.offset;
+      c.key = key;
+      return write ? rail_->write(op.payload, h.length, desc, l.remote, base + h.offset, key, &c)
+                   : rail_->read(op.local, h.length, desc, l.remote, base + h.offset, key, &c);
+    }
+    case FrameType::kSendData: {
+      SendHeader& sh = l.headers[c.index];
+      sh = SendHeader{l.session, h.offset, h.length, h.key, h.region_id, h.slot, h.gen, uint16_t(l.index),
+                      h.flags, uint8_t(MsgType::kData), 0, {}};
+      iovec iov[2] = {{&sh, sizeof sh}, {const_cast<uint8_t*>(op.payload), op.length}};
+      void* descs[2] = {l.headers_mr.desc, desc};
+      c.kind = OpKind::kSend;
+      c.length = op.length;
+      return rail_->send(iov, descs, op.length ? 2 : 1, l.remote, &c);
+    }
+    default:
+      return ssize_t(Code::kProtocolError);
+  }
+}
+
+void RailThread::complete(const fi_cq_msg_entry& e) {
+  auto* c = static_cast<OpCtx*>(e.op_context);
+  if (!c) return;
+  if (c->kind == OpKind::kBounce) {
+    bounce_arrived(*c, e.len);
+    return;
+  }
+  Lane& l = *c->lane;
+  if (c->kind == OpKind::kWrite && c->length > 0 && !rail_->delivery_complete() && !l.released) {
+    // Transmit-complete only: a one-byte read of its last byte, after it, says it is in place.
+    c->kind = OpKind::kFlush;
+    l.flushes[(l.flush_head + l.flush_count++) % l.flushes.size()] = c->index;
+    return;
+  }
+  --l.inflight;
+  if (c->kind == OpKind::kAck) {
+    l.free_acks.push_back(c->index - uint32_t(l.ops.size()));
+    return;
+  }
+  auto& stats = owner_->endpoint()->stats();
+  if (c->kind == OpKind::kRead) stats.bytes_received.fetch_add(c->length, std::memory_order_relaxed);
+  else stats.bytes_sent.fetch_add(c->length, std::memory_order_relaxed);
+  stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
+  l.free_ops.push_back(c->index);
+  // A send chunk is answered by the receiver's ack (its bytes placed), not by its own completion.
+  if (!l.released && c->kind != OpKind::kSend) l.peer->answer(l.index, c->slot, c->gen, 0);
+}
+
+void RailThread::failed(OpCtx* c, int err) {
+  if (!c) return;
+  if (c->kind == OpKind::kBounce) {
+    if (!stop_.load()) bounce_arrived(*c, 0);  // repost
+    return;
+  }
+  Lane& l = *c->lane;
+  --l.inflight;
+  if (c->kind == OpKind::kAck) {
+    l.free_acks.push_back(c->index - uint32_t(l.ops.size()));
+    return;  // the sender's chunk fails with its peer
+  }
+  l.free_ops.push_back(c->index);
+  if (l.released) return;
+  if (connection_error(err)) {
+    l.peer->answer(l.index, c->slot, c->gen, uint8_t(Code::kConnectionLost));
+    // tcp and verbs also drop the connection when the target refuses an access (wrong key,
+    // deregistered region), so the cause may be either; say both.
+    l.peer->fail(Status(Code::kConnectionLost, "fabric rail " + rail_->domain() + " to peer '" + l.peer->info().name +
+                                                   "': " + rail_->lib().error(-err) +
+                                                   " (the peer died, or it refused an access: wrong key or deregistered region)"));
+  } else {
+    // The target refused the access (wrong key, deregistered region, out of its bounds). Some
+    // providers (tcp, verbs) drop the connection with it; what follows then fails as above.
+    l.peer->answer(l.index, c->slot, c->gen, uint8_t(Code::kAccessDenied));
+  }
+}
+
+// A message landed in bounce buffer c: a send chunk (copy it into the matched recv, queue the ack)
+// or an ack (answer our chunk). Then the buffer is posted again.
+void RailThread::bounce_arrived(OpCtx& c, uint64_t len) {
+  uint8_t* buf = bounce_.data() + c.index * bounce_stride_;
+  auto& stats = owner_->endpoint()->stats();
+  SendHeader h{};
+  if (len >= sizeof(SendHeader)) std::memcpy(&h, buf, sizeof h);
+  std::shared_ptr<PeerState> peer = len >= sizeof(SendHeader) ? owner_->peer_by_session(h.session) : nullptr;
+  auto* state = peer ? static_cast<FabricPeer*>(peer->transport_state.get()) : nullptr;
+  std::shared_ptr<Lane> lane = state && h.lane < state->lanes.size() ? state->lanes[h.lane].lock() : nullptr;
+  if (!lane || lane->thread != this) {
+    stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+  } else if (h.type == uint8_t(MsgType::kAck)) {
+    peer->answer(lane->index, h.slot, h.gen, h.status);
+  } else if (h.type == uint8_t(MsgType::kData)) {
+    uint8_t* dest = nullptr;
+    core::TransferState* recv = nullptr;
+    int device = -1;
+    Code code = h.length == len - sizeof(SendHeader)
+                    ? peer->resolve_send_data(h.token, h.offset, h.length, h.unit, h.flags, &dest, &recv, &device)
+                    : Code::kProtocolError;
+    if (code == Code::kOk && device >= 0) {
+      // A GPU recv without FI_HMEM: this transport has no staging ring (docs/FABRIC.md, GPU memory).
+      peer->abandon_send_data(recv);
+      code = Code::kUnavailable;
+    } else if (code == Code::kOk && dest) {
+      std::memcpy(dest, buf + sizeof(SendHeader), h.length);
+      stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+      stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+      peer->send_data_placed(recv, h.offset, h.length);
+    } else if (code != Code::kOk) {
+      stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+    }
+    Lane& l = *lane;
+    if (l.ack_count < l.ack_queue.size()) {
+      SendHeader& ack = l.ack_queue[(l.ack_head + l.ack_count++) % l.ack_queue.size()];
+      ack = h;
+      ack.type = uint8_t(MsgType::kAck);
+      ack.length = 0;
+      ack.status = uint8_t(code);
+    }
+  }
+  // Reposting may meet a full queue: progress and retry (the queue drains as we read it).
+  while (rail_->post_recv(buf, bounce_stride_, bounce_mr_.desc, &c) == -FI_EAGAIN && !stop_.load()) {
+    fi_cq_msg_entry e[1];
+    void* f = nullptr;
+    int err = 0;
+    if (rail_->poll(e, 1, &f, &err) > 0) complete(e[0]);
+  }
+}
+
+void RailThread::retire(Lane& l, Code code) {
+  if (l.released) return;
+  l.released = true;
+  l.has_stalled = false;
+  l.peer->release_lane(l.index, code);  // answers what is still in flight on it
+  if (l.inflight == 0) rail_->remove(l.remote);
+}
+
+void RailThread::cancel_all() {
+  for (auto& l : lanes_) retire(*l, Code::kCancelled);
+  std::lock_guard lock(mu_);
+  for (auto& l : incoming_) retire(*l, Code::kCancelled);
+}
+
+}  // namespace tether::transport::fabric
+
+namespace tether::transport {
+
+std::unique_ptr<Transport> make_fabric_transport(core::EndpointImpl* endpoint) {
+  return std::make_unique<fabric::FabricTransportImpl>(endpoint);
+}
+
+}  // namespace tether::transport

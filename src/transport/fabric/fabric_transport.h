@@ -1,0 +1,26 @@
+// The fabric transport: libfabric reliable-datagram endpoints (cxi, efa, verbs, tcp, shm),
+// one rail per domain (NIC), one progress thread per rail.
+//
+// Writes and reads are one-sided (fi_writemsg with FI_DELIVERY_COMPLETE, fi_read) against the
+// target's registration, whose key and base travel in the descriptor's "fabric" extension; the
+// target's CPU only progresses its provider. Send/recv chunks are two-sided messages into bounce
+// buffers the receiver posts, copied into the matched recv (the core's RTS/CTS picked it).
+// A lane is (peer, rail): lane i of a peer uses local rail i and the peer's rail i. Lanes pull
+// chunks when they have room, so large transfers stripe across rails by drain rate and small ones
+// go to the lane woken next (round-robin).
+#pragma once
+#include <memory>
+
+#include "transport/transport.h"
+
+namespace tether::core {
+class EndpointImpl;
+}
+
+namespace tether::transport {
+
+// Always returns a transport named "fabric"; built without libfabric headers, or when the library
+// or a usable provider is missing at run time, its unavailable_reason() says why.
+std::unique_ptr<Transport> make_fabric_transport(core::EndpointImpl* endpoint);
+
+}  // namespace tether::transport

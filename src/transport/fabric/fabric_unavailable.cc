@@ -1,0 +1,26 @@
+// Built without libfabric headers: the fabric transport exists only to say why it cannot be used.
+#include "transport/fabric/fabric_transport.h"
+
+namespace tether::transport {
+namespace {
+
+class NoFabric final : public Transport {
+ public:
+  const char* name() const override { return "fabric"; }
+  Caps caps() const override { return {}; }
+  std::string unavailable_reason() const override {
+    return "built without libfabric headers (apt install libfabric-dev, then rebuild)";
+  }
+  uint32_t lanes_for(std::string_view) const override { return 0; }
+  Status attach(const std::shared_ptr<core::PeerState>&, const std::vector<int>&, std::string_view, bool) override {
+    return Status(Code::kUnavailable, unavailable_reason());
+  }
+  void wake(core::PeerState*, uint64_t) override {}
+  void stop() override {}
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_fabric_transport(core::EndpointImpl*) { return std::make_unique<NoFabric>(); }
+
+}  // namespace tether::transport
