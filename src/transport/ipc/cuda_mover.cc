@@ -68,8 +68,11 @@ Mapping::~Mapping() {
 }
 
 Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer) {
+  // Held across the open: lanes answering chunks of one allocation at once would otherwise all
+  // open it, and CUDA refuses a second open of a handle in one context (CUDA_ERROR_ALREADY_MAPPED).
+  // Opens happen once per allocation and peer; every later chunk finds the cache.
+  std::lock_guard lock(mu_);
   {
-    std::lock_guard lock(mu_);
     auto it = by_base_.find(ref.base);
     if (it != by_base_.end() && it->second->size == ref.size &&
         std::memcmp(it->second->handle, ref.handle, sizeof ref.handle) == 0)
@@ -108,11 +111,7 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
     m->size = std::min<uint64_t>(size - (m->ptr - base), ref.size);
     if (m->size != ref.size) return Status(Code::kProtocolError, "a peer's GPU allocation is smaller than it says");
   }
-  std::lock_guard lock(mu_);
-  auto& slot = by_base_[ref.base];
-  if (slot && slot->size == m->size && std::memcmp(slot->handle, m->handle, sizeof m->handle) == 0)
-    return slot;  // another lane opened it meanwhile (the driver counted ours: closing it is right)
-  slot = m;       // new, or replaces a freed allocation (closed when its last copy lets go)
+  by_base_[ref.base] = m;  // new, or replaces a freed allocation (closed when its last copy lets go)
   return m;
 }
 
