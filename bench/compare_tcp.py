@@ -56,7 +56,7 @@ def main() -> int:
     rows = []
     ceiling = iperf3()
     pp = pingpong()
-    pair = B.LocalPair({}, 256 << 20)
+    pair = B.LocalPair({"transport": "tcp"}, 256 << 20)  # same host would pick ipc: this compares TCP
     try:
         cases = [
             ("256 MiB write", B.Case("write", 256 << 20, 1, 10, 2, 0, args.check)),

@@ -19,7 +19,7 @@ def main() -> int:
         emit(SYSTEM, "not run", note=f"import tether failed (PYTHONPATH=python?): {e}")
         return 0
     try:
-        pair = B.LocalPair({}, CAPACITY)
+        pair = B.LocalPair({"transport": "tcp"}, CAPACITY)  # the TCP row: same host would pick ipc
     except Exception as e:
         emit(SYSTEM, "not run", note=f"start failed: {type(e).__name__}: {e}")
         return 0
