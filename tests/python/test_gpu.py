@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
+from tether_testutil import LocalMemory, MiB, assert_bytes_equal, assert_poison, rand_bytes
 
 try:
     import torch
@@ -31,25 +31,12 @@ def _dev(kind):
     return d
 
 
-class Local:
+class Local(LocalMemory):
     """This process's side: an endpoint and regions on host or GPU."""
 
     def __init__(self, mode):
-        self.ep = tether.Endpoint(unpack=mode, transport="tcp")  # GPU over TCP staging (issue 4)
-        self.mem = {}
+        super().__init__(tether.Endpoint(unpack=mode, transport="tcp"), _dev)  # GPU over TCP staging (issue 4)
 
-    def region(self, name, kind, size, seed=None):
-        buf = rand_bytes(seed, size) if seed is not None else poisoned(size)
-        d = _dev(kind)
-        obj = buf if d is None else torch.from_numpy(buf).to(f"cuda:{d}")
-        if d is not None:
-            torch.cuda.synchronize(d)
-        self.mem[name] = obj
-        return self.ep.register(obj)
-
-    def get(self, name):
-        obj = self.mem[name]
-        return obj if isinstance(obj, np.ndarray) else obj.cpu().numpy()
 
 
 @pytest.fixture(params=MODES)

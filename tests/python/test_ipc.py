@@ -16,7 +16,7 @@ import tether
 from conftest import CONFIGS
 from tether_testutil import (
     MiB, assert_bytes_equal, assert_poison, client_hello, poisoned, rand_bytes, raw_connect,
-    read_server_hello, refuse_cma, wait_until,
+    read_server_hello, refuse_cma,
 )
 
 T = 20.0

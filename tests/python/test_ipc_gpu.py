@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
+from tether_testutil import LocalMemory, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
 
 try:
     import torch
@@ -32,23 +32,10 @@ def _dev(kind):
     return d
 
 
-class Local:
+class Local(LocalMemory):
     def __init__(self, **kw):
-        self.ep = tether.Endpoint(transport="ipc", **kw)
-        self.mem = {}
+        super().__init__(tether.Endpoint(transport="ipc", **kw), _dev)
 
-    def region(self, name, kind, size, seed=None):
-        buf = rand_bytes(seed, size) if seed is not None else poisoned(size)
-        d = _dev(kind)
-        obj = buf if d is None else torch.from_numpy(buf).to(f"cuda:{d}")
-        if d is not None:
-            torch.cuda.synchronize(d)
-        self.mem[name] = obj
-        return self.ep.register(obj)
-
-    def get(self, name):
-        obj = self.mem[name]
-        return obj if isinstance(obj, np.ndarray) else obj.cpu().numpy()
 
 
 @pytest.fixture

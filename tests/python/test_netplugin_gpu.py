@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import MiB, Child, assert_bytes_equal, assert_poison, poisoned, rand_bytes
+from tether_testutil import Child, LocalMemory, MiB, assert_bytes_equal, assert_poison, rand_bytes
 
 try:
     import torch
@@ -93,7 +93,7 @@ def _env(bounce, mode, device, fault=None):
     return env
 
 
-class Local:
+class Local(LocalMemory):
     """This process's side: a netplugin endpoint and regions on host or GPU."""
 
     def __init__(self, plugin, bounce, mode, **kw):
@@ -105,20 +105,8 @@ class Local:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         assert self.ep.transports()["netplugin"] == "", self.ep.transports()["netplugin"]
-        self.mem = {}
+        super().__init__(self.ep, _dev)
 
-    def region(self, name, kind, size, seed=None):
-        buf = rand_bytes(seed, size) if seed is not None else poisoned(size)
-        d = _dev(kind)
-        obj = buf if d is None else torch.from_numpy(buf).to(f"cuda:{d}")
-        if d is not None:
-            torch.cuda.synchronize(d)
-        self.mem[name] = obj
-        return self.ep.register(obj)
-
-    def get(self, name):
-        obj = self.mem[name]
-        return obj if isinstance(obj, np.ndarray) else obj.cpu().numpy()
 
 
 @pytest.fixture(scope="module", params=[(m, b) for b in BOUNCES for m in MODES], ids=lambda p: f"{p[0]}-{p[1]}bounce")

@@ -49,6 +49,31 @@ DESC_KEY = 48
 # --------------------------------------------------------------------------- data
 
 
+
+class LocalMemory:
+    """This process's side of a two-process GPU test: endpoint `ep` and named regions in host memory
+    or on a GPU; `device(kind)` maps "host" / "gpu0" / "gpu1" to a GPU index, or None for host."""
+
+    def __init__(self, ep, device):
+        self.ep, self.device, self.mem = ep, device, {}
+
+    def region(self, name, kind, size, seed=None):
+        buf = rand_bytes(seed, size) if seed is not None else poisoned(size)
+        d = self.device(kind)
+        if d is None:
+            obj = buf
+        else:
+            import torch
+            obj = torch.from_numpy(buf).to(f"cuda:{d}")
+            torch.cuda.synchronize(d)
+        self.mem[name] = obj
+        return self.ep.register(obj)
+
+    def get(self, name):
+        obj = self.mem[name]
+        return obj if isinstance(obj, np.ndarray) else obj.cpu().numpy()
+
+
 def rand_bytes(seed: int, n: int) -> np.ndarray:
     """Deterministic random bytes (both processes can regenerate the same data from a seed)."""
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
