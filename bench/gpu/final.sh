@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # A short GPU check of every transport (nvidia-h200-x2), for a tight device budget: each step bounded,
 # one summary file ($OUT/summary.txt) and one combined log ($OUT/all.log); the rest stays in /tmp.
+#   bash bench/gpu/final.sh                 every step
+#   bash bench/gpu/final.sh ipc_gpu mesh_sp  only the named steps (names below)
 set -u
+STEPS=" $* "
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L=/tmp/tether-logs; mkdir -p "$L"
 S="$OUT/summary.txt"; : > "$S"
 python3 -m pip install --no-build-isolation -q . > "$L/build.log" 2>&1 || { tail -30 "$L/build.log" | tee -a "$S"; exit 1; }
@@ -11,10 +14,12 @@ PT="python3 -m pytest -q -x -p no:cacheprovider"
 G="--device gpu --local-gpu-idx 0 --remote-gpu-idx 1 --mode write --check --quiet"
 t() {  # name seconds command...: runs it, appends its verdict (and errors) to the summary
   local name=$1 secs=$2; shift 2; local t0=$SECONDS
+  [ "$STEPS" = "  " ] || [[ "$STEPS" == *" $name "* ]] || return 0
   timeout "$secs" "$@" > "$L/$name.log" 2>&1; local rc=$?
   { echo "== $name rc=$rc $((SECONDS - t0))s $(grep -aE '[0-9]+ (passed|failed)' "$L/$name.log" | tail -1)"
     grep -aE "^E |Error:|FAILED|ERROR SUMMARY|^=========.*(Invalid|error)" "$L/$name.log" | head -6
-    grep -aE "GB/s|MET|ratio|│ (write|read)" "$L/$name.log" | head -12; } >> "$S"
+    grep -aE "GB/s|MET|ratio|│ (write|read)" "$L/$name.log" | head -12
+    grep -aE "^(write |fabric:|peer transport:|env:)" "$L/$name.log" | head -12; } >> "$S"
   cat "$L/$name.log" >> "$OUT/all.log"
 }
 t ipc_gpu 90 $PT tests/python/test_ipc_gpu.py
@@ -26,8 +31,13 @@ t kv_d2d 30 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unpack
 "$CMAKE" -S . -B build/testnet-gpu -DTETHER_BUILD_PYTHON=OFF -DTETHER_BUILD_TEST_PLUGIN=ON -DTETHER_CUDA=OFF \
   -DCMAKE_BUILD_TYPE=Release > "$L/plugin.log" 2>&1 && "$CMAKE" --build build/testnet-gpu --target tether_testnet >> "$L/plugin.log" 2>&1
 TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu 60 $PT tests/python/test_netplugin_gpu.py -k "cuda and kernel"
+TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu_all 120 $PT tests/python/test_netplugin_gpu.py
 t unpack_bench 30 python3 bench/gpu/unpack_bench.py --iters 300
 t mesh_ipc 45 tether bench --full-mesh --device gpu --gpus 2 --transport ipc --sizes 256M --iters 5 --warmup 1 --mode write --check --quiet --nccl default
 t mesh_tcp 40 tether bench --full-mesh --device gpu --gpus 2 --transport tcp --sizes 256M --iters 5 --warmup 1 --mode write --check --quiet
+t mesh_sp_tcp 90 tether bench --full-mesh --device gpu --gpus 2 --single-process --transport tcp --sizes 64M --iters 5 --warmup 1 --mode write --check --quiet
+t fabric_host 120 $PT tests/python/test_fabric.py
+t fabric_gpu_probe 60 python3 bench/gpu/fabric_gpu_probe.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk 33554432
+t env 20 bash -c '{ ldconfig -p | grep -E "libfabric|libcuda.so"; command -v fi_info && fi_info -l; nproc; nvidia-smi --query-gpu=name,driver_version --format=csv; } | sed "s/^/env: /"'
 cat "$S"

@@ -144,14 +144,13 @@ def collect() -> dict[str, Any]:
     fabric = ctypes.util.find_library("fabric")
     transports = {
         "tcp": {"available": True, "why": "kernel sockets"},
-        "ipc": {"available": False, "why": "not in this build yet"},
-        "fabric": {"available": False, "why": "not in this build yet" + ("" if fabric else "; libfabric.so not found")},
-        "netplugin": {"available": False, "why": "not in this build yet"},
     }
+    usable = {"tcp": "kernel sockets", "ipc": "same-host peers: process_vm_readv / memfd segments, CUDA IPC for GPU memory",
+              "netplugin": "NCCL net plugin " + os.environ.get("TETHER_NET_PLUGIN", "")}
     try:
         with tether.Endpoint() as probe:  # what this build reports (fabric: libfabric found, a provider usable)
             for name, why in probe.transports().items():
-                transports[name] = {"available": why == "", "why": why or transports.get(name, {}).get("why", "usable")}
+                transports[name] = {"available": why == "", "why": why or usable.get(name, "usable")}
     except tether.TetherError:
         pass  # a bad TETHER_* setting; the sections below report it
     if transports.get("fabric", {}).get("available"):
