@@ -18,7 +18,7 @@ def main() -> int:
     ngpu = torch.cuda.device_count()
     with tether.Endpoint(transport="fabric") as a, tether.Endpoint(transport="fabric") as b:
         print("fabric:", a.transports().get("fabric") or "usable", "provider", os.environ.get("TETHER_FABRIC_PROVIDER", "auto"))
-        peer = a.connect(b.metadata, timeout=10)
+        peer = a.connect(b.metadata(), timeout=10)
         print("peer transport:", peer.transport)
         for src_dev, dst_dev in (("cpu", "cuda:0"), ("cuda:0", "cpu"), ("cuda:0", f"cuda:{min(1, ngpu - 1)}")):
             src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=src_dev)

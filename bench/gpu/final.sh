@@ -7,6 +7,12 @@ set -u
 STEPS=" $* "
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L=/tmp/tether-logs; mkdir -p "$L"
 S="$OUT/summary.txt"; : > "$S"
+# libfabric's headers are build-time only and the device image lacks them: carry Debian's .deb
+# (`mkdir -p .debs && cd .debs && apt-get download libfabric-dev`, then run with carry=[".debs"]).
+if [ ! -e /usr/include/rdma/fabric.h ] && ls .debs/libfabric-dev_*.deb > /dev/null 2>&1; then
+  dpkg -x .debs/libfabric-dev_*.deb /tmp/libfabric-dev
+  export CMAKE_ARGS="${CMAKE_ARGS:-} -DTETHER_LIBFABRIC_INCLUDE=/tmp/libfabric-dev/usr/include"
+fi
 python3 -m pip install --no-build-isolation -q . > "$L/build.log" 2>&1 || { tail -30 "$L/build.log" | tee -a "$S"; exit 1; }
 CMAKE=$(python3 -c "import cmake; print(cmake.CMAKE_BIN_DIR)" 2>/dev/null)/cmake; [ -x "$CMAKE" ] || CMAKE=cmake
 PLUGIN=$PWD/build/testnet-gpu/libtether_testnet.so
@@ -19,10 +25,12 @@ t() {  # name seconds command...: runs it, appends its verdict (and errors) to t
   { echo "== $name rc=$rc $((SECONDS - t0))s $(grep -aE '[0-9]+ (passed|failed)' "$L/$name.log" | tail -1)"
     grep -aE "^E |Error:|FAILED|ERROR SUMMARY|^=========.*(Invalid|error)" "$L/$name.log" | head -6
     grep -aE "GB/s|MET|ratio|│ (write|read)" "$L/$name.log" | head -12
-    grep -aE "^(write |fabric:|peer transport:|env:)" "$L/$name.log" | head -12; } >> "$S"
+    grep -aE "^(write |fabric:|peer transport:|env:)" "$L/$name.log" | head -12
+    grep -aE "^(FAIL|HANG) |^    " "$L/$name.log" | head -80; } >> "$S"
   cat "$L/$name.log" >> "$OUT/all.log"
 }
 t ipc_gpu 90 $PT tests/python/test_ipc_gpu.py
+t ipc_gpu_each 240 bash bench/gpu/each_test.sh tests/python/test_ipc_gpu.py 30
 t tcp_vectored 50 $PT tests/python/test_gpu.py -k vectored
 t memcheck 45 compute-sanitizer --tool memcheck --target-processes all --report-api-errors no --error-exitcode 9 \
   $PT tests/python/test_gpu.py -k "vectored and kernel and gpu0-gpu1"

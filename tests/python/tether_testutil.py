@@ -389,6 +389,13 @@ class _Agent:
 
     def cmd_fill(self, name, fill):
         kind, arg = fill
+        if name in self.gpu:
+            import torch
+            g = self.gpu[name]
+            buf = rand_bytes(arg, g.numel()) if kind == "seed" else poisoned(g.numel(), arg)
+            g.copy_(torch.from_numpy(buf))
+            torch.cuda.synchronize(g.device)
+            return
         b = self.buffers[name]
         b[:] = rand_bytes(arg, b.size) if kind == "seed" else arg
 
