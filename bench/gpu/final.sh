@@ -25,7 +25,7 @@ t() {  # name seconds command...: runs it, appends its verdict (and errors) to t
   { echo "== $name rc=$rc $((SECONDS - t0))s $(grep -aE '[0-9]+ (passed|failed)' "$L/$name.log" | tail -1)"
     grep -aE "^E |Error:|FAILED|ERROR SUMMARY|^=========.*(Invalid|error)" "$L/$name.log" | head -6
     grep -aE "GB/s|MET|ratio|│ (write|read)" "$L/$name.log" | head -12
-    grep -aE "^(write |fabric:|peer transport:|env:)" "$L/$name.log" | head -12
+    grep -aE "^(write |fabric:|peer transport:|env:|pull|push|bytes)" "$L/$name.log" | head -12
     grep -aE "^(FAIL|HANG) |^    " "$L/$name.log" | head -80; } >> "$S"
   cat "$L/$name.log" >> "$OUT/all.log"
 }
@@ -47,5 +47,6 @@ t mesh_sp_tcp 90 tether bench --full-mesh --device gpu --gpus 2 --single-process
 t fabric_host 120 $PT tests/python/test_fabric.py
 t fabric_gpu_probe 60 python3 bench/gpu/fabric_gpu_probe.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk 33554432
+t nvlink_probe 40 python3 bench/gpu/nvlink_probe.py
 t env 20 bash -c '{ ldconfig -p | grep -E "libfabric|libcuda.so"; command -v fi_info && fi_info -l; nproc; nvidia-smi --query-gpu=name,driver_version --format=csv; } | sed "s/^/env: /"'
 cat "$S"

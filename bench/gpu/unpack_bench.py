@@ -3,7 +3,8 @@
 reach >= 70% of the device-to-device copy bandwidth measured in the same run.
 
 Runs tether's own kernel (the fatbin embedded in the module, launched by src/gpu/copy_kernel.cc
-exactly as the netplugin unpacker does: descriptor upload + one launch per chunk) against one
+exactly as the netplugin unpacker does: one launch per chunk, its descriptors carried in the
+launch parameters) against one
 cuMemcpyAsync per fragment (d2d) and one contiguous cuMemcpyAsync of the same bytes. CUDA events time
 each method back to back ("stream") and one operation at a time ("alone"); every destination byte is
 checked once per method (the check always runs; --check is accepted for symmetry with other benches).

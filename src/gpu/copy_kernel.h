@@ -1,6 +1,6 @@
-// The fragment copy kernel (kernels.cu: tether_copy_frags), loaded per device on first use, and one
-// launch over a descriptor block of (src, dst, len) triples. Shared by the staging ring (tcp), the
-// net-plugin unpacker and the ipc transport (peer pointers of another process's GPU memory).
+// The fragment copy kernel (kernels.cu), loaded per device on first use, and launches of it over
+// (src, dst, len) triples. Shared by the staging ring (tcp), the net-plugin unpacker and the ipc
+// transport (peer pointers of another process's GPU memory).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -10,13 +10,17 @@
 
 namespace tether::gpu {
 
-// The kernel in device `device`'s primary context, or kUnavailable (no nvcc at build time, or a GPU
-// architecture missing from the fatbin).
-Result<CUfunction> copy_kernel(int device);
+// Most triples one launch carries (the larger kernel's parameter block); launch_copy splits beyond.
+constexpr uint32_t kCopyFragsPerLaunch = 1344;
 
-// Launches the kernel on `stream` (device `device`, whose context the caller made current) over `n`
-// triples at `table` (device memory, or memory the device can read); `longest`: the longest length,
-// which sizes the grid. Asynchronous: record an event after it.
-Status launch_copy(int device, CUstream stream, CUdeviceptr table, uint32_t n, uint64_t longest);
+// Status of the kernels on device `device`: ok, or kUnavailable (no nvcc at build time, or a GPU
+// architecture missing from the fatbin). Loads them on first use.
+Status copy_kernel(int device);
+
+// Copies `n` (src, dst, len) triples read from host memory `triples` (any unified addresses the
+// device can reach: its memory, peer GPU memory, mapped pinned host memory) on `stream` of device
+// `device`, whose context the caller made current. The triples travel as kernel parameters, so
+// `triples` may be reused as soon as this returns. Asynchronous: record an event after it.
+Status launch_copy(int device, CUstream stream, const uint64_t* triples, uint32_t n);
 
 }  // namespace tether::gpu

@@ -1,37 +1,54 @@
 // GPU copy kernels, compiled to a fatbin at build time and loaded with cuModuleLoadData at run time.
-// One kernel serves gather (many GPU blocks -> one staging chunk), unpack (one received chunk -> many
-// destinations) and the net-plugin's scattered 4 KiB fragments: a descriptor block of (source,
-// destination, length), one launch per chunk.
+// One kernel body serves gather (many GPU blocks -> one staging chunk), unpack (one received chunk ->
+// many destinations), the net-plugin's scattered 4 KiB fragments and ipc batches over peer pointers:
+// a list of (source, destination, length) triples, one launch per chunk.
+//
+// The triples travel inside the launch, as a __grid_constant__ kernel parameter (up to 32 KiB since
+// CUDA 12.1 on Volta and later): no descriptor upload precedes the copy and no thread copies the list.
+// Two sizes, so a launch of a few fragments does not ship 32 KiB of parameters.
 #include <cstdint>
 
 struct Frag {
   unsigned long long src, dst, len;
 };
 
-// gridDim.y walks fragments, gridDim.x splits a fragment; 16-byte loads when both ends are aligned.
-extern "C" __global__ void __launch_bounds__(256) tether_copy_frags(const Frag* __restrict__ frags, unsigned n) {
-  for (unsigned f = blockIdx.y; f < n; f += gridDim.y) {
-    const Frag fr = frags[f];
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const char* __restrict__ s = reinterpret_cast<const char*>(fr.src);
-    char* __restrict__ d = reinterpret_cast<char*>(fr.dst);
-    unsigned long long done = 0;
-    if (((fr.src | fr.dst) & 15) == 0) {
-      const unsigned long long nv = fr.len / 16;
-      const uint4* __restrict__ sv = reinterpret_cast<const uint4*>(s);
-      uint4* __restrict__ dv = reinterpret_cast<uint4*>(d);
-      unsigned long long i = first;
-      for (; i + 3 * stride < nv; i += 4 * stride) {  // four loads in flight per thread
-        const uint4 a = sv[i], b = sv[i + stride], c = sv[i + 2 * stride], e = sv[i + 3 * stride];
-        dv[i] = a;
-        dv[i + stride] = b;
-        dv[i + 2 * stride] = c;
-        dv[i + 3 * stride] = e;
-      }
-      for (; i < nv; i += stride) dv[i] = sv[i];
-      done = nv * 16;
+template <unsigned K>
+struct Frags {
+  unsigned long long n;
+  Frag f[K];
+};
+
+// gridDim.x splits a fragment, gridDim.y walks fragments; 16-byte loads when both ends are aligned,
+// four in flight per thread where the fragment is long enough.
+__device__ __forceinline__ void copy_frag(const Frag& fr) {
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const char* __restrict__ s = reinterpret_cast<const char*>(fr.src);
+  char* __restrict__ d = reinterpret_cast<char*>(fr.dst);
+  unsigned long long done = 0;
+  if (((fr.src | fr.dst) & 15) == 0) {
+    const unsigned long long nv = fr.len / 16;
+    const uint4* __restrict__ sv = reinterpret_cast<const uint4*>(s);
+    uint4* __restrict__ dv = reinterpret_cast<uint4*>(d);
+    unsigned long long i = first;
+    for (; i + 3 * stride < nv; i += 4 * stride) {
+      const uint4 a = sv[i], b = sv[i + stride], c = sv[i + 2 * stride], e = sv[i + 3 * stride];
+      dv[i] = a;
+      dv[i + stride] = b;
+      dv[i + 2 * stride] = c;
+      dv[i + 3 * stride] = e;
     }
-    for (unsigned long long i = done + first; i < fr.len; i += stride) d[i] = s[i];
+    for (; i < nv; i += stride) dv[i] = sv[i];
+    done = nv * 16;
   }
+  for (unsigned long long i = done + first; i < fr.len; i += stride) d[i] = s[i];
 }
+
+template <unsigned K>
+__device__ __forceinline__ void copy_all(const Frags<K>& p) {
+  for (unsigned long long f = blockIdx.y; f < p.n; f += gridDim.y) copy_frag(p.f[f]);
+}
+
+// Sizes must match copy_kernel.cc (kSmall, kLarge).
+extern "C" __global__ void __launch_bounds__(256) tether_copy_frags_96(const __grid_constant__ Frags<96> p) { copy_all(p); }
+extern "C" __global__ void __launch_bounds__(256) tether_copy_frags_1344(const __grid_constant__ Frags<1344> p) { copy_all(p); }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 
 #include "gpu/copy_kernel.h"
@@ -50,8 +51,8 @@ const char* unpack_name(Unpack u) {
 bool kernels_available(std::string* why) {
 #ifdef TETHER_HAVE_KERNELS
   if (!cuda(why)) return false;
-  auto k = copy_kernel(0);
-  if (!k.is_ok() && why) *why = k.status().message();
+  Status k = copy_kernel(0);
+  if (!k.is_ok() && why) *why = k.message();
   return k.is_ok();
 #else
   if (why) *why = "this build has no GPU kernels (nvcc was not found at build time)";
@@ -73,7 +74,6 @@ StagingRing::~StagingRing() {
       }
       if (d.stream) a->cuStreamDestroy(d.stream);
       if (d.scratch) a->cuMemFree(d.scratch);
-      if (d.table) a->cuMemFree(d.table);
     }
     if (s.host) a->cuMemFreeHost(s.host);
   }
@@ -89,9 +89,9 @@ Result<StagingSlot*> StagingRing::acquire(int device) {
       if (!a) return Status(Code::kUnavailable, why);
       if (Status st = use_device(device); !st.is_ok()) return st;  // pinned allocations need a context
       void* p = nullptr;
-      const uint64_t bytes = capacity_ + uint64_t(max_fragments_) * 3 * sizeof(uint64_t);
-      if (Status st = check("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, kHostAllocPortable | kHostAllocDeviceMap)); !st.is_ok())
+      if (Status st = check("cuMemHostAlloc", a->cuMemHostAlloc(&p, capacity_, kHostAllocPortable | kHostAllocDeviceMap)); !st.is_ok())
         return st;
+      s.table = std::make_unique<uint64_t[]>(size_t(max_fragments_) * 3);
       s.host = static_cast<uint8_t*>(p);
       s.capacity = capacity_;
       s.per_device.resize(size_t(device_count()));
@@ -125,27 +125,21 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
   auto host_at = [&](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(s.host + f.offset); };
   auto ptr = [](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(f.ptr); };
   if (mode == Unpack::kKernel && n > 1 && direct_kernel()) {
-    // The kernel reads (unpack) or writes (gather) the pinned slot itself over PCIe, and reads its
-    // descriptor block from there too: one launch, no copy through device scratch memory.
-    if (auto fn = copy_kernel(device); !fn.is_ok()) return fn.status();
-    auto* table = reinterpret_cast<uint64_t*>(s.host + capacity_);
-    uint64_t longest = 0;
+    // The kernel reads (unpack) or writes (gather) the pinned slot itself over PCIe: one launch, no
+    // copy through device scratch memory.
+    uint64_t* table = s.table.get();
     for (uint32_t i = 0; i < n; ++i) {
       table[3 * i + 0] = to_slot ? ptr(frags[i]) : host_at(frags[i]);
       table[3 * i + 1] = to_slot ? host_at(frags[i]) : ptr(frags[i]);
       table[3 * i + 2] = frags[i].length;
-      longest = std::max(longest, frags[i].length);
     }
-    if (Status st = launch_copy(device, d.stream, reinterpret_cast<CUdeviceptr>(table), n, longest); !st.is_ok()) return st;
+    if (Status st = launch_copy(device, d.stream, table, n); !st.is_ok()) return st;
   } else if (mode == Unpack::kKernel && n > 1) {
-    if (auto fn = copy_kernel(device); !fn.is_ok()) return fn.status();
-    if (!d.scratch) {
+    if (Status st = copy_kernel(device); !st.is_ok()) return st;
+    if (!d.scratch)
       if (Status st = check("cuMemAlloc", a->cuMemAlloc(&d.scratch, capacity_)); !st.is_ok()) return st;
-      if (Status st = check("cuMemAlloc", a->cuMemAlloc(&d.table, max_fragments_ * 3 * sizeof(uint64_t))); !st.is_ok()) return st;
-    }
-    // The descriptor block lives in pinned memory after the payload, so its upload is truly async.
-    auto* table = reinterpret_cast<uint64_t*>(s.host + capacity_);
-    uint64_t begin = UINT64_MAX, extent = 0, longest = 0;  // only [begin, extent) of the slot moves
+    uint64_t* table = s.table.get();
+    uint64_t begin = UINT64_MAX, extent = 0;  // only [begin, extent) of the slot moves
     for (uint32_t i = 0; i < n; ++i) {
       begin = std::min(begin, frags[i].offset);
       const uint64_t scratch = d.scratch + frags[i].offset;
@@ -153,19 +147,14 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
       table[3 * i + 1] = to_slot ? scratch : ptr(frags[i]);
       table[3 * i + 2] = frags[i].length;
       extent = std::max(extent, frags[i].offset + frags[i].length);
-      longest = std::max(longest, frags[i].length);
     }
-    if (Status st = check("cuMemcpyAsync(descriptors)", a->cuMemcpyAsync(d.table, reinterpret_cast<CUdeviceptr>(table),
-                                                                        n * 3 * sizeof(uint64_t), d.stream));
-        !st.is_ok())
-      return st;
     if (!to_slot) {
       if (Status st = check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(d.scratch + begin, reinterpret_cast<CUdeviceptr>(s.host + begin),
                                                                            extent - begin, d.stream));
           !st.is_ok())
         return st;
     }
-    if (Status st = launch_copy(device, d.stream, d.table, n, longest); !st.is_ok()) return st;
+    if (Status st = launch_copy(device, d.stream, table, n); !st.is_ok()) return st;
     if (to_slot) {
       if (Status st = check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), d.scratch + begin,
                                                                             extent - begin, d.stream));

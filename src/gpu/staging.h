@@ -15,7 +15,7 @@ namespace tether::gpu {
 
 // How received bytes reach scattered destinations (TETHER_UNPACK / Config::unpack).
 enum class Unpack : uint8_t {
-  kKernel,  // one copy of the chunk to the GPU, then one kernel launch with a descriptor block
+  kKernel,  // one kernel launch per chunk over its fragments (descriptors travel in the launch)
   kD2D,     // one async copy per fragment
   kHost,    // synchronous copies through host memory (debugging)
 };
@@ -38,11 +38,10 @@ struct StagingSlot {
   struct PerDevice {
     CUstream stream = nullptr;
     CUevent event = nullptr;
-    CUdeviceptr scratch = 0;   // device copy of the chunk (kernel mode), `capacity` bytes
-    CUdeviceptr table = 0;     // descriptor block (kernel mode)
+    CUdeviceptr scratch = 0;   // device copy of the chunk (kernel mode, scratch staging), `capacity` bytes
   };
   std::vector<PerDevice> per_device;
-  std::unique_ptr<uint64_t[]> table;  // host side of the descriptor block: (src, dst, len) triples
+  std::unique_ptr<uint64_t[]> table;  // (src, dst, len) triples of the kernel launch, built here
 };
 
 class StagingRing {

@@ -23,14 +23,14 @@ struct Resources {
   const CudaApi* a = nullptr;
   CUstream stream = nullptr;
   CUevent ev[2] = {nullptr, nullptr};
-  CUdeviceptr bounce = 0, dest = 0, table = 0;
+  CUdeviceptr bounce = 0, dest = 0;
   uint64_t* host_table = nullptr;
   ~Resources() {
     if (stream) a->cuStreamSynchronize(stream);
     for (CUevent e : ev)
       if (e) a->cuEventDestroy(e);
     if (stream) a->cuStreamDestroy(stream);
-    for (CUdeviceptr p : {bounce, dest, table})
+    for (CUdeviceptr p : {bounce, dest})
       if (p) a->cuMemFree(p);
     if (host_table) a->cuMemFreeHost(host_table);
   }
@@ -56,7 +56,6 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
   TRY("cuEventCreate", a->cuEventCreate(&r.ev[1], 0));
   TRY("cuMemAlloc", a->cuMemAlloc(&r.bounce, chunk_bytes));
   TRY("cuMemAlloc", a->cuMemAlloc(&r.dest, chunk_bytes));
-  TRY("cuMemAlloc", a->cuMemAlloc(&r.table, n * 3 * sizeof(uint64_t)));
   void* ht = nullptr;
   TRY("cuMemHostAlloc", a->cuMemHostAlloc(&ht, n * 3 * sizeof(uint64_t), kHostAllocPortable));
   r.host_table = static_cast<uint64_t*>(ht);
@@ -82,9 +81,7 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
 
   auto op = [&](const std::string& method) -> Status {
     if (method == "kernel") {  // what the netplugin unpacker does per receive
-      TRY("cuMemcpyAsync(descriptors)", a->cuMemcpyAsync(r.table, reinterpret_cast<CUdeviceptr>(r.host_table),
-                                                         n * 3 * sizeof(uint64_t), r.stream));
-      return launch_copy(device, r.stream, r.table, uint32_t(n), frag_bytes);
+      return launch_copy(device, r.stream, r.host_table, uint32_t(n));
     }
     if (method == "d2d") {
       for (uint64_t i = 0; i < n; ++i)

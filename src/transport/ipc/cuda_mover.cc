@@ -125,8 +125,6 @@ CudaLane::~CudaLane() {
     a->cuStreamSynchronize(v.stream);
     if (v.event) a->cuEventDestroy(v.event);
     a->cuStreamDestroy(v.stream);
-    if (v.table) a->cuMemFree(v.table);
-    if (v.host_table) a->cuMemFreeHost(v.host_table);
   }
   if (bounce_) a->cuMemFreeHost(bounce_);
 }
@@ -167,22 +165,7 @@ Status CudaLane::copy_many(int device, const uint64_t* triples, uint32_t n, bool
   Dev& d = *got.value();
   const CudaApi* a = gpu::cuda();
   if (kernel) {
-    const uint64_t bytes = uint64_t(kMaxCopyTriples) * 3 * sizeof(uint64_t);
-    if (!d.table) {
-      if (Status s = check("cuMemAlloc", a->cuMemAlloc(&d.table, bytes)); !s.is_ok()) return s;
-      void* p = nullptr;
-      if (Status s = check("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, gpu::kHostAllocPortable)); !s.is_ok()) return s;
-      d.host_table = static_cast<uint64_t*>(p);
-    }
-    // The previous launch has completed (every call waits), so the pinned block is free to refill.
-    uint64_t longest = 0;
-    for (uint32_t i = 0; i < n; ++i) longest = std::max(longest, triples[3 * i + 2]);
-    std::memcpy(d.host_table, triples, size_t(n) * 3 * sizeof(uint64_t));
-    if (Status s = check("cuMemcpyAsync(descriptors)",
-                         a->cuMemcpyAsync(d.table, reinterpret_cast<CUdeviceptr>(d.host_table), size_t(n) * 3 * sizeof(uint64_t), d.stream));
-        !s.is_ok())
-      return s;
-    if (Status s = gpu::launch_copy(device, d.stream, d.table, n, longest); !s.is_ok()) return s;
+    if (Status s = gpu::launch_copy(device, d.stream, triples, n); !s.is_ok()) return s;
   } else {
     for (uint32_t i = 0; i < n; ++i)
       if (triples[3 * i + 2] > 0)

@@ -86,8 +86,6 @@ class CudaLane {
   struct Dev {
     gpu::CUstream stream = nullptr;
     gpu::CUevent event = nullptr;
-    gpu::CUdeviceptr table = 0;  // device copy of the descriptor block
-    uint64_t* host_table = nullptr;  // pinned
   };
   Result<Dev*> ready(int device);
   Status finish(Dev& d, const char* what);

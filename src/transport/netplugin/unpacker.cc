@@ -33,16 +33,14 @@ class CopyUnpacker final : public Unpacker {
       (void)gpu::use_device(int(d));
       a->cuEventDestroy(p.event);
       a->cuStreamDestroy(p.stream);
-      if (p.table) a->cuMemFree(p.table);
     }
-    if (host_table_) a->cuMemFreeHost(host_table_);
   }
 
   const char* name() const override { return bounce_on_gpu_ ? gpu::unpack_name(mode_) : "host"; }
 
   Status start(const netabi::UnpackEntry* frags, uint64_t n, const uint8_t* bounce, uint8_t* dest,
                int dest_device) override {
-    wait();  // one copy in flight: its resources (stream order, descriptor block) are reused below
+    wait();  // one copy in flight: its stream order and triples are reused below
     if (!bounce_on_gpu_ && dest_device < 0) {  // host to host: done when the loop is
       for (uint64_t i = 0; i < n; ++i) std::memcpy(dest + frags[i].dst_off, bounce + frags[i].src_off, frags[i].len);
       return Status::ok();
@@ -106,7 +104,6 @@ class CopyUnpacker final : public Unpacker {
   struct PerDevice {
     gpu::CUstream stream = nullptr;
     gpu::CUevent event = nullptr;
-    CUdeviceptr table = 0;  // descriptor block on the GPU (kernel mode, bounce device only)
   };
 
   Status ready(int device, PerDevice** out) {
@@ -122,39 +119,23 @@ class CopyUnpacker final : public Unpacker {
     return Status::ok();
   }
 
-  // One receive: its descriptor block (bounce + src_off, dest + dst_off, len) goes up from pinned
-  // memory on the stream, then one launch of the shared copy kernel.
+  // One receive: its (bounce + src_off, dest + dst_off, len) triples, one launch of the shared copy
+  // kernel (the triples travel in the launch).
   Status launch(PerDevice& p, int device, const netabi::UnpackEntry* frags, uint64_t n, const uint8_t* bounce,
                 uint8_t* dest) {
-    const gpu::CudaApi* a = gpu::cuda();
-    constexpr size_t kTableBytes = netabi::kUnpackMaxEntries * 3 * sizeof(uint64_t);
-    if (!host_table_) {
-      void* h = nullptr;
-      if (Status s = cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&h, kTableBytes, gpu::kHostAllocPortable)); !s.is_ok())
-        return s;
-      host_table_ = static_cast<uint64_t*>(h);
-    }
-    if (!p.table)
-      if (Status s = cuda_check("cuMemAlloc", a->cuMemAlloc(&p.table, kTableBytes)); !s.is_ok()) return s;
-    uint64_t longest = 0;
     for (uint64_t i = 0; i < n; ++i) {
-      host_table_[3 * i + 0] = reinterpret_cast<uint64_t>(bounce + frags[i].src_off);
-      host_table_[3 * i + 1] = reinterpret_cast<uint64_t>(dest + frags[i].dst_off);
-      host_table_[3 * i + 2] = frags[i].len;
-      longest = std::max<uint64_t>(longest, frags[i].len);
+      triples_[3 * i + 0] = reinterpret_cast<uint64_t>(bounce + frags[i].src_off);
+      triples_[3 * i + 1] = reinterpret_cast<uint64_t>(dest + frags[i].dst_off);
+      triples_[3 * i + 2] = frags[i].len;
     }
-    if (Status s = cuda_check("cuMemcpyAsync(descriptors)",
-                              a->cuMemcpyAsync(p.table, reinterpret_cast<CUdeviceptr>(host_table_), n * 3 * sizeof(uint64_t), p.stream));
-        !s.is_ok())
-      return s;
-    return gpu::launch_copy(device, p.stream, p.table, uint32_t(n), longest);
+    return gpu::launch_copy(device, p.stream, triples_, uint32_t(n));
   }
 
   const gpu::Unpack mode_;
   const bool bounce_on_gpu_;
   const int bounce_device_;
   std::vector<PerDevice> per_device_;
-  uint64_t* host_table_ = nullptr;  // pinned; rewritten only after the last copy has completed
+  uint64_t triples_[3 * netabi::kUnpackMaxEntries];  // the launch's descriptors, built per receive
   int pending_ = -1;                // device of the copy in flight, -1: none
 };
 
