@@ -29,7 +29,7 @@ t() {  # name seconds command...: runs it, appends its verdict (and errors) to t
     grep -aE "^(FAIL|HANG) |^    " "$L/$name.log" | head -80; } >> "$S"
   cat "$L/$name.log" >> "$OUT/all.log"
 }
-t ipc_gpu 90 $PT tests/python/test_ipc_gpu.py
+t ipc_gpu 300 $PT tests/python/test_ipc_gpu.py
 t ipc_gpu_each 240 bash bench/gpu/each_test.sh tests/python/test_ipc_gpu.py 30
 t tcp_vectored 50 $PT tests/python/test_gpu.py -k vectored
 t memcheck 45 compute-sanitizer --tool memcheck --target-processes all --report-api-errors no --error-exitcode 9 \

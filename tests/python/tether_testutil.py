@@ -361,6 +361,8 @@ class _Agent:
     def cmd_register(self, name, size, fill=("poison", POISON), readonly=None, as_bytes=False, device=None):
         kind, arg = fill
         buf = rand_bytes(arg, size) if kind == "seed" else poisoned(size, arg)
+        self.gpu.pop(name, None)  # a name reused for another kind of memory: get/fill must see the new one
+        self.buffers.pop(name, None)
         if device is not None:  # a torch tensor on GPU `device`
             import torch
             self.gpu[name] = torch.from_numpy(buf).to(f"cuda:{device}")
