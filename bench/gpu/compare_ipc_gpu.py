@@ -33,9 +33,11 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--check", action="store_true", help="also verify every byte (separate pass)")
     ap.add_argument("--channels", type=int, default=8)
-    ap.add_argument("--gpu-chunk", type=int, default=16 << 20)
+    ap.add_argument("--gpu-chunk", type=int, default=None, help="ipc_gpu_chunk_bytes (default: the endpoint's)")
     args = ap.parse_args()
-    opts = dict(transport="ipc", channels=args.channels, ipc_gpu_chunk_bytes=args.gpu_chunk, window=64)
+    opts = dict(transport="ipc", channels=args.channels, window=64)
+    if args.gpu_chunk:
+        opts["ipc_gpu_chunk_bytes"] = args.gpu_chunk
     cap = 256 << 20
     cases = [
         ("1 MiB", B.Case("write", 1 << 20, 1, 2000, 100, 16, args.check)),

@@ -36,13 +36,14 @@ def main() -> int:
     rows = tether._tether.unpack_bench(a.device, chunk, frag, a.iters, a.seed)
     by = {r["method"]: r for r in rows}
     print(f"GPU {a.device}: {chunk >> 10} KiB chunks of {chunk // frag} shuffled {frag} B fragments, {a.iters} iterations")
-    print(f"{'method':<12}{'stream GB/s':>14}{'alone GB/s':>14}{'bad bytes':>12}")
+    print(f"{'method':<12}{'stream GB/s':>14}{'alone GB/s':>14}{'host us/op':>12}{'bad bytes':>12}")
     for r in rows:
-        print(f"{r['method']:<12}{r['stream_gbps']:>14.1f}{r['alone_gbps']:>14.1f}{r['mismatches']:>12}")
+        print(f"{r['method']:<12}{r['stream_gbps']:>14.1f}{r['alone_gbps']:>14.1f}{r['host_us']:>12.2f}{r['mismatches']:>12}")
     ratios = {}
     for kind in ("stream", "alone"):
         base = by["contiguous"][f"{kind}_gbps"]
         ratios[f"kernel/contiguous ({kind})"] = by["kernel"][f"{kind}_gbps"] / base
+        ratios[f"kernel-wide/contiguous ({kind})"] = by["kernel-wide"][f"{kind}_gbps"] / base
         ratios[f"d2d/contiguous ({kind})"] = by["d2d"][f"{kind}_gbps"] / base
     for k, v in ratios.items():
         print(f"{k:<28}{v:>8.2f}")

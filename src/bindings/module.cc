@@ -317,6 +317,7 @@ NB_MODULE(_tether, m) {
           nb::dict d;
           d["method"] = r.method;
           d["stream_gbps"] = r.stream_gbps;
+          d["host_us"] = r.host_us;
           d["alone_gbps"] = r.alone_gbps;
           d["mismatches"] = r.mismatches;
           out.append(d);

@@ -1,6 +1,7 @@
 #include "gpu/copy_kernel.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -14,20 +15,29 @@ namespace tether::gpu {
 namespace {
 
 constexpr unsigned kThreads = 256;  // the kernels' __launch_bounds__
-constexpr uint32_t kSmall = 96;     // kernels.cu: tether_copy_frags_96
-constexpr uint32_t kLarge = kCopyFragsPerLaunch;  // tether_copy_frags_1344
-static_assert(8 + 24 * kLarge <= 32764, "CUDA's kernel parameter limit");
 
-// The kernels' parameter block, laid out as kernels.cu's Frags<K>.
+// Parameter blocks, laid out as kernels.cu's Frags<K> (wide: 24 bytes a fragment) and Pieces<K>
+// (compact: 32-bit offsets from two bases, 12 bytes). The driver copies the whole block into every
+// launch, so a launch uses the smallest block its fragments fit.
 template <uint32_t K>
-struct Params {
+struct Wide {
   uint64_t n;
   uint64_t f[3 * K];
 };
+template <uint32_t K>
+struct Compact {
+  uint64_t src_base, dst_base, n;
+  uint32_t p[3 * K];
+};
+constexpr std::array<uint32_t, 2> kWide = {96, kCopyFragsPerLaunch};
+constexpr std::array<uint32_t, 3> kCompact = {128, 1024, kCopyFragsPerLaunch};
+static_assert(sizeof(Wide<kWide[1]>) <= 32764 && sizeof(Compact<kCompact[2]>) <= 32764, "CUDA's parameter limit");
+
 
 struct KernelModule {
   std::once_flag once;
-  CUfunction small = nullptr, large = nullptr;
+  CUfunction wide[kWide.size()] = {};
+  CUfunction compact[kCompact.size()] = {};
   std::string why;
 };
 
@@ -36,21 +46,58 @@ KernelModule& module(int device) {
   return modules[size_t(device)];
 }
 
-template <uint32_t K>
-Status launch(CUfunction fn, CUstream stream, const uint64_t* triples, uint32_t n) {
-  Params<K> p;  // on this thread's stack: the driver copies it into the launch
-  p.n = n;
-  uint64_t longest = 0;
-  std::memcpy(p.f, triples, size_t(n) * 3 * sizeof(uint64_t));
-  for (uint32_t i = 0; i < n; ++i) longest = std::max(longest, triples[3 * i + 2]);
-  // gridDim.x: one 256-thread block per 16 KiB of the longest fragment (up to 1024), gridDim.y: one
-  // row per fragment. A 4 KiB fragment gets one block, one 16-byte load per thread; the whole chunk
-  // is resident in one wave on a Hopper GPU.
+// gridDim.x: one 256-thread block per 16 KiB of the longest fragment (up to 1024), gridDim.y: one row
+// per fragment. A 4 KiB fragment gets one block, one 16-byte load per thread; a 4 MiB chunk of them
+// is resident in one wave on a Hopper GPU.
+Status go(CUfunction fn, CUstream stream, void* params, uint32_t n, uint64_t longest) {
   const unsigned gx = unsigned(std::clamp<uint64_t>((longest + kThreads * 64 - 1) / (kThreads * 64), 1, 1024));
-  void* args[] = {&p};
+  void* args[] = {params};
   if (CUresult r = cuda()->cuLaunchKernel(fn, gx, n, 1, kThreads, 1, 1, 0, stream, args, nullptr); r != kCudaSuccess)
-    return Status(Code::kInternal, cuda_error("cuLaunchKernel(tether_copy_frags)", r));
+    return Status(Code::kInternal, cuda_error("cuLaunchKernel(tether copy kernel)", r));
   return Status::ok();
+}
+
+template <uint32_t K>
+Status launch_wide(CUfunction fn, CUstream stream, const uint64_t* t, uint32_t n, uint64_t longest) {
+  Wide<K> p;  // on this thread's stack: the driver copies it into the launch
+  p.n = n;
+  std::memcpy(p.f, t, size_t(n) * 3 * sizeof(uint64_t));
+  return go(fn, stream, &p, n, longest);
+}
+
+template <uint32_t K>
+Status launch_compact(CUfunction fn, CUstream stream, const uint64_t* t, uint32_t n, uint64_t src_base,
+                      uint64_t dst_base, uint64_t longest) {
+  Compact<K> p;
+  p.src_base = src_base;
+  p.dst_base = dst_base;
+  p.n = n;
+  for (uint32_t i = 0; i < n; ++i) {
+    p.p[3 * i + 0] = uint32_t(t[3 * i + 0] - src_base);
+    p.p[3 * i + 1] = uint32_t(t[3 * i + 1] - dst_base);
+    p.p[3 * i + 2] = uint32_t(t[3 * i + 2]);
+  }
+  return go(fn, stream, &p, n, longest);
+}
+
+// One launch of n <= kCopyFragsPerLaunch triples.
+Status launch_one(const KernelModule& m, CUstream stream, const uint64_t* t, uint32_t n, CopyForm form) {
+  uint64_t src_lo = UINT64_MAX, dst_lo = UINT64_MAX, src_hi = 0, dst_hi = 0, longest = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    src_lo = std::min(src_lo, t[3 * i]);
+    dst_lo = std::min(dst_lo, t[3 * i + 1]);
+    src_hi = std::max(src_hi, t[3 * i] + t[3 * i + 2]);
+    dst_hi = std::max(dst_hi, t[3 * i + 1] + t[3 * i + 2]);
+    longest = std::max(longest, t[3 * i + 2]);
+  }
+  const bool compact = form != CopyForm::kWide && src_hi - src_lo <= UINT32_MAX && dst_hi - dst_lo <= UINT32_MAX;
+  if (compact) {
+    if (n <= kCompact[0]) return launch_compact<kCompact[0]>(m.compact[0], stream, t, n, src_lo, dst_lo, longest);
+    if (n <= kCompact[1]) return launch_compact<kCompact[1]>(m.compact[1], stream, t, n, src_lo, dst_lo, longest);
+    return launch_compact<kCompact[2]>(m.compact[2], stream, t, n, src_lo, dst_lo, longest);
+  }
+  if (n <= kWide[0]) return launch_wide<kWide[0]>(m.wide[0], stream, t, n, longest);
+  return launch_wide<kWide[1]>(m.wide[1], stream, t, n, longest);
 }
 
 }  // namespace
@@ -68,33 +115,33 @@ Status copy_kernel(int device) {
       m.why = cuda_error("cuModuleLoadData(tether kernels)", r) + ": this GPU's architecture may be missing from the build";
       return;
     }
-    CUfunction small = nullptr, large = nullptr;
-    if (CUresult r = a->cuModuleGetFunction(&small, mod, "tether_copy_frags_96"); r != kCudaSuccess) {
-      m.why = cuda_error("cuModuleGetFunction(tether_copy_frags_96)", r);
-      return;
-    }
-    if (CUresult r = a->cuModuleGetFunction(&large, mod, "tether_copy_frags_1344"); r != kCudaSuccess) {
-      m.why = cuda_error("cuModuleGetFunction(tether_copy_frags_1344)", r) + " (kernel parameters over 4 KiB need CUDA 12.1+)";
-      return;
-    }
-    m.small = small;
-    m.large = large;
+    auto get = [&](const std::string& name, CUfunction* out) {
+      if (CUresult r = a->cuModuleGetFunction(out, mod, name.c_str()); r != kCudaSuccess) {
+        m.why = cuda_error(("cuModuleGetFunction(" + name + ")").c_str(), r);
+        *out = nullptr;
+        return false;
+      }
+      return true;
+    };
+    for (size_t i = 0; i < kWide.size(); ++i)
+      if (!get("tether_copy_frags_" + std::to_string(kWide[i]), &m.wide[i])) return;
+    for (size_t i = 0; i < kCompact.size(); ++i)
+      if (!get("tether_copy_pieces_" + std::to_string(kCompact[i]), &m.compact[i])) return;
 #else
     m.why = "this build has no GPU kernels (nvcc was not found at build time; see TETHER_CUDA in CMakeLists.txt)";
 #endif
   });
-  if (!m.large) return Status(Code::kUnavailable, m.why);
+  if (!m.compact[kCompact.size() - 1]) return Status(Code::kUnavailable, m.why);
   return Status::ok();
 }
 
-Status launch_copy(int device, CUstream stream, const uint64_t* triples, uint32_t n) {
+Status launch_copy(int device, CUstream stream, const uint64_t* triples, uint32_t n, CopyForm form) {
   if (n == 0) return Status::ok();
   if (Status s = copy_kernel(device); !s.is_ok()) return s;
   const KernelModule& m = module(device);
   while (n > 0) {
-    const uint32_t k = std::min(n, kLarge);
-    Status s = k <= kSmall ? launch<kSmall>(m.small, stream, triples, k) : launch<kLarge>(m.large, stream, triples, k);
-    if (!s.is_ok()) return s;
+    const uint32_t k = std::min(n, kCopyFragsPerLaunch);
+    if (Status s = launch_one(m, stream, triples, k, form); !s.is_ok()) return s;
     triples += 3 * size_t(k);
     n -= k;
   }

@@ -10,8 +10,12 @@
 
 namespace tether::gpu {
 
-// Most triples one launch carries (the larger kernel's parameter block); launch_copy splits beyond.
+// Most triples one launch carries (the largest wide parameter block); launch_copy splits beyond.
 constexpr uint32_t kCopyFragsPerLaunch = 1344;
+
+// How the triples travel: kAuto picks the compact form (12 bytes a fragment) when every source and
+// every destination lies within a 4 GiB window, else the wide one (24); kWide forces it (benchmarks).
+enum class CopyForm { kAuto, kWide };
 
 // Status of the kernels on device `device`: ok, or kUnavailable (no nvcc at build time, or a GPU
 // architecture missing from the fatbin). Loads them on first use.
@@ -21,6 +25,6 @@ Status copy_kernel(int device);
 // device can reach: its memory, peer GPU memory, mapped pinned host memory) on `stream` of device
 // `device`, whose context the caller made current. The triples travel as kernel parameters, so
 // `triples` may be reused as soon as this returns. Asynchronous: record an event after it.
-Status launch_copy(int device, CUstream stream, const uint64_t* triples, uint32_t n);
+Status launch_copy(int device, CUstream stream, const uint64_t* triples, uint32_t n, CopyForm form = CopyForm::kAuto);
 
 }  // namespace tether::gpu

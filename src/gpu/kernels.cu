@@ -5,7 +5,9 @@
 //
 // The triples travel inside the launch, as a __grid_constant__ kernel parameter (up to 32 KiB since
 // CUDA 12.1 on Volta and later): no descriptor upload precedes the copy and no thread copies the list.
-// Two sizes, so a launch of a few fragments does not ship 32 KiB of parameters.
+// The launch ships the whole parameter block whatever the count, so there are several sizes, and a
+// compact form (32-bit offsets from two bases, 12 bytes a fragment instead of 24) for the common case
+// of fragments within 4 GiB windows (a bounce buffer and a destination region).
 #include <cstdint>
 
 struct Frag {
@@ -49,6 +51,31 @@ __device__ __forceinline__ void copy_all(const Frags<K>& p) {
   for (unsigned long long f = blockIdx.y; f < p.n; f += gridDim.y) copy_frag(p.f[f]);
 }
 
-// Sizes must match copy_kernel.cc (kSmall, kLarge).
-extern "C" __global__ void __launch_bounds__(256) tether_copy_frags_96(const __grid_constant__ Frags<96> p) { copy_all(p); }
-extern "C" __global__ void __launch_bounds__(256) tether_copy_frags_1344(const __grid_constant__ Frags<1344> p) { copy_all(p); }
+struct Piece {
+  unsigned src, dst, len;  // offsets from the bases, length
+};
+
+template <unsigned K>
+struct Pieces {
+  unsigned long long src_base, dst_base, n;
+  Piece p[K];
+};
+
+template <unsigned K>
+__device__ __forceinline__ void copy_all(const Pieces<K>& p) {
+  for (unsigned long long f = blockIdx.y; f < p.n; f += gridDim.y) {
+    const Piece q = p.p[f];
+    copy_frag(Frag{p.src_base + q.src, p.dst_base + q.dst, q.len});
+  }
+}
+
+// Names and sizes must match copy_kernel.cc.
+#define TETHER_WIDE(K) \
+  extern "C" __global__ void __launch_bounds__(256) tether_copy_frags_##K(const __grid_constant__ Frags<K> p) { copy_all(p); }
+#define TETHER_COMPACT(K) \
+  extern "C" __global__ void __launch_bounds__(256) tether_copy_pieces_##K(const __grid_constant__ Pieces<K> p) { copy_all(p); }
+TETHER_WIDE(96)
+TETHER_WIDE(1344)
+TETHER_COMPACT(128)
+TETHER_COMPACT(1024)
+TETHER_COMPACT(1344)

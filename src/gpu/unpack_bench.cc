@@ -1,6 +1,7 @@
 #include "gpu/unpack_bench.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <numeric>
 
@@ -80,9 +81,8 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
   TRY("cuMemcpy(bounce)", a->cuMemcpy(r.bounce, reinterpret_cast<CUdeviceptr>(pattern.data()), chunk_bytes));
 
   auto op = [&](const std::string& method) -> Status {
-    if (method == "kernel") {  // what the netplugin unpacker does per receive
-      return launch_copy(device, r.stream, r.host_table, uint32_t(n));
-    }
+    if (method == "kernel" || method == "kernel-wide")  // what the netplugin unpacker does per receive
+      return launch_copy(device, r.stream, r.host_table, uint32_t(n), method == "kernel" ? CopyForm::kAuto : CopyForm::kWide);
     if (method == "d2d") {
       for (uint64_t i = 0; i < n; ++i)
         TRY("cuMemcpyAsync", a->cuMemcpyAsync(r.host_table[3 * i + 1], r.host_table[3 * i], frag_bytes, r.stream));
@@ -98,7 +98,7 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
   };
 
   std::vector<UnpackBenchRow> rows;
-  for (const char* method : {"kernel", "d2d", "contiguous"}) {
+  for (const char* method : {"kernel", "kernel-wide", "d2d", "contiguous"}) {
     UnpackBenchRow row;
     row.method = method;
     TRY("cuMemcpy(poison)", a->cuMemcpy(r.dest, reinterpret_cast<CUdeviceptr>(poison.data()), chunk_bytes));
@@ -106,8 +106,10 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
       if (Status s = op(method); !s.is_ok()) return s;
     // Back to back.
     TRY("cuEventRecord", a->cuEventRecord(r.ev[0], r.stream));
+    const auto t0 = std::chrono::steady_clock::now();
     for (uint32_t i = 0; i < iters; ++i)
       if (Status s = op(method); !s.is_ok()) return s;
+    row.host_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
     TRY("cuEventRecord", a->cuEventRecord(r.ev[1], r.stream));
     float ms = 0;
     if (Status s = elapsed_ms(&ms); !s.is_ok()) return s;

@@ -1,9 +1,11 @@
 // The unpack microbenchmark (issue 8's performance line): on one GPU, a chunk of shuffled pages in a
-// bounce buffer is unpacked to a destination (a) by the shared copy kernel (descriptor upload + one
-// launch, as the netplugin unpacker does it), (b) by one cuMemcpyAsync per page (d2d), and (c) the
-// same bytes by one contiguous cuMemcpyAsync: the device-to-device copy bandwidth it is held to.
-// Each is timed with CUDA events twice: back to back (`stream`: what the host can submit) and one
-// operation at a time (`alone`: the GPU's time per operation). Every destination byte is checked.
+// bounce buffer is unpacked to a destination (a) by the shared copy kernel (one launch carrying the
+// descriptors, as the netplugin unpacker does it; `kernel` in the compact form it picks, `kernel-wide`
+// forced to 24-byte descriptors), (b) by one cuMemcpyAsync per page (d2d), and (c) the same bytes by
+// one contiguous cuMemcpyAsync: the device-to-device copy bandwidth it is held to. Each is timed with
+// CUDA events twice: back to back (`stream`) and one operation at a time (`alone`); `host_us` is the
+// host's time to submit one operation in the back-to-back loop (above the GPU's time per operation,
+// the host sets the pace). Every destination byte is checked.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -14,9 +16,10 @@
 namespace tether::gpu {
 
 struct UnpackBenchRow {
-  std::string method;     // "kernel", "d2d" or "contiguous"
+  std::string method;     // "kernel", "kernel-wide", "d2d" or "contiguous"
   double stream_gbps = 0;  // iters back to back, first event to last
   double alone_gbps = 0;   // sum of per-operation event times, each operation waited for
+  double host_us = 0;      // host time to submit one operation, back to back
   uint64_t mismatches = 0; // destination bytes that differ from the expected unpack
 };
 

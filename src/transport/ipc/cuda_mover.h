@@ -68,7 +68,7 @@ class CudaImports {
 };
 
 // One lane's CUDA resources, used by its thread only: a stream and event per GPU (created on first
-// use), a pinned bounce buffer for host bytes on their way to or from a GPU, a descriptor block.
+// use), a pinned bounce buffer for host bytes on their way to or from a GPU.
 class CudaLane {
  public:
   CudaLane() = default;

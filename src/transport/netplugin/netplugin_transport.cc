@@ -184,7 +184,7 @@ NetpluginTransport::NetpluginTransport(core::EndpointImpl* endpoint) : endpoint_
     }
     devices_.push_back(p.take());
   }
-  // Each lane makes its own unpacker (its streams and descriptor block); the mode is checked here once.
+  // Each lane makes its own unpacker (its streams and descriptors); the mode is checked here once.
   if (Status s = check_unpack_mode(cfg.unpack, any_gpu_bounce); !s.is_ok()) {
     unavailable_ = s.message();
     return;

@@ -6,7 +6,7 @@
 // Bounce pages in host memory: a memcpy per fragment into host destinations; GPU destinations get
 // one cuMemcpyAsync per fragment (the kernel cannot read pageable host memory).
 // Bounce pages in GPU memory (TCPX devmem), by TETHER_UNPACK:
-//   kernel  one descriptor block upload and one tether_copy_frags launch per receive, on the
+//   kernel  one launch of the shared copy kernel per receive (descriptors in the launch), on the
 //           bounce buffer's GPU; done = its CUDA event. Destinations in host memory or on another
 //           GPU get the d2d path (the kernel would need mapped or peer memory).
 //   d2d     one cuMemcpyAsync per fragment (UVA: any destination); done = the CUDA event.
