@@ -25,7 +25,7 @@ t() {  # name seconds command...: runs it, appends its verdict (and errors) to t
   { echo "== $name rc=$rc $((SECONDS - t0))s $(grep -aE '[0-9]+ (passed|failed)' "$L/$name.log" | tail -1)"
     grep -aE "^E |Error:|FAILED|ERROR SUMMARY|^=========.*(Invalid|error)" "$L/$name.log" | head -6
     grep -aE "GB/s|MET|ratio|│ (write|read)" "$L/$name.log" | head -12
-    grep -aE "^(write |fabric:|peer transport:|env:|pull|push|bytes)" "$L/$name.log" | head -12
+    grep -aE "^(write |fabric:|peer transport:|env:|pull|push|bytes|kernel|d2d|contiguous)|NCCL" "$L/$name.log" | head -12
     grep -aE "^(FAIL|HANG) |^    " "$L/$name.log" | head -80; } >> "$S"
   cat "$L/$name.log" >> "$OUT/all.log"
 }
@@ -36,11 +36,19 @@ t memcheck 45 compute-sanitizer --tool memcheck --target-processes all --report-
   $PT tests/python/test_gpu.py -k "vectored and kernel and gpu0-gpu1"
 t kv_kernel 30 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unpack kernel
 t kv_d2d 30 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unpack d2d
+t kv_host 60 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unpack host --iters 5
+for u in kernel d2d host; do t contig_$u 40 tether bench --transport tcp $G --sizes 64M --unpack $u; done
+t tcp256 60 tether bench --transport tcp $G --sizes 256M --iters 10
+t nccl_socket 150 python3 bench/peers/run.py --only nccl-socket
 "$CMAKE" -S . -B build/testnet-gpu -DTETHER_BUILD_PYTHON=OFF -DTETHER_BUILD_TEST_PLUGIN=ON -DTETHER_CUDA=OFF \
   -DCMAKE_BUILD_TYPE=Release > "$L/plugin.log" 2>&1 && "$CMAKE" --build build/testnet-gpu --target tether_testnet >> "$L/plugin.log" 2>&1
 TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu 60 $PT tests/python/test_netplugin_gpu.py -k "cuda and kernel"
 TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu_all 120 $PT tests/python/test_netplugin_gpu.py
 t unpack_bench 30 python3 bench/gpu/unpack_bench.py --iters 300
+t unpack_bench16 30 python3 bench/gpu/unpack_bench.py --iters 300 --frag-kib 16
+for tr in netplugin tcp; do
+  TETHER_NET_PLUGIN=$PLUGIN TETHER_TESTNET_BOUNCE=cuda t np_beside_$tr 60 tether bench --transport $tr $G --sizes 4M,64M
+done
 t mesh_ipc 45 tether bench --full-mesh --device gpu --gpus 2 --transport ipc --sizes 256M --iters 5 --warmup 1 --mode write --check --quiet --nccl default
 t mesh_tcp 40 tether bench --full-mesh --device gpu --gpus 2 --transport tcp --sizes 256M --iters 5 --warmup 1 --mode write --check --quiet
 t mesh_sp_tcp 90 tether bench --full-mesh --device gpu --gpus 2 --single-process --transport tcp --sizes 64M --iters 5 --warmup 1 --mode write --check --quiet
