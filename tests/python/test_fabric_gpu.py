@@ -100,8 +100,9 @@ def test_read(pair, lk, rk):
 def test_vectored_write_and_read(pair, lk, rk):
     """Scattered blocks of odd sizes both ways (one spans chunks)."""
     local, peer, c = pair
-    n = 4 * MiB
-    blocks = [(i * 40960 + 7 * i, i * 65536 + 3, 1000 + 97 * i) for i in range(48)] + [(2 * MiB, 3 * MiB - 5, 1536 * 1024)]
+    n = 6 * MiB
+    # disjoint destinations: 48 small blocks below 3.1 MB, one of 1.5 MiB spanning chunks above
+    blocks = [(i * 40960 + 7 * i, i * 65536 + 3, 1000 + 97 * i) for i in range(48)] + [(2 * MiB, 3 * MiB + 524283, 1536 * 1024)]
     desc = c.call("register", "dst", n + 4096, device=_dev(rk))
     src = local.region("src", lk, n, seed=43)
     peer.writev([(src, lo, desc, ro, ln) for lo, ro, ln in blocks]).wait(T)
