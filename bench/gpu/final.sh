@@ -54,6 +54,8 @@ t mesh_tcp 40 tether bench --full-mesh --device gpu --gpus 2 --transport tcp --s
 t mesh_sp_tcp 90 tether bench --full-mesh --device gpu --gpus 2 --single-process --transport tcp --sizes 64M --iters 5 --warmup 1 --mode write --check --quiet
 t fabric_host 120 $PT tests/python/test_fabric.py
 t fabric_gpu_probe 60 python3 bench/gpu/fabric_gpu_probe.py
+t fabric_gpu 240 $PT tests/python/test_fabric_gpu.py
+t fabric_staged 120 $PT tests/python/test_fabric_staged.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk 33554432
 t nvlink_probe 40 python3 bench/gpu/nvlink_probe.py
 t env 20 bash -c '{ ldconfig -p | grep -E "libfabric|libcuda.so"; command -v fi_info && fi_info -l; nproc; nvidia-smi --query-gpu=name,driver_version --format=csv; } | sed "s/^/env: /"'

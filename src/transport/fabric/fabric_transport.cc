@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -19,6 +20,7 @@
 #include "transport/fabric/discovery.h"
 #include "transport/fabric/libfabric.h"
 #include "transport/fabric/rail.h"
+#include "transport/fabric/stage.h"
 
 namespace tether::transport::fabric {
 
@@ -35,26 +37,38 @@ constexpr uint32_t kOfferMagic = 0x42414654;  // "TFAB"
 constexpr uint32_t kBounceBuffers = 8;        // posted receives per rail (send/recv chunks)
 constexpr int kIdleWaitMs = 20;               // a sleeping progress thread still notices failed peers
 constexpr int kSpinTurns = 1;                 // idle turns polling before sleeping in the CQ (2 cores: spinning steals the peer's)
+constexpr int64_t kMessageGraceMs = 100;      // a failed peer's lane waits this long for its sends (see drive)
+constexpr uint32_t kStageSlots = 8;           // per lane: chunks of memory libfabric cannot reach, staged at once
+
+// Descriptor extension of a region libfabric cannot reach (device memory without FI_HMEM): zero
+// rails, then this flag. The initiator then moves its chunks two-sided (kWrite/kReadReq messages
+// the target's CPU serves, copying through its bounce buffers).
+constexpr uint8_t kExtTwoSided = 1;
 
 // Two-sided messages: a send/recv chunk (header, then payload) and the receiver's answer to it.
 // The sender's chunk is answered only by the ack, i.e. once its bytes are in the recv buffer.
-enum class MsgType : uint8_t { kData = 1, kAck = 2 };
+// Writes and reads of a region the provider cannot reach (kExtTwoSided) are messages too: the
+// target validates them against its registry like any transport's frames, copies, and answers
+// with kAck (a write, or a refused read) or kReadData (a read's bytes).
+enum class MsgType : uint8_t { kData = 1, kAck = 2, kWrite = 3, kReadReq = 4, kReadData = 5 };
 struct SendHeader {
   uint64_t session;   // names the peer link on either side
-  uint64_t offset;    // in the message
-  uint64_t length;    // payload bytes that follow
-  uint64_t unit;      // the sender's chunk size (the receiver counts chunks once each)
-  uint32_t token;     // the matched recv (from the core's CTS)
+  uint64_t offset;    // in the message (kData) or the target region (kWrite, kReadReq)
+  uint64_t length;    // payload bytes that follow (kReadReq: bytes asked for)
+  uint64_t unit;      // kData: the sender's chunk size (the receiver counts chunks once each); else the descriptor key
+  uint32_t token;     // kData: the matched recv (from the core's CTS); else the target region id
   uint32_t slot, gen; // the sender's chunk, echoed in the ack
   uint16_t lane;      // the sender's lane, which is also the receiver's lane on this rail
   uint16_t flags;     // the chunk's frame flags (resent)
   uint8_t type;       // MsgType
   uint8_t status;     // ack: tether Code of the placement
   uint8_t pad[6];
+  uint64_t desc_offset, desc_length;  // kWrite, kReadReq: the descriptor's range (its key covers it)
 };
-static_assert(sizeof(SendHeader) == 56);
+static_assert(sizeof(SendHeader) == 72);
 
-enum class OpKind : uint8_t { kWrite, kFlush, kRead, kSend, kAck, kBounce };
+enum class OpKind : uint8_t { kWrite, kFlush, kRead, kSend, kAck, kBounce, kResp };
+enum class Phase : uint8_t { kIdle, kPacking, kUnpacking };  // a staged chunk's copy in flight
 
 // Every posted operation's context: preallocated, recycled, first member a fi_context2.
 struct OpCtx {
@@ -64,6 +78,13 @@ struct OpCtx {
   uint32_t slot = 0, gen = 0, index = 0;
   uint64_t length = 0;
   uint64_t raddr = 0, key = 0;   // writes: where they went (for the flush read)
+  // Staged chunks (local memory libfabric cannot reach): the lane's slot, the copy's GPU, and the
+  // chunk itself (posted once its bytes are packed; a read's destination for the unpack).
+  int32_t stage = -1;
+  int32_t device = -1;
+  Phase phase = Phase::kIdle;
+  bool in_use = false;       // taken from the lane's free list, not yet finished
+  ChunkOp op{};
 };
 
 std::string be_u64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
@@ -120,6 +141,12 @@ bool ext_rail(std::string_view ext, uint32_t rail, uint64_t* key, uint64_t* base
   return true;
 }
 
+bool ext_two_sided(std::string_view ext) {
+  return ext.size() >= 2 && uint8_t(ext[0]) == 0 && (uint8_t(ext[1]) & kExtTwoSided);
+}
+
+int device_of(const RegionState* r) { return r && r->kind == MemoryKind::kCuda ? r->device : -1; }
+
 bool connection_error(int err) {
   switch (err) {
     case FI_ENOTCONN: case FI_ECONNRESET: case FI_ECONNREFUSED: case FI_ECONNABORTED: case FI_EHOSTUNREACH:
@@ -157,6 +184,12 @@ struct Lane {
   size_t flush_head = 0, flush_count = 0;
   ChunkOp stalled{};         // pulled but refused with -FI_EAGAIN: posted again after progress
   bool has_stalled = false;
+  // Staging (first use allocates): slots registered on the rail, the copies in and out of them,
+  // and the ops whose copy is in flight, in the order they were started (a ring of op indices).
+  std::unique_ptr<StageMem> stage;
+  std::unique_ptr<Copier> copier;
+  std::vector<uint32_t> copying;
+  size_t copy_head = 0, copy_count = 0;
   uint32_t inflight = 0;
   bool dead = false;         // progress thread only
   bool released = false;
@@ -201,9 +234,18 @@ class RailThread {
   void run();
   bool drive(Lane& l);
   ssize_t post(Lane& l, OpCtx& c, const ChunkOp& op);
+  ssize_t transmit(Lane& l, OpCtx& c, const ChunkOp& op, const uint8_t* payload, uint8_t* local, void* desc);
+  bool drive_copies(Lane& l);
+  void finish(Lane& l, OpCtx& c, Code code);
+  void forget(Lane& l);
   void complete(const fi_cq_msg_entry& e);
   void failed(OpCtx* c, int err);
   void bounce_arrived(OpCtx& c, uint64_t len);
+  void repost(uint32_t i);
+  void hold(uint32_t i, std::shared_ptr<PeerState> peer, std::shared_ptr<Lane> lane, const SendHeader& h,
+            RegionState* pin, core::TransferState* recv, void* dst, const void* src, int device);
+  bool advance(uint32_t i);
+  void queue_ack(Lane& l, const SendHeader& h, Code code);
   void retire(Lane& l, Code code);
 
   FabricTransportImpl* owner_;
@@ -219,6 +261,22 @@ class RailThread {
   uint64_t bounce_stride_ = 0;
   RailMr bounce_mr_;
   std::vector<OpCtx> bounce_ops_;
+  // A bounce buffer kept from being posted again while its message is served: bytes being copied
+  // to or from GPU memory (CUDA event), or a read's answer being sent from response slot i.
+  struct Held {
+    enum State : uint8_t { kIdle, kCopying, kRespond, kSending } state = kIdle;
+    Code code = Code::kOk;
+    std::shared_ptr<PeerState> peer;
+    std::shared_ptr<Lane> lane;
+    SendHeader h{};
+    RegionState* pin = nullptr;          // the target region (registry pin), until the copy is done
+    core::TransferState* recv = nullptr; // kData: the matched recv
+  };
+  std::vector<Held> held_ = std::vector<Held>(kBounceBuffers);
+  uint32_t held_count_ = 0;
+  Copier bounce_copier_{kBounceBuffers};
+  StageMem resp_;                          // read answers of two-sided reads: header + bytes, slot i per bounce buffer i
+  std::vector<OpCtx> resp_ops_;
 };
 
 class FabricTransportImpl final : public Transport {
@@ -229,7 +287,7 @@ class FabricTransportImpl final : public Transport {
   Caps caps() const override {
     Caps c;
     c.host_memory = true;
-    c.cuda_memory = disc_.mr.hmem;
+    c.cuda_memory = true;  // directly with FI_HMEM, else staged (docs/FABRIC.md, GPU memory)
     c.one_sided = true;
     c.attach_before_answer = true;  // attaching inserts the connector's addresses; nothing to wait for
     return c;
@@ -275,6 +333,13 @@ class FabricTransportImpl final : public Transport {
   core::EndpointImpl* endpoint_;
   std::string why_;
   Discovery disc_;
+  // Test knob TETHER_FABRIC_STAGE_HOST=1: host regions are treated like device memory on a provider
+  // without FI_HMEM (not registered; reached through staging and two-sided messages), so that path
+  // runs for real on machines without a GPU.
+  const bool stage_host_ = [] {
+    const char* v = std::getenv("TETHER_FABRIC_STAGE_HOST");
+    return v && *v && std::string(v) != "0";
+  }();
   std::mutex open_mu_;
   bool opened_ = false;
   Status open_status_;
@@ -370,9 +435,10 @@ Status FabricTransportImpl::register_region(RegionState& region, std::string* de
   Status s = open_rails();
   if (!s.is_ok()) return required ? s : Status::ok();
   const bool device = region.kind == MemoryKind::kCuda;
-  if (device && !disc_.mr.hmem) {
-    // No FI_HMEM here: device regions travel through the core's staging path (issue 4); the
-    // descriptor carries no fabric extension, so a fabric peer gets a clear per-chunk error.
+  if (device ? !disc_.mr.hmem : stage_host_) {
+    // The provider cannot reach this memory (no FI_HMEM): no registration. Local chunks go through
+    // the lanes' staging slots; the descriptor tells initiators to send messages the target serves.
+    desc_ext->assign({char(0), char(kExtTwoSided)});
     return Status::ok();
   }
   std::vector<RailMr> mrs(rails_.size());
@@ -444,6 +510,7 @@ Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const
     if (l->remote == FI_ADDR_NOTAVAIL) return undo(Status(Code::kConnectionLost, why));
     l->ops.resize(window);
     l->flushes.resize(window);
+    l->copying.resize(window);
     l->ack_ops.resize(window);
     l->ack_queue.resize(2 * size_t(window) + kBounceBuffers);
     l->headers.resize(2 * size_t(window));
@@ -500,7 +567,10 @@ bool RailThread::start(uint64_t bounce_bytes, std::string* why) {
   if (!rail_->register_memory(bounce_.data(), bounce_.size(), -1, tether::crypto::random_u64(), false, &bounce_mr_, why))
     return false;
   bounce_ops_.resize(kBounceBuffers);
+  resp_ops_.resize(kBounceBuffers);
   for (uint32_t i = 0; i < kBounceBuffers; ++i) {
+    resp_ops_[i].kind = OpKind::kResp;
+    resp_ops_[i].index = i;
     OpCtx& c = bounce_ops_[i];
     c.kind = OpKind::kBounce;
     c.index = i;
@@ -522,15 +592,41 @@ bool RailThread::start(uint64_t bounce_bytes, std::string* why) {
 
 void RailThread::free_bounce() {
   drop_lanes();
+  bounce_copier_.wait_all();
+  resp_.release();
   rail_->deregister(&bounce_mr_);
+}
+
+// True when everything the lane has in flight is a message (sends, acks), no RMA.
+bool only_messages(const Lane& l) {
+  uint32_t n = uint32_t(l.ack_ops.size() - l.free_acks.size());
+  for (const OpCtx& c : l.ops)
+    if (c.in_use) {
+      if (c.kind != OpKind::kSend || c.phase != Phase::kIdle) return false;
+      ++n;
+    }
+  return n == l.inflight;
+}
+
+// A lane's registrations close while its rail lives; its staging copies finish first.
+void RailThread::forget(Lane& l) {
+  rail_->deregister(&l.headers_mr);
+  if (l.copier) l.copier->wait_all();
+  if (l.stage) l.stage->release();
 }
 
 void RailThread::drop_lanes() {
   std::lock_guard lock(mu_);
   for (auto* set : {&lanes_, &retired_, &incoming_}) {
-    for (auto& l : *set) rail_->deregister(&l->headers_mr);
+    for (auto& l : *set) forget(*l);
     set->clear();
   }
+  bounce_copier_.wait_all();
+  for (Held& h : held_) {
+    if (h.pin) h.pin->unpin();
+    h = Held{};
+  }
+  held_count_ = 0;
 }
 
 void RailThread::run() {
@@ -557,13 +653,21 @@ void RailThread::run() {
       }
     }
     for (size_t i = 0; i < retired_.size();) {
-      if (retired_[i]->inflight == 0) {
-        rail_->deregister(&retired_[i]->headers_mr);
+      Lane& l = *retired_[i];
+      if (l.copy_count > 0) busy |= drive_copies(l);  // staged copies still finish before their slots go
+      if (l.inflight == 0) {
+        forget(l);
         retired_[i] = std::move(retired_.back());
         retired_.pop_back();
       } else {
         ++i;
       }
+    }
+    // Bounce buffers held for a GPU copy (polled: CUDA events cannot wake the CQ) or an answer to send.
+    if (held_count_ > 0) {
+      for (uint32_t i = 0; i < kBounceBuffers; ++i)
+        if (held_[i].state == Held::kCopying || held_[i].state == Held::kRespond) advance(i);
+      busy = true;
     }
     // Sleep in the completion queue only when nothing is pending: a provider with manual
     // progress (tcp) moves data, ours and incoming, only while someone reads this queue.
@@ -582,7 +686,7 @@ void RailThread::run() {
   }
 }
 
-// Pulls and posts what the lane has room for. True if it did anything.
+// Pulls and posts what the lane has room for. True if it did anything (or copies are in flight).
 bool RailThread::drive(Lane& l) {
   if (l.released) return false;
   PeerState& peer = *l.peer;
@@ -590,23 +694,25 @@ bool RailThread::drive(Lane& l) {
     l.dead = true;
     l.dead_since = now_ms();
   }
+  bool did = l.copy_count > 0 && drive_copies(l);
   if (l.dead) {
     // Nothing more is posted: flush reads not yet sent fail now, acks are dropped.
     while (l.flush_count > 0) {
       OpCtx& c = l.ops[l.flushes[l.flush_head]];
       l.flush_head = (l.flush_head + 1) % l.flushes.size();
       --l.flush_count;
-      --l.inflight;
-      l.free_ops.push_back(c.index);
-      peer.answer(l.index, c.slot, c.gen, uint8_t(Code::kConnectionLost));
+      finish(l, c, Code::kConnectionLost);
     }
     l.ack_count = 0;
     // Wait for the provider to hand back what is in flight (it fails them once the connection
-    // is gone), but not forever: after the grace period the lane lets go regardless.
-    if (l.inflight == 0 || now_ms() - l.dead_since > owner_->grace_ms()) retire(l, Code::kConnectionLost);
-    return false;
+    // is gone), but not forever: after the grace period the lane lets go regardless. Messages are
+    // let go sooner: rxm keeps a rendezvous send to a dead peer forever, and only that peer would
+    // ever read its buffer.
+    const int64_t waited = now_ms() - l.dead_since;
+    if (l.inflight == 0 || waited > owner_->grace_ms() || (waited > kMessageGraceMs && only_messages(l)))
+      retire(l, Code::kConnectionLost);
+    return did;
   }
-  bool did = false;
   while (l.flush_count > 0) {
     OpCtx& c = l.ops[l.flushes[l.flush_head]];
     const ssize_t rc = rail_->flush_read(&l.headers[c.index], l.headers_mr.desc, l.remote, c.raddr + c.length - 1, c.key, &c);
@@ -614,11 +720,7 @@ bool RailThread::drive(Lane& l) {
     l.flush_head = (l.flush_head + 1) % l.flushes.size();
     --l.flush_count;
     did = true;
-    if (rc != 0) {
-      --l.inflight;
-      l.free_ops.push_back(c.index);
-      peer.answer(l.index, c.slot, c.gen, uint8_t(Code::kConnectionLost));
-    }
+    if (rc != 0) finish(l, c, Code::kConnectionLost);
   }
   while (l.ack_count > 0 && !l.free_acks.empty()) {
     OpCtx& c = l.ack_ops[l.free_acks.back()];
@@ -634,7 +736,7 @@ bool RailThread::drive(Lane& l) {
     did = true;
     if (rc == 0) ++l.inflight;  // else lost: the sender's chunk fails when its peer does
   }
-  if (!l.has_stalled && !peer.has_work()) return did;
+  if (!l.has_stalled && !peer.has_work()) return did || l.copy_count > 0;
   while (!l.free_ops.empty()) {
     if (!l.has_stalled) {
       if (!peer.next_chunk(l.index, &l.stalled)) break;
@@ -642,11 +744,12 @@ bool RailThread::drive(Lane& l) {
     }
     OpCtx& c = l.ops[l.free_ops.back()];
     const ssize_t rc = post(l, c, l.stalled);
-    if (rc == -FI_EAGAIN) break;  // progress (the CQ read that follows), then retry
+    if (rc == -FI_EAGAIN) break;  // progress (the CQ read that follows, a staging slot freed), then retry
     l.has_stalled = false;
     did = true;
     if (rc == 0) {
       l.free_ops.pop_back();
+      c.in_use = true;
       ++l.inflight;
       continue;
     }
@@ -655,37 +758,96 @@ bool RailThread::drive(Lane& l) {
     const Code code = rc > 0 ? Code(rc) : Code::kInvalidArgument;
     peer.answer(l.index, h.slot, h.gen, uint8_t(code));
   }
-  return did;
+  return did || l.copy_count > 0;
 }
 
-// 0 posted, -FI_EAGAIN retry later, <0 provider error, >0 a tether Code for a local refusal.
+// 0 posted (or its staging copy started), -FI_EAGAIN retry later, <0 provider error, >0 a tether
+// Code for a local refusal.
 ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
   const wire::FrameHeader& h = op.hdr;
   c.slot = h.slot;
   c.gen = h.gen;
+  c.stage = -1;
+  c.phase = Phase::kIdle;
   const core::Segment* seg = op.segment;
-  void* desc = seg && seg->local_region ? owner_->local_desc(seg->local_region, l.rail) : nullptr;
-  if (seg && seg->local_region && !desc && !owner_->local_registered(seg->local_region))
-    return ssize_t(Code::kUnavailable);  // the local region has no fabric registration (device memory without FI_HMEM)
+  const RegionState* region = seg ? seg->local_region : nullptr;
+  void* desc = region ? owner_->local_desc(region, l.rail) : nullptr;
+  const FrameType type = FrameType(h.type);
+  const bool read = type == FrameType::kReadReq;
+  const uint64_t n = type == FrameType::kSendData ? op.length : h.length;
+  // Local memory libfabric cannot reach (device memory without FI_HMEM): through a staging slot.
+  // A read from a two-sided target needs none: its bytes arrive in a bounce buffer and are copied
+  // from there (bounce_arrived).
+  const bool staged = region && n > 0 && !desc && !owner_->local_registered(region) &&
+                      !(read && seg->entry && ext_two_sided(seg->entry->remote.ext_for("fabric")));
+  if (!staged) return transmit(l, c, op, op.payload, op.local, desc);
+  if (!l.stage) {
+    l.stage = std::make_unique<StageMem>();
+    l.copier = std::make_unique<Copier>(kStageSlots);
+  }
+  if (!l.stage->ready())  // first staged chunk of this lane: slots pinned for its GPU
+    if (Status s = l.stage->allocate(*rail_, kStageSlots, owner_->bounce_payload(), device_of(region)); !s.is_ok())
+      return ssize_t(s.code());
+  if (n > l.stage->bytes()) return ssize_t(Code::kInternal);  // chunks never exceed chunk_bytes
+  const int s = l.stage->acquire();
+  if (s < 0) return -FI_EAGAIN;  // every slot busy: a completion frees one
+  c.stage = s;
+  c.device = device_of(region);
+  c.op = op;
+  c.kind = read ? OpKind::kRead : type == FrameType::kSendData ? OpKind::kSend : OpKind::kWrite;
+  if (read) {  // lands in the slot; complete() unpacks it to the region, then the chunk is answered
+    const ssize_t rc = transmit(l, c, op, nullptr, l.stage->at(uint32_t(s)), l.stage->desc());
+    if (rc != 0) {
+      l.stage->free_slot(s);
+      c.stage = -1;
+    }
+    return rc;
+  }
+  // Writes and sends: pack, then post from the slot once the copy is done (drive_copies).
+  if (Status st = l.copier->start(uint32_t(s), l.stage->at(uint32_t(s)), op.payload, n, c.device); !st.is_ok()) {
+    l.stage->free_slot(s);
+    c.stage = -1;
+    return ssize_t(st.code());
+  }
+  c.phase = Phase::kPacking;
+  l.copying[(l.copy_head + l.copy_count++) % l.copying.size()] = c.index;
+  return 0;
+}
+
+// Posts a chunk whose local bytes are `payload` (writes, sends) or `local` (reads), registered as `desc`.
+ssize_t RailThread::transmit(Lane& l, OpCtx& c, const ChunkOp& op, const uint8_t* payload, uint8_t* local, void* desc) {
+  const wire::FrameHeader& h = op.hdr;
+  const core::Segment* seg = op.segment;
   switch (FrameType(h.type)) {
     case FrameType::kWrite:
     case FrameType::kReadReq: {
-      uint64_t key = 0, base = 0;
-      if (!seg || !seg->entry || !ext_rail(seg->entry->remote.ext_for("fabric"), l.rail, &key, &base))
-        return ssize_t(Code::kNotFound);  // the descriptor carries no fabric registration for this rail
       const bool write = FrameType(h.type) == FrameType::kWrite;
-      c.kind = write ? OpKind::kWrite : OpKind::kRead;
-      c.length = h.length;
-      c.raddr = base + h.offset;
-      c.key = key;
-      return write ? rail_->write(op.payload, h.length, desc, l.remote, base + h.offset, key, &c)
-                   : rail_->read(op.local, h.length, desc, l.remote, base + h.offset, key, &c);
+      const std::string_view ext = seg && seg->entry ? seg->entry->remote.ext_for("fabric") : std::string_view();
+      uint64_t key = 0, base = 0;
+      if (ext_rail(ext, l.rail, &key, &base)) {  // one-sided: the target's NIC checks key and bounds
+        c.kind = write ? OpKind::kWrite : OpKind::kRead;
+        c.length = h.length;
+        c.raddr = base + h.offset;
+        c.key = key;
+        return write ? rail_->write(payload, h.length, desc, l.remote, base + h.offset, key, &c)
+                     : rail_->read(local, h.length, desc, l.remote, base + h.offset, key, &c);
+      }
+      if (!ext_two_sided(ext)) return ssize_t(Code::kNotFound);  // the descriptor carries no fabric registration for this rail
+      // Two-sided: the target's CPU validates and copies; answered by its kAck / kReadData.
+      SendHeader& sh = l.headers[c.index];
+      sh = SendHeader{l.session, h.offset, h.length, h.key, h.region_id, h.slot, h.gen, uint16_t(l.index),
+                      h.flags, uint8_t(write ? MsgType::kWrite : MsgType::kReadReq), 0, {}, h.desc_offset, h.desc_length};
+      iovec iov[2] = {{&sh, sizeof sh}, {const_cast<uint8_t*>(payload), h.length}};
+      void* descs[2] = {l.headers_mr.desc, desc};
+      c.kind = OpKind::kSend;
+      c.length = write ? h.length : 0;
+      return rail_->send(iov, descs, write && h.length ? 2 : 1, l.remote, &c);
     }
     case FrameType::kSendData: {
       SendHeader& sh = l.headers[c.index];
       sh = SendHeader{l.session, h.offset, h.length, h.key, h.region_id, h.slot, h.gen, uint16_t(l.index),
-                      h.flags, uint8_t(MsgType::kData), 0, {}};
-      iovec iov[2] = {{&sh, sizeof sh}, {const_cast<uint8_t*>(op.payload), op.length}};
+                      h.flags, uint8_t(MsgType::kData), 0, {}, 0, 0};
+      iovec iov[2] = {{&sh, sizeof sh}, {const_cast<uint8_t*>(payload), op.length}};
       void* descs[2] = {l.headers_mr.desc, desc};
       c.kind = OpKind::kSend;
       c.length = op.length;
@@ -696,6 +858,57 @@ ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
   }
 }
 
+// Staged chunks whose copy has finished, in order: packed ones are posted from their slot,
+// unpacked reads are answered. True if any moved.
+bool RailThread::drive_copies(Lane& l) {
+  bool did = false;
+  while (l.copy_count > 0) {
+    OpCtx& c = l.ops[l.copying[l.copy_head]];
+    Result<bool> d = l.copier->done(uint32_t(c.stage));
+    if (d.is_ok() && !d.value()) break;
+    Code code = d.is_ok() ? Code::kOk : Code::kInternal;
+    if (code == Code::kOk && c.phase == Phase::kPacking) {
+      if (l.dead || l.released) {
+        code = Code::kConnectionLost;
+      } else {
+        const ssize_t rc = transmit(l, c, c.op, l.stage->at(uint32_t(c.stage)), nullptr, l.stage->desc());
+        if (rc == -FI_EAGAIN) break;  // posted again after the CQ read that follows
+        if (rc == 0) {
+          c.phase = Phase::kIdle;   // in flight: its completion frees the slot
+          l.copy_head = (l.copy_head + 1) % l.copying.size();
+          --l.copy_count;
+          did = true;
+          continue;
+        }
+        code = rc > 0 ? Code(rc) : Code::kConnectionLost;
+      }
+    }
+    l.copy_head = (l.copy_head + 1) % l.copying.size();
+    --l.copy_count;
+    did = true;
+    finish(l, c, code);  // an unpacked read (kOk: answered now), or a chunk that failed
+  }
+  return did;
+}
+
+// The op is done: its slot and context are free again; the chunk is answered unless a message's
+// answer is still to come from the peer (sends and two-sided writes/reads that went out).
+void RailThread::finish(Lane& l, OpCtx& c, Code code) {
+  --l.inflight;
+  if (c.stage >= 0) l.stage->free_slot(c.stage);
+  c.stage = -1;
+  c.phase = Phase::kIdle;
+  c.in_use = false;
+  l.free_ops.push_back(c.index);
+  if (code == Code::kOk) {
+    auto& stats = owner_->endpoint()->stats();
+    if (c.kind == OpKind::kRead) stats.bytes_received.fetch_add(c.length, std::memory_order_relaxed);
+    else stats.bytes_sent.fetch_add(c.length, std::memory_order_relaxed);
+    stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!l.released && (code != Code::kOk || c.kind != OpKind::kSend)) l.peer->answer(l.index, c.slot, c.gen, uint8_t(code));
+}
+
 void RailThread::complete(const fi_cq_msg_entry& e) {
   auto* c = static_cast<OpCtx*>(e.op_context);
   if (!c) return;
@@ -703,25 +916,40 @@ void RailThread::complete(const fi_cq_msg_entry& e) {
     bounce_arrived(*c, e.len);
     return;
   }
+  if (c->kind == OpKind::kResp) {  // a read's answer left response slot i: its bounce buffer is free
+    held_[c->index].state = Held::kIdle;
+    advance(c->index);
+    return;
+  }
   Lane& l = *c->lane;
+  if (c->kind == OpKind::kRead && c->stage >= 0 && !l.released) {
+    // Landed in a staging slot: unpack to the region; answered once that copy is done.
+    c->length = c->op.hdr.length;
+    if (l.copier->start(uint32_t(c->stage), c->op.local, l.stage->at(uint32_t(c->stage)), c->length, c->device).is_ok()) {
+      c->phase = Phase::kUnpacking;
+      l.copying[(l.copy_head + l.copy_count++) % l.copying.size()] = c->index;
+      return;
+    }
+    finish(l, *c, Code::kInternal);
+    return;
+  }
+  if (c->stage >= 0) {  // a write or send from a slot: the provider is done with its bytes
+    l.stage->free_slot(c->stage);
+    c->stage = -1;
+  }
   if (c->kind == OpKind::kWrite && c->length > 0 && !rail_->delivery_complete() && !l.released) {
     // Transmit-complete only: a one-byte read of its last byte, after it, says it is in place.
     c->kind = OpKind::kFlush;
     l.flushes[(l.flush_head + l.flush_count++) % l.flushes.size()] = c->index;
     return;
   }
-  --l.inflight;
   if (c->kind == OpKind::kAck) {
+    --l.inflight;
     l.free_acks.push_back(c->index - uint32_t(l.ops.size()));
     return;
   }
-  auto& stats = owner_->endpoint()->stats();
-  if (c->kind == OpKind::kRead) stats.bytes_received.fetch_add(c->length, std::memory_order_relaxed);
-  else stats.bytes_sent.fetch_add(c->length, std::memory_order_relaxed);
-  stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
-  l.free_ops.push_back(c->index);
   // A send chunk is answered by the receiver's ack (its bytes placed), not by its own completion.
-  if (!l.released && c->kind != OpKind::kSend) l.peer->answer(l.index, c->slot, c->gen, 0);
+  finish(l, *c, Code::kOk);
 }
 
 void RailThread::failed(OpCtx* c, int err) {
@@ -730,16 +958,23 @@ void RailThread::failed(OpCtx* c, int err) {
     if (!stop_.load()) bounce_arrived(*c, 0);  // repost
     return;
   }
+  if (c->kind == OpKind::kResp) {  // the reader's chunk fails with its peer
+    held_[c->index].state = Held::kIdle;
+    advance(c->index);
+    return;
+  }
   Lane& l = *c->lane;
-  --l.inflight;
   if (c->kind == OpKind::kAck) {
+    --l.inflight;
     l.free_acks.push_back(c->index - uint32_t(l.ops.size()));
     return;  // the sender's chunk fails with its peer
   }
-  l.free_ops.push_back(c->index);
-  if (l.released) return;
+  if (l.released) {
+    finish(l, *c, Code::kConnectionLost);  // answers nothing: the lane is gone
+    return;
+  }
   if (connection_error(err)) {
-    l.peer->answer(l.index, c->slot, c->gen, uint8_t(Code::kConnectionLost));
+    finish(l, *c, Code::kConnectionLost);
     // tcp and verbs also drop the connection when the target refuses an access (wrong key,
     // deregistered region), so the cause may be either; say both.
     l.peer->fail(Status(Code::kConnectionLost, "fabric rail " + rail_->domain() + " to peer '" + l.peer->info().name +
@@ -748,20 +983,34 @@ void RailThread::failed(OpCtx* c, int err) {
   } else {
     // The target refused the access (wrong key, deregistered region, out of its bounds). Some
     // providers (tcp, verbs) drop the connection with it; what follows then fails as above.
-    l.peer->answer(l.index, c->slot, c->gen, uint8_t(Code::kAccessDenied));
+    finish(l, *c, Code::kAccessDenied);
   }
 }
 
-// A message landed in bounce buffer c: a send chunk (copy it into the matched recv, queue the ack)
-// or an ack (answer our chunk). Then the buffer is posted again.
+void RailThread::queue_ack(Lane& l, const SendHeader& h, Code code) {
+  if (l.ack_count >= l.ack_queue.size()) return;  // bounded by the window: cannot happen with an honest peer
+  SendHeader& ack = l.ack_queue[(l.ack_head + l.ack_count++) % l.ack_queue.size()];
+  ack = h;
+  ack.type = uint8_t(MsgType::kAck);
+  ack.length = 0;
+  ack.status = uint8_t(code);
+}
+
+// A message landed in bounce buffer c. Acks answer our chunks; send chunks, two-sided writes and
+// read answers are copied to their place (validated first: the recv match, the registry, our own
+// read); two-sided reads are copied into response slot c.index and sent back. A copy to or from
+// GPU memory keeps the buffer (hold) until its CUDA event says done; host copies finish here.
 void RailThread::bounce_arrived(OpCtx& c, uint64_t len) {
-  uint8_t* buf = bounce_.data() + c.index * bounce_stride_;
+  const uint32_t i = c.index;
+  uint8_t* buf = bounce_.data() + i * bounce_stride_;
   auto& stats = owner_->endpoint()->stats();
   SendHeader h{};
   if (len >= sizeof(SendHeader)) std::memcpy(&h, buf, sizeof h);
   std::shared_ptr<PeerState> peer = len >= sizeof(SendHeader) ? owner_->peer_by_session(h.session) : nullptr;
   auto* state = peer ? static_cast<FabricPeer*>(peer->transport_state.get()) : nullptr;
   std::shared_ptr<Lane> lane = state && h.lane < state->lanes.size() ? state->lanes[h.lane].lock() : nullptr;
+  uint8_t* payload = buf + sizeof(SendHeader);
+  const bool sized = len >= sizeof(SendHeader) && h.length == len - sizeof(SendHeader);  // the payload is all there
   if (!lane || lane->thread != this) {
     stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
   } else if (h.type == uint8_t(MsgType::kAck)) {
@@ -770,32 +1019,128 @@ void RailThread::bounce_arrived(OpCtx& c, uint64_t len) {
     uint8_t* dest = nullptr;
     core::TransferState* recv = nullptr;
     int device = -1;
-    Code code = h.length == len - sizeof(SendHeader)
-                    ? peer->resolve_send_data(h.token, h.offset, h.length, h.unit, h.flags, &dest, &recv, &device)
-                    : Code::kProtocolError;
-    if (code == Code::kOk && device >= 0) {
-      // A GPU recv without FI_HMEM: this transport has no staging ring (docs/FABRIC.md, GPU memory).
-      peer->abandon_send_data(recv);
-      code = Code::kUnavailable;
-    } else if (code == Code::kOk && dest) {
-      std::memcpy(dest, buf + sizeof(SendHeader), h.length);
+    const Code code = sized ? peer->resolve_send_data(h.token, h.offset, h.length, h.unit, h.flags, &dest, &recv, &device)
+                            : Code::kProtocolError;
+    if (code == Code::kOk && dest) return hold(i, peer, lane, h, nullptr, recv, dest, payload, device);
+    if (code != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+    queue_ack(*lane, h, code);  // kOk with no destination: a resent chunk already placed
+  } else if (h.type == uint8_t(MsgType::kWrite) || h.type == uint8_t(MsgType::kReadReq)) {
+    const bool write = h.type == uint8_t(MsgType::kWrite);
+    RegionState* pin = nullptr;
+    // Checked exactly as every transport's frames: region, key over the descriptor's range, bounds, read-only.
+    Code code = !(write ? sized : len == sizeof(SendHeader) && h.length <= owner_->bounce_payload()) || (h.flags & ~wire::kKnownFlags)
+                    ? Code::kProtocolError
+                    : owner_->endpoint()->registry().resolve(h.token, h.unit, h.desc_offset, h.desc_length, h.offset,
+                                                             h.length, write, &pin);
+    if (code == Code::kOk && write) return hold(i, peer, lane, h, pin, nullptr, pin->base + h.offset, payload, device_of(pin));
+    if (code == Code::kOk && !resp_.ready())  // first two-sided read served on this rail
+      code = resp_.allocate(*rail_, kBounceBuffers, sizeof(SendHeader) + owner_->bounce_payload(), device_of(pin)).code();
+    if (code == Code::kOk)
+      return hold(i, peer, lane, h, pin, nullptr, resp_.at(i) + sizeof(SendHeader), pin->base + h.offset, device_of(pin));
+    if (pin) pin->unpin();
+    stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+    queue_ack(*lane, h, code);  // refused: nothing was touched
+  } else if (h.type == uint8_t(MsgType::kReadData)) {
+    uint8_t* dest = nullptr;
+    int device = -1;
+    if (sized && peer->read_destination(lane->index, h.slot, h.gen, h.length, &dest, &device) == Code::kOk)
+      return hold(i, peer, lane, h, nullptr, nullptr, dest, payload, device);
+    stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);  // data for no read of ours: dropped
+  } else {
+    stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+  }
+  repost(i);
+}
+
+// Keeps bounce buffer i while `src` is copied to `dst` for its message, then serves it (advance).
+void RailThread::hold(uint32_t i, std::shared_ptr<PeerState> peer, std::shared_ptr<Lane> lane, const SendHeader& h,
+                      RegionState* pin, core::TransferState* recv, void* dst, const void* src, int device) {
+  Held& hd = held_[i];
+  hd.state = Held::kCopying;
+  hd.peer = std::move(peer);
+  hd.lane = std::move(lane);
+  hd.h = h;
+  hd.pin = pin;
+  hd.recv = recv;
+  hd.code = h.length ? bounce_copier_.start(i, dst, src, h.length, device).code() : Code::kOk;
+  ++held_count_;
+  advance(i);  // host copies are done already
+}
+
+// Moves held bounce buffer i on: once its copy is done, answers (ack, read data) and posts the
+// buffer again. True while it is still held.
+bool RailThread::advance(uint32_t i) {
+  Held& hd = held_[i];
+  auto& stats = owner_->endpoint()->stats();
+  if (hd.state == Held::kCopying) {
+    if (hd.code == Code::kOk) {
+      Result<bool> d = bounce_copier_.done(i);
+      if (d.is_ok() && !d.value()) return true;
+      if (!d.is_ok()) hd.code = Code::kInternal;
+    }
+    const SendHeader& h = hd.h;
+    Lane& l = *hd.lane;
+    if (hd.pin) {  // the region's bytes are no longer touched: deregistration may go ahead
+      hd.pin->unpin();
+      hd.pin = nullptr;
+    }
+    if (hd.code == Code::kOk && h.type != uint8_t(MsgType::kReadReq)) {
       stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
       stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
-      peer->send_data_placed(recv, h.offset, h.length);
-    } else if (code != Code::kOk) {
-      stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
     }
-    Lane& l = *lane;
-    if (l.ack_count < l.ack_queue.size()) {
-      SendHeader& ack = l.ack_queue[(l.ack_head + l.ack_count++) % l.ack_queue.size()];
-      ack = h;
-      ack.type = uint8_t(MsgType::kAck);
-      ack.length = 0;
-      ack.status = uint8_t(code);
+    hd.state = Held::kIdle;
+    switch (MsgType(h.type)) {
+      case MsgType::kData:
+        if (hd.code == Code::kOk) hd.peer->send_data_placed(hd.recv, h.offset, h.length);
+        else hd.peer->abandon_send_data(hd.recv);
+        queue_ack(l, h, hd.code);
+        break;
+      case MsgType::kWrite:
+        queue_ack(l, h, hd.code);
+        break;
+      case MsgType::kReadReq:
+        if (hd.code != Code::kOk) queue_ack(l, h, hd.code);
+        else hd.state = Held::kRespond;
+        break;
+      case MsgType::kReadData:
+        hd.peer->answer(l.index, h.slot, h.gen, uint8_t(hd.code));
+        break;
+      default:
+        break;
     }
   }
-  // Reposting may meet a full queue: progress and retry (the queue drains as we read it).
-  while (rail_->post_recv(buf, bounce_stride_, bounce_mr_.desc, &c) == -FI_EAGAIN && !stop_.load()) {
+  if (hd.state == Held::kRespond) {
+    Lane& l = *hd.lane;
+    if (!l.released && !l.dead && !hd.peer->failed()) {
+      uint8_t* slot = resp_.at(i);
+      SendHeader rh = hd.h;
+      rh.type = uint8_t(MsgType::kReadData);
+      rh.status = 0;
+      std::memcpy(slot, &rh, sizeof rh);
+      iovec iov{slot, sizeof rh + rh.length};
+      void* desc = resp_.desc();
+      const ssize_t rc = rail_->send(&iov, &desc, 1, l.remote, &resp_ops_[i]);
+      if (rc == -FI_EAGAIN) return true;  // again on the next turn, after progress
+      if (rc == 0) {
+        hd.state = Held::kSending;  // its completion (complete/failed: kResp) lets the buffer go
+        return true;
+      }
+    }
+    hd.state = Held::kIdle;  // not sent: the reader's chunk fails with its peer
+  }
+  if (hd.state == Held::kSending) return true;
+  hd.peer.reset();
+  hd.lane.reset();
+  hd.recv = nullptr;
+  --held_count_;
+  repost(i);
+  return false;
+}
+
+// Posts bounce buffer i again. A full queue: progress and retry (the queue drains as we read it).
+void RailThread::repost(uint32_t i) {
+  uint8_t* buf = bounce_.data() + i * bounce_stride_;
+  while (rail_->post_recv(buf, bounce_stride_, bounce_mr_.desc, &bounce_ops_[i]) == -FI_EAGAIN && !stop_.load()) {
     fi_cq_msg_entry e[1];
     void* f = nullptr;
     int err = 0;
