@@ -2,6 +2,7 @@
 // The same words name the same things in Python (python/tether) and in the docs.
 #pragma once
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -61,6 +62,8 @@ struct RemoteRegion {
   static constexpr size_t kEncodedSize = 64;  // without extensions
   static Result<RemoteRegion> parse(std::string_view bytes);
   std::string encode() const;
+  // Same endpoint, region, range, key, memory and extensions.
+  friend bool operator==(const RemoteRegion&, const RemoteRegion&) = default;
 };
 
 // One entry of a vectored transfer.
@@ -71,6 +74,17 @@ struct IoEntry {
   uint64_t remote_offset = 0;  // relative to the descriptor's range
   uint64_t length = 0;
 };
+
+// One block of a vectored transfer whose blocks share one local region and one remote range (the
+// KV-cache pattern: thousands of fixed-size blocks scattered over one buffer on each side).
+// Offsets are relative to the local region and to the descriptor's range. Laid out as three
+// uint64_t, so an (n, 3) uint64 array can be passed as n Blocks.
+struct Block {
+  uint64_t local_offset = 0;
+  uint64_t remote_offset = 0;
+  uint64_t length = 0;
+};
+static_assert(sizeof(Block) == 3 * sizeof(uint64_t));
 
 // Handle to one asynchronous operation.
 class Transfer {
@@ -99,8 +113,16 @@ class Peer {
                  uint64_t remote_offset, uint64_t length, std::string notify = {});
   Transfer read(const Region& local, uint64_t local_offset, const RemoteRegion& remote,
                 uint64_t remote_offset, uint64_t length);
+  // Many (local region, local offset, remote, remote offset, length) as one transfer. An error
+  // (checked before any byte moves) names the entry: "... (entry 17)".
   Transfer writev(std::vector<IoEntry> entries, std::string notify = {});
   Transfer readv(std::vector<IoEntry> entries);
+  // n blocks between one local region and one remote range as one transfer: the same checks as the
+  // IoEntry form (errors name the block: "... (block 17)"), without an IoEntry (and its RemoteRegion
+  // copy) per block. `blocks` is read during the call only; zero-length blocks are allowed.
+  Transfer writev(const Region& local, const RemoteRegion& remote, const Block* blocks, size_t n,
+                  std::string notify = {});
+  Transfer readv(const Region& local, const RemoteRegion& remote, const Block* blocks, size_t n);
   Transfer send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag = 0);
   Transfer recv(const Region& local, uint64_t offset, uint64_t length, uint64_t tag = 0);
   Transfer notify(std::string data);

@@ -7,11 +7,14 @@
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/unique_ptr.h>
+#include <nanobind/ndarray.h>
 
 #include <unistd.h>
 
 #include <atomic>
+#include <deque>
 
+#include "core/peer.h"
 #include "core/wire.h"
 #include "gpu/staging.h"
 #include "gpu/unpack_bench.h"
@@ -79,23 +82,107 @@ RemoteRegion parse_remote(const nb::object& o) {
   raise(Status(Code::kInvalidArgument, "remote must be descriptor bytes or a RemoteRegion"));
 }
 
-std::vector<IoEntry> parse_entries(const nb::sequence& seq) {
-  std::vector<IoEntry> out;
-  out.reserve(nb::len(seq));
-  for (nb::handle h : seq) {
-    auto t = nb::cast<nb::tuple>(h);
-    if (nb::len(t) != 5) raise(Status(Code::kInvalidArgument, "each entry is (local region, local offset, remote, remote offset, length)"));
-    IoEntry e;
-    nb::handle local = t[0];
-    if (!nb::isinstance<Region>(local) && nb::hasattr(local, "_r")) local = local.attr("_r");
-    e.local = nb::cast<Region>(local);
-    e.local_offset = nb::cast<uint64_t>(t[1]);
-    e.remote = parse_remote(nb::borrow<nb::object>(t[2]));
-    e.remote_offset = nb::cast<uint64_t>(t[3]);
-    e.length = nb::cast<uint64_t>(t[4]);
-    out.push_back(std::move(e));
+// A RemoteRegion object is used in place; descriptor bytes are parsed into `parsed` (a deque: what
+// it holds never moves). The pointer lives as long as `o` and `parsed`.
+const RemoteRegion* remote_of(nb::handle o, std::deque<RemoteRegion>& parsed) {
+  if (nb::isinstance<RemoteRegion>(o)) return nb::inst_ptr<RemoteRegion>(o);
+  if (PyBytes_Check(o.ptr()))
+    return &parsed.emplace_back(take(RemoteRegion::parse(std::string_view(PyBytes_AS_STRING(o.ptr()), size_t(PyBytes_GET_SIZE(o.ptr()))))));
+  raise(Status(Code::kInvalidArgument, "remote must be descriptor bytes or a RemoteRegion"));
+}
+
+// The C++ Region inside a _tether.Region or a tether.Region (which holds one as `_r`).
+const Region* region_of(nb::handle o, std::vector<nb::object>& keep) {
+  if (nb::isinstance<Region>(o)) return nb::inst_ptr<Region>(o);
+  PyObject* inner = PyObject_GetAttrString(o.ptr(), "_r");
+  if (!inner) PyErr_Clear();
+  nb::object r = nb::steal(inner);
+  if (!r.is_valid() || !nb::isinstance<Region>(r)) throw nb::type_error("the local side of an entry must be a Region");
+  keep.push_back(r);
+  return nb::inst_ptr<Region>(r);
+}
+
+uint64_t as_u64(PyObject* o) {
+  if (PyLong_CheckExact(o)) {  // the common case, without nanobind's generic conversion
+    const unsigned long long v = PyLong_AsUnsignedLongLong(o);  // negative: OverflowError
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) throw nb::python_error();
+    return v;
   }
-  return out;
+  return nb::cast<uint64_t>(nb::handle(o));
+}
+
+// The tuples of writev/readv as runs of blocks for the core. Consecutive entries naming the same
+// local and remote objects (by identity: a KV-cache list repeats one of each) share a run, so each
+// object is looked at once, not once per entry, and nothing is copied per entry. Everything points
+// into Python objects that `keep` holds: use it while the GIL is held.
+struct Entries {
+  std::vector<Block> blocks;
+  std::vector<core::BlockRun> runs;
+  std::deque<RemoteRegion> parsed;  // descriptors given as bytes, parsed once per object
+  std::vector<nb::object> keep;     // every object a run points into (user code may drop the list's)
+};
+
+void parse_entries(nb::handle seq, Entries& out) {
+  nb::object fast = nb::steal(PySequence_Fast(seq.ptr(), "entries must be a sequence of tuples"));
+  if (!fast.is_valid()) throw nb::python_error();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+  out.blocks.reserve(size_t(n));  // runs point into it
+  PyObject *last_local = nullptr, *last_remote = nullptr;
+  const Region* local = nullptr;
+  const RemoteRegion* remote = nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    // A list is read in place: user code (__index__, _r) run below could resize it.
+    if (PySequence_Fast_GET_SIZE(fast.ptr()) != n) raise(Status(Code::kInvalidArgument, "entries changed while being read"));
+    nb::object t = nb::borrow(PySequence_Fast_GET_ITEM(fast.ptr(), i));
+    if (!PyTuple_Check(t.ptr()) || PyTuple_GET_SIZE(t.ptr()) != 5)
+      raise(Status(Code::kInvalidArgument, "each entry is (local region, local offset, remote, remote offset, length)"));
+    PyObject* lo = PyTuple_GET_ITEM(t.ptr(), 0);
+    PyObject* ro = PyTuple_GET_ITEM(t.ptr(), 2);
+    bool fresh = out.runs.empty();
+    if (lo != last_local) {
+      local = region_of(lo, out.keep);
+      out.keep.push_back(nb::borrow(lo));  // its address stays unique while we compare against it
+      last_local = lo;
+      fresh = true;
+    }
+    if (ro != last_remote) {
+      remote = remote_of(ro, out.parsed);
+      out.keep.push_back(nb::borrow(ro));
+      last_remote = ro;
+      fresh = true;
+    }
+    const Block b{as_u64(PyTuple_GET_ITEM(t.ptr(), 1)), as_u64(PyTuple_GET_ITEM(t.ptr(), 3)),
+                  as_u64(PyTuple_GET_ITEM(t.ptr(), 4))};
+    out.blocks.push_back(b);
+    if (fresh) out.runs.push_back(core::BlockRun{local, remote, &out.blocks.back(), 0});
+    ++out.runs.back().n;
+  }
+}
+
+Transfer post_entries(Peer& p, core::OpKind op, nb::handle entries, std::string notify) {
+  Entries e;
+  parse_entries(entries, e);
+  return p.state()->post_rma(op, e.runs.data(), e.runs.size(), "entry", std::move(notify));
+}
+
+// writev_blocks/readv_blocks: `blocks` must be an (n, 3) C-contiguous uint64 array on the CPU, whose
+// rows are (local offset, remote offset, length); it is read in place as n Blocks.
+Transfer post_blocks(Peer& p, core::OpKind op, const Region& local, nb::handle remote, nb::handle blocks,
+                     std::string notify) {
+  nb::ndarray<nb::ro> a;
+  if (!nb::try_cast(blocks, a))
+    throw nb::type_error("blocks must be an (n, 3) uint64 array of (local offset, remote offset, length)");
+  if (a.device_type() != nb::device::cpu::value) throw nb::type_error("blocks must be in host memory");
+  if (a.dtype() != nb::dtype<uint64_t>()) throw nb::type_error("blocks must have dtype uint64");
+  if (a.ndim() != 2 || a.shape(1) != 3)
+    throw nb::value_error("blocks must have shape (n, 3): rows of (local offset, remote offset, length)");
+  if (a.shape(0) > 0 && (a.stride(1) != 1 || (a.shape(0) > 1 && a.stride(0) != 3)))
+    throw nb::value_error("blocks must be C-contiguous");
+  std::deque<RemoteRegion> parsed;
+  const RemoteRegion* r = remote_of(remote, parsed);
+  const auto* b = static_cast<const Block*>(a.data());
+  const core::BlockRun run{&local, r, b, a.shape(0)};
+  return p.state()->post_rma(op, &run, 1, "block", std::move(notify));
 }
 
 }  // namespace
@@ -210,8 +297,16 @@ NB_MODULE(_tether, m) {
             RemoteRegion rr = parse_remote(r);
             return p.read(l, lo, rr, ro, len);
           })
-      .def("writev", [](Peer& p, nb::sequence entries, nb::bytes notify) { return p.writev(parse_entries(entries), as_string(notify)); })
-      .def("readv", [](Peer& p, nb::sequence entries) { return p.readv(parse_entries(entries)); })
+      .def("writev", [](Peer& p, nb::handle entries, nb::bytes notify) {
+            return post_entries(p, core::OpKind::kWrite, entries, as_string(notify));
+          })
+      .def("readv", [](Peer& p, nb::handle entries) { return post_entries(p, core::OpKind::kRead, entries, {}); })
+      .def("writev_blocks", [](Peer& p, const Region& l, nb::handle r, nb::handle blocks, nb::bytes notify) {
+            return post_blocks(p, core::OpKind::kWrite, l, r, blocks, as_string(notify));
+          })
+      .def("readv_blocks", [](Peer& p, const Region& l, nb::handle r, nb::handle blocks) {
+            return post_blocks(p, core::OpKind::kRead, l, r, blocks, {});
+          })
       .def("send", &Peer::send)
       .def("recv", &Peer::recv)
       .def("notify", [](Peer& p, nb::bytes data) { return p.notify(as_string(data)); })

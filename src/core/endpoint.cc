@@ -1006,16 +1006,50 @@ EndpointStats Endpoint::stats() const {
 // Peer
 Transfer Peer::write(const Region& local, uint64_t local_offset, const RemoteRegion& remote, uint64_t remote_offset,
                      uint64_t length, std::string notify) {
-  return state_->post_rma(core::OpKind::kWrite, {IoEntry{local, local_offset, remote, remote_offset, length}}, std::move(notify));
+  const Block b{local_offset, remote_offset, length};
+  return writev(local, remote, &b, 1, std::move(notify));
 }
 Transfer Peer::read(const Region& local, uint64_t local_offset, const RemoteRegion& remote, uint64_t remote_offset,
                     uint64_t length) {
-  return state_->post_rma(core::OpKind::kRead, {IoEntry{local, local_offset, remote, remote_offset, length}}, {});
+  const Block b{local_offset, remote_offset, length};
+  return readv(local, remote, &b, 1);
 }
+
+namespace {
+// An IoEntry list as runs of blocks: consecutive entries with the same local region and an equal
+// descriptor form one run, so the core keeps one copy of each descriptor rather than one per entry.
+struct EntryRuns {
+  std::vector<Block> blocks;
+  std::vector<core::BlockRun> runs;
+  explicit EntryRuns(const std::vector<IoEntry>& entries) {
+    blocks.reserve(entries.size());  // runs point into it
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const IoEntry& e = entries[i];
+      blocks.push_back(Block{e.local_offset, e.remote_offset, e.length});
+      if (i == 0 || e.local.state() != entries[i - 1].local.state() || !(e.remote == entries[i - 1].remote))
+        runs.push_back(core::BlockRun{&e.local, &e.remote, &blocks.back(), 0});
+      ++runs.back().n;
+    }
+  }
+};
+}  // namespace
+
 Transfer Peer::writev(std::vector<IoEntry> entries, std::string notify) {
-  return state_->post_rma(core::OpKind::kWrite, std::move(entries), std::move(notify));
+  const EntryRuns r(entries);
+  return state_->post_rma(core::OpKind::kWrite, r.runs.data(), r.runs.size(), "entry", std::move(notify));
 }
-Transfer Peer::readv(std::vector<IoEntry> entries) { return state_->post_rma(core::OpKind::kRead, std::move(entries), {}); }
+Transfer Peer::readv(std::vector<IoEntry> entries) {
+  const EntryRuns r(entries);
+  return state_->post_rma(core::OpKind::kRead, r.runs.data(), r.runs.size(), "entry", {});
+}
+Transfer Peer::writev(const Region& local, const RemoteRegion& remote, const Block* blocks, size_t n, std::string notify) {
+  const core::BlockRun run{&local, &remote, blocks, n};
+  return state_->post_rma(core::OpKind::kWrite, &run, 1, "block", std::move(notify));
+}
+Transfer Peer::readv(const Region& local, const RemoteRegion& remote, const Block* blocks, size_t n) {
+  const core::BlockRun run{&local, &remote, blocks, n};
+  return state_->post_rma(core::OpKind::kRead, &run, 1, "block", {});
+}
 Transfer Peer::send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
   return state_->post_send(local, offset, length, tag);
 }

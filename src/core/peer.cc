@@ -92,49 +92,66 @@ Transfer PeerState::start(std::shared_ptr<TransferState> t) {
   return Transfer(std::move(t));
 }
 
-Transfer PeerState::post_rma(OpKind op, std::vector<IoEntry> entries, std::string notify) {
+Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, const char* noun, std::string notify) {
   const bool write = op == OpKind::kWrite;
   if (!write && !notify.empty())
     return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "notify= is only allowed on writes"));
   if (notify.size() > wire::kMaxNotify)
     return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "notification larger than 1 MiB"));
+  size_t total = 0;
+  for (size_t r = 0; r < nruns; ++r) total += runs[r].n;
+  // Messages are formatted only here, on the way out: the good path builds no strings.
+  auto refuse = [&](size_t i, Code code, std::string msg) {
+    if (total > 1) msg += " (" + std::string(noun) + " " + std::to_string(i) + ")";
+    return invalid(shared_from_this(), op, Status(code, std::move(msg)));
+  };
   auto t = std::make_shared<TransferState>();
   t->op = op;
   t->notify = std::move(notify);
-  t->entries = std::move(entries);
-  const std::vector<IoEntry>& all = t->entries;
-  t->segments.reserve(all.size());
-  for (size_t i = 0; i < all.size(); ++i) {
-    const IoEntry& e = all[i];
-    const std::string where = all.size() > 1 ? " (entry " + std::to_string(i) + ")" : "";
-    const auto& l = e.local.state();
-    if (!l) return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "no local region" + where));
-    if (!l->live.load()) return invalid(shared_from_this(), op, Status(Code::kNotFound, "local region " + std::to_string(l->id) + " is deregistered" + where));
-    if (!in_bounds(e.local_offset, e.length, l->size))
-      return invalid(shared_from_this(), op, Status(Code::kOutOfRange, "local range [" + std::to_string(e.local_offset) + ", +" +
-                                               std::to_string(e.length) + ") exceeds local region of " + std::to_string(l->size) + " bytes" + where));
-    if (!write && l->readonly)
-      return invalid(shared_from_this(), op, Status(Code::kAccessDenied, "read into a read-only local region" + where));
-    if (e.remote.endpoint != info_.endpoint)
-      return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "descriptor belongs to another endpoint, not peer '" + info_.name + "'" + where));
-    if (!in_bounds(e.remote_offset, e.length, e.remote.length))
-      return invalid(shared_from_this(), op, Status(Code::kOutOfRange, "remote range [" + std::to_string(e.remote_offset) + ", +" +
-                                               std::to_string(e.length) + ") exceeds the descriptor's " + std::to_string(e.remote.length) + " bytes" + where));
-    if (e.length == 0) continue;
-    Segment s;
-    s.local = l->base + e.local_offset;
-    s.length = e.length;
-    s.region_id = e.remote.region_id;
-    s.key = e.remote.key;
-    s.desc_offset = e.remote.offset;
-    s.desc_length = e.remote.length;
-    s.remote_offset = e.remote.offset + e.remote_offset;
-    s.local_region = l.get();
-    s.entry = &e;
-    t->segments.push_back(s);
-    t->bytes.fetch_add(e.length, std::memory_order_relaxed);
+  t->segments.reserve(total);
+  t->remotes.reserve(nruns);  // segments point into it: it must never reallocate
+  uint64_t bytes = 0;
+  size_t first = 0;  // index of the run's first block over all runs
+  for (size_t r = 0; r < nruns; first += runs[r].n, ++r) {
+    const BlockRun& run = runs[r];
+    if (run.n == 0) continue;
+    // What holds for the whole run is checked once, in the name of its first block.
+    const auto& l = run.local->state();
+    if (!l) return refuse(first, Code::kInvalidArgument, "no local region");
+    if (!l->live.load()) return refuse(first, Code::kNotFound, "local region " + std::to_string(l->id) + " is deregistered");
+    if (!write && l->readonly) return refuse(first, Code::kAccessDenied, "read into a read-only local region");
+    const RemoteRegion& rr = *run.remote;
+    if (rr.endpoint != info_.endpoint)
+      return refuse(first, Code::kInvalidArgument, "descriptor belongs to another endpoint, not peer '" + info_.name + "'");
+    // One copy per distinct descriptor: consecutive runs naming the same one share it.
+    if (t->remotes.empty() || !(t->remotes.back() == rr)) t->remotes.push_back(rr);
     if (t->local_pins.empty() || t->local_pins.back() != l) t->local_pins.push_back(l);
+    Segment proto;
+    proto.region_id = rr.region_id;
+    proto.key = rr.key;
+    proto.desc_offset = rr.offset;
+    proto.desc_length = rr.length;
+    proto.local_region = l.get();
+    proto.remote = &t->remotes.back();
+    for (size_t j = 0; j < run.n; ++j) {  // every block's bounds, before any byte moves
+      const Block& b = run.blocks[j];
+      if (!in_bounds(b.local_offset, b.length, l->size))
+        return refuse(first + j, Code::kOutOfRange, "local range [" + std::to_string(b.local_offset) + ", +" +
+                                                        std::to_string(b.length) + ") exceeds local region of " +
+                                                        std::to_string(l->size) + " bytes");
+      if (!in_bounds(b.remote_offset, b.length, rr.length))
+        return refuse(first + j, Code::kOutOfRange, "remote range [" + std::to_string(b.remote_offset) + ", +" +
+                                                        std::to_string(b.length) + ") exceeds the descriptor's " +
+                                                        std::to_string(rr.length) + " bytes");
+      if (b.length == 0) continue;
+      Segment& s = t->segments.emplace_back(proto);
+      s.local = l->base + b.local_offset;
+      s.length = b.length;
+      s.remote_offset = rr.offset + b.remote_offset;
+      bytes += b.length;
+    }
   }
+  t->bytes.store(bytes, std::memory_order_relaxed);
   for (auto& r : t->local_pins) r->pins.fetch_add(1, std::memory_order_acquire);
   Transfer handle = start(t);
   if (t->segments.empty()) {
@@ -313,7 +330,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     if (!t || free_slots_.empty()) return false;
     const Segment& seg = t->segments[t->cur_segment];
     // GPU to GPU (writes, reads): the transport may want bigger chunks (ipc: copy engines over NVLink).
-    const bool gpu_both = gpu_chunk_ && device_of(seg) >= 0 && seg.entry && seg.entry->remote.kind == MemoryKind::kCuda;
+    const bool gpu_both = gpu_chunk_ && device_of(seg) >= 0 && seg.remote && seg.remote->kind == MemoryKind::kCuda;
     const uint64_t chunk = gpu_both ? gpu_chunk_ : info_.chunk_bytes;
     const uint32_t idx = free_slots_.back();
     free_slots_.pop_back();

@@ -46,6 +46,16 @@ struct ChunkOp {
   int32_t device = -1;               // GPU of the local bytes (all pieces share it), -1 for host memory
 };
 
+// Blocks of a write or read that share one local region and one remote descriptor: a whole
+// Peer::writev(Block) call, or a run of consecutive entries of an IoEntry list (or of the Python
+// tuples) naming the same two. Borrowed for the duration of post_rma only.
+struct BlockRun {
+  const Region* local = nullptr;
+  const RemoteRegion* remote = nullptr;
+  const Block* blocks = nullptr;
+  size_t n = 0;
+};
+
 struct PeerInfo {
   uint64_t id = 0;
   EndpointId endpoint{};
@@ -71,7 +81,9 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   Status error() const;
 
   // ---- user side: validate, then queue. Errors finish the transfer before any byte moves.
-  Transfer post_rma(OpKind op, std::vector<IoEntry> entries, std::string notify);
+  // Writes or reads the blocks of `runs` as one transfer. Errors name the block by its index over
+  // all runs, as "(<noun> i)" ("entry" or "block"), when there is more than one block.
+  Transfer post_rma(OpKind op, const BlockRun* runs, size_t nruns, const char* noun, std::string notify);
   Transfer post_send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag);
   Transfer post_recv(const Region& local, uint64_t offset, uint64_t length, uint64_t tag);
   Transfer post_notify(std::string data);

@@ -26,7 +26,8 @@ struct Segment {
   uint64_t key = 0, desc_offset = 0, desc_length = 0;
   uint64_t remote_offset = 0;  // absolute offset in the remote region / message
   const RegionState* local_region = nullptr;  // memory kind and device of `local`
-  const IoEntry* entry = nullptr;  // the user's entry (remote descriptor and its extensions); null for send/recv
+  // The remote descriptor (memory kind, transports' extensions) in TransferState::remotes; null for send/recv.
+  const RemoteRegion* remote = nullptr;
 };
 
 struct TransferState {
@@ -34,7 +35,9 @@ struct TransferState {
   // Payload bytes; for a recv, set by the control thread when a message matches (so atomic).
   std::atomic<uint64_t> bytes{0};
   std::vector<Segment> segments;
-  std::vector<IoEntry> entries;  // write/read: what segments point into (never resized once posted)
+  // write/read: the distinct descriptors segments point to, one copy each however many blocks use it
+  // (reserved before the first segment, never resized once posted).
+  std::vector<RemoteRegion> remotes;
   std::vector<std::shared_ptr<RegionState>> local_pins;  // unpinned when finished
   std::string notify;          // delivered after the data (writes) or alone (kNotify)
   std::shared_ptr<PeerState> peer;

@@ -1,6 +1,7 @@
 // The C++ API end to end: two endpoints in one process over loopback TCP.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -55,6 +56,76 @@ TEST(Loopback, WriteReadVectoredAndNotify) {
   for (size_t i = 0; i < 100; ++i)
     ASSERT_TRUE(std::equal(src.begin() + i * 1000, src.begin() + (i + 1) * 1000, dst.begin() + (99 - i) * 1000));
   EXPECT_EQ(dst[100 * 1000], 0xA5);  // nothing beyond what was written
+}
+
+TEST(Loopback, BlocksScatterGatherEveryByte) {
+  Config c;
+  c.chunk_bytes = 64 << 10;
+  auto a = make(c), b = make(c);
+  Peer peer = a->connect(b->metadata()).take();
+  const size_t n = 512, slot = 1000;
+  auto src = random_bytes(n * slot);
+  std::vector<uint8_t> dst(n * slot + 7, 0xA5), back(n * slot, 0x5A);
+  Region rs = a->register_memory(src.data(), src.size()).take();
+  Region rb = a->register_memory(back.data(), back.size()).take();
+  Region rd = b->register_memory(dst.data(), dst.size()).take();
+  RemoteRegion d = RemoteRegion::parse(rd.descriptor(7).value()).take();  // offsets relative to byte 7
+  std::vector<uint64_t> perm(n);
+  for (size_t i = 0; i < n; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(n));
+  std::vector<Block> blocks(n);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {  // lengths 0..slot-1: some blocks are empty, every slot has a gap
+    blocks[i] = Block{i * slot, perm[i] * slot, (i * 37) % slot};
+    total += blocks[i].length;
+  }
+  Transfer w = peer.writev(rs, d, blocks.data(), n, "blocks");
+  ASSERT_TRUE(w.wait(10000).is_ok()) << w.status().to_string();
+  EXPECT_EQ(w.bytes(), total);
+  std::vector<uint8_t> expect(dst.size(), 0xA5);
+  for (const Block& bl : blocks)
+    std::copy_n(src.begin() + bl.local_offset, bl.length, expect.begin() + 7 + bl.remote_offset);
+  EXPECT_EQ(dst, expect);
+  ASSERT_EQ(b->wait_notifications(5000).size(), 1u);
+
+  ASSERT_TRUE(peer.readv(rb, d, blocks.data(), n).wait(10000).is_ok());
+  std::vector<uint8_t> expect_back(back.size(), 0x5A);
+  for (const Block& bl : blocks)
+    std::copy_n(src.begin() + bl.local_offset, bl.length, expect_back.begin() + bl.local_offset);
+  EXPECT_EQ(back, expect_back);
+}
+
+TEST(Loopback, BadBlockIsNamedAndNothingMoves) {
+  auto a = make(), b = make();
+  Peer peer = a->connect(b->metadata()).take();
+  std::vector<uint8_t> src(10000, 1), dst(10000, 0xA5);
+  Region rs = a->register_memory(src.data(), src.size()).take();
+  Region rd = b->register_memory(dst.data(), dst.size()).take();
+  RemoteRegion d = RemoteRegion::parse(rd.descriptor().value()).take();
+  std::vector<Block> blocks;
+  for (uint64_t i = 0; i < 100; ++i) blocks.push_back(Block{i * 100, i * 100, 100});
+  blocks[37].remote_offset = 9950;  // 50 bytes past the descriptor
+  Status s = peer.writev(rs, d, blocks.data(), blocks.size()).wait(1000);
+  EXPECT_EQ(s.code(), Code::kOutOfRange);
+  EXPECT_NE(s.message().find("(block 37)"), std::string::npos) << s.message();
+  blocks[37].remote_offset = 3700;
+  blocks[3].local_offset = 9901;
+  s = peer.readv(rs, d, blocks.data(), blocks.size()).wait(1000);
+  EXPECT_EQ(s.code(), Code::kOutOfRange);
+  EXPECT_NE(s.message().find("local range [9901, +100) exceeds local region of 10000 bytes (block 3)"), std::string::npos)
+      << s.message();
+  // The IoEntry form names entries; equal descriptors in a row are one run, a change starts another.
+  RemoteRegion d2 = RemoteRegion::parse(rd.descriptor(5000).value()).take();
+  std::vector<IoEntry> entries{{rs, 0, d, 0, 10}, {rs, 10, d, 10, 10}, {rs, 20, d2, 0, 10}, {rs, 30, d2, 4999, 2}};
+  s = peer.writev(entries).wait(1000);
+  EXPECT_EQ(s.code(), Code::kOutOfRange);
+  EXPECT_NE(s.message().find("(entry 3)"), std::string::npos) << s.message();
+  EXPECT_TRUE(std::all_of(dst.begin(), dst.end(), [](uint8_t x) { return x == 0xA5; }));
+  entries.pop_back();
+  ASSERT_TRUE(peer.writev(entries).wait(10000).is_ok());
+  EXPECT_EQ(dst[0], 1);
+  EXPECT_EQ(dst[5000], 1);
+  EXPECT_EQ(dst[5010], 0xA5);
 }
 
 TEST(Loopback, SendRecvMatchesByTag) {

@@ -779,7 +779,7 @@ ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
   // A read from a two-sided target needs none: its bytes arrive in a bounce buffer and are copied
   // from there (bounce_arrived).
   const bool staged = region && n > 0 && !desc && !owner_->local_registered(region) &&
-                      !(read && seg->entry && ext_two_sided(seg->entry->remote.ext_for("fabric")));
+                      !(read && seg->remote && ext_two_sided(seg->remote->ext_for("fabric")));
   if (!staged) return transmit(l, c, op, op.payload, op.local, desc);
   if (!l.stage) {
     l.stage = std::make_unique<StageMem>();
@@ -822,7 +822,7 @@ ssize_t RailThread::transmit(Lane& l, OpCtx& c, const ChunkOp& op, const uint8_t
     case FrameType::kWrite:
     case FrameType::kReadReq: {
       const bool write = FrameType(h.type) == FrameType::kWrite;
-      const std::string_view ext = seg && seg->entry ? seg->entry->remote.ext_for("fabric") : std::string_view();
+      const std::string_view ext = seg && seg->remote ? seg->remote->ext_for("fabric") : std::string_view();
       uint64_t key = 0, base = 0;
       if (ext_rail(ext, l.rail, &key, &base)) {  // one-sided: the target's NIC checks key and bounds
         c.kind = write ? OpKind::kWrite : OpKind::kRead;
