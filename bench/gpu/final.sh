@@ -38,8 +38,6 @@ t kv_kernel 30 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unp
 t kv_d2d 30 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unpack d2d
 t kv_host 60 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unpack host --iters 5
 for u in kernel d2d host; do t contig_$u 40 tether bench --transport tcp $G --sizes 64M --unpack $u; done
-t tcp256 60 tether bench --transport tcp $G --sizes 256M --iters 10
-t nccl_socket 150 python3 bench/peers/run.py --only nccl-socket
 "$CMAKE" -S . -B build/testnet-gpu -DTETHER_BUILD_PYTHON=OFF -DTETHER_BUILD_TEST_PLUGIN=ON -DTETHER_CUDA=OFF \
   -DCMAKE_BUILD_TYPE=Release > "$L/plugin.log" 2>&1 && "$CMAKE" --build build/testnet-gpu --target tether_testnet >> "$L/plugin.log" 2>&1
 TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu 60 $PT tests/python/test_netplugin_gpu.py -k "cuda and kernel"
@@ -56,7 +54,10 @@ t fabric_host 120 $PT tests/python/test_fabric.py
 t fabric_gpu_probe 60 python3 bench/gpu/fabric_gpu_probe.py
 t fabric_gpu 240 $PT tests/python/test_fabric_gpu.py
 t fabric_staged 120 $PT tests/python/test_fabric_staged.py
-t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk 33554432
+t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
+t ipc_gpu_quick 90 $PT tests/python/test_ipc_gpu.py -k "vectored or cache or deregistered or two_endpoints or child or send_recv"
+t tcp256 60 tether bench --transport tcp $G --sizes 256M --iters 10
+t nccl_socket 150 python3 bench/peers/run.py --only nccl-socket
 t nvlink_probe 40 python3 bench/gpu/nvlink_probe.py
 t env 20 bash -c '{ ldconfig -p | grep -E "libfabric|libcuda.so"; command -v fi_info && fi_info -l; nproc; nvidia-smi --query-gpu=name,driver_version --format=csv; } | sed "s/^/env: /"'
 cat "$S"
