@@ -52,9 +52,11 @@ t mesh_tcp 40 tether bench --full-mesh --device gpu --gpus 2 --transport tcp --s
 t mesh_sp_tcp 90 tether bench --full-mesh --device gpu --gpus 2 --single-process --transport tcp --sizes 64M --iters 5 --warmup 1 --mode write --check --quiet
 t fabric_host 120 $PT tests/python/test_fabric.py
 t fabric_gpu_probe 60 python3 bench/gpu/fabric_gpu_probe.py
-t fabric_gpu 240 $PT tests/python/test_fabric_gpu.py
+t fabric_gpu 120 $PT tests/python/test_fabric_gpu.py
 t fabric_staged 120 $PT tests/python/test_fabric_staged.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
+for c in 32 64 256; do t ipc_chunk_${c}M 40 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk $((c << 20)); done
+t test_gpu_rest 240 $PT tests/python/test_gpu.py -k "not vectored"
 t ipc_gpu_quick 90 $PT tests/python/test_ipc_gpu.py -k "vectored or cache or deregistered or two_endpoints or child or send_recv"
 t tcp256 60 tether bench --transport tcp $G --sizes 256M --iters 10
 t nccl_socket 150 python3 bench/peers/run.py --only nccl-socket

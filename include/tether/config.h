@@ -42,9 +42,8 @@ struct Config {
   bool disable_ipc = false;         // TETHER_DISABLE_IPC=1: never offer ipc (same-host peers use tcp)
   std::string ipc_host = "auto";    // TETHER_IPC_HOST: host memory over ipc: auto (cross-memory attach
                                     // where the kernel allows it, else shared memory), cma (only), shm
-  uint64_t ipc_gpu_chunk_bytes = 256 << 20;  // TETHER_IPC_GPU_CHUNK_BYTES: chunk size over ipc when both ends are
-                                             // GPU memory: one copy-engine copy fills NVLink best (more in
-                                             // parallel lose: H200 pull 390 GB/s on 1 stream, 337 on 16)
+  uint64_t ipc_gpu_chunk_bytes = 32 << 20;  // TETHER_IPC_GPU_CHUNK_BYTES: chunk size over ipc when both ends are
+                                            // GPU memory (measured on H200 NVLink: docs/PERFORMANCE.md, ipc)
   // fabric transport (libfabric, loaded at run time)
   std::string fabric_library;       // TETHER_LIBFABRIC_SO: path of libfabric; "" = the system's libfabric.so.1
   std::string fabric_provider;      // TETHER_FABRIC_PROVIDER: cxi, efa, verbs, tcp, shm; "" = auto (cxi, efa, verbs, tcp)

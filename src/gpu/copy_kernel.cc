@@ -80,6 +80,20 @@ Status launch_compact(CUfunction fn, CUstream stream, const uint64_t* t, uint32_
   return go(fn, stream, &p, n, longest);
 }
 
+template <uint32_t K>
+Status launch_pieces(CUfunction fn, CUstream stream, uint64_t src_base, uint64_t dst_base, const CopyPiece* pieces,
+                     uint32_t n) {
+  static_assert(sizeof(CopyPiece) == 3 * sizeof(uint32_t));
+  Compact<K> p;
+  p.src_base = src_base;
+  p.dst_base = dst_base;
+  p.n = n;
+  std::memcpy(p.p, pieces, size_t(n) * sizeof(CopyPiece));
+  uint32_t longest = 0;
+  for (uint32_t i = 0; i < n; ++i) longest = std::max(longest, pieces[i].len);
+  return go(fn, stream, &p, n, longest);
+}
+
 // One launch of n <= kCopyFragsPerLaunch triples.
 Status launch_one(const KernelModule& m, CUstream stream, const uint64_t* t, uint32_t n, CopyForm form) {
   uint64_t src_lo = UINT64_MAX, dst_lo = UINT64_MAX, src_hi = 0, dst_hi = 0, longest = 0;
@@ -143,6 +157,23 @@ Status launch_copy(int device, CUstream stream, const uint64_t* triples, uint32_
     const uint32_t k = std::min(n, kCopyFragsPerLaunch);
     if (Status s = launch_one(m, stream, triples, k, form); !s.is_ok()) return s;
     triples += 3 * size_t(k);
+    n -= k;
+  }
+  return Status::ok();
+}
+
+Status launch_copy_pieces(int device, CUstream stream, uint64_t src_base, uint64_t dst_base, const CopyPiece* pieces,
+                          uint32_t n) {
+  if (n == 0) return Status::ok();
+  if (Status s = copy_kernel(device); !s.is_ok()) return s;
+  const KernelModule& m = module(device);
+  while (n > 0) {
+    const uint32_t k = std::min(n, kCopyFragsPerLaunch);
+    Status s = k <= kCompact[0]   ? launch_pieces<kCompact[0]>(m.compact[0], stream, src_base, dst_base, pieces, k)
+               : k <= kCompact[1] ? launch_pieces<kCompact[1]>(m.compact[1], stream, src_base, dst_base, pieces, k)
+                                  : launch_pieces<kCompact[2]>(m.compact[2], stream, src_base, dst_base, pieces, k);
+    if (!s.is_ok()) return s;
+    pieces += k;
     n -= k;
   }
   return Status::ok();

@@ -27,4 +27,12 @@ Status copy_kernel(int device);
 // `triples` may be reused as soon as this returns. Asynchronous: record an event after it.
 Status launch_copy(int device, CUstream stream, const uint64_t* triples, uint32_t n, CopyForm form = CopyForm::kAuto);
 
+// The same for fragments given as 32-bit offsets from two bases (a bounce buffer and a receive
+// buffer: the net-plugin unpacker's case), copied straight into the compact parameter block.
+struct CopyPiece {
+  uint32_t src_off, dst_off, len;
+};
+Status launch_copy_pieces(int device, CUstream stream, uint64_t src_base, uint64_t dst_base, const CopyPiece* pieces,
+                          uint32_t n);
+
 }  // namespace tether::gpu

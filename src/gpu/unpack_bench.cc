@@ -45,8 +45,8 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
   const CudaApi* a = cuda(&why);
   if (!a) return Status(Code::kUnavailable, why);
   if (!a->cuEventElapsedTime) return Status(Code::kUnavailable, "libcuda lacks cuEventElapsedTime");
-  if (frag_bytes == 0 || chunk_bytes % frag_bytes != 0 || chunk_bytes / frag_bytes > 65535 || iters == 0)
-    return Status(Code::kInvalidArgument, "chunk must be a multiple of the fragment size, at most 65535 fragments");
+  if (frag_bytes == 0 || chunk_bytes % frag_bytes != 0 || chunk_bytes / frag_bytes > 65535 || chunk_bytes > UINT32_MAX || iters == 0)
+    return Status(Code::kInvalidArgument, "chunk must be a multiple of the fragment size, under 4 GiB, at most 65535 fragments");
   if (Status s = use_device(device); !s.is_ok()) return s;
   const uint64_t n = chunk_bytes / frag_bytes;
 
@@ -70,6 +70,7 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
   };
   for (auto& b : pattern) b = uint8_t(next());
   std::vector<uint64_t> perm(n);
+  std::vector<CopyPiece> pieces(n);  // the unpacker's form: offsets from the bounce buffer and the destination
   std::iota(perm.begin(), perm.end(), 0);
   for (uint64_t i = n - 1; i > 0; --i) std::swap(perm[i], perm[next() % (i + 1)]);
   for (uint64_t i = 0; i < n; ++i) {
@@ -77,12 +78,15 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
     r.host_table[3 * i + 0] = r.bounce + perm[i] * frag_bytes;
     r.host_table[3 * i + 1] = r.dest + i * frag_bytes;
     r.host_table[3 * i + 2] = frag_bytes;
+    pieces[i] = CopyPiece{uint32_t(perm[i] * frag_bytes), uint32_t(i * frag_bytes), uint32_t(frag_bytes)};
   }
   TRY("cuMemcpy(bounce)", a->cuMemcpy(r.bounce, reinterpret_cast<CUdeviceptr>(pattern.data()), chunk_bytes));
 
   auto op = [&](const std::string& method) -> Status {
-    if (method == "kernel" || method == "kernel-wide")  // what the netplugin unpacker does per receive
-      return launch_copy(device, r.stream, r.host_table, uint32_t(n), method == "kernel" ? CopyForm::kAuto : CopyForm::kWide);
+    if (method == "kernel")  // what the netplugin unpacker does per receive
+      return launch_copy_pieces(device, r.stream, r.bounce, r.dest, pieces.data(), uint32_t(n));
+    if (method == "kernel-wide")  // full 64-bit triples (other callers' form when offsets do not fit)
+      return launch_copy(device, r.stream, r.host_table, uint32_t(n), CopyForm::kWide);
     if (method == "d2d") {
       for (uint64_t i = 0; i < n; ++i)
         TRY("cuMemcpyAsync", a->cuMemcpyAsync(r.host_table[3 * i + 1], r.host_table[3 * i], frag_bytes, r.stream));

@@ -1,7 +1,7 @@
 // The unpack microbenchmark (issue 8's performance line): on one GPU, a chunk of shuffled pages in a
 // bounce buffer is unpacked to a destination (a) by the shared copy kernel (one launch carrying the
-// descriptors, as the netplugin unpacker does it; `kernel` in the compact form it picks, `kernel-wide`
-// forced to 24-byte descriptors), (b) by one cuMemcpyAsync per page (d2d), and (c) the same bytes by
+// descriptors: `kernel` as the netplugin unpacker does it, 32-bit offsets from the bounce buffer and
+// the destination; `kernel-wide` with 64-bit (src, dst, len) triples), (b) by one cuMemcpyAsync per page (d2d), and (c) the same bytes by
 // one contiguous cuMemcpyAsync: the device-to-device copy bandwidth it is held to. Each is timed with
 // CUDA events twice: back to back (`stream`) and one operation at a time (`alone`); `host_us` is the
 // host's time to submit one operation in the back-to-back loop (above the GPU's time per operation,

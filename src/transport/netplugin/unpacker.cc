@@ -40,7 +40,7 @@ class CopyUnpacker final : public Unpacker {
 
   Status start(const netabi::UnpackEntry* frags, uint64_t n, const uint8_t* bounce, uint8_t* dest,
                int dest_device) override {
-    wait();  // one copy in flight: its stream order and triples are reused below
+    wait();  // one copy in flight: its stream order and descriptors are reused below
     if (!bounce_on_gpu_ && dest_device < 0) {  // host to host: done when the loop is
       for (uint64_t i = 0; i < n; ++i) std::memcpy(dest + frags[i].dst_off, bounce + frags[i].src_off, frags[i].len);
       return Status::ok();
@@ -119,23 +119,21 @@ class CopyUnpacker final : public Unpacker {
     return Status::ok();
   }
 
-  // One receive: its (bounce + src_off, dest + dst_off, len) triples, one launch of the shared copy
-  // kernel (the triples travel in the launch).
+  // One receive: its fragments as offsets from the bounce buffer and the destination, one launch of
+  // the shared copy kernel (they travel in the launch). A receive is at most kUnpackMaxRecv bytes, so
+  // every offset fits 32 bits.
   Status launch(PerDevice& p, int device, const netabi::UnpackEntry* frags, uint64_t n, const uint8_t* bounce,
                 uint8_t* dest) {
-    for (uint64_t i = 0; i < n; ++i) {
-      triples_[3 * i + 0] = reinterpret_cast<uint64_t>(bounce + frags[i].src_off);
-      triples_[3 * i + 1] = reinterpret_cast<uint64_t>(dest + frags[i].dst_off);
-      triples_[3 * i + 2] = frags[i].len;
-    }
-    return gpu::launch_copy(device, p.stream, triples_, uint32_t(n));
+    for (uint64_t i = 0; i < n; ++i) pieces_[i] = gpu::CopyPiece{frags[i].src_off, uint32_t(frags[i].dst_off), frags[i].len};
+    return gpu::launch_copy_pieces(device, p.stream, reinterpret_cast<uint64_t>(bounce), reinterpret_cast<uint64_t>(dest),
+                                   pieces_, uint32_t(n));
   }
 
   const gpu::Unpack mode_;
   const bool bounce_on_gpu_;
   const int bounce_device_;
   std::vector<PerDevice> per_device_;
-  uint64_t triples_[3 * netabi::kUnpackMaxEntries];  // the launch's descriptors, built per receive
+  gpu::CopyPiece pieces_[netabi::kUnpackMaxEntries];  // the launch's descriptors, built per receive
   int pending_ = -1;                // device of the copy in flight, -1: none
 };
 
