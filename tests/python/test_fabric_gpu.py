@@ -9,17 +9,11 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, rand_bytes
+from tether_testutil import POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, rand_bytes
 
-try:
-    import torch
-    _have_torch = torch.cuda.is_available()
-except ImportError:  # pragma: no cover - CPU CI
-    torch, _have_torch = None, False
-_cuda, _why, _ngpu, _kernels, _kwhy = tether._tether.gpu_status()
-if not (_cuda and _have_torch):
-    pytest.skip(f"fabric GPU tests need CUDA and torch with a GPU (tether: {_why or 'ok'}; torch cuda: {_have_torch})",
-                allow_module_level=True)
+GPU = gpu_env("fabric GPU tests")
+torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
+_dev = GPU.device
 
 FAB = dict(transport="fabric")
 
@@ -37,13 +31,6 @@ T = 60
 PAIRS = [("gpu0", "gpu1"), ("host", "gpu1"), ("gpu0", "host")]
 IDS = ["-".join(p) for p in PAIRS]
 SIZE = 9 * MiB + 12345  # several chunks and a ragged tail
-
-
-def _dev(kind):
-    d = None if kind == "host" else int(kind[-1])
-    if d is not None and d >= _ngpu:
-        pytest.skip(f"needs GPU {d}; {_ngpu} visible")
-    return d
 
 
 class Local(LocalMemory):

@@ -5,17 +5,11 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import LocalMemory, MiB, assert_bytes_equal, assert_poison, rand_bytes
+from tether_testutil import LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, rand_bytes
 
-try:
-    import torch
-    _have_torch = torch.cuda.is_available()
-except ImportError:  # pragma: no cover - CPU CI
-    torch, _have_torch = None, False
-_cuda, _why, _ngpu, _kernels, _kwhy = tether._tether.gpu_status()
-if not (_cuda and _have_torch):
-    pytest.skip(f"GPU tests need CUDA and torch with a GPU (tether: {_why or 'ok'}; torch cuda: {_have_torch})",
-                allow_module_level=True)
+GPU = gpu_env("GPU tests")
+torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
+_dev = GPU.device
 
 T = 60
 MODES = ["kernel", "d2d", "host"]
@@ -24,19 +18,11 @@ PAIRS = [("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu0", "host")]
 SIZE = 5 * MiB + 12345  # several chunks and a partial one
 
 
-def _dev(kind):
-    d = None if kind == "host" else int(kind[-1])
-    if d is not None and d >= _ngpu:
-        pytest.skip(f"needs GPU {d}; {_ngpu} visible")
-    return d
-
-
 class Local(LocalMemory):
     """This process's side: an endpoint and regions on host or GPU."""
 
     def __init__(self, mode):
         super().__init__(tether.Endpoint(unpack=mode, transport="tcp"), _dev)  # GPU over TCP staging (issue 4)
-
 
 
 @pytest.fixture(params=MODES)

@@ -8,34 +8,20 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import LocalMemory, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
+from tether_testutil import LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, poisoned, rand_bytes
 
-try:
-    import torch
-    _have_torch = torch.cuda.is_available()
-except ImportError:  # pragma: no cover - CPU CI
-    torch, _have_torch = None, False
-_cuda, _why, _ngpu, _kernels, _kwhy = tether._tether.gpu_status()
-if not (_cuda and _have_torch):
-    pytest.skip(f"ipc GPU tests need CUDA and torch with a GPU (tether: {_why or 'ok'}; torch cuda: {_have_torch})",
-                allow_module_level=True)
+GPU = gpu_env("ipc GPU tests")
+torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
+_dev = GPU.device
 
 T = 60
 PAIRS = [("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu1", "host"), ("gpu1", "gpu0")]
 SIZE = 37 * MiB + 12345  # several 16 MiB GPU chunks and a partial one
 
 
-def _dev(kind):
-    d = None if kind == "host" else int(kind[-1])
-    if d is not None and d >= _ngpu:
-        pytest.skip(f"needs GPU {d}; {_ngpu} visible")
-    return d
-
-
 class Local(LocalMemory):
     def __init__(self, **kw):
         super().__init__(tether.Endpoint(transport="ipc", **kw), _dev)
-
 
 
 @pytest.fixture

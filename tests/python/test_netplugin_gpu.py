@@ -20,17 +20,10 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import Child, LocalMemory, MiB, assert_bytes_equal, assert_poison, rand_bytes
+from tether_testutil import Child, LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, rand_bytes
 
-try:
-    import torch
-    _have_torch = torch.cuda.is_available()
-except ImportError:  # pragma: no cover - CPU CI
-    torch, _have_torch = None, False
-_cuda, _why, _ngpu, _kernels, _kwhy = tether._tether.gpu_status()
-if not (_cuda and _have_torch):
-    pytest.skip(f"netplugin GPU tests need CUDA and torch with a GPU (tether: {_why or 'ok'}; torch cuda: {_have_torch})",
-                allow_module_level=True)
+GPU = gpu_env("netplugin GPU tests")
+torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
 
 ROOT = Path(__file__).resolve().parents[2]
 T = 60
@@ -106,7 +99,6 @@ class Local(LocalMemory):
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         assert self.ep.transports()["netplugin"] == "", self.ep.transports()["netplugin"]
         super().__init__(self.ep, _dev)
-
 
 
 @pytest.fixture(scope="module", params=[(m, b) for b in BOUNCES for m in MODES], ids=lambda p: f"{p[0]}-{p[1]}bounce")

@@ -46,6 +46,40 @@ DESC_LENGTH = 40
 DESC_KEY = 48
 
 
+# --------------------------------------------------------------------------- GPU test modules
+
+class GpuEnv:
+    """What a GPU test module needs: torch, tether's GPU count and kernel status, and `device(kind)`
+    mapping "host" / "gpu0" / "gpu1" to None or a GPU index (skipping where that GPU is missing)."""
+
+    def __init__(self, torch, ngpu: int, kernels: bool, kernels_why: str):
+        self.torch, self.ngpu, self.kernels, self.kernels_why = torch, ngpu, kernels, kernels_why
+
+    def device(self, kind: str) -> Optional[int]:
+        import pytest
+        d = None if kind == "host" else int(kind[-1])
+        if d is not None and d >= self.ngpu:
+            pytest.skip(f"needs GPU {d}; {self.ngpu} visible")
+        return d
+
+
+def gpu_env(what: str) -> GpuEnv:
+    """Call at import of a GPU test module: skips the whole module, saying why, where CUDA or torch
+    with a GPU is missing (CPU machines, CI)."""
+    import pytest
+    import tether
+    try:
+        import torch
+        have_torch = torch.cuda.is_available()
+    except ImportError:  # CPU CI
+        torch, have_torch = None, False
+    cuda, why, ngpu, kernels, kwhy = tether._tether.gpu_status()
+    if not (cuda and have_torch):
+        pytest.skip(f"{what} need CUDA and torch with a GPU (tether: {why or 'ok'}; torch cuda: {have_torch})",
+                    allow_module_level=True)
+    return GpuEnv(torch, ngpu, kernels, kwhy)
+
+
 # --------------------------------------------------------------------------- data
 
 
