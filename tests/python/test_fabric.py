@@ -4,7 +4,6 @@ every byte checked; bad descriptors, deregistered and read-only targets; peer de
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -14,19 +13,14 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (DESC_SIZE, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes,
-                             wait_error, wait_until)
+from tether_testutil import (MiB, assert_bytes_equal, assert_poison, descriptor_extension, poisoned,
+                             rand_bytes, transport_unusable, wait_error, wait_until)
 
 T = 20
 FAB = dict(transport="fabric", fabric_provider="tcp")
 
 
-def _why_unusable():
-    with tether.Endpoint(**FAB) as ep:
-        return ep.transports().get("fabric", "this build has no fabric transport")
-
-
-_WHY = _why_unusable()
+_WHY = transport_unusable("fabric", **FAB)
 pytestmark = pytest.mark.skipif(_WHY != "", reason=f"fabric transport unavailable: {_WHY}")
 
 
@@ -35,17 +29,9 @@ def _get(child, *args):
 
 
 def _fabric_ext(desc: bytes) -> tuple:
-    """(offset of the fabric extension's bytes in desc, rails) from the descriptor's extensions."""
-    at = DESC_SIZE
-    while at < len(desc):
-        n = desc[at]
-        name = desc[at + 1:at + 1 + n]
-        (length,) = struct.unpack_from("<I", desc, at + 1 + n)
-        body = at + 5 + n
-        if name == b"fabric":
-            return body, desc[body]
-        at = body + length
-    raise AssertionError("descriptor has no fabric extension")
+    """(offset of the fabric extension's bytes in desc, rails)."""
+    at, ext = descriptor_extension(desc, b"fabric")
+    return at, ext[0]
 
 
 def test_two_processes_every_operation(endpoints, children):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, rand_bytes
+from tether_testutil import (POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, rand_bytes,
+                             transport_unusable)
 
 GPU = gpu_env("fabric GPU tests")
 torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
@@ -18,12 +19,7 @@ _dev = GPU.device
 FAB = dict(transport="fabric")
 
 
-def _fabric_unusable():
-    with tether.Endpoint(**FAB) as ep:
-        return ep.transports().get("fabric", "this build has no fabric transport")
-
-
-_FWHY = _fabric_unusable()
+_FWHY = transport_unusable("fabric", **FAB)
 if _FWHY:
     pytest.skip(f"fabric transport unavailable: {_FWHY}", allow_module_level=True)
 

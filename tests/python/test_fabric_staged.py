@@ -11,20 +11,15 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (DESC_KEY, DESC_SIZE, MiB, assert_bytes_equal, assert_poison, get_u64, poisoned,
-                             rand_bytes, set_u64, wait_error, wait_until)
+from tether_testutil import (DESC_KEY, MiB, assert_bytes_equal, assert_poison, descriptor_extension, get_u64,
+                             poisoned, rand_bytes, set_u64, transport_unusable, wait_error, wait_until)
 
 T = 20
 FAB = dict(transport="fabric", fabric_provider="tcp")
 STAGE = {"TETHER_FABRIC_STAGE_HOST": "1"}
 
 
-def _why_unusable():
-    with tether.Endpoint(**FAB) as ep:
-        return ep.transports().get("fabric", "this build has no fabric transport")
-
-
-_WHY = _why_unusable()
+_WHY = transport_unusable("fabric", **FAB)
 pytestmark = pytest.mark.skipif(_WHY != "", reason=f"fabric transport unavailable: {_WHY}")
 
 
@@ -33,17 +28,7 @@ def _get(child, *args):
 
 
 def _fabric_ext(desc: bytes) -> bytes:
-    import struct
-    at = DESC_SIZE
-    while at < len(desc):
-        n = desc[at]
-        name = desc[at + 1:at + 1 + n]
-        (length,) = struct.unpack_from("<I", desc, at + 1 + n)
-        body = at + 5 + n
-        if name == b"fabric":
-            return bytes(desc[body:body + length])
-        at = body + length
-    raise AssertionError("descriptor has no fabric extension")
+    return descriptor_extension(desc, b"fabric")[1]
 
 
 def _pair(endpoints, children, monkeypatch, staged: str, name="target"):

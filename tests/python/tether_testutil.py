@@ -46,6 +46,29 @@ DESC_LENGTH = 40
 DESC_KEY = 48
 
 
+# --------------------------------------------------------------------------- transports
+
+def transport_unusable(name: str, **options) -> str:
+    """'' when an endpoint made with `options` offers transport `name`, else why it does not."""
+    import tether
+    with tether.Endpoint(**options) as ep:
+        return ep.transports().get(name, f"this build has no {name} transport")
+
+
+def descriptor_extension(desc: bytes, name: bytes) -> tuple[int, bytes]:
+    """(offset in desc, bytes) of a transport's extension after the descriptor's 64 fixed bytes:
+    each is u8 name length, name, u32 body length, body."""
+    at = DESC_SIZE
+    while at < len(desc):
+        n = desc[at]
+        (length,) = struct.unpack_from("<I", desc, at + 1 + n)
+        body = at + 5 + n
+        if desc[at + 1:at + 1 + n] == name:
+            return body, bytes(desc[body:body + length])
+        at = body + length
+    raise AssertionError(f"descriptor has no {name.decode()} extension")
+
+
 # --------------------------------------------------------------------------- GPU test modules
 
 class GpuEnv:
