@@ -88,6 +88,21 @@ def topology(gpus: list[dict]) -> dict[str, Any]:
     return t
 
 
+def fabric_rails(gpus: list[dict]) -> dict[str, Any] | None:
+    """The fabric transport's rails with their NIC's PCI location, and the rail order (domains, nearest
+    first) for host memory and per GPU (the C++ ranking the data path uses). None if fabric is unusable."""
+    from tether import _tether
+
+    try:
+        r = _tether.fabric_rails(_tether.Config.from_env(), [(g["pci_path"] or "", g["numa_node"]) for g in gpus])
+    except Exception:  # a bad TETHER_* setting: the topology section reports it
+        return None
+    if r["why"]:
+        return None
+    r["gpu_orders"] = {str(g["index"]): o for g, o in zip(gpus, r.pop("device_orders"))}
+    return r
+
+
 def _nccl_net_plugins() -> list[str]:
     """NCCL network plugins (libnccl-net*.so) where NCCL would look, plus NCCL_NET_PLUGIN's choice."""
     import site
@@ -167,6 +182,7 @@ def collect() -> dict[str, Any]:
         "gpus": gpus,
         "nvlink_topology": _nvlink_matrix(),
         "gpu_nic_affinity": topo["gpu_nics"],
+        "fabric_rails": fabric_rails(gpus) if transports.get("fabric", {}).get("available") else None,
         "topology": topo,
         "cuda": bool(cuda),
         "libfabric": fabric,
@@ -223,6 +239,16 @@ def render(report: dict[str, Any]) -> None:
         for th in topo["threads"]:
             t.add_row(str(th["thread"]), th["nic"] or "-", th["cpus"] or "any", th["why"])
         c.print(t)
+    rails = report.get("fabric_rails")
+    if rails:
+        t = _table(f"Fabric rails ({rails['provider']})", "rail", "domain", "NUMA", "PCI path")
+        for i, r in enumerate(rails["rails"]):
+            t.add_row(str(i), r["domain"], str(r["numa_node"]) if r["numa_node"] >= 0 else "-", r["pci_path"] or "unknown")
+        c.print(t)
+        node = rails["host_numa"]
+        c.print(f"Rail order, host memory (NUMA {node if node >= 0 else 'any'}): " + ", ".join(rails["host_order"]))
+        for gpu, order in rails["gpu_orders"].items():
+            c.print(f"Rail order, GPU {gpu}: " + ", ".join(order))
     t = _table("Transports", "transport", "available", "why")
     for name, v in report["transports"].items():
         t.add_row(name, "[green]yes[/green]" if v["available"] else "[red]no[/red]", v["why"])

@@ -20,6 +20,7 @@
 #include "gpu/unpack_bench.h"
 #include "sys/topology.h"
 #include "tether/endpoint.h"
+#include "transport/fabric/fabric_transport.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -469,6 +470,36 @@ NB_MODULE(_tether, m) {
         d["control_nic"] = plan.control >= 0 ? nb::object(nb::str(plan.all[size_t(plan.control)].name.c_str())) : nb::none();
         d["threads"] = threads;
         d["device_ranks"] = ranks;
+        return d;
+      }, "config"_a, "devices"_a = std::vector<std::tuple<std::string, int>>{});
+
+  // The fabric rails a Config would use, each NIC's PCI location, and the rail order (domain names,
+  // nearest first) for host memory and for each (device PCI path, NUMA node). The doctor shows it.
+  m.def("fabric_rails", [](const Config& c, std::vector<std::tuple<std::string, int>> devices) {
+        std::vector<std::pair<std::string, int>> devs;
+        for (auto& [path, numa] : devices) devs.emplace_back(path, numa);
+        transport::FabricRails r = without_gil([&] { return transport::fabric_rails(c, devs); });
+        nb::dict d;
+        d["why"] = r.why;
+        d["provider"] = r.provider;
+        nb::list rails, host, dev_orders;
+        for (auto& x : r.rails) {
+          nb::dict e;
+          e["domain"] = x.domain;
+          e["pci_path"] = x.pci_path.empty() ? nb::none() : nb::object(nb::str(x.pci_path.c_str()));
+          e["numa_node"] = x.numa_node;
+          rails.append(e);
+        }
+        auto names = [&](const std::vector<uint32_t>& order) {
+          nb::list out;
+          for (uint32_t i : order) out.append(r.rails[i].domain);
+          return out;
+        };
+        d["rails"] = rails;
+        d["host_numa"] = r.host_numa;
+        d["host_order"] = names(r.host_order);
+        for (auto& o : r.device_orders) dev_orders.append(names(o));
+        d["device_orders"] = dev_orders;
         return d;
       }, "config"_a, "devices"_a = std::vector<std::tuple<std::string, int>>{});
 

@@ -53,7 +53,8 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void close();
 
   // Called by peers and transports.
-  void wake_lanes(PeerState* peer, uint64_t chunks) { peer->transport->wake(peer, chunks); }
+  // `device`: GPU of the chunks' local bytes, -1 host memory (transports rank their NICs by it).
+  void wake_lanes(PeerState* peer, uint64_t chunks, int device = -1) { peer->transport->wake_near(peer, chunks, device); }
   void poll_lane(PeerState* peer, uint32_t lane) { peer->transport->poll(peer, lane); }
   // Registers with the registry, then with every usable transport (descriptor extensions).
   Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);

@@ -243,6 +243,10 @@ Transfer PeerState::post_notify(std::string data) {
 
 void PeerState::enqueue(TransferState* t) {
   const uint64_t chunk = info_.chunk_bytes;
+  // Where the local bytes live (the first segment's region: a transfer's blocks share one local
+  // region in the common case), so a transport can wake the lanes on the NICs nearest them.
+  const RegionState* first = t->segments.empty() ? nullptr : t->segments.front().local_region;
+  const int device = first && first->kind == MemoryKind::kCuda ? first->device : -1;
   uint64_t chunks = 0;
   for (const Segment& s : t->segments) {
     chunks += (s.length + chunk - 1) / chunk;
@@ -267,7 +271,7 @@ void PeerState::enqueue(TransferState* t) {
     t->release();
     return;
   }
-  endpoint_->wake_lanes(this, chunks);
+  endpoint_->wake_lanes(this, chunks, device);
 }
 
 // ---------------------------------------------------------------- transport side

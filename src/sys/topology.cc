@@ -59,25 +59,11 @@ std::string trim(std::string_view s) {
   return std::string(s.substr(a, b - a));
 }
 
-// Fills PCI path, NUMA node and local CPUs from the nearest PCI function above the interface.
+// Speed, then PCI path, NUMA node and local CPUs from the nearest PCI function above the interface.
 void read_sysfs(Nic& n) {
-  char real[PATH_MAX];
-  const std::string dev = "/sys/class/net/" + n.name + "/device";
   n.speed_mbps = read_int("/sys/class/net/" + n.name + "/speed", -1);
   if (n.speed_mbps <= 0) n.speed_mbps = -1;
-  if (!::realpath(dev.c_str(), real)) return;  // virtual interface (veth, bridge, lo)
-  std::string path = real;
-  // Walk up to the PCI function (virtio NICs sit one level below theirs).
-  while (!path.empty()) {
-    const std::string last = path.substr(path.rfind('/') + 1);
-    if (is_pci_function(last)) break;
-    path = path.substr(0, path.rfind('/'));
-  }
-  if (path.empty()) return;
-  n.pci_path = path;
-  n.numa_node = read_int(path + "/numa_node", -1);
-  auto cpus = parse_cpu_list(read_line(path + "/local_cpulist"));
-  if (cpus.is_ok()) n.local_cpus = cpus.take();
+  read_pci_location(n, "/sys/class/net/" + n.name + "/device");  // false: virtual interface (veth, bridge, lo)
 }
 
 bool parse_addr(const std::string& s, int* family, uint8_t out[16]) {
@@ -95,6 +81,46 @@ size_t common_prefix(const std::string& a, const std::string& b) {
 }
 
 }  // namespace
+
+bool read_pci_location(Nic& n, const std::string& device) {
+  char real[PATH_MAX];
+  if (!::realpath(device.c_str(), real)) return false;
+  std::string path = real;
+  // Walk up to the PCI function (virtio NICs sit one level below theirs).
+  while (!path.empty()) {
+    const std::string last = path.substr(path.rfind('/') + 1);
+    if (is_pci_function(last)) break;
+    path = path.substr(0, path.rfind('/'));
+  }
+  if (path.empty()) return false;
+  n.pci_path = path;
+  n.numa_node = read_int(path + "/numa_node", -1);
+  auto cpus = parse_cpu_list(read_line(path + "/local_cpulist"));
+  if (cpus.is_ok()) n.local_cpus = cpus.take();
+  return true;
+}
+
+int affinity_numa_node() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return -1;
+  int found = -1;
+  for (int node = 0; node < 1024; ++node) {
+    const std::string list = read_line("/sys/devices/system/node/node" + std::to_string(node) + "/cpulist");
+    if (list.empty()) {
+      if (::access(("/sys/devices/system/node/node" + std::to_string(node)).c_str(), F_OK) != 0) break;
+      continue;  // a node without CPUs
+    }
+    auto cpus = parse_cpu_list(list);
+    if (!cpus.is_ok()) return -1;
+    for (int c : cpus.value()) {
+      if (c < 0 || c >= CPU_SETSIZE || !CPU_ISSET(c, &set)) continue;
+      if (found >= 0 && found != node) return -1;  // spans nodes
+      found = node;
+    }
+  }
+  return found;
+}
 
 const NicAddr* Nic::primary() const {
   for (auto& a : addrs)
@@ -142,17 +168,19 @@ std::vector<Nic> discover_nics() {
   return out;
 }
 
+Closeness closeness(const Nic& nic, const std::string& device_pci_path, int device_numa) {
+  Closeness c;
+  c.shared = common_prefix(device_pci_path, nic.pci_path);
+  c.same_numa = device_numa >= 0 && nic.numa_node == device_numa;
+  c.speed_mbps = nic.speed_mbps;
+  return c;
+}
+
 std::vector<size_t> rank_nics(const std::vector<Nic>& nics, const std::string& device_pci_path, int device_numa) {
   std::vector<size_t> order(nics.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
-    const Nic &a = nics[x], &b = nics[y];
-    const size_t ca = common_prefix(device_pci_path, a.pci_path), cb = common_prefix(device_pci_path, b.pci_path);
-    if (ca != cb) return ca > cb;
-    const bool na = device_numa >= 0 && a.numa_node == device_numa, nb = device_numa >= 0 && b.numa_node == device_numa;
-    if (na != nb) return na;
-    if (a.speed_mbps != b.speed_mbps) return a.speed_mbps > b.speed_mbps;
-    return false;  // keep discovery (kernel) order
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {  // ties keep discovery (kernel) order
+    return closeness(nics[x], device_pci_path, device_numa).nearer_than(closeness(nics[y], device_pci_path, device_numa));
   });
   return order;
 }

@@ -35,9 +35,37 @@ struct Nic {
 // Every interface with its addresses (getifaddrs for this network namespace, sysfs for the rest).
 std::vector<Nic> discover_nics();
 
-// Lower is nearer. Shared leading components of two sysfs PCI paths count most (fewer bridges between
-// the device and the NIC), then a shared NUMA node, then speed.
+// Fills pci_path, numa_node and local_cpus from the PCI function at or above the sysfs path `device`
+// (a link such as /sys/class/net/X/device or /sys/bus/pci/devices/DDDD:BB:DD.F, resolved with
+// realpath; a virtio NIC sits one level below its function). False, and nothing filled, when it
+// leads to no PCI function (a virtual interface, a missing path).
+bool read_pci_location(Nic& n, const std::string& device);
+
+// How near a NIC is to a device: shared leading components of the two sysfs PCI paths count most
+// (fewer bridges between the device and the NIC), then a shared NUMA node, then speed. Equal values
+// are equally near.
+struct Closeness {
+  size_t shared = 0;        // leading path components in common (0: either path unknown)
+  bool same_numa = false;
+  int speed_mbps = -1;
+  bool operator==(const Closeness& o) const {
+    return shared == o.shared && same_numa == o.same_numa && speed_mbps == o.speed_mbps;
+  }
+  bool nearer_than(const Closeness& o) const {
+    if (shared != o.shared) return shared > o.shared;
+    if (same_numa != o.same_numa) return same_numa;
+    return speed_mbps > o.speed_mbps;
+  }
+};
+Closeness closeness(const Nic& nic, const std::string& device_pci_path, int device_numa);
+
+// Indices of `nics`, nearest first (by closeness; ties keep the given order).
 std::vector<size_t> rank_nics(const std::vector<Nic>& nics, const std::string& device_pci_path, int device_numa);
+
+// The NUMA node every CPU this process may run on belongs to (sched_getaffinity against
+// /sys/devices/system/node), or -1 when they span several nodes or it cannot tell. Host memory a
+// process confined to one node allocates lands there (first touch), so it stands for host memory's node.
+int affinity_numa_node();
 
 // A NIC as the other side advertises it (the listener's data NICs travel in the handshake).
 struct RemoteNic {

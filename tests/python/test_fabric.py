@@ -337,3 +337,31 @@ def test_accepting_side_shows_the_peer_when_connect_returns(endpoints):
             assert any(p.connected and p.transport == "fabric" for p in b.peers()), b.peers()
         finally:
             a.close()
+
+
+def test_rails_show_their_location_and_rail_order():
+    """Rail ranking as the doctor shows it: the tcp provider over loopback has one rail whose NIC has
+    no PCI location (unknown); it is still every order's only rail, for host memory and any GPU."""
+    from tether import _tether
+    from tether import doctor
+
+    c = _tether.Config.from_env()
+    c.fabric_provider, c.fabric_domains = "tcp", "lo"
+    r = _tether.fabric_rails(c, [("", 0), ("/sys/devices/pci0000:00/0000:00:01.0", -1)])
+    assert r["why"] == "" and r["provider"] == "tcp"
+    assert r["rails"] == [{"domain": "lo", "pci_path": None, "numa_node": -1}]
+    assert r["host_order"] == ["lo"] and r["device_orders"] == [["lo"], ["lo"]]
+    c.fabric_provider = "carrier-pigeon"
+    assert "carrier-pigeon" in _tether.fabric_rails(c, [])["why"]
+    env = dict(os.environ, TETHER_FABRIC_PROVIDER="tcp", TETHER_FABRIC_DOMAINS="lo")
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        rails = doctor.fabric_rails([{"index": 0, "pci_path": None, "numa_node": -1}])
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert rails["rails"][0]["domain"] == "lo" and rails["gpu_orders"] == {"0": ["lo"]}

@@ -2,6 +2,12 @@
 
 #include <rdma/fi_domain.h>
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -67,6 +73,28 @@ std::set<std::string> split(const std::string& s) {
 
 bool is_socket_provider(const std::string& p) { return p == "tcp"; }
 
+// The interface holding the address `sa` (tcp's src_addr), or "".
+std::string interface_of(const void* addr, size_t len) {
+  if (!addr || len < sizeof(sockaddr)) return {};
+  const auto* sa = static_cast<const sockaddr*>(addr);
+  ifaddrs* ifa = nullptr;
+  if (::getifaddrs(&ifa) != 0) return {};
+  std::string name;
+  for (ifaddrs* i = ifa; i && name.empty(); i = i->ifa_next) {
+    if (!i->ifa_addr || !i->ifa_name || i->ifa_addr->sa_family != sa->sa_family) continue;
+    if (sa->sa_family == AF_INET && len >= sizeof(sockaddr_in) &&
+        reinterpret_cast<const sockaddr_in*>(sa)->sin_addr.s_addr ==
+            reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr)
+      name = i->ifa_name;
+    if (sa->sa_family == AF_INET6 && len >= sizeof(sockaddr_in6) &&
+        std::memcmp(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr,
+                    &reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr, 16) == 0)
+      name = i->ifa_name;
+  }
+  ::freeifaddrs(ifa);
+  return name;
+}
+
 }  // namespace
 
 const std::vector<std::string>& known_providers() {
@@ -113,6 +141,7 @@ Discovery& Discovery::operator=(Discovery&& o) noexcept {
   provider_full = std::move(o.provider_full);
   rails = std::move(o.rails);
   o.rails.clear();
+  locations = std::move(o.locations);
   mr = o.mr;
   delivery_complete = o.delivery_complete;
   fence = o.fence;
@@ -123,6 +152,72 @@ Discovery& Discovery::operator=(Discovery&& o) noexcept {
 
 Discovery::~Discovery() {
   for (fi_info* i : rails) lib->freeinfo(i);
+}
+
+sys::Nic rail_location(const fi_info* info, const std::string& sysfs_root) {
+  sys::Nic n;
+  n.name = domain_name(info);
+  const fid_nic* nic = info->nic;
+  if (nic && nic->link_attr && nic->link_attr->speed > 0) n.speed_mbps = int(nic->link_attr->speed / 1000000);
+  // The provider's PCI address: exact, and the only way for NICs without a netdev (cxi, HCAs).
+  if (nic && nic->bus_attr && nic->bus_attr->bus_type == FI_BUS_PCI) {
+    const fi_pci_attr& p = nic->bus_attr->attr.pci;
+    char bdf[32];
+    std::snprintf(bdf, sizeof bdf, "%04x:%02x:%02x.%x", unsigned(p.domain_id), unsigned(p.bus_id), unsigned(p.device_id),
+                  unsigned(p.function_id));
+    if (sys::read_pci_location(n, sysfs_root + "/bus/pci/devices/" + bdf)) return n;
+  }
+  // Else a device name sysfs knows: the NIC's, the domain's (tcp: the interface), the interface
+  // holding the source address.
+  std::vector<std::string> names;
+  if (nic && nic->device_attr && nic->device_attr->name) names.emplace_back(nic->device_attr->name);
+  names.push_back(n.name);
+  names.push_back(interface_of(info->src_addr, info->src_addrlen));
+  for (const std::string& name : names) {
+    if (name.empty() || name.find('/') != std::string::npos) continue;
+    for (const char* cls : {"/class/net/", "/class/infiniband/"})
+      if (sys::read_pci_location(n, sysfs_root + cls + name + "/device")) return n;
+  }
+  return n;  // unknown: a virtual interface (lo, veth) or a provider that says nothing
+}
+
+RailOrder rank_rails(const std::vector<sys::Nic>& locations, const std::string& device_pci_path, int device_numa) {
+  RailOrder o;
+  for (size_t i : sys::rank_nics(locations, device_pci_path, device_numa)) o.rails.push_back(uint32_t(i));
+  // Rails we cannot place go last (rank_nics could tie them with known rails on another NUMA node).
+  std::stable_partition(o.rails.begin(), o.rails.end(), [&](uint32_t r) { return !locations[r].pci_path.empty(); });
+  const auto near = [&](uint32_t r) { return sys::closeness(locations[r], device_pci_path, device_numa); };
+  const bool first_known = !o.rails.empty() && !locations[o.rails[0]].pci_path.empty();
+  while (o.best < o.rails.size() && near(o.rails[o.best]) == near(o.rails[0]) &&
+         !locations[o.rails[o.best]].pci_path.empty() == first_known)
+    ++o.best;
+  return o;
+}
+
+size_t pick_rails(const RailOrder& order, size_t lanes, size_t k, uint64_t turn, uint32_t* out) {
+  const std::vector<uint32_t>& r = order.rails;
+  // The near tier among the rails this peer has a lane on (a peer with fewer rails than ours has
+  // lanes on our first ones only); none there: all of its lanes are equally good.
+  size_t tier_end = order.best, m = 0;
+  for (size_t p = 0; p < tier_end; ++p) m += r[p] < lanes;
+  if (m == 0) {
+    tier_end = r.size();
+    for (size_t p = 0; p < tier_end; ++p) m += r[p] < lanes;
+  }
+  if (m == 0) return 0;
+  const size_t start = size_t(turn % m);
+  size_t n = 0;
+  for (size_t j = 0; j < m && n < k; ++j) {  // the near tier, rotated
+    size_t want = (start + j) % m;
+    for (size_t p = 0; p < tier_end; ++p)
+      if (r[p] < lanes && want-- == 0) {
+        out[n++] = r[p];
+        break;
+      }
+  }
+  for (size_t p = tier_end; p < r.size() && n < k; ++p)  // then the rest, nearest first
+    if (r[p] < lanes) out[n++] = r[p];
+  return n;
 }
 
 bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::string* why) {
@@ -195,6 +290,7 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
                     "ordering: a notification may reach the target before the data it announces";
     }
     d.rails.push_back(lib.dupinfo(i));
+    d.locations.push_back(rail_location(i));
   }
   lib.freeinfo(list);
   if (d.rails.empty()) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "sys/topology.h"
 #include "transport/fabric/libfabric.h"
 
 namespace tether::transport::fabric {
@@ -40,6 +41,7 @@ struct Discovery {
   std::string provider;            // core provider name (first of "tcp;ofi_rxm")
   std::string provider_full;       // as libfabric names it
   std::vector<fi_info*> rails;     // one per domain, owned
+  std::vector<sys::Nic> locations; // per rail: its NIC's PCI path and NUMA node (empty path: unknown)
   MrMode mr;
   bool delivery_complete = false;  // writes can ask FI_DELIVERY_COMPLETE (tx op_flags accepted)
   bool fence = false;              // FI_FENCE: a fenced read waits for earlier writes (caps)
@@ -56,6 +58,28 @@ struct Discovery {
 
 // Fills *out, or returns false with *why (no library, no provider, no RDM+RMA domain).
 bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::string* why);
+
+// Where a rail's NIC sits: name = the domain's name; pci_path / numa_node / local_cpus from sysfs
+// (under `sysfs_root`, "/sys" but for tests). From the PCI address the provider reports
+// (fi_info->nic->bus_attr: cxi, efa, verbs), else from the network or RDMA device named by the NIC's
+// device name, the domain name or the interface holding src_addr (tcp). Left empty when none leads
+// to a PCI function. speed_mbps from the NIC's link attributes where given.
+sys::Nic rail_location(const fi_info* info, const std::string& sysfs_root = "/sys");
+
+// Rails in the order a device (GPU PCI path and NUMA node; "" and the process's node for host
+// memory) should use them: nearest first by sys::rank_nics, rails of unknown location last in
+// discovery order. `best` leading entries are equally near (the rails small chunks rotate over).
+struct RailOrder {
+  std::vector<uint32_t> rails;
+  uint32_t best = 0;
+};
+RailOrder rank_rails(const std::vector<sys::Nic>& locations, const std::string& device_pci_path, int device_numa);
+
+// Which rails to offer `k` new chunks of a peer with lanes on rails [0, lanes): up to k of them into
+// out[] (room for min(k, lanes)), returns how many. The nearest rails the peer has a lane on come
+// first, rotated by `turn` (round-robin among the equally near), then the others nearest first.
+// Allocates nothing (the data path calls it).
+size_t pick_rails(const RailOrder& order, size_t lanes, size_t k, uint64_t turn, uint32_t* out);
 
 // The provider names tether knows, in "auto" order, and whether `name` is one of them.
 const std::vector<std::string>& known_providers();

@@ -1,8 +1,12 @@
 #include "transport/fabric/fabric_transport.h"
 
+#include <dlfcn.h>
+#include <limits.h>
 #include <rdma/fi_errno.h>
+#include <stdlib.h>
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +21,8 @@
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"
+#include "gpu/cuda_api.h"
+#include "sys/topology.h"
 #include "transport/fabric/discovery.h"
 #include "transport/fabric/libfabric.h"
 #include "transport/fabric/rail.h"
@@ -159,6 +165,29 @@ bool connection_error(int err) {
 }
 
 int64_t now_ms() { return core::PeerState::now_ms(); }
+
+// sysfs PCI path and NUMA node of GPU `device` ({"", -1} when CUDA cannot say). cuDeviceGetPCIBusId
+// is looked up here, in the library gpu::cuda() already loaded, because gpu::CudaApi does not carry it.
+std::pair<std::string, int> gpu_location(int device) {
+  const gpu::CudaApi* cu = gpu::cuda();
+  if (!cu) return {"", -1};
+  const char* env = std::getenv("TETHER_LIBCUDA_SO");
+  void* lib = ::dlopen(env && *env ? env : "libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  using GetBusId = gpu::CUresult (*)(char*, int, gpu::CUdevice);
+  auto get_bus_id = lib ? reinterpret_cast<GetBusId>(::dlsym(lib, "cuDeviceGetPCIBusId")) : nullptr;
+  gpu::CUdevice dev = 0;
+  char bus[32] = {};
+  const bool ok = get_bus_id && cu->cuDeviceGet(&dev, device) == gpu::kCudaSuccess &&
+                  get_bus_id(bus, sizeof bus, dev) == gpu::kCudaSuccess;
+  if (lib) ::dlclose(lib);  // drops the reference RTLD_NOLOAD took; gpu::cuda() keeps its own
+  if (!ok) return {"", -1};
+  std::string id = bus;
+  for (char& c : id) c = char(std::tolower(static_cast<unsigned char>(c)));
+  if (id.find(':') == 8) id = id.substr(4);  // 00000000:18:00.0 -> 0000:18:00.0 (sysfs names)
+  sys::Nic where;
+  if (!sys::read_pci_location(where, "/sys/bus/pci/devices/" + id)) return {"", -1};
+  return {where.pci_path, where.numa_node};
+}
 
 }  // namespace
 
@@ -305,7 +334,8 @@ class FabricTransportImpl final : public Transport {
   void deregister_region(RegionState& region) override;
   Status attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& tcp_fds, std::string_view remote_offer,
                 bool initiator) override;
-  void wake(PeerState* peer, uint64_t chunks) override;
+  void wake(PeerState* peer, uint64_t chunks) override { wake_near(peer, chunks, -1); }
+  void wake_near(PeerState* peer, uint64_t chunks, int device) override;
   void stop() override;
 
   // Progress threads' lookups (brief locks, no system calls under them).
@@ -325,6 +355,15 @@ class FabricTransportImpl final : public Transport {
   }
   core::EndpointImpl* endpoint() { return endpoint_; }
   uint64_t bounce_payload() const { return endpoint_->config().chunk_bytes; }
+
+  // Rail order for memory on GPU `device` (-1: host), computed once per device (prepare_order) off
+  // the data path; the data path only loads a pointer. Null before the device's first region.
+  static constexpr int kOrderDevices = 64;   // GPUs beyond this use the host order
+  const RailOrder* order_for(int device) const {
+    const RailOrder* o = device >= 0 && device < kOrderDevices ? orders_[device + 1].load(std::memory_order_acquire) : nullptr;
+    return o ? o : orders_[0].load(std::memory_order_acquire);
+  }
+  void prepare_order(int device);
   int64_t grace_ms() const { return endpoint_->config().peer_timeout_ms; }
 
  private:
@@ -346,6 +385,10 @@ class FabricTransportImpl final : public Transport {
   std::atomic<bool> open_failed_{false};
   std::vector<std::unique_ptr<RailThread>> rails_;
   std::atomic<bool> stopped_{false};
+  // [0] host memory, [d + 1] GPU d; published once, owned by order_store_ (order_mu_).
+  std::atomic<const RailOrder*> orders_[kOrderDevices + 1] = {};
+  std::mutex order_mu_;
+  std::vector<std::unique_ptr<RailOrder>> order_store_;
 
   std::shared_mutex regions_mu_;
   std::unordered_map<const RegionState*, std::vector<RailMr>> regions_;
@@ -409,7 +452,22 @@ Status FabricTransportImpl::open_rails() {
     }
     rails_.push_back(std::move(t));
   }
-  return open_status_ = Status::ok();
+  open_status_ = Status::ok();
+  prepare_order(-1);
+  return open_status_;
+}
+
+void FabricTransportImpl::prepare_order(int device) {
+  if (device >= kOrderDevices || (device >= 0 && orders_[device + 1].load(std::memory_order_acquire))) return;
+  if (device < 0 && orders_[0].load(std::memory_order_acquire)) return;
+  // sysfs and CUDA queries outside the lock; a racing caller computes the same order and drops it.
+  auto [path, numa] = device >= 0 ? gpu_location(device) : std::pair<std::string, int>{"", sys::affinity_numa_node()};
+  auto order = std::make_unique<RailOrder>(rank_rails(disc_.locations, path, numa));
+  std::lock_guard lock(order_mu_);
+  std::atomic<const RailOrder*>& slot = orders_[device + 1];
+  if (slot.load(std::memory_order_relaxed)) return;
+  slot.store(order.get(), std::memory_order_release);
+  order_store_.push_back(std::move(order));
 }
 
 std::string FabricTransportImpl::offer(uint64_t session) {
@@ -435,6 +493,7 @@ Status FabricTransportImpl::register_region(RegionState& region, std::string* de
   Status s = open_rails();
   if (!s.is_ok()) return required ? s : Status::ok();
   const bool device = region.kind == MemoryKind::kCuda;
+  if (device) prepare_order(region.device);  // this GPU's rail order, before its first chunk
   if (device ? !disc_.mr.hmem : stage_host_) {
     // The provider cannot reach this memory (no FI_HMEM): no registration. Local chunks go through
     // the lanes' staging slots; the descriptor tells initiators to send messages the target serves.
@@ -541,15 +600,31 @@ Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const
   return Status::ok();
 }
 
-void FabricTransportImpl::wake(PeerState* peer, uint64_t chunks) {
+// Lane i sits on rail i, so waking lane i's thread offers the queued chunks to rail i. Which rails
+// are offered them first follows the rail order of the memory they come from (rank_rails):
+//  - few chunks (fewer than the peer's lanes): rotate over the rails nearest that memory (`best`,
+//    equally near), so small transfers from a GPU stay on the NICs beside it; only when there are
+//    more chunks than near rails do the next-ranked rails get woken.
+//  - many chunks: every lane is woken, nearest first, and lanes pull as fast as their rails drain.
+//    Large transfers use all rails on purpose: one more hop over PCIe or the socket link costs less
+//    than leaving NICs idle, and the pull model already gives a slower (farther) rail fewer chunks.
+//    To keep a GPU's traffic on its own NIC(s) name them in TETHER_FABRIC_DOMAINS.
+void FabricTransportImpl::wake_near(PeerState* peer, uint64_t chunks, int device) {
   auto* state = static_cast<FabricPeer*>(peer->transport_state.get());
   if (!state || state->lanes.empty()) return;
-  // Round-robin from the next lane: one chunk wakes one rail, many wake them all (striping).
   const size_t n = state->lanes.size();
   const size_t k = size_t(std::min<uint64_t>(std::max<uint64_t>(chunks, 1), n));
-  const uint32_t first = state->next.fetch_add(uint32_t(k), std::memory_order_relaxed);
-  for (size_t i = 0; i < k; ++i)
-    if (auto l = state->lanes[(first + i) % n].lock()) l->thread->wake();
+  const RailOrder* o = order_for(device);
+  if (!o || o->rails.size() != rails_.size() || o->rails.size() > 256) {  // not ranked (yet): round-robin
+    const uint32_t first = state->next.fetch_add(uint32_t(k), std::memory_order_relaxed);
+    for (size_t i = 0; i < k; ++i)
+      if (auto l = state->lanes[(first + i) % n].lock()) l->thread->wake();
+    return;
+  }
+  uint32_t pick[256];  // rails are at most 255 (the offer counts them in a byte)
+  const size_t count = pick_rails(*o, n, k, state->next.fetch_add(1, std::memory_order_relaxed), pick);
+  for (size_t i = 0; i < count; ++i)
+    if (auto l = state->lanes[pick[i]].lock()) l->thread->wake();
 }
 
 void FabricTransportImpl::stop() {
@@ -1165,6 +1240,28 @@ void RailThread::cancel_all() {
 }  // namespace tether::transport::fabric
 
 namespace tether::transport {
+
+FabricRails fabric_rails(const Config& c, const std::vector<std::pair<std::string, int>>& devices) {
+  using namespace fabric;
+  FabricRails out;
+  const Lib* lib = Lib::load(c.fabric_library, &out.why);
+  if (!lib) return out;
+  DiscoveryOptions opt;
+  opt.provider = c.fabric_provider;
+  opt.domains = c.fabric_domains;
+  opt.max_rails = c.fabric_rails;
+  opt.host = c.host;
+  opt.delivery_complete = c.fabric_delivery_complete != 0;
+  Discovery d;
+  if (!discover(*lib, opt, &d, &out.why)) return out;
+  out.why.clear();  // discovery may have noted a weaker attempt that failed before one succeeded
+  out.provider = d.provider;
+  for (const sys::Nic& n : d.locations) out.rails.push_back({n.name, n.pci_path, n.numa_node});
+  out.host_numa = sys::affinity_numa_node();
+  out.host_order = rank_rails(d.locations, "", out.host_numa).rails;
+  for (auto& [path, numa] : devices) out.device_orders.push_back(rank_rails(d.locations, path, numa).rails);
+  return out;
+}
 
 std::unique_ptr<Transport> make_fabric_transport(core::EndpointImpl* endpoint) {
   return std::make_unique<fabric::FabricTransportImpl>(endpoint);

@@ -23,4 +23,10 @@ class NoFabric final : public Transport {
 
 std::unique_ptr<Transport> make_fabric_transport(core::EndpointImpl*) { return std::make_unique<NoFabric>(); }
 
+FabricRails fabric_rails(const Config&, const std::vector<std::pair<std::string, int>>&) {
+  FabricRails out;
+  out.why = NoFabric().unavailable_reason();
+  return out;
+}
+
 }  // namespace tether::transport
