@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <mutex>
 #include <vector>
@@ -41,6 +42,7 @@ Loaded& loaded() {
     bind(lib, "cuDriverGetVersion", a.cuDriverGetVersion, &w);
     bind(lib, "cuDeviceGetCount", a.cuDeviceGetCount, &w);
     bind(lib, "cuDeviceGet", a.cuDeviceGet, &w);
+    bind(lib, "cuDeviceGetPCIBusId", a.cuDeviceGetPCIBusId, &w);
     bind(lib, "cuDevicePrimaryCtxRetain", a.cuDevicePrimaryCtxRetain, &w);
     bind(lib, "cuCtxSetCurrent", a.cuCtxSetCurrent, &w);
     bind(lib, "cuPointerGetAttribute", a.cuPointerGetAttribute, &w);
@@ -121,6 +123,19 @@ Status use_device(int device) {
   if (CUresult r = a->cuCtxSetCurrent(l.contexts[size_t(device)]); r != kCudaSuccess)
     return Status(Code::kInternal, cuda_error("cuCtxSetCurrent", r));
   return Status::ok();
+}
+
+std::string pci_bus_id(int device) {
+  const CudaApi* a = cuda();
+  CUdevice dev = 0;
+  char bus[32] = {};
+  if (!a || device < 0 || device >= loaded().devices || a->cuDeviceGet(&dev, device) != kCudaSuccess ||
+      a->cuDeviceGetPCIBusId(bus, sizeof bus, dev) != kCudaSuccess)
+    return "";
+  std::string id = bus;
+  for (char& c : id) c = char(std::tolower(static_cast<unsigned char>(c)));
+  if (id.find(':') == 8) id = id.substr(4);  // CUDA's 00000000:18:00.0 -> sysfs's 0000:18:00.0
+  return id;
 }
 
 Result<PointerInfo> pointer_info(const void* ptr) {

@@ -32,6 +32,7 @@ struct CudaApi {
   CUresult (*cuDriverGetVersion)(int*);
   CUresult (*cuDeviceGetCount)(int*);
   CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDeviceGetPCIBusId)(char*, int, CUdevice);
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*cuCtxSetCurrent)(CUcontext);
   CUresult (*cuPointerGetAttribute)(void*, int, CUdeviceptr);
@@ -70,6 +71,8 @@ int device_count();  // 0 without CUDA
 std::string cuda_error(const char* call, CUresult r);
 // Makes device `device`'s primary context current on the calling thread.
 Status use_device(int device);
+// GPU `device`'s PCI address as sysfs names it ("0000:18:00.0"), or "" when CUDA cannot say.
+std::string pci_bus_id(int device);
 
 // What a pointer is: host memory (incl. pinned), or GPU memory of `device`.
 struct PointerInfo {

@@ -1,12 +1,10 @@
 #include "transport/fabric/fabric_transport.h"
 
-#include <dlfcn.h>
 #include <limits.h>
 #include <rdma/fi_errno.h>
 #include <stdlib.h>
 
 #include <atomic>
-#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -166,24 +164,10 @@ bool connection_error(int err) {
 
 int64_t now_ms() { return core::PeerState::now_ms(); }
 
-// sysfs PCI path and NUMA node of GPU `device` ({"", -1} when CUDA cannot say). cuDeviceGetPCIBusId
-// is looked up here, in the library gpu::cuda() already loaded, because gpu::CudaApi does not carry it.
+// sysfs PCI path and NUMA node of GPU `device` ({"", -1} when CUDA cannot say).
 std::pair<std::string, int> gpu_location(int device) {
-  const gpu::CudaApi* cu = gpu::cuda();
-  if (!cu) return {"", -1};
-  const char* env = std::getenv("TETHER_LIBCUDA_SO");
-  void* lib = ::dlopen(env && *env ? env : "libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  using GetBusId = gpu::CUresult (*)(char*, int, gpu::CUdevice);
-  auto get_bus_id = lib ? reinterpret_cast<GetBusId>(::dlsym(lib, "cuDeviceGetPCIBusId")) : nullptr;
-  gpu::CUdevice dev = 0;
-  char bus[32] = {};
-  const bool ok = get_bus_id && cu->cuDeviceGet(&dev, device) == gpu::kCudaSuccess &&
-                  get_bus_id(bus, sizeof bus, dev) == gpu::kCudaSuccess;
-  if (lib) ::dlclose(lib);  // drops the reference RTLD_NOLOAD took; gpu::cuda() keeps its own
-  if (!ok) return {"", -1};
-  std::string id = bus;
-  for (char& c : id) c = char(std::tolower(static_cast<unsigned char>(c)));
-  if (id.find(':') == 8) id = id.substr(4);  // 00000000:18:00.0 -> 0000:18:00.0 (sysfs names)
+  const std::string id = gpu::pci_bus_id(device);
+  if (id.empty()) return {"", -1};
   sys::Nic where;
   if (!sys::read_pci_location(where, "/sys/bus/pci/devices/" + id)) return {"", -1};
   return {where.pci_path, where.numa_node};
