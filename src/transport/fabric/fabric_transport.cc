@@ -37,7 +37,9 @@ struct Lane;
 
 namespace {
 
-constexpr uint32_t kOfferMagic = 0x42414654;  // "TFAB"
+// Names the offer and the message layout: "TFA2" since SendHeader grew to 72 bytes (staged GPU
+// writes/reads), so a peer of the older layout is refused at attach, saying so, not misread.
+constexpr uint32_t kOfferMagic = 0x32414654;  // "TFA2"
 constexpr uint32_t kBounceBuffers = 8;        // posted receives per rail (send/recv chunks)
 constexpr int kIdleWaitMs = 20;               // a sleeping progress thread still notices failed peers
 constexpr int kSpinTurns = 1;                 // idle turns polling before sleeping in the CQ (2 cores: spinning steals the peer's)
@@ -522,7 +524,8 @@ Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const
   Status s = open_rails();
   if (!s.is_ok()) return s;
   Offer o;
-  if (!Offer::parse(remote_offer, &o)) return Status(Code::kProtocolError, "malformed fabric offer from the peer");
+  if (!Offer::parse(remote_offer, &o))
+    return Status(Code::kProtocolError, "malformed fabric offer from the peer (or a tether build with another fabric layout)");
   if (o.provider != disc_.provider)
     return Status(Code::kUnavailable, "the peer uses libfabric provider '" + o.provider + "', this endpoint '" +
                                           disc_.provider + "' (set TETHER_FABRIC_PROVIDER alike on both sides)");
