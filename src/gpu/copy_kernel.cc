@@ -38,6 +38,7 @@ struct KernelModule {
   std::once_flag once;
   CUfunction wide[kWide.size()] = {};
   CUfunction compact[kCompact.size()] = {};
+  CUfunction meta = nullptr;
   std::string why;
 };
 
@@ -49,8 +50,12 @@ KernelModule& module(int device) {
 // gridDim.x: one 256-thread block per 16 KiB of the longest fragment (up to 1024), gridDim.y: one row
 // per fragment. A 4 KiB fragment gets one block, one 16-byte load per thread; a 4 MiB chunk of them
 // is resident in one wave on a Hopper GPU.
+unsigned grid_x(uint64_t longest) {
+  return unsigned(std::clamp<uint64_t>((longest + kThreads * 64 - 1) / (kThreads * 64), 1, 1024));
+}
+
 Status go(CUfunction fn, CUstream stream, void* params, uint32_t n, uint64_t longest) {
-  const unsigned gx = unsigned(std::clamp<uint64_t>((longest + kThreads * 64 - 1) / (kThreads * 64), 1, 1024));
+  const unsigned gx = grid_x(longest);
   void* args[] = {params};
   if (CUresult r = cuda()->cuLaunchKernel(fn, gx, n, 1, kThreads, 1, 1, 0, stream, args, nullptr); r != kCudaSuccess)
     return Status(Code::kInternal, cuda_error("cuLaunchKernel(tether copy kernel)", r));
@@ -141,11 +146,12 @@ Status copy_kernel(int device) {
       if (!get("tether_copy_frags_" + std::to_string(kWide[i]), &m.wide[i])) return;
     for (size_t i = 0; i < kCompact.size(); ++i)
       if (!get("tether_copy_pieces_" + std::to_string(kCompact[i]), &m.compact[i])) return;
+    if (!get("tether_unpack_meta", &m.meta)) return;
 #else
     m.why = "this build has no GPU kernels (nvcc was not found at build time; see TETHER_CUDA in CMakeLists.txt)";
 #endif
   });
-  if (!m.compact[kCompact.size() - 1]) return Status(Code::kUnavailable, m.why);
+  if (!m.meta) return Status(Code::kUnavailable, m.why);
   return Status::ok();
 }
 
@@ -176,6 +182,20 @@ Status launch_copy_pieces(int device, CUstream stream, uint64_t src_base, uint64
     pieces += k;
     n -= k;
   }
+  return Status::ok();
+}
+
+Status launch_unpack_meta(int device, CUstream stream, CUdeviceptr meta, uint32_t n, uint64_t src_base, uint64_t dst_base,
+                          uint64_t longest) {
+  if (n == 0) return Status::ok();
+  if (Status s = copy_kernel(device); !s.is_ok()) return s;
+  CUdeviceptr meta_arg = meta;
+  uint64_t n_arg = n, src_arg = src_base, dst_arg = dst_base;
+  void* args[] = {&meta_arg, &n_arg, &src_arg, &dst_arg};
+  const unsigned gy = std::min<uint32_t>(n, 65535);  // the kernel walks the rest
+  if (CUresult r = cuda()->cuLaunchKernel(module(device).meta, grid_x(longest), gy, 1, kThreads, 1, 1, 0, stream, args, nullptr);
+      r != kCudaSuccess)
+    return Status(Code::kInternal, cuda_error("cuLaunchKernel(tether_unpack_meta)", r));
   return Status::ok();
 }
 

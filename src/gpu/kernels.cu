@@ -69,6 +69,25 @@ __device__ __forceinline__ void copy_all(const Pieces<K>& p) {
   }
 }
 
+// Descriptors read where the GPU can reach them (a net plugin's mapped unpack metadata, laid out as
+// netplugin's UnpackEntry): the launch carries a pointer only, so it costs the host what a small
+// launch costs; each block fetches its entry once (over PCIe when the metadata is in host memory).
+struct MetaEntry {
+  unsigned src_off, len;
+  unsigned long long dst_off;
+};
+
+extern "C" __global__ void __launch_bounds__(256) tether_unpack_meta(const MetaEntry* __restrict__ meta, unsigned long long n,
+                                                                    unsigned long long src_base, unsigned long long dst_base) {
+  __shared__ MetaEntry e;
+  for (unsigned long long f = blockIdx.y; f < n; f += gridDim.y) {
+    if (threadIdx.x == 0) e = meta[f];
+    __syncthreads();
+    copy_frag(Frag{src_base + e.src_off, dst_base + e.dst_off, e.len});
+    __syncthreads();  // every thread has read `e` before thread 0 overwrites it
+  }
+}
+
 // Names and sizes must match copy_kernel.cc.
 #define TETHER_WIDE(K) \
   extern "C" __global__ void __launch_bounds__(256) tether_copy_frags_##K(const __grid_constant__ Frags<K> p) { copy_all(p); }
