@@ -286,8 +286,11 @@ void pump_lane(IpcPeer& ip, PeerState& p, uint32_t lane) {
     if (!send_chunk(ip, p, lane, op)) return;
 }
 
-// Spreads queued chunks over every lane, one per lane per round, while windows allow.
-void pump_all(IpcPeer& ip, PeerState& p) {
+// Spreads queued chunks over every lane, one per lane per round, while windows allow; `one_round`:
+// a single round. The posting thread takes one round only: every lane then has a chunk in flight, and
+// its own thread sends the rest as answers free its window, so the lanes send in parallel instead of
+// the poster sending the whole window (a vectored op of many batches) one message after another.
+void pump_all(IpcPeer& ip, PeerState& p, bool one_round = false) {
   const uint32_t n = uint32_t(ip.fds.size());
   const uint32_t first = ip.next.fetch_add(1, std::memory_order_relaxed);
   for (bool any = true; any;) {
@@ -299,6 +302,7 @@ void pump_all(IpcPeer& ip, PeerState& p) {
       if (!send_chunk(ip, p, lane, op)) return;
       any = true;
     }
+    if (one_round) return;
   }
 }
 
@@ -1025,7 +1029,7 @@ void IpcTransport::reap_finished() {
 void IpcTransport::wake(PeerState* peer, uint64_t) {
   auto* ip = static_cast<IpcPeer*>(peer->transport_state.get());
   if (!ip || !ip->ready.load(std::memory_order_seq_cst)) return;  // setup pumps when it finishes
-  pump_all(*ip, *peer);
+  pump_all(*ip, *peer, /*one_round=*/true);
 }
 
 void IpcTransport::stop() {
