@@ -208,9 +208,12 @@ bool gpu_place(const RegionState* region, const uint8_t* ptr, uint64_t len, Cuda
   return true;
 }
 
+// What became of a chunk handed to send_chunk.
+enum class Sent { kSent, kRefused, kLaneGone };  // kRefused: answered here, nothing sent
+
 // A kWriteBatch: the fragments and where each piece is, in one message; host pieces
 // are staged in the slot's part of the bounce segment when the target cannot reach us by address.
-bool send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   const uint32_t n = op.fragments;
   alignas(16) uint8_t msg[kMaxMsg];  // on the sending thread's stack (about 20 KiB): any thread may send
   auto* ents = reinterpret_cast<BatchEntry*>(msg + sizeof(Frame));
@@ -229,7 +232,7 @@ bool send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
       CudaRef r;
       if (!gpu_place(pc.region, pc.data, pc.length, &r, &e.addr)) {
         refuse(p, lane, op, Code::kUnavailable);
-        return true;
+        return Sent::kRefused;
       }
       uint32_t k = 0;
       while (k < nrefs && refs[k].base != r.base) ++k;
@@ -247,13 +250,13 @@ bool send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   f.addr = nrefs;
   std::memcpy(msg, &f, sizeof f);
   const size_t bytes = sizeof(Frame) + n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef);
-  if (send_msg(ip.fds[lane], msg, bytes, -1)) return true;
+  if (send_msg(ip.fds[lane], msg, bytes, -1)) return Sent::kSent;
   fail_peer(p, Code::kConnectionLost, std::strerror(errno));
-  return false;
+  return Sent::kLaneGone;
 }
 
-// Describes (and for shm, stages) a pulled chunk and sends it. False if the lane is gone.
-bool send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+// Describes (and for shm, stages) a pulled chunk and sends it.
+Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   if (op.fragments > 0) return send_batch(ip, p, lane, op);
   Frame f{};
   f.hdr = op.hdr;
@@ -264,7 +267,7 @@ bool send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   if (op.device >= 0 && !read) {  // our GPU bytes: the target opens our allocation and copies
     if (!gpu_place(op.segment ? op.segment->local_region : nullptr, op.payload, op.length, &f.cuda, &f.addr)) {
       refuse(p, lane, op, Code::kUnavailable);
-      return true;
+      return Sent::kRefused;
     }
     f.where = uint8_t(Where::kCuda);
   } else if (ip.out_cma && !read) {
@@ -275,34 +278,39 @@ bool send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
     f.addr = uint64_t(op.hdr.slot) * ip.slot_bytes;
     if (op.length > 0) std::memcpy(ip.own.base() + f.addr, op.payload, op.length);  // slot is ours until answered
   }
-  if (send_msg(ip.fds[lane], &f, sizeof f, -1)) return true;
+  if (send_msg(ip.fds[lane], &f, sizeof f, -1)) return Sent::kSent;
   fail_peer(p, Code::kConnectionLost, std::strerror(errno));
-  return false;
+  return Sent::kLaneGone;
 }
 
 void pump_lane(IpcPeer& ip, PeerState& p, uint32_t lane) {
   ChunkOp op;
   while (p.next_chunk(lane, &op))
-    if (!send_chunk(ip, p, lane, op)) return;
+    if (send_chunk(ip, p, lane, op) == Sent::kLaneGone) return;
 }
 
 // Spreads queued chunks over every lane, one per lane per round, while windows allow; `one_round`:
-// a single round. The posting thread takes one round only: every lane then has a chunk in flight, and
-// its own thread sends the rest as answers free its window, so the lanes send in parallel instead of
-// the poster sending the whole window (a vectored op of many batches) one message after another.
+// stop after the first round that sent something. The posting thread takes one round only: lanes
+// then have chunks in flight, and each lane's thread sends the rest as answers free its window, so
+// the lanes send in parallel instead of the poster sending the whole window (a vectored op of many
+// batches) one message after another. A round whose chunks were all refused here put nothing in
+// flight, so nobody would come back for the rest: the loop goes on.
 void pump_all(IpcPeer& ip, PeerState& p, bool one_round = false) {
   const uint32_t n = uint32_t(ip.fds.size());
   const uint32_t first = ip.next.fetch_add(1, std::memory_order_relaxed);
   for (bool any = true; any;) {
     any = false;
+    bool sent = false;
     for (uint32_t i = 0; i < n; ++i) {
       const uint32_t lane = (first + i) % n;
       ChunkOp op;
       if (!p.next_chunk(lane, &op)) continue;
-      if (!send_chunk(ip, p, lane, op)) return;
+      const Sent r = send_chunk(ip, p, lane, op);
+      if (r == Sent::kLaneGone) return;
+      sent = sent || r == Sent::kSent;
       any = true;
     }
-    if (one_round) return;
+    if (one_round && sent) return;
   }
 }
 
