@@ -77,12 +77,6 @@ auto without_gil(F&& f) {
 std::string as_string(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
 nb::bytes as_bytes(const std::string& s) { return nb::bytes(s.data(), s.size()); }
 
-RemoteRegion parse_remote(const nb::object& o) {
-  if (nb::isinstance<RemoteRegion>(o)) return nb::cast<RemoteRegion>(o);
-  if (nb::isinstance<nb::bytes>(o)) return take(RemoteRegion::parse(as_string(nb::cast<nb::bytes>(o))));
-  raise(Status(Code::kInvalidArgument, "remote must be descriptor bytes or a RemoteRegion"));
-}
-
 // A RemoteRegion object is used in place; descriptor bytes are parsed into `parsed` (a deque: what
 // it holds never moves). The pointer lives as long as `o` and `parsed`.
 const RemoteRegion* remote_of(nb::handle o, std::deque<RemoteRegion>& parsed) {
@@ -90,6 +84,11 @@ const RemoteRegion* remote_of(nb::handle o, std::deque<RemoteRegion>& parsed) {
   if (PyBytes_Check(o.ptr()))
     return &parsed.emplace_back(take(RemoteRegion::parse(std::string_view(PyBytes_AS_STRING(o.ptr()), size_t(PyBytes_GET_SIZE(o.ptr()))))));
   raise(Status(Code::kInvalidArgument, "remote must be descriptor bytes or a RemoteRegion"));
+}
+
+RemoteRegion parse_remote(const nb::object& o) {
+  std::deque<RemoteRegion> parsed;
+  return *remote_of(o, parsed);
 }
 
 // The C++ Region inside a _tether.Region or a tether.Region (which holds one as `_r`).

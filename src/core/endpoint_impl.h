@@ -54,7 +54,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
 
   // Called by peers and transports.
   // `device`: GPU of the chunks' local bytes, -1 host memory (transports rank their NICs by it).
-  void wake_lanes(PeerState* peer, uint64_t chunks, int device = -1) { peer->transport->wake_near(peer, chunks, device); }
+  void wake_lanes(PeerState* peer, uint64_t chunks, int device = -1) { peer->transport->wake(peer, chunks, device); }
   void poll_lane(PeerState* peer, uint32_t lane) { peer->transport->poll(peer, lane); }
   // Registers with the registry, then with every usable transport (descriptor extensions).
   Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);

@@ -70,33 +70,25 @@ Status launch_wide(CUfunction fn, CUstream stream, const uint64_t* t, uint32_t n
   return go(fn, stream, &p, n, longest);
 }
 
-template <uint32_t K>
-Status launch_compact(CUfunction fn, CUstream stream, const uint64_t* t, uint32_t n, uint64_t src_base,
-                      uint64_t dst_base, uint64_t longest) {
-  Compact<K> p;
+// A compact launch of n <= kCopyFragsPerLaunch fragments in the smallest block they fit; `fill`
+// writes their (src_off, dst_off, len) words straight into it.
+template <uint32_t K, typename Fill>
+Status launch_compact(CUfunction fn, CUstream stream, uint64_t src_base, uint64_t dst_base, uint32_t n,
+                      uint64_t longest, const Fill& fill) {
+  Compact<K> p;  // on this thread's stack: the driver copies it into the launch
   p.src_base = src_base;
   p.dst_base = dst_base;
   p.n = n;
-  for (uint32_t i = 0; i < n; ++i) {
-    p.p[3 * i + 0] = uint32_t(t[3 * i + 0] - src_base);
-    p.p[3 * i + 1] = uint32_t(t[3 * i + 1] - dst_base);
-    p.p[3 * i + 2] = uint32_t(t[3 * i + 2]);
-  }
+  fill(p.p);
   return go(fn, stream, &p, n, longest);
 }
 
-template <uint32_t K>
-Status launch_pieces(CUfunction fn, CUstream stream, uint64_t src_base, uint64_t dst_base, const CopyPiece* pieces,
-                     uint32_t n) {
-  static_assert(sizeof(CopyPiece) == 3 * sizeof(uint32_t));
-  Compact<K> p;
-  p.src_base = src_base;
-  p.dst_base = dst_base;
-  p.n = n;
-  std::memcpy(p.p, pieces, size_t(n) * sizeof(CopyPiece));
-  uint32_t longest = 0;
-  for (uint32_t i = 0; i < n; ++i) longest = std::max(longest, pieces[i].len);
-  return go(fn, stream, &p, n, longest);
+template <typename Fill>
+Status launch_compact(const KernelModule& m, CUstream stream, uint64_t src_base, uint64_t dst_base, uint32_t n,
+                      uint64_t longest, const Fill& fill) {
+  if (n <= kCompact[0]) return launch_compact<kCompact[0]>(m.compact[0], stream, src_base, dst_base, n, longest, fill);
+  if (n <= kCompact[1]) return launch_compact<kCompact[1]>(m.compact[1], stream, src_base, dst_base, n, longest, fill);
+  return launch_compact<kCompact[2]>(m.compact[2], stream, src_base, dst_base, n, longest, fill);
 }
 
 // One launch of n <= kCopyFragsPerLaunch triples.
@@ -110,11 +102,14 @@ Status launch_one(const KernelModule& m, CUstream stream, const uint64_t* t, uin
     longest = std::max(longest, t[3 * i + 2]);
   }
   const bool compact = form != CopyForm::kWide && src_hi - src_lo <= UINT32_MAX && dst_hi - dst_lo <= UINT32_MAX;
-  if (compact) {
-    if (n <= kCompact[0]) return launch_compact<kCompact[0]>(m.compact[0], stream, t, n, src_lo, dst_lo, longest);
-    if (n <= kCompact[1]) return launch_compact<kCompact[1]>(m.compact[1], stream, t, n, src_lo, dst_lo, longest);
-    return launch_compact<kCompact[2]>(m.compact[2], stream, t, n, src_lo, dst_lo, longest);
-  }
+  if (compact)
+    return launch_compact(m, stream, src_lo, dst_lo, n, longest, [&](uint32_t* p) {
+      for (uint32_t i = 0; i < n; ++i) {
+        p[3 * i + 0] = uint32_t(t[3 * i + 0] - src_lo);
+        p[3 * i + 1] = uint32_t(t[3 * i + 1] - dst_lo);
+        p[3 * i + 2] = uint32_t(t[3 * i + 2]);
+      }
+    });
   if (n <= kWide[0]) return launch_wide<kWide[0]>(m.wide[0], stream, t, n, longest);
   return launch_wide<kWide[1]>(m.wide[1], stream, t, n, longest);
 }
@@ -170,14 +165,16 @@ Status launch_copy(int device, CUstream stream, const uint64_t* triples, uint32_
 
 Status launch_copy_pieces(int device, CUstream stream, uint64_t src_base, uint64_t dst_base, const CopyPiece* pieces,
                           uint32_t n) {
+  static_assert(sizeof(CopyPiece) == 3 * sizeof(uint32_t));
   if (n == 0) return Status::ok();
   if (Status s = copy_kernel(device); !s.is_ok()) return s;
   const KernelModule& m = module(device);
   while (n > 0) {
     const uint32_t k = std::min(n, kCopyFragsPerLaunch);
-    Status s = k <= kCompact[0]   ? launch_pieces<kCompact[0]>(m.compact[0], stream, src_base, dst_base, pieces, k)
-               : k <= kCompact[1] ? launch_pieces<kCompact[1]>(m.compact[1], stream, src_base, dst_base, pieces, k)
-                                  : launch_pieces<kCompact[2]>(m.compact[2], stream, src_base, dst_base, pieces, k);
+    uint32_t longest = 0;
+    for (uint32_t i = 0; i < k; ++i) longest = std::max(longest, pieces[i].len);
+    Status s = launch_compact(m, stream, src_base, dst_base, k, longest,
+                              [&](uint32_t* p) { std::memcpy(p, pieces, size_t(k) * sizeof(CopyPiece)); });
     if (!s.is_ok()) return s;
     pieces += k;
     n -= k;

@@ -68,10 +68,9 @@ class Transport {
   virtual Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
                         std::string_view remote_offer, bool initiator) = 0;
   // `chunks` new chunks are queued on `peer`; up to that many lanes with room should pull them.
-  virtual void wake(core::PeerState* peer, uint64_t chunks) = 0;
-  // The same for chunks whose local bytes are on GPU `device` (-1: host memory): a transport with
-  // several NICs wakes the lanes on the NICs nearest that memory first (fabric: rail ranking).
-  virtual void wake_near(core::PeerState* peer, uint64_t chunks, int device) { (void)device; wake(peer, chunks); }
+  // `device`: the GPU their local bytes are on (-1: host memory, or not known), so a transport with
+  // several NICs can wake the lanes on the NICs nearest that memory first (fabric: rail ranking).
+  virtual void wake(core::PeerState* peer, uint64_t chunks, int device) = 0;
   // Called by a thread spinning on a small transfer: progress lane `lane` of `peer` from the calling
   // thread if no other thread is doing so (saves waking a progress thread for the answer).
   virtual void poll(core::PeerState* peer, uint32_t lane) { (void)peer; (void)lane; }

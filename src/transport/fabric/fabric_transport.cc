@@ -320,8 +320,7 @@ class FabricTransportImpl final : public Transport {
   void deregister_region(RegionState& region) override;
   Status attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& tcp_fds, std::string_view remote_offer,
                 bool initiator) override;
-  void wake(PeerState* peer, uint64_t chunks) override { wake_near(peer, chunks, -1); }
-  void wake_near(PeerState* peer, uint64_t chunks, int device) override;
+  void wake(PeerState* peer, uint64_t chunks, int device) override;
   void stop() override;
 
   // Progress threads' lookups (brief locks, no system calls under them).
@@ -596,7 +595,7 @@ Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const
 //    Large transfers use all rails on purpose: one more hop over PCIe or the socket link costs less
 //    than leaving NICs idle, and the pull model already gives a slower (farther) rail fewer chunks.
 //    To keep a GPU's traffic on its own NIC(s) name them in TETHER_FABRIC_DOMAINS.
-void FabricTransportImpl::wake_near(PeerState* peer, uint64_t chunks, int device) {
+void FabricTransportImpl::wake(PeerState* peer, uint64_t chunks, int device) {
   auto* state = static_cast<FabricPeer*>(peer->transport_state.get());
   if (!state || state->lanes.empty()) return;
   const size_t n = state->lanes.size();

@@ -15,7 +15,7 @@ class NoFabric final : public Transport {
   Status attach(const std::shared_ptr<core::PeerState>&, const std::vector<int>&, std::string_view, bool) override {
     return Status(Code::kUnavailable, unavailable_reason());
   }
-  void wake(core::PeerState*, uint64_t) override {}
+  void wake(core::PeerState*, uint64_t, int) override {}
   void stop() override {}
 };
 

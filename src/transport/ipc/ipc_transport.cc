@@ -1034,7 +1034,7 @@ void IpcTransport::reap_finished() {
   }
 }
 
-void IpcTransport::wake(PeerState* peer, uint64_t) {
+void IpcTransport::wake(PeerState* peer, uint64_t, int) {
   auto* ip = static_cast<IpcPeer*>(peer->transport_state.get());
   if (!ip || !ip->ready.load(std::memory_order_seq_cst)) return;  // setup pumps when it finishes
   pump_all(*ip, *peer, /*one_round=*/true);

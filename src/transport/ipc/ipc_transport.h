@@ -44,7 +44,7 @@ class IpcTransport final : public Transport {
   Status register_region(core::RegionState& region, std::string* desc_ext) override;
   Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
                 std::string_view remote_offer, bool initiator) override;
-  void wake(core::PeerState* peer, uint64_t chunks) override;
+  void wake(core::PeerState* peer, uint64_t chunks, int device) override;
   void stop() override;
 
  private:

@@ -385,7 +385,7 @@ Status NetpluginTransport::attach(const std::shared_ptr<core::PeerState>& peer, 
   return Status::ok();
 }
 
-void NetpluginTransport::wake(core::PeerState* peer, uint64_t chunks) {
+void NetpluginTransport::wake(core::PeerState* peer, uint64_t chunks, int) {
   auto* state = static_cast<NetPeerLanes*>(peer->transport_state.get());
   if (!state || state->threads.empty()) return;
   const size_t n = state->threads.size();

@@ -944,7 +944,7 @@ Status TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::v
   return Status::ok();
 }
 
-void TcpTransport::wake(PeerState* peer, uint64_t chunks) {
+void TcpTransport::wake(PeerState* peer, uint64_t chunks, int) {
   auto* state = static_cast<TcpPeerLanes*>(peer->transport_state.get());
   if (chunks <= 1 && state && !state->lanes.empty()) {
     // A one-chunk transfer is sent by the posting thread itself when a lane's tx is free: that
