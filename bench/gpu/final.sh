@@ -25,7 +25,7 @@ t() {  # name seconds command...: runs it, appends its verdict (and errors) to t
   { echo "== $name rc=$rc $((SECONDS - t0))s $(grep -aE '[0-9]+ (passed|failed)' "$L/$name.log" | tail -1)"
     grep -aE "^E |Error:|FAILED|ERROR SUMMARY|^=========.*(Invalid|error)" "$L/$name.log" | head -6
     grep -aE "GB/s|MET|ratio|│ (write|read)" "$L/$name.log" | head -12
-    grep -aE "^(write |fabric:|peer transport:|env:|pull|push|bytes|kernel|d2d|contiguous)|NCCL" "$L/$name.log" | head -12
+    grep -aE "^(pull|push|one process|two processes|write |fabric:|peer transport:|env:|pull|push|bytes|kernel|d2d|contiguous|256 MiB|4096x16K)|NCCL" "$L/$name.log" | head -40
     grep -aE "^(FAIL|HANG) |^    " "$L/$name.log" | head -80; } >> "$S"
   cat "$L/$name.log" >> "$OUT/all.log"
 }
@@ -61,5 +61,6 @@ t ipc_gpu_quick 90 $PT tests/python/test_ipc_gpu.py -k "vectored or cache or der
 t tcp256 60 tether bench --transport tcp $G --sizes 256M --iters 10
 t nccl_socket 150 python3 bench/peers/run.py --only nccl-socket
 t nvlink_probe 40 python3 bench/gpu/nvlink_probe.py
+t ipc_probe 150 python3 bench/gpu/ipc_probe.py
 t env 20 bash -c '{ ldconfig -p | grep -E "libfabric|libcuda.so"; command -v fi_info && fi_info -l; nproc; nvidia-smi --query-gpu=name,driver_version --format=csv; } | sed "s/^/env: /"'
 cat "$S"
