@@ -43,7 +43,8 @@ def main() -> int:
         ("1 MiB", B.Case("write", 1 << 20, 1, 2000, 100, 16, args.check)),
         ("1 MiB (one at a time)", B.Case("write", 1 << 20, 1, 500, 50, 0, False)),
         ("16 MiB", B.Case("write", 16 << 20, 1, 200, 10, 4, args.check)),
-        ("256 MiB", B.Case("write", cap, 1, 20, 2, 0, args.check)),
+        ("256 MiB", B.Case("write", cap, 1, 20, 2, 2, args.check)),
+        ("256 MiB (one at a time)", B.Case("write", cap, 1, 20, 2, 0, False)),
         ("128 x 1.15 MB", B.Case("write", 1179648, 128, 40, 3, 2, args.check)),
         ("4096 x 16 KiB", B.Case("write", 16 << 10, 4096, 40, 3, 2, args.check)),
     ]

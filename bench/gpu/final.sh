@@ -55,6 +55,9 @@ t fabric_gpu_probe 60 python3 bench/gpu/fabric_gpu_probe.py
 t fabric_gpu 120 $PT tests/python/test_fabric_gpu.py
 t fabric_staged 120 $PT tests/python/test_fabric_staged.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
+# Thread wake-up cost (docs/ARCHITECTURE.md, "Waking up"): busy polling off, on, and off with the CPUs held out of idle.
+TETHER_BUSY_POLL_US=0 t ipc_busy0 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
+TETHER_BUSY_POLL_US=0 t ipc_busy0_qos 50 python3 bench/gpu/hold_cpu_latency.py python3 bench/gpu/compare_ipc_gpu.py --channels 16
 for c in 32 64 256; do t ipc_chunk_${c}M 40 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk $((c << 20)); done
 t test_gpu_rest 240 $PT tests/python/test_gpu.py -k "not vectored"
 t ipc_gpu_quick 90 $PT tests/python/test_ipc_gpu.py -k "vectored or cache or deregistered or two_endpoints or child or send_recv"

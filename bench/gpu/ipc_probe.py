@@ -26,7 +26,7 @@ BIG, FRAG, NFRAG = 256 << 20, 16 << 10, 4096
 
 
 class Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # not c_char: its value stops at the first zero byte
 
 
 class Cuda:
@@ -68,12 +68,11 @@ class Cuda:
         self.use(dev)
         h = Handle()
         self.ok(self.cu.cuIpcGetMemHandle(ctypes.byref(h), ctypes.c_uint64(ptr)), "cuIpcGetMemHandle")
-        return bytes(h.reserved).hex()
+        return bytes(bytearray(h.reserved)).hex()
 
     def open(self, dev, hexed):
         self.use(dev)
-        h = Handle()
-        h.reserved = bytes.fromhex(hexed)
+        h = Handle.from_buffer_copy(bytes.fromhex(hexed))
         p = ctypes.c_uint64()
         self.ok(self.cu.cuIpcOpenMemHandle_v2(ctypes.byref(p), h, 1), "cuIpcOpenMemHandle")
         return p.value

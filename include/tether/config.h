@@ -10,6 +10,7 @@ namespace tether {
 // Progress threads (channels) by default: half the CPUs, at least 4, at most 16. Measured: 4 is best on
 // 2 cores, 16 on a 32-core GPU host (docs/PERFORMANCE.md, "GPU memory over TCP").
 uint32_t default_channels();
+uint32_t default_busy_poll_us();
 
 struct Config {
   std::string host = "127.0.0.1";   // TETHER_HOST: listen address ("0.0.0.0" for every interface)
@@ -24,6 +25,9 @@ struct Config {
   uint32_t heartbeat_ms = 1000;        // TETHER_HEARTBEAT_MS
   uint32_t handshake_timeout_ms = 2000;// TETHER_HANDSHAKE_TIMEOUT_MS: unfinished handshakes are dropped
   uint32_t spin_us = 50;            // TETHER_SPIN_US: wait() on a small transfer spins this long before sleeping
+  uint32_t busy_poll_us = default_busy_poll_us();  // TETHER_BUSY_POLL_US: wait() on any transfer, and an ipc lane
+                                    // after each message, spins this long before sleeping (0 = never); default
+                                    // 1000 on a machine of 8 or more CPUs, else 0 (docs/ARCHITECTURE.md, "Waking up")
   std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
   std::string unpack;               // TETHER_UNPACK: kernel, d2d or host; empty = kernel when built, else d2d

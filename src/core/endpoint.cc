@@ -1068,7 +1068,8 @@ void Peer::close() { state_->fail(Status(Code::kCancelled, "peer closed locally"
 // Transfer
 bool Transfer::done() const { return state_->is_finished(); }
 Status Transfer::wait(int64_t timeout_ms) const {
-  return state_->wait(timeout_ms, state_->peer ? state_->peer->spin_us() : 0);
+  const core::PeerState* p = state_->peer.get();
+  return state_->wait(timeout_ms, p ? p->spin_us() : 0, p ? p->busy_poll_us() : 0);
 }
 Status Transfer::status() const { return state_->is_finished() ? state_->final_status() : Status::ok(); }
 uint64_t Transfer::bytes() const { return state_->bytes.load(std::memory_order_acquire); }

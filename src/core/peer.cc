@@ -67,6 +67,7 @@ bool PeerState::lane_alive(uint32_t lane) const {
 }
 
 uint32_t PeerState::spin_us() const { return endpoint_->config().spin_us; }
+uint32_t PeerState::busy_poll_us() const { return endpoint_->config().busy_poll_us; }
 
 void PeerState::poll(uint32_t lane) {
   if (!failed()) endpoint_->poll_lane(this, lane);

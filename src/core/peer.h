@@ -75,6 +75,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   uint32_t lanes() const { return lanes_; }
   uint32_t slot_count() const { return uint32_t(slots_.size()); }  // chunk slots (indices in FrameHeader::slot)
   uint32_t spin_us() const;
+  uint32_t busy_poll_us() const;  // Config::busy_poll_us
   // Reads `lane` from the calling thread if nobody else is (a waiter fetching its own answer).
   void poll(uint32_t lane);
   bool failed() const { return failed_.load(std::memory_order_acquire); }

@@ -1,5 +1,7 @@
 #include "core/transfer.h"
 
+#include <algorithm>
+
 #include <chrono>
 
 #include "core/peer.h"
@@ -58,10 +60,12 @@ std::atomic<int> g_spinners{0};
 constexpr uint64_t kSpinMaxBytes = 256 << 10;  // larger transfers take long enough to sleep
 }  // namespace
 
-Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us) {
+Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_us) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  if (!is_finished() && spin_us > 0 && bytes.load(std::memory_order_relaxed) <= kSpinMaxBytes) {
+  if (bytes.load(std::memory_order_relaxed) <= kSpinMaxBytes) spin_us = std::max(spin_us, busy_us);
+  else spin_us = busy_us;
+  if (!is_finished() && spin_us > 0) {
     if (g_spinners.fetch_add(1, std::memory_order_relaxed) == 0) {
       const auto spin_end = start + std::chrono::microseconds(spin_us);
       while (!is_finished() && Clock::now() < spin_end) {

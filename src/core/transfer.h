@@ -69,7 +69,7 @@ struct TransferState {
   void release(int64_t n = 1);
   void finish(Status s);
   bool is_finished() const { return finished_.load(std::memory_order_acquire); }
-  Status wait(int64_t timeout_ms, uint32_t spin_us);
+  Status wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_us);
   Status final_status() const;
 
  private:

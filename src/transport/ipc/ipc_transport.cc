@@ -2,11 +2,13 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstring>
@@ -691,11 +693,34 @@ bool finish_listener_setup(Lane& l, int host_mode) {
   return true;
 }
 
+// The lane's next message. Within `busy_us` of the last one it polls without sleeping: a request or an
+// answer usually follows soon, and a sleeping thread takes longer to wake (deep CPU idle states) than
+// an NVLink copy of a few MiB takes (docs/ARCHITECTURE.md, "Waking up").
+ssize_t next_msg(Lane& l, uint32_t busy_us, std::chrono::steady_clock::time_point* last) {
+  using Clock = std::chrono::steady_clock;
+  if (busy_us > 0) {
+    const auto until = *last + std::chrono::microseconds(busy_us);
+    do {
+      const ssize_t n = ::recv(l.fd, l.rx.get(), kMaxMsg, MSG_DONTWAIT);
+      if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+        *last = Clock::now();
+        return n;
+      }
+      sched_yield();  // a runnable thread of ours (or the peer's) gets the core first
+    } while (Clock::now() < until);
+  }
+  const ssize_t n = ::recv(l.fd, l.rx.get(), kMaxMsg, 0);
+  *last = Clock::now();
+  return n;
+}
+
 void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
   PeerState& p = *l->peer;
+  const uint32_t busy_us = ep->config().busy_poll_us;
+  auto last = std::chrono::steady_clock::now();
   if (!l->setup_first || finish_listener_setup(*l, host_mode)) {
     for (;;) {
-      ssize_t n = ::recv(l->fd, l->rx.get(), kMaxMsg, 0);
+      ssize_t n = next_msg(*l, busy_us, &last);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         fail_peer(p, Code::kConnectionLost, n == 0 ? "the peer closed it" : std::strerror(errno));
