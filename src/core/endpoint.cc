@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <functional>
 
@@ -360,6 +361,9 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   ch.chunk_bytes = config_.chunk_bytes;
   std::memcpy(ch.host_id, host_id_.data(), 32);
   copy_name(ch.name, name_);
+  for (auto& tr : transports_)  // what we could choose: the listener offers no more than it must
+    if (tr->unavailable_reason().empty() && (config_.transport == "auto" || config_.transport == tr->name()))
+      ch.transports |= wire::transport_bit(tr->name());
 
   transport::Transport* chosen = nullptr;
   std::string remote_offer;
@@ -680,9 +684,20 @@ void EndpointImpl::advance_handshake(int fd) {
     }
     std::string out;
     if (!bad && h.kind == uint8_t(wire::SocketKind::kControl)) {
+      // Only the transports the connector can choose, and of those only the ones of the highest
+      // priority (it takes the highest both offer): building an offer can be costly (fabric opens
+      // its rails), and a same-host peer that will take ipc needs no other.
+      const bool same = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
+      auto usable = [&](const transport::Transport& t) {
+        return t.unavailable_reason().empty() && (h.transports == 0 || (h.transports & wire::transport_bit(t.name()))) &&
+               (!t.caps().same_host_only || same);
+      };
+      int best = INT_MIN;
+      for (auto& t : transports_)
+        if (usable(*t)) best = std::max(best, t->priority());
       wire::Offers offers;
       for (auto& t : transports_)
-        if (t->unavailable_reason().empty()) offers.emplace_back(t->name(), t->offer(h.session));
+        if (usable(*t) && t->priority() == best) offers.emplace_back(t->name(), t->offer(h.session));
       out = wire::encode_offers(offers);
       sh.offers_length = uint32_t(out.size());
     }

@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -15,9 +16,16 @@
 namespace tether::wire {
 
 constexpr uint32_t kMagic = 0x52485454;  // "TTHR"
-constexpr uint16_t kVersion = 2;
+constexpr uint16_t kVersion = 3;  // 3: ClientHello::transports
 
 // ---- handshake (every socket, control or data) ----
+// A transport's bit in ClientHello::transports (0 for a name not listed).
+inline uint8_t transport_bit(std::string_view name) {
+  constexpr std::string_view kNames[] = {"tcp", "ipc", "fabric", "netplugin"};
+  for (size_t i = 0; i < std::size(kNames); ++i)
+    if (kNames[i] == name) return uint8_t(1u << i);
+  return 0;
+}
 enum class SocketKind : uint8_t { kControl = 1, kData = 2 };
 enum class HelloStatus : uint8_t { kOk = 0, kVersionMismatch = 1, kAuthFailed = 2, kBadRequest = 3, kClosing = 4 };
 
@@ -36,6 +44,7 @@ struct ClientHello {           // connector -> listener
   uint8_t host_id[32];         // boot id + network namespace: equal means same host, same netns
   char name[64];
   uint64_t chunk_bytes;        // the peer uses min(ours, theirs): no frame is longer (0 = no preference)
+  uint8_t transports;          // bit transport_bit(name): transports the connector may choose (0: any)
 };
 struct ServerHello {           // listener -> connector
   uint32_t magic;
@@ -121,7 +130,7 @@ struct RtsBody { uint64_t msg_id, tag, length; };
 struct CtsBody { uint64_t msg_id; uint32_t token; uint8_t status; uint8_t pad[3]; };
 #pragma pack(pop)
 
-static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64 + 8);
+static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64 + 8 + 1);
 static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4 + 8);
 static_assert(sizeof(ClientProof) == 32 + 16 + 4 + 4);
 static_assert(sizeof(FrameHeader) == 56);

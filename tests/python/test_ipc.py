@@ -15,7 +15,7 @@ import pytest
 import tether
 from conftest import CONFIGS
 from tether_testutil import (
-    MiB, assert_bytes_equal, assert_poison, client_hello, poisoned, rand_bytes, raw_connect,
+    MiB, assert_bytes_equal, assert_poison, client_hello, host_id_of, poisoned, rand_bytes, raw_connect,
     read_server_hello, refuse_cma,
 )
 
@@ -217,13 +217,34 @@ def test_concurrent_connects_from_one_endpoint_get_their_own_lanes(endpoints):
         assert_bytes_equal(dst, src, f"link {i}")
 
 
+def _offers(server, **hello) -> set:
+    s = raw_connect(server.address)
+    try:
+        s.sendall(client_hello(**hello))
+        return set(read_server_hello(s)["offers"])
+    finally:
+        s.close()
+
+
+def test_listener_offers_only_what_the_connector_would_choose(endpoints):
+    """Offers cost (fabric opens its rails for one): the listener offers the highest-priority
+    transports among those the connector says it can take, ipc only to a same-host connector."""
+    me = endpoints(name="me")
+    same = host_id_of(me.metadata())
+    assert _offers(me, host_id=same) == {"ipc"}
+    assert _offers(me, host_id=same, transports=1) == {"tcp"}           # the connector pinned tcp
+    assert "ipc" not in _offers(me)                                    # another host: no ipc
+    assert "tcp" in _offers(me, transports=1 | 2)                      # another host, tcp or ipc: tcp
+    assert _offers(me, host_id=same, transports=8) == set()            # nothing both can use
+
+
 def test_strangers_on_the_lane_socket_do_not_disturb_connects(endpoints):
     """The lane socket's name is in the handshake offer; anyone on the host may connect to it and
     send garbage or nothing. Real connects keep working (the connector side accepts lanes)."""
     me = endpoints(name="me")
     other = endpoints(name="other")
     s = raw_connect(me.address)
-    s.sendall(client_hello())
+    s.sendall(client_hello(host_id=host_id_of(me.metadata())))  # a same-host peer is offered ipc
     offer = read_server_hello(s)["offers"]["ipc"]
     s.close()
     version, _session = struct.unpack_from("<HQ", offer, 0)

@@ -27,7 +27,7 @@ MiB = 1 << 20
 
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
-CLIENT_HELLO_SIZE = 164
+CLIENT_HELLO_SIZE = 165
 SERVER_HELLO_SIZE = 184  # then offers_length bytes of transport offers (control sockets)
 CLIENT_PROOF_SIZE = 56
 SERVER_DONE_SIZE = 8
@@ -229,15 +229,23 @@ def thread_count() -> int:
 # --------------------------------------------------------------------------- raw sockets
 
 
-def client_hello(version: int = 2, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
-                 has_token: int = 0, magic: int = WIRE_MAGIC, name: bytes = b"raw") -> bytes:
-    """A ClientHello (156 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
-    nonce 16, session u64, lane u32, lanes u32, peer timeout ms u32, host id 32, name 64, chunk bytes u64."""
-    msg = struct.pack("<IHBB16s16sQIII32s64sQ", magic, version, kind, has_token, os.urandom(16),
-                      os.urandom(16), int.from_bytes(os.urandom(8), "little"), lane, lanes, 10000, bytes(32),
-                      name.ljust(64, b"\0")[:64], 0)
+def client_hello(version: int = 3, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
+                 has_token: int = 0, magic: int = WIRE_MAGIC, name: bytes = b"raw", host_id: bytes = bytes(32),
+                 transports: int = 0) -> bytes:
+    """A ClientHello (165 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
+    nonce 16, session u64, lane u32, lanes u32, peer timeout ms u32, host id 32, name 64, chunk bytes u64,
+    transports u8 (bits: tcp 1, ipc 2, fabric 4, netplugin 8; 0 = any). `host_id`: the listener's
+    (host_id_of(its metadata)) to pose as a same-host peer."""
+    msg = struct.pack("<IHBB16s16sQIII32s64sQB", magic, version, kind, has_token, os.urandom(16),
+                      os.urandom(16), int.from_bytes(os.urandom(8), "little"), lane, lanes, 10000, host_id,
+                      name.ljust(64, b"\0")[:64], 0, transports)
     assert len(msg) == CLIENT_HELLO_SIZE
     return msg
+
+
+def host_id_of(metadata: bytes) -> bytes:
+    """The host id inside an endpoint's metadata (src/core/endpoint.cc, MetadataHeader)."""
+    return metadata[24:56]
 
 
 def parse_server_hello(b: bytes) -> dict:
