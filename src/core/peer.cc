@@ -46,7 +46,7 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
       endpoint_(std::move(endpoint)),
       info_(std::move(info)),
       lanes_(lanes),
-      batches_(transport && transport->caps().write_batches),
+      batch_max_(transport ? transport->caps().batch_fragments : 0),
       gpu_chunk_(transport ? transport->caps().gpu_chunk_bytes : 0),
       lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
       last_heard_ms_(now_ms()) {
@@ -68,6 +68,14 @@ bool PeerState::lane_alive(uint32_t lane) const {
 
 uint32_t PeerState::spin_us() const { return endpoint_->config().spin_us; }
 uint32_t PeerState::busy_poll_us() const { return endpoint_->config().busy_poll_us; }
+
+uint32_t PeerState::quietest_lane() const {
+  std::lock_guard lock(mu_);
+  uint32_t best = 0;
+  for (uint32_t i = 1; i < lanes_; ++i)
+    if (lane_dead_[best] || (!lane_dead_[i] && lane_inflight_[i] < lane_inflight_[best])) best = i;
+  return best;
+}
 
 void PeerState::poll(uint32_t lane) {
   if (!failed()) endpoint_->poll_lane(this, lane);
@@ -291,14 +299,14 @@ uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk) {
   const int32_t dev = device_of(first);
   size_t end = t->cur_segment + 1;
   uint64_t total = rest;
-  while (end < segs.size() && end - t->cur_segment < wire::kMaxFragments && total + segs[end].length <= chunk &&
+  while (end < segs.size() && end - t->cur_segment < batch_max_ && total + segs[end].length <= chunk &&
          device_of(segs[end]) == dev)
     total += segs[end++].length;
   const uint32_t n = uint32_t(end - t->cur_segment);
   if (n < 2) return 0;
   if (!s.frags) {  // once per slot, on its first batch
-    s.frags = std::make_unique<wire::Fragment[]>(wire::kMaxFragments);
-    s.pieces = std::make_unique<Piece[]>(wire::kMaxFragments);
+    s.frags = std::make_unique<wire::Fragment[]>(batch_max_);
+    s.pieces = std::make_unique<Piece[]>(batch_max_);
   }
   for (uint32_t i = 0; i < n; ++i) {
     const Segment& g = segs[t->cur_segment + i];
@@ -357,7 +365,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     op->segment_offset = t->cur_offset;
     op->device = s.device;
     op->local = s.local;
-    const uint32_t n = t->op == OpKind::kWrite && batches_ ? pack_batch(t, s, chunk) : 0;
+    const uint32_t n = t->op == OpKind::kWrite && batch_max_ >= 2 ? pack_batch(t, s, chunk) : 0;
     if (n >= 2) {  // many small writes: one frame, one answer
       h.type = static_cast<uint8_t>(wire::FrameType::kWriteBatch);
       h.region_id = n;

@@ -76,6 +76,10 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   uint32_t slot_count() const { return uint32_t(slots_.size()); }  // chunk slots (indices in FrameHeader::slot)
   uint32_t spin_us() const;
   uint32_t busy_poll_us() const;  // Config::busy_poll_us
+  // The live lane with the fewest chunks in flight, the lowest such index on ties: where a transport
+  // starts handing out a transfer's chunks. Lone transfers keep landing on the same lane, whose
+  // threads are still awake from the last one (a woken thread costs more than a small copy).
+  uint32_t quietest_lane() const;
   // Reads `lane` from the calling thread if nobody else is (a waiter fetching its own answer).
   void poll(uint32_t lane);
   bool failed() const { return failed_.load(std::memory_order_acquire); }
@@ -176,7 +180,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   const std::shared_ptr<EndpointImpl> endpoint_;
   PeerInfo info_;
   const uint32_t lanes_;
-  const bool batches_;  // the transport takes kWriteBatch chunks
+  const uint32_t batch_max_;  // the transport's Caps::batch_fragments: most fragments in a kWriteBatch chunk
   const uint64_t gpu_chunk_;  // the transport's chunk size between GPU memory on both ends (0: none)
   const uint32_t lane_window_;
   std::atomic<bool> failed_{false};

@@ -34,7 +34,8 @@ struct Caps {
   // attach() needs nothing from the connector: the listener attaches and publishes the peer before
   // answering, so when connect() returns there, peers() shows the peer here (as with tcp lanes).
   bool attach_before_answer = false;
-  bool write_batches = false;   // understands kWriteBatch chunks (many small writes in one frame)
+  uint32_t batch_fragments = 0; // most fragments in one kWriteBatch chunk (many small writes in one
+                                // frame, one answer); 0: no batches
   uint64_t gpu_chunk_bytes = 0; // chunk size when both ends of a write/read are GPU memory (0: the peer's chunk_bytes)
 };
 

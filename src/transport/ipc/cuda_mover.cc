@@ -159,7 +159,7 @@ Status CudaLane::copy(int device, CUdeviceptr dst, CUdeviceptr src, uint64_t len
 }
 
 Status CudaLane::copy_many(int device, const uint64_t* triples, uint32_t n, bool kernel) {
-  if (n > kMaxCopyTriples) return Status(Code::kInternal, "ipc: too many fragments for one copy");
+  if (n > kMaxBatch) return Status(Code::kInternal, "ipc: too many fragments for one copy");
   auto got = ready(device);
   if (!got.is_ok()) return got.status();
   Dev& d = *got.value();

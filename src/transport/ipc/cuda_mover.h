@@ -95,6 +95,8 @@ class CudaLane {
   uint64_t bounce_size_ = 0;
 };
 
-constexpr uint32_t kMaxCopyTriples = 128;  // wire::kMaxFragments: one batch
+// Fragments in one ipc kWriteBatch, copied by one kernel launch: 4,096 blocks of 16 KiB go as four
+// batches on four lanes (with tcp's 128, as 32 launches each waited for: docs/PERFORMANCE.md, ipc).
+constexpr uint32_t kMaxBatch = 1024;
 
 }  // namespace tether::transport::ipc

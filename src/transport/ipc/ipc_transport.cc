@@ -72,7 +72,7 @@ struct Hello {
 #pragma pack(pop)
 static_assert(sizeof(Frame) == 160);
 static_assert(sizeof(BatchEntry) == 64);
-constexpr size_t kMaxMsg = sizeof(Frame) + wire::kMaxFragments * (sizeof(BatchEntry) + sizeof(CudaRef));
+constexpr size_t kMaxMsg = sizeof(Frame) + kMaxBatch * (sizeof(BatchEntry) + sizeof(CudaRef));  // ~152 KiB
 // ipc's own frame type: initiator -> target, "the read of (slot, gen) is copied out, let go of the region".
 constexpr uint8_t kReadDone = 0x40;
 static_assert(sizeof(Hello) == 40);
@@ -91,7 +91,6 @@ struct IpcPeer {
   uint64_t slot_bytes = 0;           // one chunk per core slot in `own`
   std::atomic<bool> ready{false};    // setup done: lanes may pull and serve
   std::unique_ptr<CudaImports> imports;  // the other side's GPU allocations we opened (kept until the peer goes)
-  std::atomic<uint32_t> next{0};
 };
 
 struct Lane {
@@ -108,9 +107,9 @@ struct Lane {
   std::unique_ptr<CudaLane> cuda;    // streams, bounce buffer
   struct Held { uint32_t slot, gen; RegionState* pin; };
   std::vector<Held> held;            // regions pinned for reads the initiator is pulling (until kReadDone)
-  RegionState* pins[wire::kMaxFragments];
-  std::shared_ptr<Mapping> maps[wire::kMaxFragments];
-  uint64_t triples[3 * wire::kMaxFragments];
+  RegionState* pins[kMaxBatch];
+  std::shared_ptr<Mapping> maps[kMaxBatch];
+  uint64_t triples[3 * kMaxBatch];
 };
 
 namespace {
@@ -217,7 +216,10 @@ enum class Sent { kSent, kRefused, kLaneGone };  // kRefused: answered here, not
 // are staged in the slot's part of the bounce segment when the target cannot reach us by address.
 Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   const uint32_t n = op.fragments;
-  alignas(16) uint8_t msg[kMaxMsg];  // on the sending thread's stack (about 20 KiB): any thread may send
+  // Any thread may send: each has its own message buffer, made on its first batch.
+  thread_local std::unique_ptr<uint8_t[]> buffer;
+  if (!buffer) buffer = std::make_unique<uint8_t[]>(kMaxMsg);
+  uint8_t* msg = buffer.get();
   auto* ents = reinterpret_cast<BatchEntry*>(msg + sizeof(Frame));
   auto* refs = reinterpret_cast<CudaRef*>(msg + sizeof(Frame) + n * sizeof(BatchEntry));
   Frame f{};
@@ -291,15 +293,16 @@ void pump_lane(IpcPeer& ip, PeerState& p, uint32_t lane) {
     if (send_chunk(ip, p, lane, op) == Sent::kLaneGone) return;
 }
 
-// Spreads queued chunks over every lane, one per lane per round, while windows allow; `one_round`:
-// stop after the first round that sent something. The posting thread takes one round only: lanes
-// then have chunks in flight, and each lane's thread sends the rest as answers free its window, so
-// the lanes send in parallel instead of the poster sending the whole window (a vectored op of many
-// batches) one message after another. A round whose chunks were all refused here put nothing in
-// flight, so nobody would come back for the rest: the loop goes on.
+// Spreads queued chunks over every lane, starting at the quietest (PeerState::quietest_lane), one
+// per lane per round, while windows allow; `one_round`: stop after the first round that sent
+// something. The posting thread takes one round only: lanes then have chunks in flight, and each
+// lane's thread sends the rest as answers free its window, so the lanes send in parallel instead of
+// the poster sending the whole window (a vectored op of many batches) one message after another. A
+// round whose chunks were all refused here put nothing in flight, so nobody would come back for the
+// rest: the loop goes on.
 void pump_all(IpcPeer& ip, PeerState& p, bool one_round = false) {
   const uint32_t n = uint32_t(ip.fds.size());
-  const uint32_t first = ip.next.fetch_add(1, std::memory_order_relaxed);
+  const uint32_t first = p.quietest_lane();
   for (bool any = true; any;) {
     any = false;
     bool sent = false;
@@ -480,7 +483,7 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
   const uint32_t n = h.region_id;
   const bool gpu = f.where == uint8_t(Where::kCuda);
   const uint64_t nrefs = gpu ? f.addr : 0;
-  if (n < 1 || n > wire::kMaxFragments || nrefs > n || (gpu && nrefs == 0) ||
+  if (n < 1 || n > kMaxBatch || nrefs > n || (gpu && nrefs == 0) ||
       bytes != sizeof(Frame) + n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef)) {
     fail_peer(p, Code::kProtocolError, "a malformed batch");
     return false;
@@ -829,7 +832,7 @@ Caps IpcTransport::caps() const {
   c.host_memory = true;
   c.cuda_memory = gpu::cuda() != nullptr;
   c.same_host_only = true;
-  c.write_batches = true;
+  c.batch_fragments = kMaxBatch;
   c.gpu_chunk_bytes = endpoint_->config().ipc_gpu_chunk_bytes;
   return c;
 }

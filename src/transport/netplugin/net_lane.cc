@@ -267,7 +267,7 @@ bool NetLane::on_header(RxPosted& r) {
         return protocol_error("read data for no read");
       r.expect = h.length;
       return true;
-    case FrameType::kWriteBatch:  // never sent to us: Caps::write_batches is off
+    case FrameType::kWriteBatch:  // never sent to us: Caps::batch_fragments is 0
       break;
   }
   return protocol_error("a frame of unknown type");

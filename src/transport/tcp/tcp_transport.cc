@@ -907,7 +907,7 @@ Caps TcpTransport::caps() const {
   Caps c;
   c.host_memory = true;
   c.uses_tcp_lanes = true;
-  c.write_batches = true;
+  c.batch_fragments = wire::kMaxFragments;
   return c;
 }
 
