@@ -107,7 +107,8 @@ struct Lane {
   std::unique_ptr<CudaLane> cuda;    // streams, bounce buffer
   struct Held { uint32_t slot, gen; RegionState* pin; };
   std::vector<Held> held;            // regions pinned for reads the initiator is pulling (until kReadDone)
-  RegionState* pins[kMaxBatch];
+  RegionState* pins[kMaxBatch];     // a batch's pinned regions (one per run of one descriptor)
+  RegionState* dests[kMaxBatch];    // each fragment's region
   std::shared_ptr<Mapping> maps[kMaxBatch];
   uint64_t triples[3 * kMaxBatch];
 };
@@ -500,12 +501,27 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
   };
   auto& stats = ep->stats();
   Code c = Code::kOk;
-  uint32_t pinned = 0;
+  uint32_t pinned = 0;  // l.pins[0, pinned): one per run of fragments naming the same descriptor
   uint64_t total = 0;
-  for (; pinned < n; ++pinned) {
-    const wire::Fragment fr = entry(pinned).frag;
-    c = ep->registry().resolve(fr.region_id, fr.key, fr.desc_offset, fr.desc_length, fr.offset, fr.length, true, &l.pins[pinned]);
-    if (c != Code::kOk) break;
+  wire::Fragment run{};
+  for (uint32_t i = 0; i < n; ++i) {
+    const wire::Fragment fr = entry(i).frag;
+    if (pinned > 0 && fr.region_id == run.region_id && fr.key == run.key && fr.desc_offset == run.desc_offset &&
+        fr.desc_length == run.desc_length) {
+      // The descriptor is checked and its region pinned: the rest of the run needs its bounds only
+      // (a lookup, a keyed hash and a shared pin per fragment cost more than the copy of 16 KiB).
+      if (fr.offset < fr.desc_offset || !core::in_bounds(fr.offset - fr.desc_offset, fr.length, fr.desc_length)) {
+        c = Code::kOutOfRange;
+        break;
+      }
+    } else {
+      c = ep->registry().resolve(fr.region_id, fr.key, fr.desc_offset, fr.desc_length, fr.offset, fr.length, true,
+                                 &l.pins[pinned]);
+      if (c != Code::kOk) break;
+      ++pinned;
+      run = fr;
+    }
+    l.dests[i] = l.pins[pinned - 1];
     total += fr.length;
   }
   int err = c == Code::kOk && total != h.length ? EPROTO : 0;
@@ -515,7 +531,7 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
     uint32_t k = 0;
     for (; k < nrefs && c == Code::kOk; ++k) {
       const CudaRef r = ref_at(k);
-      auto m = ip.imports->get(r, l.pins[0]->kind == MemoryKind::kCuda ? l.pins[0]->device : -1);
+      auto m = ip.imports->get(r, l.dests[0]->kind == MemoryKind::kCuda ? l.dests[0]->device : -1);
       if (m.is_ok()) l.maps[k] = m.take(); else c = Code::kUnavailable;
     }
     const int dev = c == Code::kOk ? l.maps[0]->device : -1;
@@ -525,7 +541,7 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
       if (e.ref >= nrefs) { err = EPROTO; break; }
       const Mapping& mp = *l.maps[e.ref];
       if (e.addr > mp.size || e.frag.length > mp.size - e.addr) { err = EPROTO; break; }
-      const RegionState* r = l.pins[i];
+      const RegionState* r = l.dests[i];
       one_kernel = one_kernel && mp.device == dev && r->kind == MemoryKind::kCuda && r->device == dev;
       l.triples[3 * i + 0] = mp.ptr + e.addr;
       l.triples[3 * i + 1] = reinterpret_cast<uint64_t>(r->base + e.frag.offset);
@@ -539,7 +555,7 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
   } else if (c == Code::kOk && !err) {
     for (uint32_t i = 0; i < n && c == Code::kOk && !err; ++i) {
       const BatchEntry e = entry(i);
-      const RegionState* r = l.pins[i];
+      const RegionState* r = l.dests[i];
       Moved m = pull_piece(l, ep, f.where, e.addr, nullptr, r->base + e.frag.offset,
                            r->kind == MemoryKind::kCuda ? r->device : -1, e.frag.length);
       c = m.code;
