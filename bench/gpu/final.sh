@@ -26,7 +26,7 @@ t() {  # name seconds command...: runs it, appends its verdict (and errors) to t
     grep -aE "^E |Error:|FAILED|ERROR SUMMARY|^=========.*(Invalid|error)" "$L/$name.log" | head -6
     grep -aE "GB/s|MET|ratio|│ (write|read)" "$L/$name.log" | head -12
     grep -aE "^(pull|push|one process|two processes|write |fabric:|peer transport:|env:|pull|push|bytes|kernel|d2d|contiguous|256 MiB|4096x16K)|NCCL" "$L/$name.log" | head -40
-    grep -aE "^(FAIL|HANG) |^    " "$L/$name.log" | head -80; } >> "$S"
+    grep -aE "^(FAIL|HANG|ok  ) |^    " "$L/$name.log" | head -80; } >> "$S"
   cat "$L/$name.log" >> "$OUT/all.log"
 }
 t ipc_gpu 300 $PT tests/python/test_ipc_gpu.py
@@ -42,6 +42,7 @@ for u in kernel d2d host; do t contig_$u 40 tether bench --transport tcp $G --si
   -DCMAKE_BUILD_TYPE=Release > "$L/plugin.log" 2>&1 && "$CMAKE" --build build/testnet-gpu --target tether_testnet >> "$L/plugin.log" 2>&1
 TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu 60 $PT tests/python/test_netplugin_gpu.py -k "cuda and kernel"
 TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu_all 120 $PT tests/python/test_netplugin_gpu.py
+TETHER_TEST_NET_PLUGIN=$PLUGIN t par_tests 420 bash bench/gpu/par_tests.sh 400
 t unpack_bench 30 python3 bench/gpu/unpack_bench.py --iters 300
 t unpack_bench16 30 python3 bench/gpu/unpack_bench.py --iters 300 --frag-kib 16
 for tr in netplugin tcp; do
@@ -55,6 +56,7 @@ t fabric_gpu_probe 60 python3 bench/gpu/fabric_gpu_probe.py
 t fabric_gpu 120 $PT tests/python/test_fabric_gpu.py
 t fabric_staged 120 $PT tests/python/test_fabric_staged.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
+t ipc_gpu_check 80 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --check
 # Thread wake-up cost (docs/ARCHITECTURE.md, "Waking up"): busy polling off, on, and off with the CPUs held out of idle.
 # One op at a time, by size: where a lone ipc op's time goes (host memory, GPU0>GPU1, GPU0>GPU0, one lane; tcp beside).
 L1="--mode write --iters 400 --quiet --sizes 4K,64K,1M,16M"
@@ -65,7 +67,7 @@ TETHER_CHANNELS=1 t lat_ipc_gpu_1lane 40 tether bench --transport ipc --device g
 t lat_tcp_gpu 40 tether bench --transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 $L1
 TETHER_BUSY_POLL_US=0 t ipc_busy0 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
 TETHER_BUSY_POLL_US=0 t ipc_busy0_qos 50 python3 bench/gpu/hold_cpu_latency.py python3 bench/gpu/compare_ipc_gpu.py --channels 16
-for c in 32 64 256; do t ipc_chunk_${c}M 40 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk $((c << 20)); done
+for c in 32 64 128 256 1024; do t ipc_chunk_${c}M 40 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk $((c << 20)); done
 t test_gpu_rest 240 $PT tests/python/test_gpu.py -k "not vectored"
 t ipc_gpu_quick 90 $PT tests/python/test_ipc_gpu.py -k "vectored or cache or deregistered or two_endpoints or child or send_recv"
 t tcp256 60 tether bench --transport tcp $G --sizes 256M --iters 10
