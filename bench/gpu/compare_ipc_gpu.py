@@ -10,6 +10,7 @@ Needs two GPUs and torch (tether bench's LocalPair with device=0, remote_device=
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -32,6 +33,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--check", action="store_true", help="also verify every byte (separate pass)")
+    ap.add_argument("--check-iters", type=int, default=5, help="checked operations per case with --check")
     ap.add_argument("--channels", type=int, default=8)
     ap.add_argument("--gpu-chunk", type=int, default=None, help="ipc_gpu_chunk_bytes (default: the endpoint's)")
     args = ap.parse_args()
@@ -48,6 +50,8 @@ def main() -> int:
         ("128 x 1.15 MB", B.Case("write", 1179648, 128, 40, 3, 2, args.check)),
         ("4096 x 16 KiB", B.Case("write", 16 << 10, 4096, 40, 3, 2, args.check)),
     ]
+    if args.check:
+        cases = [(n, dataclasses.replace(c, check_iters=args.check_iters)) for n, c in cases]
     rows, extra = [], {}
     pair = B.LocalPair(opts, cap, device=0, remote_device=1)
     try:

@@ -21,7 +21,7 @@ G="--device gpu --local-gpu-idx 0 --remote-gpu-idx 1 --mode write --check --quie
 t() {  # name seconds command...: runs it, appends its verdict (and errors) to the summary
   local name=$1 secs=$2; shift 2; local t0=$SECONDS
   [ "$STEPS" = "  " ] || [[ "$STEPS" == *" $name "* ]] || return 0
-  timeout "$secs" "$@" > "$L/$name.log" 2>&1; local rc=$?
+  timeout -k 10 "$secs" "$@" > "$L/$name.log" 2>&1; local rc=$?  # -k: a process that outlives TERM is killed
   { echo "== $name rc=$rc $((SECONDS - t0))s $(grep -aE '[0-9]+ (passed|failed)' "$L/$name.log" | tail -1)"
     grep -aE "^E |Error:|FAILED|ERROR SUMMARY|^=========.*(Invalid|error)" "$L/$name.log" | head -6
     grep -aE "GB/s|MET|ratio|│ (write|read)" "$L/$name.log" | head -12
@@ -57,6 +57,7 @@ t fabric_gpu 120 $PT tests/python/test_fabric_gpu.py
 t fabric_staged 120 $PT tests/python/test_fabric_staged.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
 t ipc_gpu_check 80 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --check
+t ipc_gpu_notify 90 $PT tests/python/test_ipc_gpu.py -k write_and_notify
 # Thread wake-up cost (docs/ARCHITECTURE.md, "Waking up"): busy polling off, on, and off with the CPUs held out of idle.
 # One op at a time, by size: where a lone ipc op's time goes (host memory, GPU0>GPU1, GPU0>GPU0, one lane; tcp beside).
 L1="--mode write --iters 400 --quiet --sizes 4K,64K,1M,16M"

@@ -113,6 +113,7 @@ class Case:
     warmup: int
     async_depth: int   # 0: one op at a time; N: up to N ops in flight
     check: bool
+    check_iters: int = 0  # checked operations before the timed pass (0: iters)
 
 
 @dataclass
@@ -371,7 +372,7 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
     check_ok: Optional[bool] = None
     if case.check:
         check_ok = True
-        for _ in range(case.iters):
+        for _ in range(case.check_iters or case.iters):
             check_ok &= _checked_iteration(pair, case, blocks, post, rng)
             if progress:
                 progress()

@@ -16,11 +16,13 @@ _dev = GPU.device
 
 T = 60
 PAIRS = [("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu1", "host"), ("gpu1", "gpu0")]
-SIZE = 37 * MiB + 12345  # several 16 MiB GPU chunks and a partial one
+SIZE = 37 * MiB + 12345  # several 16 MiB GPU chunks and a partial one (see Local)
 
 
 class Local(LocalMemory):
     def __init__(self, **kw):
+        # 16 MiB GPU chunks (the default is 256 MiB): a SIZE write goes as three chunks on three lanes.
+        kw.setdefault("ipc_gpu_chunk_bytes", 16 * MiB)
         super().__init__(tether.Endpoint(transport="ipc", **kw), _dev)
 
 
