@@ -11,14 +11,6 @@
 namespace tether::gpu {
 namespace {
 
-Status check(const char* call, CUresult r) {
-  return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, cuda_error(call, r));
-}
-#define TRY(call, expr)                                            \
-  do {                                                             \
-    if (Status s_ = check(call, (expr)); !s_.is_ok()) return s_;   \
-  } while (0)
-
 struct Streams {
   const CudaApi* a = nullptr;
   std::vector<CUstream> s;
@@ -51,8 +43,8 @@ Result<CopyBenchResult> bench_copy(int device, uint64_t src, uint64_t dst, uint6
   st.s.resize(streams);
   st.e.resize(streams);
   for (uint32_t i = 0; i < streams; ++i) {
-    TRY("cuStreamCreate", a->cuStreamCreate(&st.s[i], kStreamNonBlocking));
-    TRY("cuEventCreate", a->cuEventCreate(&st.e[i], kEventDisableTiming));
+    TETHER_CUDA_TRY("cuStreamCreate", a->cuStreamCreate(&st.s[i], kStreamNonBlocking));
+    TETHER_CUDA_TRY("cuEventCreate", a->cuEventCreate(&st.e[i], kEventDisableTiming));
   }
   // Fragment i of the source lands at slot perm[i] of the destination (the scattered pattern).
   const uint64_t n = bytes / frag_bytes;
@@ -77,13 +69,13 @@ Result<CopyBenchResult> bench_copy(int device, uint64_t src, uint64_t dst, uint6
     } else {
       const uint64_t part = (bytes / streams + 4095) & ~uint64_t(4095);
       for (uint32_t k = 0; k * part < bytes; ++k)
-        TRY("cuMemcpyAsync", a->cuMemcpyAsync(dst + k * part, src + k * part, std::min(part, bytes - k * part), st.s[k]));
+        TETHER_CUDA_TRY("cuMemcpyAsync", a->cuMemcpyAsync(dst + k * part, src + k * part, std::min(part, bytes - k * part), st.s[k]));
     }
-    for (uint32_t k = 0; k < streams; ++k) TRY("cuEventRecord", a->cuEventRecord(st.e[k], st.s[k]));
+    for (uint32_t k = 0; k < streams; ++k) TETHER_CUDA_TRY("cuEventRecord", a->cuEventRecord(st.e[k], st.s[k]));
     return Status::ok();
   };
   auto wait = [&]() -> Status {
-    for (uint32_t k = 0; k < streams; ++k) TRY("cuEventSynchronize", a->cuEventSynchronize(st.e[k]));
+    for (uint32_t k = 0; k < streams; ++k) TETHER_CUDA_TRY("cuEventSynchronize", a->cuEventSynchronize(st.e[k]));
     return Status::ok();
   };
   for (int w = 0; w < 2; ++w) {
@@ -105,8 +97,8 @@ Result<CopyBenchResult> bench_copy(int device, uint64_t src, uint64_t dst, uint6
   r.gbps = double(bytes) / (r.us_per_op * 1e3);
   // Every byte: the source as it is, and where each fragment went.
   std::vector<uint8_t> s(bytes), d(bytes);
-  TRY("cuMemcpy(check src)", a->cuMemcpy(reinterpret_cast<CUdeviceptr>(s.data()), src, bytes));
-  TRY("cuMemcpy(check dst)", a->cuMemcpy(reinterpret_cast<CUdeviceptr>(d.data()), dst, bytes));
+  TETHER_CUDA_TRY("cuMemcpy(check src)", a->cuMemcpy(reinterpret_cast<CUdeviceptr>(s.data()), src, bytes));
+  TETHER_CUDA_TRY("cuMemcpy(check dst)", a->cuMemcpy(reinterpret_cast<CUdeviceptr>(d.data()), dst, bytes));
   for (uint64_t i = 0; i < n; ++i) {
     const uint64_t at = kernel ? perm[i] * frag_bytes : i * frag_bytes;
     for (uint64_t b = 0; b < frag_bytes; ++b) r.mismatches += s[i * frag_bytes + b] != d[at + b];

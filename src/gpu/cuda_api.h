@@ -69,6 +69,15 @@ int device_count();  // 0 without CUDA
 
 // "cuMemcpyAsync: invalid argument (1)"-style message for a failed call.
 std::string cuda_error(const char* call, CUresult r);
+// Ok, or kInternal with cuda_error's message.
+inline Status cuda_check(const char* call, CUresult r) {
+  return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, cuda_error(call, r));
+}
+// Returns the failed call's Status from the enclosing function.
+#define TETHER_CUDA_TRY(call, expr)                                                              \
+  do {                                                                                           \
+    if (::tether::Status s_ = ::tether::gpu::cuda_check(call, (expr)); !s_.is_ok()) return s_;   \
+  } while (0)
 // Makes device `device`'s primary context current on the calling thread.
 Status use_device(int device);
 // GPU `device`'s PCI address as sysfs names it ("0000:18:00.0"), or "" when CUDA cannot say.

@@ -10,10 +10,6 @@
 namespace tether::gpu {
 namespace {
 
-Status check(const char* call, CUresult r) {
-  return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, cuda_error(call, r));
-}
-
 // TETHER_KERNEL_STAGING=direct (default): the copy kernel touches the pinned slot itself;
 // =scratch: the slot is copied to/from device memory by the copy engine around the kernel.
 bool direct_kernel() {
@@ -89,7 +85,7 @@ Result<StagingSlot*> StagingRing::acquire(int device) {
       if (!a) return Status(Code::kUnavailable, why);
       if (Status st = use_device(device); !st.is_ok()) return st;  // pinned allocations need a context
       void* p = nullptr;
-      if (Status st = check("cuMemHostAlloc", a->cuMemHostAlloc(&p, capacity_, kHostAllocPortable | kHostAllocDeviceMap)); !st.is_ok())
+      if (Status st = cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&p, capacity_, kHostAllocPortable | kHostAllocDeviceMap)); !st.is_ok())
         return st;
       s.table = std::make_unique<uint64_t[]>(size_t(max_fragments_) * 3);
       s.host = static_cast<uint8_t*>(p);
@@ -110,8 +106,8 @@ Status StagingRing::ready(StagingSlot& s, int device) {
   const CudaApi* a = cuda();
   auto& d = s.per_device[size_t(device)];
   if (!d.stream) {
-    if (Status st = check("cuStreamCreate", a->cuStreamCreate(&d.stream, kStreamNonBlocking)); !st.is_ok()) return st;
-    if (Status st = check("cuEventCreate", a->cuEventCreate(&d.event, kEventDisableTiming)); !st.is_ok()) return st;
+    if (Status st = cuda_check("cuStreamCreate", a->cuStreamCreate(&d.stream, kStreamNonBlocking)); !st.is_ok()) return st;
+    if (Status st = cuda_check("cuEventCreate", a->cuEventCreate(&d.event, kEventDisableTiming)); !st.is_ok()) return st;
   }
   return Status::ok();
 }
@@ -137,7 +133,7 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
   } else if (mode == Unpack::kKernel && n > 1) {
     if (Status st = copy_kernel(device); !st.is_ok()) return st;
     if (!d.scratch)
-      if (Status st = check("cuMemAlloc", a->cuMemAlloc(&d.scratch, capacity_)); !st.is_ok()) return st;
+      if (Status st = cuda_check("cuMemAlloc", a->cuMemAlloc(&d.scratch, capacity_)); !st.is_ok()) return st;
     uint64_t* table = s.table.get();
     uint64_t begin = UINT64_MAX, extent = 0;  // only [begin, extent) of the slot moves
     for (uint32_t i = 0; i < n; ++i) {
@@ -149,14 +145,14 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
       extent = std::max(extent, frags[i].offset + frags[i].length);
     }
     if (!to_slot) {
-      if (Status st = check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(d.scratch + begin, reinterpret_cast<CUdeviceptr>(s.host + begin),
+      if (Status st = cuda_check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(d.scratch + begin, reinterpret_cast<CUdeviceptr>(s.host + begin),
                                                                            extent - begin, d.stream));
           !st.is_ok())
         return st;
     }
     if (Status st = launch_copy(device, d.stream, table, n); !st.is_ok()) return st;
     if (to_slot) {
-      if (Status st = check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), d.scratch + begin,
+      if (Status st = cuda_check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), d.scratch + begin,
                                                                             extent - begin, d.stream));
           !st.is_ok())
         return st;
@@ -167,10 +163,10 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
       const CUdeviceptr src = to_slot ? ptr(frags[i]) : host_at(frags[i]);
       const CUresult r = mode == Unpack::kHost ? a->cuMemcpy(dst, src, frags[i].length)
                                                : a->cuMemcpyAsync(dst, src, frags[i].length, d.stream);
-      if (Status st = check(mode == Unpack::kHost ? "cuMemcpy" : "cuMemcpyAsync", r); !st.is_ok()) return st;
+      if (Status st = cuda_check(mode == Unpack::kHost ? "cuMemcpy" : "cuMemcpyAsync", r); !st.is_ok()) return st;
     }
   }
-  return check("cuEventRecord", a->cuEventRecord(d.event, d.stream));
+  return cuda_check("cuEventRecord", a->cuEventRecord(d.event, d.stream));
 }
 
 Status StagingRing::pack(StagingSlot* slot, int device, const Fragment* frags, uint32_t n, Unpack mode) {

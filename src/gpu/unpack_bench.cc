@@ -11,14 +11,6 @@
 namespace tether::gpu {
 namespace {
 
-Status check(const char* call, CUresult r) {
-  return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, cuda_error(call, r));
-}
-#define TRY(call, expr)                                   \
-  do {                                                    \
-    if (Status s_ = check(call, (expr)); !s_.is_ok()) return s_; \
-  } while (0)
-
 // Everything the run allocates, freed on every way out.
 struct Resources {
   const CudaApi* a = nullptr;
@@ -54,16 +46,16 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
 
   Resources r;
   r.a = a;
-  TRY("cuStreamCreate", a->cuStreamCreate(&r.stream, kStreamNonBlocking));
-  TRY("cuEventCreate", a->cuEventCreate(&r.ev[0], 0));
-  TRY("cuEventCreate", a->cuEventCreate(&r.ev[1], 0));
-  TRY("cuMemAlloc", a->cuMemAlloc(&r.bounce, chunk_bytes));
-  TRY("cuMemAlloc", a->cuMemAlloc(&r.dest, chunk_bytes));
+  TETHER_CUDA_TRY("cuStreamCreate", a->cuStreamCreate(&r.stream, kStreamNonBlocking));
+  TETHER_CUDA_TRY("cuEventCreate", a->cuEventCreate(&r.ev[0], 0));
+  TETHER_CUDA_TRY("cuEventCreate", a->cuEventCreate(&r.ev[1], 0));
+  TETHER_CUDA_TRY("cuMemAlloc", a->cuMemAlloc(&r.bounce, chunk_bytes));
+  TETHER_CUDA_TRY("cuMemAlloc", a->cuMemAlloc(&r.dest, chunk_bytes));
   void* ht = nullptr;
-  TRY("cuMemHostAlloc", a->cuMemHostAlloc(&ht, n * 3 * sizeof(uint64_t), kHostAllocPortable));
+  TETHER_CUDA_TRY("cuMemHostAlloc", a->cuMemHostAlloc(&ht, n * 3 * sizeof(uint64_t), kHostAllocPortable));
   r.host_table = static_cast<uint64_t*>(ht);
   void* mt = nullptr;
-  TRY("cuMemHostAlloc", a->cuMemHostAlloc(&mt, n * 2 * sizeof(uint64_t), kHostAllocPortable | kHostAllocDeviceMap));
+  TETHER_CUDA_TRY("cuMemHostAlloc", a->cuMemHostAlloc(&mt, n * 2 * sizeof(uint64_t), kHostAllocPortable | kHostAllocDeviceMap));
   r.meta = static_cast<uint64_t*>(mt);
 
   // Random bounce contents; fragment i of the chunk lies in bounce page perm[i] (a shuffled pool).
@@ -87,7 +79,7 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
     r.meta[2 * i] = (uint64_t(frag_bytes) << 32) | uint32_t(perm[i] * frag_bytes);  // {u32 src_off, u32 len}
     r.meta[2 * i + 1] = i * frag_bytes;                                                // u64 dst_off
   }
-  TRY("cuMemcpy(bounce)", a->cuMemcpy(r.bounce, reinterpret_cast<CUdeviceptr>(pattern.data()), chunk_bytes));
+  TETHER_CUDA_TRY("cuMemcpy(bounce)", a->cuMemcpy(r.bounce, reinterpret_cast<CUdeviceptr>(pattern.data()), chunk_bytes));
 
   auto op = [&](const std::string& method) -> Status {
     if (method == "kernel")  // what the netplugin unpacker does per receive
@@ -98,15 +90,15 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
       return launch_copy(device, r.stream, r.host_table, uint32_t(n), CopyForm::kWide);
     if (method == "d2d") {
       for (uint64_t i = 0; i < n; ++i)
-        TRY("cuMemcpyAsync", a->cuMemcpyAsync(r.host_table[3 * i + 1], r.host_table[3 * i], frag_bytes, r.stream));
+        TETHER_CUDA_TRY("cuMemcpyAsync", a->cuMemcpyAsync(r.host_table[3 * i + 1], r.host_table[3 * i], frag_bytes, r.stream));
       return Status::ok();
     }
-    TRY("cuMemcpyAsync", a->cuMemcpyAsync(r.dest, r.bounce, chunk_bytes, r.stream));
+    TETHER_CUDA_TRY("cuMemcpyAsync", a->cuMemcpyAsync(r.dest, r.bounce, chunk_bytes, r.stream));
     return Status::ok();
   };
   auto elapsed_ms = [&](float* ms) -> Status {
-    TRY("cuEventSynchronize", a->cuEventSynchronize(r.ev[1]));
-    TRY("cuEventElapsedTime", a->cuEventElapsedTime(ms, r.ev[0], r.ev[1]));
+    TETHER_CUDA_TRY("cuEventSynchronize", a->cuEventSynchronize(r.ev[1]));
+    TETHER_CUDA_TRY("cuEventElapsedTime", a->cuEventElapsedTime(ms, r.ev[0], r.ev[1]));
     return Status::ok();
   };
 
@@ -114,32 +106,32 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
   for (const char* method : {"kernel", "kernel-wide", "kernel-meta", "d2d", "contiguous"}) {
     UnpackBenchRow row;
     row.method = method;
-    TRY("cuMemcpy(poison)", a->cuMemcpy(r.dest, reinterpret_cast<CUdeviceptr>(poison.data()), chunk_bytes));
+    TETHER_CUDA_TRY("cuMemcpy(poison)", a->cuMemcpy(r.dest, reinterpret_cast<CUdeviceptr>(poison.data()), chunk_bytes));
     for (int w = 0; w < 10; ++w)
       if (Status s = op(method); !s.is_ok()) return s;
     // Back to back.
-    TRY("cuEventRecord", a->cuEventRecord(r.ev[0], r.stream));
+    TETHER_CUDA_TRY("cuEventRecord", a->cuEventRecord(r.ev[0], r.stream));
     const auto t0 = std::chrono::steady_clock::now();
     for (uint32_t i = 0; i < iters; ++i)
       if (Status s = op(method); !s.is_ok()) return s;
     row.host_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
-    TRY("cuEventRecord", a->cuEventRecord(r.ev[1], r.stream));
+    TETHER_CUDA_TRY("cuEventRecord", a->cuEventRecord(r.ev[1], r.stream));
     float ms = 0;
     if (Status s = elapsed_ms(&ms); !s.is_ok()) return s;
     row.stream_gbps = double(chunk_bytes) * iters / (double(ms) * 1e6);
     // One at a time.
     double total_ms = 0;
     for (uint32_t i = 0; i < iters; ++i) {
-      TRY("cuEventRecord", a->cuEventRecord(r.ev[0], r.stream));
+      TETHER_CUDA_TRY("cuEventRecord", a->cuEventRecord(r.ev[0], r.stream));
       if (Status s = op(method); !s.is_ok()) return s;
-      TRY("cuEventRecord", a->cuEventRecord(r.ev[1], r.stream));
+      TETHER_CUDA_TRY("cuEventRecord", a->cuEventRecord(r.ev[1], r.stream));
       if (Status s = elapsed_ms(&ms); !s.is_ok()) return s;
       total_ms += ms;
     }
     row.alone_gbps = double(chunk_bytes) * iters / (total_ms * 1e6);
     // Every byte, once: the unpacks must have put each page in its place, the plain copy the pool as is.
-    TRY("cuStreamSynchronize", a->cuStreamSynchronize(r.stream));
-    TRY("cuMemcpy(check)", a->cuMemcpy(reinterpret_cast<CUdeviceptr>(got.data()), r.dest, chunk_bytes));
+    TETHER_CUDA_TRY("cuStreamSynchronize", a->cuStreamSynchronize(r.stream));
+    TETHER_CUDA_TRY("cuMemcpy(check)", a->cuMemcpy(reinterpret_cast<CUdeviceptr>(got.data()), r.dest, chunk_bytes));
     const std::vector<uint8_t>& want = row.method == "contiguous" ? pattern : expect;
     for (uint64_t i = 0; i < chunk_bytes; ++i) row.mismatches += got[i] != want[i];
     rows.push_back(row);

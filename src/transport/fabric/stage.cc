@@ -7,12 +7,6 @@
 
 namespace tether::transport::fabric {
 
-namespace {
-Status check(const char* call, gpu::CUresult r) {
-  return r == gpu::kCudaSuccess ? Status::ok() : Status(Code::kInternal, gpu::cuda_error(call, r));
-}
-}  // namespace
-
 Status Copier::start(uint32_t id, void* dst, const void* src, uint64_t n, int device) {
   if (device < 0) {
     std::memcpy(dst, src, n);
@@ -33,16 +27,16 @@ Status Copier::start(uint32_t id, void* dst, const void* src, uint64_t n, int de
     return Status(Code::kInvalidArgument, "GPU " + std::to_string(device) + " does not exist");
   gpu::CUstream& stream = streams_[size_t(device)];
   if (!stream)
-    if (Status s = check("cuStreamCreate", a->cuStreamCreate(&stream, gpu::kStreamNonBlocking)); !s.is_ok()) return s;
+    if (Status s = gpu::cuda_check("cuStreamCreate", a->cuStreamCreate(&stream, gpu::kStreamNonBlocking)); !s.is_ok()) return s;
   gpu::CUevent& ev = events_[size_t(device) * ids_ + id];
   if (!ev)
-    if (Status s = check("cuEventCreate", a->cuEventCreate(&ev, gpu::kEventDisableTiming)); !s.is_ok()) return s;
+    if (Status s = gpu::cuda_check("cuEventCreate", a->cuEventCreate(&ev, gpu::kEventDisableTiming)); !s.is_ok()) return s;
   device_[id] = device;  // from here done() asks the event (an event never recorded counts as done)
-  if (Status s = check("cuMemcpyAsync", a->cuMemcpyAsync(reinterpret_cast<gpu::CUdeviceptr>(dst),
+  if (Status s = gpu::cuda_check("cuMemcpyAsync", a->cuMemcpyAsync(reinterpret_cast<gpu::CUdeviceptr>(dst),
                                                          reinterpret_cast<gpu::CUdeviceptr>(src), n, stream));
       !s.is_ok())
     return s;
-  return check("cuEventRecord", a->cuEventRecord(ev, stream));
+  return gpu::cuda_check("cuEventRecord", a->cuEventRecord(ev, stream));
 }
 
 Result<bool> Copier::done(uint32_t id) {
@@ -78,7 +72,7 @@ Status StageMem::allocate(Rail& rail, uint32_t slots, uint64_t bytes, int device
     const gpu::CudaApi* a = gpu::cuda(&why);
     if (!a) return Status(Code::kUnavailable, why);
     if (Status s = gpu::use_device(device); !s.is_ok()) return s;
-    if (Status s = check("cuMemHostAlloc", a->cuMemHostAlloc(&p, total, gpu::kHostAllocPortable | gpu::kHostAllocDeviceMap));
+    if (Status s = gpu::cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&p, total, gpu::kHostAllocPortable | gpu::kHostAllocDeviceMap));
         !s.is_ok())
       return s;
     pinned_ = true;

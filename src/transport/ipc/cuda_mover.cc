@@ -18,10 +18,6 @@ using gpu::kCudaSuccess;
 
 namespace {
 
-Status check(const char* call, gpu::CUresult r) {
-  return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, cuda_error(call, r));
-}
-
 // A process may open the allocations of one GPU of another process in one context only (CUDA IPC
 // rule), so every allocation of (other process, its GPU) is opened on the GPU the first one was.
 int home_device(pid_t pid, int their_device, int prefer) {
@@ -98,7 +94,7 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
   } else {
     gpu::CUipcMemHandle h;
     std::memcpy(h.reserved, ref.handle, sizeof h.reserved);
-    if (Status s = check("cuIpcOpenMemHandle", a->cuIpcOpenMemHandle(&m->ptr, h, gpu::kIpcLazyEnablePeerAccess)); !s.is_ok()) {
+    if (Status s = gpu::cuda_check("cuIpcOpenMemHandle", a->cuIpcOpenMemHandle(&m->ptr, h, gpu::kIpcLazyEnablePeerAccess)); !s.is_ok()) {
       m->ptr = 0;
       return s;
     }
@@ -107,7 +103,7 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
     // The size the driver mapped, not the one we were told: bounds checks use this.
     CUdeviceptr base = 0;
     size_t size = 0;
-    if (Status s = check("cuMemGetAddressRange", a->cuMemGetAddressRange(&base, &size, m->ptr)); !s.is_ok()) return s;
+    if (Status s = gpu::cuda_check("cuMemGetAddressRange", a->cuMemGetAddressRange(&base, &size, m->ptr)); !s.is_ok()) return s;
     m->size = std::min<uint64_t>(size - (m->ptr - base), ref.size);
     if (m->size != ref.size) return Status(Code::kProtocolError, "a peer's GPU allocation is smaller than it says");
   }
@@ -137,15 +133,15 @@ Result<CudaLane::Dev*> CudaLane::ready(int device) {
   if (devs_.empty()) devs_.resize(size_t(gpu::device_count()));
   Dev& d = devs_[size_t(device)];
   if (!d.stream) {  // first use of this GPU on this lane
-    if (Status s = check("cuStreamCreate", a->cuStreamCreate(&d.stream, gpu::kStreamNonBlocking)); !s.is_ok()) return s;
-    if (Status s = check("cuEventCreate", a->cuEventCreate(&d.event, gpu::kEventDisableTiming)); !s.is_ok()) return s;
+    if (Status s = gpu::cuda_check("cuStreamCreate", a->cuStreamCreate(&d.stream, gpu::kStreamNonBlocking)); !s.is_ok()) return s;
+    if (Status s = gpu::cuda_check("cuEventCreate", a->cuEventCreate(&d.event, gpu::kEventDisableTiming)); !s.is_ok()) return s;
   }
   return &d;
 }
 
 Status CudaLane::finish(Dev& d, const char* what) {
   const CudaApi* a = gpu::cuda();
-  if (Status s = check("cuEventRecord", a->cuEventRecord(d.event, d.stream)); !s.is_ok()) return s;
+  if (Status s = gpu::cuda_check("cuEventRecord", a->cuEventRecord(d.event, d.stream)); !s.is_ok()) return s;
   const gpu::CUresult r = a->cuEventSynchronize(d.event);
   return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, std::string(what) + ": " + cuda_error("cuEventSynchronize", r));
 }
@@ -154,7 +150,7 @@ Status CudaLane::copy(int device, CUdeviceptr dst, CUdeviceptr src, uint64_t len
   auto d = ready(device);
   if (!d.is_ok()) return d.status();
   if (len == 0) return Status::ok();
-  if (Status s = check("cuMemcpyAsync", gpu::cuda()->cuMemcpyAsync(dst, src, len, d.value()->stream)); !s.is_ok()) return s;
+  if (Status s = gpu::cuda_check("cuMemcpyAsync", gpu::cuda()->cuMemcpyAsync(dst, src, len, d.value()->stream)); !s.is_ok()) return s;
   return finish(*d.value(), "ipc copy");
 }
 
@@ -169,7 +165,7 @@ Status CudaLane::copy_many(int device, const uint64_t* triples, uint32_t n, bool
   } else {
     for (uint32_t i = 0; i < n; ++i)
       if (triples[3 * i + 2] > 0)
-        if (Status s = check("cuMemcpyAsync", a->cuMemcpyAsync(triples[3 * i + 1], triples[3 * i], triples[3 * i + 2], d.stream));
+        if (Status s = gpu::cuda_check("cuMemcpyAsync", a->cuMemcpyAsync(triples[3 * i + 1], triples[3 * i], triples[3 * i + 2], d.stream));
             !s.is_ok())
           return s;
   }
@@ -186,7 +182,7 @@ Result<uint8_t*> CudaLane::bounce(uint64_t bytes) {
   bounce_ = nullptr;
   bounce_size_ = 0;
   void* p = nullptr;
-  if (Status s = check("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, gpu::kHostAllocPortable)); !s.is_ok()) return s;
+  if (Status s = gpu::cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, gpu::kHostAllocPortable)); !s.is_ok()) return s;
   bounce_ = static_cast<uint8_t*>(p);
   bounce_size_ = bytes;
   return bounce_;
