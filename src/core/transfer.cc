@@ -1,7 +1,6 @@
 #include "core/transfer.h"
 
 #include <algorithm>
-
 #include <chrono>
 
 #include "core/peer.h"

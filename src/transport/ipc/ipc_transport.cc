@@ -713,8 +713,8 @@ bool finish_listener_setup(Lane& l, int host_mode) {
 }
 
 // The lane's next message. Within `busy_us` of the last one it polls without sleeping: a request or an
-// answer usually follows soon, and a sleeping thread takes longer to wake (deep CPU idle states) than
-// an NVLink copy of a few MiB takes (docs/ARCHITECTURE.md, "Waking up").
+// answer usually follows soon, and a sleeping thread takes longer to wake than an NVLink copy of a
+// few MiB takes (docs/ARCHITECTURE.md, "Waking up").
 ssize_t next_msg(Lane& l, uint32_t busy_us, std::chrono::steady_clock::time_point* last) {
   using Clock = std::chrono::steady_clock;
   if (busy_us > 0) {
