@@ -517,7 +517,7 @@ Result<Region> EndpointImpl::register_memory(void* ptr, uint64_t size, MemoryKin
                                                   std::to_string(device));
       device = p.device;
       const uint64_t at = reinterpret_cast<uint64_t>(ptr);
-      if (at + size > p.alloc_base + p.alloc_size)
+      if (at + size > p.alloc_base + p.alloc_size && !gpu::mapped_through(at, size))
         return Status(Code::kOutOfRange, "register: the range runs " + std::to_string(at + size - p.alloc_base - p.alloc_size) +
                                              " bytes past the end of its GPU allocation");
     } else if (p.is_device) {

@@ -15,8 +15,10 @@ namespace tether::core {
 // A GPU region's allocation exported for other processes (ipc transport), made once at registration.
 struct CudaExport {
   bool ok = false;
-  uint8_t handle[64] = {};       // CUipcMemHandle of the allocation
-  uint64_t alloc_base = 0, alloc_size = 0;
+  uint8_t handle[64] = {};       // CUipcMemHandle of the allocation; VMM memory: what names its pieces
+  uint64_t alloc_base = 0, alloc_size = 0;  // VMM memory: the span of the region's mappings
+  bool vmm = false;              // memory from the VMM API (cuMemCreate), shared as POSIX fds
+  std::shared_ptr<void> owner;   // what the transport exported for it (VMM: the fds), kept with the region
 };
 
 struct RegionState {

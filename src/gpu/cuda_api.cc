@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 namespace tether::gpu {
@@ -71,6 +72,17 @@ Loaded& loaded() {
     // Optional (benchmarks only): CUDA 13 names it _v2; older drivers only have the plain one.
     a.cuEventElapsedTime = reinterpret_cast<decltype(a.cuEventElapsedTime)>(dlsym(lib, "cuEventElapsedTime_v2"));
     if (!a.cuEventElapsedTime) a.cuEventElapsedTime = reinterpret_cast<decltype(a.cuEventElapsedTime)>(dlsym(lib, "cuEventElapsedTime"));
+    // Optional: the VMM API (sharing memory from cuMemCreate; CudaApi::has_vmm).
+    auto maybe = [lib](const char* name, auto& fn) { fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name)); };
+    maybe("cuMemRetainAllocationHandle", a.cuMemRetainAllocationHandle);
+    maybe("cuMemExportToShareableHandle", a.cuMemExportToShareableHandle);
+    maybe("cuMemImportFromShareableHandle", a.cuMemImportFromShareableHandle);
+    maybe("cuMemRelease", a.cuMemRelease);
+    maybe("cuMemAddressReserve", a.cuMemAddressReserve);
+    maybe("cuMemAddressFree", a.cuMemAddressFree);
+    maybe("cuMemMap", a.cuMemMap);
+    maybe("cuMemUnmap", a.cuMemUnmap);
+    maybe("cuMemSetAccess", a.cuMemSetAccess);
     if (!w.empty()) return;  // the library stays loaded: harmless, and unloading CUDA is not
     if (CUresult r = a.cuInit(0); r != kCudaSuccess) {
       w = cuda_error("cuInit", r);
@@ -152,10 +164,30 @@ Result<PointerInfo> pointer_info(const void* ptr) {
     return Status(Code::kInternal, cuda_error("cuPointerGetAttribute(DEVICE_ORDINAL)", r));
   size_t size = 0;
   if (Status s = use_device(info.device); !s.is_ok()) return s;
-  if (CUresult r = a->cuMemGetAddressRange(&info.alloc_base, &size, p); r != kCudaSuccess)
-    return Status(Code::kInternal, cuda_error("cuMemGetAddressRange", r));
+  if (CUresult r = a->cuMemGetAddressRange(&info.alloc_base, &size, p); r != kCudaSuccess) {
+    // VMM memory: the mapping the pointer lies in.
+    uint64_t base = 0, len = 0;
+    if (a->cuPointerGetAttribute(&base, kPointerAttrMappingBase, p) != kCudaSuccess ||
+        a->cuPointerGetAttribute(&len, kPointerAttrMappingSize, p) != kCudaSuccess)
+      return Status(Code::kInternal, cuda_error("cuMemGetAddressRange", r));
+    info.alloc_base = base;
+    size = len;
+  }
   info.alloc_size = size;
   return info;
+}
+
+bool mapped_through(uint64_t at, uint64_t size) {
+  const CudaApi* a = cuda();
+  if (!a) return false;
+  for (uint64_t p = at; p < at + size;) {
+    uint64_t base = 0, len = 0;
+    if (a->cuPointerGetAttribute(&base, kPointerAttrMappingBase, p) != kCudaSuccess ||
+        a->cuPointerGetAttribute(&len, kPointerAttrMappingSize, p) != kCudaSuccess || base > p || base + len <= p)
+      return false;
+    p = base + len;
+  }
+  return true;
 }
 
 }  // namespace tether::gpu

@@ -18,10 +18,17 @@ using CUevent = struct CUevent_st*;
 using CUmodule = struct CUmod_st*;
 using CUfunction = struct CUfunc_st*;
 struct CUipcMemHandle { char reserved[64]; };
+using CUmemGenericAllocationHandle = unsigned long long;
+struct CUmemLocation { int type, id; };
+struct CUmemAccessDesc { CUmemLocation location; int flags; };
 
 constexpr CUresult kCudaSuccess = 0;
 constexpr CUresult kCudaNotReady = 600;
 constexpr int kPointerAttrContext = 1, kPointerAttrMemoryType = 2, kPointerAttrDeviceOrdinal = 9;
+// Memory from the VMM API (cuMemCreate + cuMemMap): what a pointer's mapping is and how it may be shared.
+constexpr int kPointerAttrAllowedHandleTypes = 14, kPointerAttrMappingSize = 18, kPointerAttrMappingBase = 19,
+              kPointerAttrMemoryBlockId = 20;
+constexpr int kMemHandlePosixFd = 1, kMemLocationDevice = 1, kMemAccessReadWrite = 3;
 constexpr unsigned kMemoryTypeHost = 1, kMemoryTypeDevice = 2, kMemoryTypeUnified = 4;
 constexpr unsigned kHostAllocPortable = 1, kHostAllocDeviceMap = 2;
 constexpr unsigned kStreamNonBlocking = 1, kEventDisableTiming = 2;
@@ -60,6 +67,18 @@ struct CudaApi {
   CUresult (*cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
   CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned);
   CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
+  // The VMM API (CUDA 10.2+), optional: null where the driver lacks it (then VMM memory is not shared).
+  CUresult (*cuMemRetainAllocationHandle)(CUmemGenericAllocationHandle*, void*);
+  CUresult (*cuMemExportToShareableHandle)(void*, CUmemGenericAllocationHandle, int, unsigned long long);
+  CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*, int);
+  CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
+  CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
+  CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+  CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
+  CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+  bool has_vmm() const { return cuMemRetainAllocationHandle && cuMemExportToShareableHandle && cuMemImportFromShareableHandle &&
+                                cuMemRelease && cuMemAddressReserve && cuMemAddressFree && cuMemMap && cuMemUnmap && cuMemSetAccess; }
 };
 
 // The loaded API, or null with `why` saying what is missing (no driver, no GPU, a missing symbol).
@@ -87,8 +106,11 @@ std::string pci_bus_id(int device);
 struct PointerInfo {
   bool is_device = false;
   int device = -1;
-  uint64_t alloc_base = 0, alloc_size = 0;  // the allocation it lies in (device memory only)
+  uint64_t alloc_base = 0, alloc_size = 0;  // the allocation it lies in (VMM memory: its mapping)
 };
 Result<PointerInfo> pointer_info(const void* ptr);
+// True when [at, at + size) is GPU memory mapped without holes by the VMM API (cuMemMap), possibly
+// across several allocations (torch's expandable segments): such a range may be registered whole.
+bool mapped_through(uint64_t at, uint64_t size);
 
 }  // namespace tether::gpu

@@ -140,6 +140,22 @@ def test_handle_cache_no_reopen_and_reallocation(pair):
         assert c.call("stats")["ipc_cuda_opens"] == opens1 + 1
 
 
+def test_deregistering_closes_the_peers_mapping(pair):
+    """Deregistration tells the peer to close its mapping of the allocation (else the peer would keep
+    that GPU memory alive until it disconnects): registering the same tensor again makes it reopen."""
+    local, peer, c = pair
+    desc = c.call("register", "dst", 8 * MiB, device=1)
+    src = local.region("src", "gpu0", 8 * MiB, seed=48)
+    peer.write(src, desc).wait(T)
+    opens1 = c.call("stats")["ipc_cuda_opens"]
+    local.ep.deregister(src)
+    again = local.ep.register(local.mem["src"])  # the same allocation, the same handle
+    for _ in range(3):
+        peer.write(again, desc).wait(T)
+    assert c.call("stats")["ipc_cuda_opens"] == opens1 + 1, "the peer kept the deregistered allocation open"
+    assert_bytes_equal(_get(c, "dst"), rand_bytes(48, 8 * MiB))
+
+
 def test_deregistered_region_refused(pair):
     local, peer, c = pair
     desc = c.call("register", "dst", 4 * MiB, device=0)
@@ -171,3 +187,36 @@ def test_two_endpoints_of_one_process():
         assert_poison(got[:1])
         assert_bytes_equal(got[1:], rand_bytes(49, n))
         assert a.stats()["ipc_cuda_opens"] == 0 and b.stats()["ipc_cuda_opens"] == 0
+
+
+VMM_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # torch allocates with cuMemCreate + cuMemMap
+
+
+@pytest.mark.parametrize("lk,rk", [("gpu0", "gpu1"), ("gpu1", "gpu0"), ("gpu0", "gpu0")],
+                         ids=["gpu0-gpu1", "gpu1-gpu0", "gpu0-gpu0"])
+def test_vmm_memory(children, lk, rk):
+    """VMM memory (here torch's expandable segments) has no legacy CUDA IPC handle: ipc exports each
+    physical allocation behind a region as a POSIX fd and the other side maps them all at one pointer
+    (transport/ipc/vmm.h). Two processes with expandable segments; a 45 MiB region spans several
+    allocations on each side. Write and read, random data, poisoned destinations, every byte."""
+    a, b = children("vmm-a", env=VMM_ENV), children("vmm-b", env=VMM_ENV)
+    a.call("endpoint", transport="ipc")
+    info = b.call("endpoint", transport="ipc")
+    a.call("connect", info["metadata"])
+    assert a.call("transport") == "ipc"
+    n = 45 * MiB + 77
+    desc = b.call("register", "dst", n + 10, device=_dev(rk))
+    a.call("register", "src", n, fill=("seed", 5), device=_dev(lk))
+    assert not a.call("legacy_ipc_capable", "src") and not b.call("legacy_ipc_capable", "dst"), "not VMM memory"
+    assert a.call("write", "src", desc, remote_offset=3, length=n) == ("ok", n)
+    got = _get(b, "dst")
+    assert_bytes_equal(got[3:3 + n], rand_bytes(5, n), "write into VMM memory")
+    assert_poison(got[:3])
+    assert_poison(got[3 + n:])
+    a.call("register", "back", n + 5, device=_dev(lk))
+    assert a.call("read", "back", desc, local_offset=5, remote_offset=3, length=n) == ("ok", n)
+    back = _get(a, "back")
+    assert_bytes_equal(back[5:], rand_bytes(5, n), "read from VMM memory")
+    assert_poison(back[:5])
+    # each side mapped the other's region (b for the write, a for the read)
+    assert b.call("stats")["ipc_cuda_opens"] >= 1 and a.call("stats")["ipc_cuda_opens"] >= 1

@@ -439,6 +439,14 @@ class _Agent:
         self.regions[name] = self.ep.register(obj, readonly=readonly)
         return self.regions[name].descriptor()
 
+    def cmd_legacy_ipc_capable(self, name):
+        """Whether GPU buffer `name` can be named by a legacy CUDA IPC handle (False: VMM memory)."""
+        import ctypes
+        v = ctypes.c_uint32(0)
+        r = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute(ctypes.byref(v), 10, ctypes.c_uint64(self.gpu[name].data_ptr()))
+        assert r == 0, f"cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE): CUresult {r}"
+        return bool(v.value)
+
     def cmd_descriptor(self, name, offset=0, length=None):
         return self.regions[name].descriptor(offset, length)
 

@@ -35,13 +35,30 @@ Status export_region(core::RegionState& region) {
   if (!a) return Status::ok();
   auto info = gpu::pointer_info(region.base);  // makes the region's GPU current
   if (!info.is_ok() || !info.value().is_device) return Status::ok();  // not exportable: ipc refuses its chunks
+  core::CudaExport& e = region.cuda_export;
   gpu::CUipcMemHandle h;
-  // Fails for memory from the VMM API (e.g. torch's expandable segments): its chunks are refused.
-  if (a->cuIpcGetMemHandle(&h, info.value().alloc_base) != kCudaSuccess) return Status::ok();
-  std::memcpy(region.cuda_export.handle, h.reserved, sizeof h.reserved);
-  region.cuda_export.alloc_base = info.value().alloc_base;
-  region.cuda_export.alloc_size = info.value().alloc_size;
-  region.cuda_export.ok = true;
+  if (a->cuIpcGetMemHandle(&h, info.value().alloc_base) == kCudaSuccess) {
+    std::memcpy(e.handle, h.reserved, sizeof h.reserved);
+    e.alloc_base = info.value().alloc_base;
+    e.alloc_size = info.value().alloc_size;
+    e.ok = true;
+    return Status::ok();
+  }
+  // Memory from the VMM API (torch's expandable segments, cuMemCreate pools): its pieces as fds. Where
+  // that fails too (not created shareable), the region's chunks are refused with Unavailable.
+  auto v = export_vmm(reinterpret_cast<uint64_t>(region.base), region.size);
+  if (!v.is_ok()) return Status::ok();
+  std::shared_ptr<VmmExport> x = v.take();
+  VmmName name{};
+  name.table = reinterpret_cast<uint64_t>(x->pieces.data());
+  name.count = uint32_t(x->pieces.size());
+  name.identity = x->identity;
+  std::memcpy(e.handle, &name, sizeof name);
+  e.alloc_base = x->base;
+  e.alloc_size = x->size;
+  e.vmm = true;
+  e.owner = std::move(x);
+  e.ok = true;
   return Status::ok();
 }
 
@@ -52,13 +69,13 @@ bool region_ref(const core::RegionState& region, CudaRef* out) {
   out->base = e.alloc_base;
   out->size = e.alloc_size;
   out->device = region.device;
-  out->pad = 0;
+  out->kind = e.vmm ? kVmm : kIpcHandle;
   return true;
 }
 
 Mapping::~Mapping() {
   const CudaApi* a = gpu::cuda();
-  if (!a || !ptr || !opened) return;
+  if (!a || !ptr || !opened || vmm) return;  // a VMM import unmaps itself
   // Every copy that used it has completed: users hold the mapping until their event fired.
   if (gpu::use_device(device).is_ok()) a->cuIpcCloseMemHandle(ptr);
 }
@@ -68,11 +85,18 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
   // open it, and CUDA refuses a second open of a handle in one context (CUDA_ERROR_ALREADY_MAPPED).
   // Opens happen once per allocation and peer; every later chunk finds the cache.
   std::lock_guard lock(mu_);
+  auto same = [&](const Mapping& m) {
+    return m.size == ref.size && (m.vmm != nullptr) == (ref.kind == kVmm) && std::memcmp(m.handle, ref.handle, sizeof ref.handle) == 0;
+  };
   {
     auto it = by_base_.find(ref.base);
-    if (it != by_base_.end() && it->second->size == ref.size &&
-        std::memcmp(it->second->handle, ref.handle, sizeof ref.handle) == 0)
-      return it->second;
+    if (it != by_base_.end() && same(*it->second)) return it->second;
+    auto f = forgotten_.find(ref.base);
+    if (f != forgotten_.end()) {
+      std::shared_ptr<Mapping> alive = f->second.lock();
+      forgotten_.erase(f);
+      if (alive && same(*alive)) return by_base_[ref.base] = alive;
+    }
   }
   std::string why;
   const CudaApi* a = gpu::cuda(&why);
@@ -84,13 +108,25 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
   m->remote_base = ref.base;
   m->device = home_device(pid_, ref.device, prefer);
   if (Status s = gpu::use_device(m->device); !s.is_ok()) return s;
+  if (ref.kind != kIpcHandle && ref.kind != kVmm) return Status(Code::kProtocolError, "ipc: an unknown kind of GPU memory");
   if (pid_ == ::getpid()) {  // two endpoints of one process: CUDA refuses to open our own handle; no need
     auto info = gpu::pointer_info(reinterpret_cast<void*>(ref.base));
-    if (!info.is_ok() || !info.value().is_device || info.value().alloc_base != ref.base || info.value().alloc_size != ref.size)
-      return Status(Code::kNotFound, "ipc: a GPU allocation of this process is gone");
+    const bool same = info.is_ok() && info.value().is_device &&
+                      (ref.kind == kVmm || (info.value().alloc_base == ref.base && info.value().alloc_size == ref.size));
+    if (!same) return Status(Code::kNotFound, "ipc: a GPU allocation of this process is gone");
     m->ptr = ref.base;
     m->size = ref.size;
     m->device = info.value().device;
+  } else if (ref.kind == kVmm) {
+    VmmName name;
+    std::memcpy(&name, ref.handle, sizeof name);
+    auto v = import_vmm(pid_, name.table, name.count, ref.size, m->device);
+    if (!v.is_ok()) return v.status();
+    m->vmm = v.take();
+    m->ptr = m->vmm->ptr;
+    m->size = ref.size;
+    m->opened = true;
+    opens_->fetch_add(1, std::memory_order_relaxed);
   } else {
     gpu::CUipcMemHandle h;
     std::memcpy(h.reserved, ref.handle, sizeof h.reserved);
@@ -109,6 +145,18 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
   }
   by_base_[ref.base] = m;  // new, or replaces a freed allocation (closed when its last copy lets go)
   return m;
+}
+
+void CudaImports::forget(const CudaRef& ref) {
+  std::shared_ptr<Mapping> last;  // closed outside the lock, when no copy uses it any more
+  std::lock_guard lock(mu_);
+  auto it = by_base_.find(ref.base);
+  if (it == by_base_.end() || it->second->size != ref.size || std::memcmp(it->second->handle, ref.handle, sizeof ref.handle) != 0)
+    return;
+  last = std::move(it->second);
+  by_base_.erase(it);
+  for (auto f = forgotten_.begin(); f != forgotten_.end();) f = f->second.expired() ? forgotten_.erase(f) : std::next(f);
+  forgotten_[ref.base] = last;
 }
 
 CudaLane::~CudaLane() {

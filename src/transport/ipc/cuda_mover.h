@@ -15,6 +15,7 @@
 
 #include "core/region.h"
 #include "gpu/cuda_api.h"
+#include "transport/ipc/vmm.h"
 #include "tether/status.h"
 
 namespace tether::transport::ipc {
@@ -22,16 +23,26 @@ namespace tether::transport::ipc {
 #pragma pack(push, 1)
 // One allocation of the process that sends it, as another process can open it.
 struct CudaRef {
-  uint8_t handle[64];  // CUipcMemHandle of the allocation
+  uint8_t handle[64];  // CUipcMemHandle of the allocation (kVmm: VmmName)
   uint64_t base;       // its address in the sender: the cache key
   uint64_t size;       // its size: every offset and length is checked against the opened mapping
   int32_t device;      // the sender's ordinal of its GPU (a hint for where to open it)
-  uint32_t pad;
+  uint32_t kind;       // kIpcHandle, or kVmm: VMM memory (vmm.h), every piece behind the span
+};
+// A VMM region's pieces, as a CudaRef's handle names them: where the sender's table of VmmPiece lies
+// and how many; `identity` changes when any piece is another allocation (the cache reopens).
+struct VmmName {
+  uint64_t table;
+  uint32_t count, pad;
+  uint64_t identity;
+  uint8_t zero[40];
 };
 #pragma pack(pop)
-static_assert(sizeof(CudaRef) == 88);
+static_assert(sizeof(CudaRef) == 88 && sizeof(VmmName) == 64);
+constexpr uint32_t kIpcHandle = 0, kVmm = 1;
 
-// Exports a GPU region at registration: the handle of the allocation it lies in (once per region).
+// Exports a GPU region at registration: the handle of the allocation it lies in, or for VMM memory
+// its pieces (vmm.h); once per region.
 Status export_region(core::RegionState& region);
 // The region's export as a CudaRef; false when it has none (host memory, or the export failed).
 bool region_ref(const core::RegionState& region, CudaRef* out);
@@ -43,6 +54,7 @@ struct Mapping {
   gpu::CUdeviceptr ptr = 0;
   int device = -1;  // the context it was opened in; copies touching it run on this GPU's streams
   bool opened = false;  // false: the other side is this very process (two endpoints), ptr is its own
+  std::unique_ptr<VmmImport> vmm;  // VMM memory: the mapped pieces (ptr is theirs), unmapped with it
   Mapping() = default;
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
@@ -59,12 +71,17 @@ class CudaImports {
   // The mapping of `ref`'s allocation. `prefer`: the GPU the copy would best run on (used when the
   // first allocation of that GPU of the other process is opened; later ones follow it).
   Result<std::shared_ptr<Mapping>> get(const CudaRef& ref, int prefer);
+  // The other side deregistered the memory `ref` names: drop our mapping of it (if it is that one).
+  void forget(const CudaRef& ref);
 
  private:
   pid_t pid_;
   std::atomic<uint64_t>* opens_;
   std::mutex mu_;  // held for the lookup only, never across a CUDA call
   std::unordered_map<uint64_t, std::shared_ptr<Mapping>> by_base_;
+  // Forgotten mappings a copy may still hold: CUDA refuses to open a handle twice in one context, so
+  // a chunk for the same allocation arriving meanwhile takes the live mapping back instead.
+  std::unordered_map<uint64_t, std::weak_ptr<Mapping>> forgotten_;
 };
 
 // One lane's CUDA resources, used by its thread only: a stream and event per GPU (created on first

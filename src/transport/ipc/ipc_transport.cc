@@ -35,7 +35,7 @@ using wire::FrameType;
 namespace ipc {
 
 constexpr uint32_t kHelloMagic = 0x43504954;  // "TIPC"
-constexpr uint16_t kIpcVersion = 2;  // 2: GPU memory (CudaRef in every frame), batches
+constexpr uint16_t kIpcVersion = 3;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM
 constexpr int kSocketBuffer = 1 << 20;        // frames in flight per lane are bounded by the window
 constexpr int64_t kParkedExpiryMs = 10000;    // lanes nobody claimed (their connect failed)
 
@@ -75,6 +75,8 @@ static_assert(sizeof(BatchEntry) == 64);
 constexpr size_t kMaxMsg = sizeof(Frame) + kMaxBatch * (sizeof(BatchEntry) + sizeof(CudaRef));  // ~152 KiB
 // ipc's own frame type: initiator -> target, "the read of (slot, gen) is copied out, let go of the region".
 constexpr uint8_t kReadDone = 0x40;
+// ... and either way: "the GPU memory in `cuda` was deregistered here, close your mapping of it".
+constexpr uint8_t kRelease = 0x41;
 static_assert(sizeof(Hello) == 40);
 
 struct IpcPeer {
@@ -750,10 +752,11 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
       const auto type = static_cast<FrameType>(f.hdr.type);
       const bool batch = type == FrameType::kWriteBatch;
       const bool done = f.hdr.type == kReadDone;
+      const bool release = f.hdr.type == kRelease;
       const bool request = type == FrameType::kWrite || type == FrameType::kReadReq || type == FrameType::kSendData;
       const bool answer = type == FrameType::kAck || type == FrameType::kReadResp;
       if (size_t(n) < sizeof f || (!batch && n != ssize_t(sizeof f)) || (f.hdr.flags & ~wire::kKnownFlags) != 0 ||
-          (!request && !answer && !batch && !done) || !l->ip->ready.load(std::memory_order_acquire)) {
+          (!request && !answer && !batch && !done && !release) || !l->ip->ready.load(std::memory_order_acquire)) {
         fail_peer(p, Code::kProtocolError, "the peer sent a malformed frame");
         break;
       }
@@ -763,6 +766,8 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
         if (!serve_batch(*l, ep, l->rx.get(), size_t(n))) break;
       } else if (done) {
         if (!read_done(*l, f.hdr)) break;
+      } else if (release) {
+        l->ip->imports->forget(f.cuda);  // copies still using the mapping keep it until they finish
       } else {
         if (!take_answer(*l, ep, f)) break;
         pump_lane(*l->ip, p, l->index);  // the answer freed room in this lane's window
@@ -855,6 +860,24 @@ Caps IpcTransport::caps() const {
 
 // GPU regions are exported once, here: every chunk from or to them names this handle.
 Status IpcTransport::register_region(RegionState& region, std::string*) { return export_region(region); }
+
+// Peers that opened the region's allocation close their mapping (else it would hold the memory until
+// they disconnect: the driver keeps an allocation alive while another process has it open).
+void IpcTransport::deregister_region(RegionState& region) {
+  ipc::Frame f{};
+  if (!ipc::region_ref(region, &f.cuda)) return;
+  f.hdr.type = ipc::kRelease;
+  std::vector<std::shared_ptr<ipc::IpcPeer>> peers;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& l : lanes_) {
+      if (l->index != 0) continue;
+      std::lock_guard ll(l->mu);
+      if (l->ip && l->ip->ready.load(std::memory_order_acquire)) peers.push_back(l->ip);
+    }
+  }
+  for (auto& ip : peers) ipc::send_msg(ip->fds[0], &f, sizeof f, -1);  // a peer gone meanwhile: nothing to close
+}
 
 // version, session, then the name of this endpoint's lane socket. Stateless: the listener offers
 // it to every connector, and the session in it tells each attach() which lanes are its own.
