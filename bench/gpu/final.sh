@@ -58,6 +58,7 @@ t fabric_staged 120 $PT tests/python/test_fabric_staged.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
 t ipc_gpu_check 80 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --check
 t ipc_gpu_notify 90 $PT tests/python/test_ipc_gpu.py -k write_and_notify
+t ipc_gpu_vmm 120 $PT tests/python/test_ipc_gpu.py -k "vmm or deregistering"
 # Thread wake-up cost (docs/ARCHITECTURE.md, "Waking up"): busy polling off, on, and off with the CPUs held out of idle.
 # One op at a time, by size: where a lone ipc op's time goes (host memory, GPU0>GPU1, GPU0>GPU0, one lane; tcp beside).
 L1="--mode write --iters 400 --quiet --sizes 4K,64K,1M,16M"
