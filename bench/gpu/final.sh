@@ -42,6 +42,7 @@ for u in kernel d2d host; do t contig_$u 40 tether bench --transport tcp $G --si
   -DCMAKE_BUILD_TYPE=Release > "$L/plugin.log" 2>&1 && "$CMAKE" --build build/testnet-gpu --target tether_testnet >> "$L/plugin.log" 2>&1
 TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu 60 $PT tests/python/test_netplugin_gpu.py -k "cuda and kernel"
 TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu_all 120 $PT tests/python/test_netplugin_gpu.py
+t ipc_gpu_vmm 120 $PT tests/python/test_ipc_gpu.py -k "vmm or deregistering"
 TETHER_TEST_NET_PLUGIN=$PLUGIN t par_tests 420 bash bench/gpu/par_tests.sh 400
 t unpack_bench 30 python3 bench/gpu/unpack_bench.py --iters 300
 t unpack_bench16 30 python3 bench/gpu/unpack_bench.py --iters 300 --frag-kib 16
@@ -58,7 +59,6 @@ t fabric_staged 120 $PT tests/python/test_fabric_staged.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
 t ipc_gpu_check 80 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --check
 t ipc_gpu_notify 90 $PT tests/python/test_ipc_gpu.py -k write_and_notify
-t ipc_gpu_vmm 120 $PT tests/python/test_ipc_gpu.py -k "vmm or deregistering"
 # Thread wake-up cost (docs/ARCHITECTURE.md, "Waking up"): busy polling off, on, and off with the CPUs held out of idle.
 # One op at a time, by size: where a lone ipc op's time goes (host memory, GPU0>GPU1, GPU0>GPU0, one lane; tcp beside).
 L1="--mode write --iters 400 --quiet --sizes 4K,64K,1M,16M"
