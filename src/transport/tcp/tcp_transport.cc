@@ -1,6 +1,7 @@
 #include "transport/tcp/tcp_transport.h"
 
 #include <linux/sockios.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <sys/eventfd.h>
@@ -9,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include "core/endpoint_impl.h"
@@ -177,7 +179,6 @@ struct Lane {
 
 struct TcpPeerLanes {
   std::vector<std::weak_ptr<Lane>> lanes;
-  std::atomic<uint32_t> next{0};
 };
 
 namespace {
@@ -783,11 +784,20 @@ void ProgressThread::run() {
   ep_->pin_progress_thread(index_);
   started_.store(true, std::memory_order_release);
   epoll_event events[64];
+  // Within busy_poll_us of the last event the thread polls instead of sleeping: a request or an answer
+  // usually follows soon, and waking a sleeping thread costs more than a small transfer
+  // (docs/ARCHITECTURE.md, "Waking up"; 0 on small machines, where the other side needs the core).
+  using Clock = std::chrono::steady_clock;
+  const auto busy = std::chrono::microseconds(ep_->config().busy_poll_us);
+  auto last_event = Clock::now() - busy;
   while (!stop_.load(std::memory_order_acquire)) {
     sleeping_.store(true, std::memory_order_seq_cst);
     const bool hinted = work_hint_.exchange(false, std::memory_order_seq_cst);
-    int n = ::epoll_wait(epfd_, events, 64, hinted ? 0 : 1000);
+    const bool spinning = busy.count() > 0 && Clock::now() - last_event < busy;
+    int n = ::epoll_wait(epfd_, events, 64, hinted || spinning ? 0 : 1000);
     sleeping_.store(false, std::memory_order_relaxed);
+    if (n > 0) last_event = Clock::now();
+    else if (spinning && !hinted) sched_yield();
     for (int i = 0; i < n; ++i) {
       auto* l = static_cast<Lane*>(events[i].data.ptr);
       if (!l) {
@@ -949,8 +959,10 @@ void TcpTransport::wake(PeerState* peer, uint64_t chunks, int) {
   if (chunks <= 1 && state && !state->lanes.empty()) {
     // A one-chunk transfer is sent by the posting thread itself when a lane's tx is free: that
     // saves waking a progress thread (a third of a small write's latency on few cores).
+    // From the quietest lane (PeerState::quietest_lane): lone transfers keep to one lane, whose
+    // progress threads on both sides are still awake from the last one.
     const size_t n = state->lanes.size();
-    const uint32_t first = state->next.fetch_add(1, std::memory_order_relaxed);
+    const uint32_t first = peer->quietest_lane();
     for (size_t i = 0; i < n; ++i) {
       std::shared_ptr<Lane> l = state->lanes[(first + i) % n].lock();
       if (!l || l->dead.load(std::memory_order_relaxed) || !l->try_own()) continue;
