@@ -26,7 +26,7 @@ COMMON="--full-mesh --device gpu --gpus $GPUS --sizes $SIZES --mode write --chec
 step() {  # name, then tether bench arguments
   local name=$1; shift
   local t0=$SECONDS
-  timeout "$STEP_TIMEOUT" tether bench $COMMON "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  timeout -k 10 "$STEP_TIMEOUT" tether bench $COMMON "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1  # -k: kill what outlives TERM
   local rc=$?
   echo "$name rc=$rc $((SECONDS - t0)) s"
   echo "$rc" > "$OUT/$name.rc"
