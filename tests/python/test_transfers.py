@@ -940,3 +940,31 @@ def test_batch_with_one_refused_fragment_writes_nothing_of_it():
         assert_poison(good, "blocks batched with a refused fragment")
         peer.write(rs, dg, length=1024).wait(10)  # the link is fine afterwards
         assert_bytes_equal(good[:1024], src[:1024])
+
+
+def test_lone_transfers_keep_to_the_quietest_lane(endpoints):
+    """A transfer starts on the lane with the fewest chunks in flight, the lowest on ties: lone writes
+    all take lane 0, whose threads on both sides are still awake from the last one (on the GPU host a
+    woken thread cost ~250 µs a transfer; docs/ARCHITECTURE.md, "Waking up"). Eight posted at once
+    all arrive (whether they spread depends on how fast each is answered)."""
+    a, b = endpoints(name="qa", transport="tcp", channels=4), endpoints(name="qb", transport="tcp", channels=4)
+    peer = a.connect(b.metadata(), timeout=5)
+    src, dst = rand_bytes(90, 8 * 4096), poisoned(8 * 4096)
+    rs, desc = a.register(src), b.register(dst).descriptor()
+
+    def sent():
+        return [l["chunks_sent"] for l in sorted(a.stats()["lanes"], key=lambda l: l["lane"])]
+
+    before = sent()
+    for i in range(20):
+        peer.write(rs, desc, local_offset=0, remote_offset=0, length=4096).wait(T)
+    lone = [x - y for x, y in zip(sent(), before)]
+    # all on lane 0, but for a write that found lane 0's send side busy with its progress thread
+    # (round robin would give each lane 5)
+    assert sum(lone) == 20 and lone[0] >= 15, lone
+    before = sent()
+    ts = [peer.write(rs, desc, local_offset=i * 4096, remote_offset=i * 4096, length=4096) for i in range(8)]
+    for t in ts:
+        t.wait(T)
+    assert sum(sent()) - sum(before) == 8
+    assert_bytes_equal(dst, src)
