@@ -192,28 +192,37 @@ def test_two_endpoints_of_one_process():
 VMM_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # torch allocates with cuMemCreate + cuMemMap
 
 
+@pytest.mark.parametrize("how", ["cuMemCreate", "expandable_segments"])
 @pytest.mark.parametrize("lk,rk", [("gpu0", "gpu1"), ("gpu1", "gpu0"), ("gpu0", "gpu0")],
                          ids=["gpu0-gpu1", "gpu1-gpu0", "gpu0-gpu0"])
-def test_vmm_memory(children, lk, rk):
-    """VMM memory (here torch's expandable segments) has no legacy CUDA IPC handle: ipc exports each
-    physical allocation behind a region as a POSIX fd and the other side maps them all at one pointer
-    (transport/ipc/vmm.h). Two processes with expandable segments; a 45 MiB region spans several
-    allocations on each side. Write and read, random data, poisoned destinations, every byte."""
-    a, b = children("vmm-a", env=VMM_ENV), children("vmm-b", env=VMM_ENV)
+def test_vmm_memory(children, lk, rk, how):
+    """VMM memory has no legacy CUDA IPC handle: ipc exports each physical allocation behind a region
+    as a POSIX fd and the other side maps them all at one pointer (transport/ipc/vmm.h). Two
+    processes; a 45 MiB region spans several allocations on each side — three from cuMemCreate (a
+    KV-cache pool's way), or torch's expandable segments. Write and read, random data, poisoned
+    destinations, every byte."""
+    env = VMM_ENV if how == "expandable_segments" else None
+    a, b = children("vmm-a", env=env), children("vmm-b", env=env)
     a.call("endpoint", transport="ipc")
     info = b.call("endpoint", transport="ipc")
     a.call("connect", info["metadata"])
     assert a.call("transport") == "ipc"
     n = 45 * MiB + 77
-    desc = b.call("register", "dst", n + 10, device=_dev(rk))
-    a.call("register", "src", n, fill=("seed", 5), device=_dev(lk))
+
+    def region(c, name, size, device, **kw):
+        if how == "cuMemCreate":
+            return c.call("register_vmm", name, size, device, **kw)
+        return c.call("register", name, size, device=device, **kw)
+
+    desc = region(b, "dst", n + 10, _dev(rk))
+    region(a, "src", n, _dev(lk), fill=("seed", 5))
     assert not a.call("legacy_ipc_capable", "src") and not b.call("legacy_ipc_capable", "dst"), "not VMM memory"
     assert a.call("write", "src", desc, remote_offset=3, length=n) == ("ok", n)
     got = _get(b, "dst")
     assert_bytes_equal(got[3:3 + n], rand_bytes(5, n), "write into VMM memory")
     assert_poison(got[:3])
     assert_poison(got[3 + n:])
-    a.call("register", "back", n + 5, device=_dev(lk))
+    region(a, "back", n + 5, _dev(lk))
     assert a.call("read", "back", desc, local_offset=5, remote_offset=3, length=n) == ("ok", n)
     back = _get(a, "back")
     assert_bytes_equal(back[5:], rand_bytes(5, n), "read from VMM memory")

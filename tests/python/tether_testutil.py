@@ -439,6 +439,57 @@ class _Agent:
         self.regions[name] = self.ep.register(obj, readonly=readonly)
         return self.regions[name].descriptor()
 
+    def cmd_register_vmm(self, name, size, device, pieces=3, fill=("poison", POISON)):
+        """GPU memory from CUDA's VMM API as KV-cache pools make it: `pieces` physical allocations
+        (cuMemCreate, shareable as POSIX fds) mapped back to back into one reserved range, seen by torch
+        through __cuda_array_interface__ (get/fill work as for other GPU buffers). Kept until exit."""
+        import ctypes as C
+        import torch
+        kind, arg = fill
+        buf = rand_bytes(arg, size) if kind == "seed" else poisoned(size, arg)
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=f"cuda:{device}")  # the primary context, current on this thread
+        cu = C.CDLL("libcuda.so.1")
+
+        def ok(r, what):
+            assert r == 0, f"{what}: CUresult {r}"
+
+        class Prop(C.Structure):  # CUmemAllocationProp
+            _fields_ = [("type", C.c_int), ("handle_types", C.c_int), ("loc_type", C.c_int), ("loc_id", C.c_int),
+                        ("win32", C.c_void_p), ("compression", C.c_ubyte), ("rdma", C.c_ubyte), ("usage", C.c_ushort),
+                        ("reserved", C.c_ubyte * 4)]
+
+        class Access(C.Structure):  # CUmemAccessDesc
+            _fields_ = [("loc_type", C.c_int), ("loc_id", C.c_int), ("flags", C.c_int)]
+
+        prop = Prop(1, 1, 1, device)  # pinned, POSIX fd shareable, on GPU `device`
+        gran = C.c_size_t()
+        ok(cu.cuMemGetAllocationGranularity(C.byref(gran), C.byref(prop), 0), "cuMemGetAllocationGranularity")
+        piece = -(-(-(-size // pieces)) // gran.value) * gran.value
+        va = C.c_uint64()
+        ok(cu.cuMemAddressReserve(C.byref(va), C.c_size_t(piece * pieces), C.c_size_t(0), C.c_uint64(0),
+                                  C.c_ulonglong(0)), "cuMemAddressReserve")
+        for i in range(pieces):
+            h = C.c_ulonglong()
+            ok(cu.cuMemCreate(C.byref(h), C.c_size_t(piece), C.byref(prop), C.c_ulonglong(0)), "cuMemCreate")
+            ok(cu.cuMemMap(C.c_uint64(va.value + i * piece), C.c_size_t(piece), C.c_size_t(0), h, C.c_ulonglong(0)),
+               "cuMemMap")
+            ok(cu.cuMemRelease(h), "cuMemRelease")  # the mapping keeps it
+        ok(cu.cuMemSetAccess(C.c_uint64(va.value), C.c_size_t(piece * pieces), C.byref(Access(1, device, 3)),
+                             C.c_size_t(1)), "cuMemSetAccess")
+
+        class Raw:
+            __cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (va.value, False), "version": 3}
+
+        t = torch.as_tensor(Raw(), device=f"cuda:{device}")
+        t.copy_(torch.from_numpy(buf))
+        torch.cuda.synchronize(device)
+        self.gpu.pop(name, None)
+        self.buffers.pop(name, None)
+        self.gpu[name] = t
+        self.regions[name] = self.ep.register(t)
+        return self.regions[name].descriptor()
+
     def cmd_legacy_ipc_capable(self, name):
         """Whether GPU buffer `name` can be named by a legacy CUDA IPC handle (False: VMM memory)."""
         import ctypes
