@@ -42,7 +42,7 @@ for u in kernel d2d host; do t contig_$u 40 tether bench --transport tcp $G --si
   -DCMAKE_BUILD_TYPE=Release > "$L/plugin.log" 2>&1 && "$CMAKE" --build build/testnet-gpu --target tether_testnet >> "$L/plugin.log" 2>&1
 TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu 60 $PT tests/python/test_netplugin_gpu.py -k "cuda and kernel"
 TETHER_TEST_NET_PLUGIN=$PLUGIN t netplugin_gpu_all 120 $PT tests/python/test_netplugin_gpu.py
-t ipc_gpu_vmm 120 $PT tests/python/test_ipc_gpu.py -k "vmm or deregistering"
+t ipc_gpu_vmm 180 $PT tests/python/test_ipc_gpu.py tests/python/test_gpu.py -k "vmm or deregistering"
 TETHER_TEST_NET_PLUGIN=$PLUGIN t par_tests 420 bash bench/gpu/par_tests.sh 400
 t unpack_bench 30 python3 bench/gpu/unpack_bench.py --iters 300
 t unpack_bench16 30 python3 bench/gpu/unpack_bench.py --iters 300 --frag-kib 16

@@ -118,3 +118,24 @@ def test_gpu_region_checks():
         with pytest.raises(tether.InvalidArgument, match="not GPU memory"):
             ep.register((h.ctypes.data, h.nbytes), device=0)
 
+
+
+def test_vmm_memory_over_tcp(children):
+    """A region of VMM memory spanning three physical allocations (cuMemCreate + cuMemMap back to
+    back, as KV-cache pools and torch's expandable segments make it) registers whole and moves over
+    tcp both ways; random data, poisoned destinations, every byte."""
+    a, b = children("vmm-tcp-a"), children("vmm-tcp-b")
+    a.call("endpoint", transport="tcp")
+    info = b.call("endpoint", transport="tcp")
+    a.call("connect", info["metadata"])
+    n = 13 * MiB + 5
+    desc = b.call("register_vmm", "dst", n + 10, _dev("gpu1"))
+    a.call("register_vmm", "src", n, _dev("gpu0"), fill=("seed", 6))
+    assert a.call("write", "src", desc, remote_offset=7, length=n) == ("ok", n)
+    got = np.frombuffer(b.call("get", "dst"), np.uint8)
+    assert_bytes_equal(got[7:7 + n], rand_bytes(6, n), "write into VMM memory")
+    assert_poison(got[:7])
+    assert_poison(got[7 + n:])
+    a.call("register_vmm", "back", n, _dev("gpu0"))
+    assert a.call("read", "back", desc, remote_offset=7, length=n) == ("ok", n)
+    assert_bytes_equal(np.frombuffer(a.call("get", "back"), np.uint8), rand_bytes(6, n), "read from VMM memory")
