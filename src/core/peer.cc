@@ -418,7 +418,10 @@ Status PeerState::chunk_error(const Slot& s, uint8_t status) const {
     case Code::kNotFound: msg += "the remote region is not registered (deregistered, or the descriptor names none)"; break;
     case Code::kAccessDenied: msg += "the key does not grant this access (wrong key, or read-only region)"; break;
     case Code::kOutOfRange: msg += "the range lies outside the region"; break;
-    case Code::kUnavailable: msg += "the " + info_.transport + " transport cannot move this memory kind (GPU memory: use transport=tcp)"; break;
+    case Code::kUnavailable:
+      msg += "the " + info_.transport + " transport cannot move this memory (GPU memory it cannot share across processes, "
+             "e.g. VMM memory not created with POSIX-fd handle types; transport=tcp moves any memory)";
+      break;
     default: msg += code_name(c);
   }
   return Status(c, msg);
