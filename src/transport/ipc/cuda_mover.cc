@@ -89,13 +89,13 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
     return m.size == ref.size && (m.vmm != nullptr) == (ref.kind == kVmm) && std::memcmp(m.handle, ref.handle, sizeof ref.handle) == 0;
   };
   {
-    auto it = by_base_.find(ref.base);
+    auto it = by_base_.find(key(ref));
     if (it != by_base_.end() && same(*it->second)) return it->second;
-    auto f = forgotten_.find(ref.base);
+    auto f = forgotten_.find(key(ref));
     if (f != forgotten_.end()) {
       std::shared_ptr<Mapping> alive = f->second.lock();
       forgotten_.erase(f);
-      if (alive && same(*alive)) return by_base_[ref.base] = alive;
+      if (alive && same(*alive)) return by_base_[key(ref)] = alive;
     }
   }
   std::string why;
@@ -111,9 +111,9 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
   if (ref.kind != kIpcHandle && ref.kind != kVmm) return Status(Code::kProtocolError, "ipc: an unknown kind of GPU memory");
   if (pid_ == ::getpid()) {  // two endpoints of one process: CUDA refuses to open our own handle; no need
     auto info = gpu::pointer_info(reinterpret_cast<void*>(ref.base));
-    const bool same = info.is_ok() && info.value().is_device &&
+    const bool ours = info.is_ok() && info.value().is_device &&
                       (ref.kind == kVmm || (info.value().alloc_base == ref.base && info.value().alloc_size == ref.size));
-    if (!same) return Status(Code::kNotFound, "ipc: a GPU allocation of this process is gone");
+    if (!ours) return Status(Code::kNotFound, "ipc: a GPU allocation of this process is gone");
     m->ptr = ref.base;
     m->size = ref.size;
     m->device = info.value().device;
@@ -143,20 +143,20 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
     m->size = std::min<uint64_t>(size - (m->ptr - base), ref.size);
     if (m->size != ref.size) return Status(Code::kProtocolError, "a peer's GPU allocation is smaller than it says");
   }
-  by_base_[ref.base] = m;  // new, or replaces a freed allocation (closed when its last copy lets go)
+  by_base_[key(ref)] = m;  // new, or replaces a freed allocation (closed when its last copy lets go)
   return m;
 }
 
 void CudaImports::forget(const CudaRef& ref) {
   std::shared_ptr<Mapping> last;  // closed outside the lock, when no copy uses it any more
   std::lock_guard lock(mu_);
-  auto it = by_base_.find(ref.base);
+  auto it = by_base_.find(key(ref));
   if (it == by_base_.end() || it->second->size != ref.size || std::memcmp(it->second->handle, ref.handle, sizeof ref.handle) != 0)
     return;
   last = std::move(it->second);
   by_base_.erase(it);
   for (auto f = forgotten_.begin(); f != forgotten_.end();) f = f->second.expired() ? forgotten_.erase(f) : std::next(f);
-  forgotten_[ref.base] = last;
+  forgotten_[key(ref)] = last;
 }
 
 CudaLane::~CudaLane() {

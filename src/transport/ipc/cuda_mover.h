@@ -8,9 +8,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 
 #include "core/region.h"
@@ -61,10 +61,10 @@ struct Mapping {
   ~Mapping();
 };
 
-// The other side's allocations this side opened, by their base there. Each is opened once and kept
-// until the peer goes (this object is destroyed) or the same base arrives with a different handle
-// (the allocation was freed and another took its place): then the old mapping is closed once the
-// copies still using it are done, and the new one opened.
+// The other side's allocations (VMM: regions' spans) this side opened, by their base there. Each is
+// opened once and kept until the other side deregisters it (forget), the peer goes (this object is
+// destroyed), or the same base arrives with a different handle (the allocation was freed and another
+// took its place): then the old mapping is closed once the copies still using it are done.
 class CudaImports {
  public:
   CudaImports(pid_t pid, std::atomic<uint64_t>* opens) : pid_(pid), opens_(opens) {}
@@ -78,10 +78,14 @@ class CudaImports {
   pid_t pid_;
   std::atomic<uint64_t>* opens_;
   std::mutex mu_;  // held for the lookup only, never across a CUDA call
-  std::unordered_map<uint64_t, std::shared_ptr<Mapping>> by_base_;
+  // Keyed by base (legacy handles: one allocation per base at a time, a new handle replaces the old)
+  // and, for VMM memory, also by size: regions that start in the same piece are different spans.
+  using Key = std::pair<uint64_t, uint64_t>;
+  static Key key(const CudaRef& ref) { return {ref.base, ref.kind == kVmm ? ref.size : 0}; }
+  std::map<Key, std::shared_ptr<Mapping>> by_base_;
   // Forgotten mappings a copy may still hold: CUDA refuses to open a handle twice in one context, so
   // a chunk for the same allocation arriving meanwhile takes the live mapping back instead.
-  std::unordered_map<uint64_t, std::weak_ptr<Mapping>> forgotten_;
+  std::map<Key, std::weak_ptr<Mapping>> forgotten_;
 };
 
 // One lane's CUDA resources, used by its thread only: a stream and event per GPU (created on first
