@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes.util
 import glob
 import os
-from typing import Any
+from typing import Any, Optional
 
 
 def _read(path: str, default: str = "") -> str:
@@ -160,7 +160,7 @@ def collect() -> dict[str, Any]:
     transports = {
         "tcp": {"available": True, "why": "kernel sockets"},
     }
-    usable = {"tcp": "kernel sockets", "ipc": "same-host peers: process_vm_readv / memfd segments, CUDA IPC for GPU memory",
+    usable = {"tcp": "kernel sockets", "ipc": "same-host peers: process_vm_readv / memfd segments, CUDA IPC (VMM: fds) for GPU memory",
               "netplugin": "NCCL net plugin " + os.environ.get("TETHER_NET_PLUGIN", "")}
     try:
         with tether.Endpoint() as probe:  # what this build reports (fabric: libfabric found, a provider usable)
@@ -177,6 +177,7 @@ def collect() -> dict[str, Any]:
         "tether": tether.__version__,
         "wire_version": tether.WIRE_VERSION,
         "cpus": os.cpu_count(),
+        "busy_poll_us": _busy_poll_us(),
         "numa_nodes": len(glob.glob("/sys/devices/system/node/node[0-9]*")) or 1,
         "nics": nics,
         "gpus": gpus,
@@ -192,6 +193,15 @@ def collect() -> dict[str, Any]:
         "transports": transports,
         "env": {k: v for k, v in os.environ.items() if k.startswith("TETHER_") and "TOKEN" not in k},
     }
+
+
+def _busy_poll_us() -> Optional[int]:
+    import tether
+
+    try:
+        return tether._tether.Config.from_env().busy_poll_us
+    except Exception:  # a bad TETHER_* setting: the transports section says which
+        return None
 
 
 def _table(title: str, *columns: str):
@@ -210,6 +220,10 @@ def render(report: dict[str, Any]) -> None:
     c.print(f"[bold]tether {report['tether']}[/bold] (wire version {report['wire_version']})")
     c.print(f"CPUs: {report['cpus']}, NUMA nodes: {report['numa_nodes']}; GPUs: {len(report['gpus']) or 'none'};"
             f" CUDA: {'yes' if report['cuda'] else 'no'}; libfabric: {report['libfabric'] or 'not found'}")
+    busy = report.get("busy_poll_us")
+    if busy is not None:
+        c.print(f"Busy polling: {busy} µs after each message, then sleep" if busy else
+                "Busy polling: off (threads sleep at once; default below 8 CPUs; TETHER_BUSY_POLL_US)")
     if report["libfabric"]:
         prov = report["libfabric_providers"]
         c.print("libfabric providers: " + (", ".join(prov) if prov else "unknown (install libfabric-bin for fi_info)"))

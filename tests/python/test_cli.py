@@ -154,8 +154,9 @@ def test_doctor_json():
     assert d["transports"]["tcp"]["available"] is True
     assert d["cpus"] >= 1 and isinstance(d["nics"], list) and "lo" in [n["name"] for n in d["nics"]]
     assert "TOKEN" not in json.dumps(d["env"])  # secrets are never printed
+    assert d["busy_poll_us"] == (1000 if os.cpu_count() >= 8 else 0)  # the default for this machine
     r = run_cli("doctor")
-    assert r.returncode == 0 and "Transports" in r.stdout
+    assert r.returncode == 0 and "Transports" in r.stdout and "Busy polling" in r.stdout
 
 
 def test_idle_endpoints_do_not_burn_cpu():
