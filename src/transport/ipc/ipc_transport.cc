@@ -876,7 +876,8 @@ void IpcTransport::deregister_region(RegionState& region) {
       if (l->ip && l->ip->ready.load(std::memory_order_acquire)) peers.push_back(l->ip);
     }
   }
-  for (auto& ip : peers) ipc::send_msg(ip->fds[0], &f, sizeof f, -1);  // a peer gone meanwhile: nothing to close
+  // Never blocks: a peer that stopped reading keeps its mapping until it is dropped (peer timeout).
+  for (auto& ip : peers) (void)::send(ip->fds[0], &f, sizeof f, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 // version, session, then the name of this endpoint's lane socket. Stateless: the listener offers
