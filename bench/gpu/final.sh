@@ -59,14 +59,15 @@ t fabric_staged 120 $PT tests/python/test_fabric_staged.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
 t ipc_gpu_check 80 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --check
 t ipc_gpu_notify 90 $PT tests/python/test_ipc_gpu.py -k write_and_notify
-# Thread wake-up cost (docs/ARCHITECTURE.md, "Waking up"): busy polling off, on, and off with the CPUs held out of idle.
-# One op at a time, by size: where a lone ipc op's time goes (host memory, GPU0>GPU1, GPU0>GPU0, one lane; tcp beside).
+# One op at a time, by size: where a lone op's time goes (ipc host memory, GPU0>GPU1, GPU0>GPU0, one
+# lane; tcp beside). docs/ARCHITECTURE.md, "Waking up".
 L1="--mode write --iters 400 --quiet --sizes 4K,64K,1M,16M"
 t lat_ipc_host 40 tether bench --transport ipc --device cpu $L1
 t lat_ipc_gpu 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 $L1
 t lat_ipc_gpu00 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --remote-gpu-idx 0 $L1
 TETHER_CHANNELS=1 t lat_ipc_gpu_1lane 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 $L1
 t lat_tcp_gpu 40 tether bench --transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 $L1
+# Thread wake-up cost: busy polling off, and off with the CPUs held out of idle (beside ipc_gpu_tuned).
 TETHER_BUSY_POLL_US=0 t ipc_busy0 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
 TETHER_BUSY_POLL_US=0 t ipc_busy0_qos 50 python3 bench/gpu/hold_cpu_latency.py python3 bench/gpu/compare_ipc_gpu.py --channels 16
 for c in 32 64 128 256 1024; do t ipc_chunk_${c}M 40 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk $((c << 20)); done
