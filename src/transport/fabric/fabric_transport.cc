@@ -175,6 +175,18 @@ std::pair<std::string, int> gpu_location(int device) {
   return {where.pci_path, where.numa_node};
 }
 
+// What discovery is asked for, from the endpoint's fabric_* options (the transport and `tether doctor`).
+DiscoveryOptions discovery_options(const Config& c) {
+  DiscoveryOptions opt;
+  opt.provider = c.fabric_provider;
+  opt.domains = c.fabric_domains;
+  opt.max_rails = c.fabric_rails;
+  opt.host = c.host;
+  opt.delivery_complete = c.fabric_delivery_complete != 0;
+  opt.busy_poll = c.fabric_busy_poll != 0;
+  return opt;
+}
+
 }  // namespace
 
 class RailThread;
@@ -391,14 +403,7 @@ FabricTransportImpl::FabricTransportImpl(core::EndpointImpl* endpoint) : endpoin
     why_ = why;
     return;
   }
-  DiscoveryOptions opt;
-  opt.provider = c.fabric_provider;
-  opt.domains = c.fabric_domains;
-  opt.max_rails = c.fabric_rails;
-  opt.host = c.host;
-  opt.delivery_complete = c.fabric_delivery_complete != 0;
-  opt.busy_poll = c.fabric_busy_poll != 0;
-  if (!discover(*lib, opt, &disc_, &why)) {
+  if (!discover(*lib, discovery_options(c), &disc_, &why)) {
     why_ = why;
     return;
   }
@@ -1232,14 +1237,8 @@ FabricRails fabric_rails(const Config& c, const std::vector<std::pair<std::strin
   FabricRails out;
   const Lib* lib = Lib::load(c.fabric_library, &out.why);
   if (!lib) return out;
-  DiscoveryOptions opt;
-  opt.provider = c.fabric_provider;
-  opt.domains = c.fabric_domains;
-  opt.max_rails = c.fabric_rails;
-  opt.host = c.host;
-  opt.delivery_complete = c.fabric_delivery_complete != 0;
   Discovery d;
-  if (!discover(*lib, opt, &d, &out.why)) return out;
+  if (!discover(*lib, discovery_options(c), &d, &out.why)) return out;
   out.why.clear();  // discovery may have noted a weaker attempt that failed before one succeeded
   out.provider = d.provider;
   for (const sys::Nic& n : d.locations) out.rails.push_back({n.name, n.pci_path, n.numa_node});
