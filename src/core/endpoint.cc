@@ -451,7 +451,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   peer->lane_fds.assign(fds.begin() + 1, fds.end());
   peer->lane_paths = std::move(paths);
   for (int fd : peer->lane_fds) sys::tune_data_socket(fd);
-  Status s = chosen->attach(peer, peer->lane_fds, remote_offer, true);  // before anyone can post on the peer
+  Status s = chosen->attach(peer, peer->lane_fds, remote_offer, true, deadline);  // before anyone can post on the peer
   if (!s.is_ok()) {
     peer->lane_fds.clear();  // the transport owns (and closed) them; the control socket closes with the peer
     return Status(s.code(), "connect: transport " + info.transport + ": " + s.message());
@@ -764,7 +764,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     auto peer = std::make_shared<PeerState>(shared_from_this(), info, cp.lanes, chosen);
     const bool early = !tcp_lanes && chosen->caps().attach_before_answer;
     if (early) {  // attach and publish first: connect() returning there means peers() shows it here
-      Status s = chosen->attach(peer, {}, p.offer, false);
+      Status s = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
       if (!s.is_ok()) {
         done.status = uint8_t(wire::HelloStatus::kBadRequest);
         ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -797,7 +797,7 @@ void EndpointImpl::finish_accept(Pending& p) {
       return;
     }
     // Its own lanes: attach after answering, since attaching may need the connector to act.
-    Status s = chosen->attach(peer, {}, p.offer, false);
+    Status s = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
     if (!s.is_ok()) {
       peer->fail(Status(s.code(), "accept: transport " + name + ": " + s.message()));
       return;
@@ -826,7 +826,7 @@ void EndpointImpl::finish_accept(Pending& p) {
   for (int lfd : peer->lane_fds) complete &= lfd >= 0;
   if (complete) {  // publish before the last answer: when connect() returns there, peers() shows it here
     accepting_.erase(it);
-    Status s = peer->transport->attach(peer, peer->lane_fds, {}, false);
+    Status s = peer->transport->attach(peer, peer->lane_fds, {}, false, sys::now_ms() + config_.connect_timeout_ms);
     if (!s.is_ok()) peer->fail(s);
     {
       std::lock_guard lock(peers_mu_);

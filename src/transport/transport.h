@@ -64,10 +64,11 @@ class Transport {
   virtual void deregister_region(core::RegionState& region) { (void)region; }
 
   // Takes the peer over: `tcp_fds` are its connected data sockets (uses_tcp_lanes only),
-  // `remote_offer` the other side's offer(); `initiator` is true on the connecting side.
-  // Called before anyone can post on the peer. An error fails the connect.
+  // `remote_offer` the other side's offer(); `initiator` is true on the connecting side; setup
+  // waiting on the other side gives up at `deadline_ms` (sys::now_ms(): the connect's own timeout on
+  // the connecting side) with kTimeout. Called before anyone can post on the peer. An error fails the connect.
   virtual Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
-                        std::string_view remote_offer, bool initiator) = 0;
+                        std::string_view remote_offer, bool initiator, int64_t deadline_ms) = 0;
   // `chunks` new chunks are queued on `peer`; up to that many lanes with room should pull them.
   // `device`: the GPU their local bytes are on (-1: host memory, or not known), so a transport with
   // several NICs can wake the lanes on the NICs nearest that memory first (fabric: rail ranking).

@@ -331,7 +331,7 @@ class FabricTransportImpl final : public Transport {
   Status register_region(RegionState& region, std::string* desc_ext) override;
   void deregister_region(RegionState& region) override;
   Status attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& tcp_fds, std::string_view remote_offer,
-                bool initiator) override;
+                bool initiator, int64_t deadline_ms) override;
   void wake(PeerState* peer, uint64_t chunks, int device) override;
   void stop() override;
 
@@ -523,7 +523,7 @@ void FabricTransportImpl::deregister_region(RegionState& region) {
 }
 
 Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>&,
-                                   std::string_view remote_offer, bool) {
+                                   std::string_view remote_offer, bool, int64_t) {
   if (stopped_.load()) return Status(Code::kCancelled, "endpoint closed");
   Status s = open_rails();
   if (!s.is_ok()) return s;

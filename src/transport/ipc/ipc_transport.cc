@@ -905,13 +905,13 @@ bool parse_offer(std::string_view o, uint64_t* session, std::string* name) {
 uint32_t IpcTransport::lanes_for(std::string_view) const { return std::max<uint32_t>(1, endpoint_->config().channels); }
 
 Status IpcTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>&, std::string_view remote_offer,
-                            bool initiator) {
+                            bool initiator, int64_t deadline) {
   {
     std::lock_guard lock(mu_);
     if (stopped_) return Status(Code::kCancelled, "endpoint closed");
     reap_finished();
   }
-  return initiator ? attach_connector(peer, remote_offer) : attach_listener(peer, remote_offer);
+  return initiator ? attach_connector(peer, remote_offer, deadline) : attach_listener(peer, remote_offer);
 }
 
 namespace {
@@ -961,13 +961,13 @@ Status IpcTransport::attach_listener(const std::shared_ptr<PeerState>& peer, std
 }
 
 // The connecting thread: collect our lanes (parked by session), probe, exchange verdicts.
-Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, std::string_view remote_offer) {
+Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, std::string_view remote_offer,
+                                      int64_t deadline) {
   uint64_t session;
   std::string name;
   if (!parse_offer(remote_offer, &session, &name)) return Status(Code::kProtocolError, "malformed ipc offer");
   Rendezvous& rv = *rendezvous_;
   const uint32_t lanes = peer->lanes();
-  const int64_t deadline = sys::now_ms() + endpoint_->config().connect_timeout_ms;
   std::vector<Accepted> mine;
   auto cleanup = [&] {
     for (auto& m : mine) {
@@ -1053,10 +1053,13 @@ Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, st
   Hello m2 = hello(*ip, 2, 0, lanes);
   m2.verdict = ip->cma != nullptr;
   Hello m3{};
-  if (!send_msg(fds[0], &m2, sizeof m2, ip->own.fd()) ||
-      recv_msg(fds[0], &m3, sizeof m3, nullptr, deadline) != ssize_t(sizeof m3) || !valid_hello(m3, 3, session)) {
+  if (!send_msg(fds[0], &m2, sizeof m2, ip->own.fd())) { cleanup(); return Status(Code::kConnectionLost, "ipc setup: the peer is gone"); }
+  const ssize_t got = recv_msg(fds[0], &m3, sizeof m3, nullptr, deadline);
+  if (got != ssize_t(sizeof m3) || !valid_hello(m3, 3, session)) {
+    const bool late = got < 0 && errno == ETIMEDOUT;  // alive but silent (stopped, overloaded)
     cleanup();
-    return Status(Code::kConnectionLost, "ipc setup: the peer did not finish it (see its error)");
+    return late ? Status(Code::kTimeout, "ipc setup: the peer did not finish it in time")
+                : Status(Code::kConnectionLost, "ipc setup: the peer did not finish it (see its error)");
   }
   if (!take_verdict(*ip, m3.verdict, host_mode_, &why)) { cleanup(); return Status(Code::kUnavailable, why); }
   ip->ready.store(true, std::memory_order_seq_cst);

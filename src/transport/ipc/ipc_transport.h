@@ -44,12 +44,12 @@ class IpcTransport final : public Transport {
   Status register_region(core::RegionState& region, std::string* desc_ext) override;
   void deregister_region(core::RegionState& region) override;
   Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
-                std::string_view remote_offer, bool initiator) override;
+                std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
   void wake(core::PeerState* peer, uint64_t chunks, int device) override;
   void stop() override;
 
  private:
-  Status attach_connector(const std::shared_ptr<core::PeerState>& peer, std::string_view remote_offer);
+  Status attach_connector(const std::shared_ptr<core::PeerState>& peer, std::string_view remote_offer, int64_t deadline);
   Status attach_listener(const std::shared_ptr<core::PeerState>& peer, std::string_view remote_offer);
   Status start_lanes(const std::shared_ptr<core::PeerState>& peer, const std::shared_ptr<ipc::IpcPeer>& ip, bool listener);
   void reap_finished();  // joins lane threads that ended (mu_ held)

@@ -291,7 +291,7 @@ void NetpluginTransport::start_threads() {
 }
 
 Status NetpluginTransport::attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>&,
-                                  std::string_view remote_offer, bool) {
+                                  std::string_view remote_offer, bool, int64_t deadline) {
   OfferHeader rh{};
   if (!parse_offer(remote_offer, &rh)) return Status(Code::kProtocolError, "netplugin: malformed offer from the peer");
   Listening mine;
@@ -320,7 +320,6 @@ Status NetpluginTransport::attach(const std::shared_ptr<core::PeerState>& peer, 
   std::vector<std::string> handles(n);
   for (uint32_t i = 0; i < n; ++i)
     handles[i].assign(remote_offer.data() + sizeof rh + size_t(i) * netabi::kHandleMaxSize, netabi::kHandleMaxSize);
-  const int64_t deadline = sys::now_ms() + endpoint_->config().connect_timeout_ms;
   for (;;) {
     bool complete = true;
     for (uint32_t i = 0; i < n; ++i) {

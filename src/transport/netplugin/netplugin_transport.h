@@ -41,7 +41,7 @@ class NetpluginTransport final : public Transport {
   Status register_region(core::RegionState& region, std::string* desc_ext) override;
   void deregister_region(core::RegionState& region) override;
   Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
-                std::string_view remote_offer, bool initiator) override;
+                std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
   void wake(core::PeerState* peer, uint64_t chunks, int device) override;
   void stop() override;
 

@@ -926,7 +926,7 @@ uint32_t TcpTransport::lanes_for(std::string_view) const {
 }
 
 Status TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& fds, std::string_view,
-                            bool) {
+                            bool, int64_t) {
   auto state = std::make_shared<TcpPeerLanes>();
   std::vector<std::shared_ptr<Lane>> lanes;
   std::vector<uint32_t> thread_of(fds.size());

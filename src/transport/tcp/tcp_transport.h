@@ -28,7 +28,7 @@ class TcpTransport final : public Transport {
   Caps caps() const override;
   uint32_t lanes_for(std::string_view remote_offer) const override;
   Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
-                std::string_view remote_offer, bool initiator) override;
+                std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
   void wake(core::PeerState* peer, uint64_t chunks, int device) override;
   void poll(core::PeerState* peer, uint32_t lane) override;
   void stop() override;
