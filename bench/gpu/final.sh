@@ -58,6 +58,10 @@ t fabric_gpu 120 $PT tests/python/test_fabric_gpu.py
 t fabric_staged 120 $PT tests/python/test_fabric_staged.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
 t ipc_gpu_check 80 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --check
+t scatter_probe 150 python3 bench/gpu/scatter_probe.py
+t ipc_rw 60 tether bench --transport ipc --mode write,read --sizes 1M,16M,256M --async-api --depth 2 --check --quiet \
+  --device gpu --local-gpu-idx 0 --remote-gpu-idx 1
+t ipc_rw_host 60 tether bench --transport ipc --mode write,read --sizes 1M,16M,256M --check --quiet --device cpu
 t ipc_gpu_notify 90 $PT tests/python/test_ipc_gpu.py -k write_and_notify
 # One op at a time, by size: where a lone op's time goes (ipc host memory, GPU0>GPU1, GPU0>GPU0, one
 # lane; tcp beside). docs/ARCHITECTURE.md, "Waking up".

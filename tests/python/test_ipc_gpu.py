@@ -229,3 +229,17 @@ def test_vmm_memory(children, lk, rk, how):
     assert_poison(back[:5])
     # each side mapped the other's region (b for the write, a for the read)
     assert b.call("stats")["ipc_cuda_opens"] >= 1 and a.call("stats")["ipc_cuda_opens"] >= 1
+    if how == "cuMemCreate":
+        # Two local regions with one base and two sizes (a pool and its first layer) are two VMM
+        # spans; one batch of small blocks from both must name each by its own span.
+        head = n // 3
+        desc = region(b, "dst", n + 10, _dev(rk))  # a new, poisoned destination
+        a.call("register_head", "src_head", "src", head)
+        blocks = 64 * 1024
+        entries = [("src_head", i, i, blocks) for i in range(0, head - blocks, 4 * blocks)]
+        entries += [("src", i, i, blocks) for i in range(head, n - blocks, 4 * blocks)]
+        assert a.call("writev", entries, desc) == ("ok", len(entries) * blocks)
+        got = _get(b, "dst")
+        want = rand_bytes(5, n)
+        for _, lo, ro, ln in entries:
+            assert_bytes_equal(got[ro:ro + ln], want[lo:lo + ln], f"block at {lo} of a VMM region and its head")

@@ -490,6 +490,13 @@ class _Agent:
         self.regions[name] = self.ep.register(t)
         return self.regions[name].descriptor()
 
+    def cmd_register_head(self, name, of, size):
+        """Registers the first `size` bytes of GPU buffer `of` as a second region `name`: the same base,
+        another size (for VMM memory, another span)."""
+        self.gpu[name] = self.gpu[of][:size]
+        self.regions[name] = self.ep.register(self.gpu[name])
+        return self.regions[name].descriptor()
+
     def cmd_legacy_ipc_capable(self, name):
         """Whether GPU buffer `name` can be named by a legacy CUDA IPC handle (False: VMM memory)."""
         import ctypes
@@ -542,6 +549,11 @@ class _Agent:
                   accepted=False, timeout=20.0):
         t = self._peer(accepted).write(self.regions[local], remote, local_offset=local_offset,
                                        remote_offset=remote_offset, length=length, notify=notify)
+        return _status_of(t, timeout)
+
+    def cmd_writev(self, entries, remote, accepted=False, timeout=20.0):
+        """One vectored write of (local name, local offset, remote offset, length) entries into `remote`."""
+        t = self._peer(accepted).writev([(self.regions[n], lo, remote, ro, ln) for n, lo, ro, ln in entries])
         return _status_of(t, timeout)
 
     def cmd_read(self, local, remote, local_offset=0, remote_offset=0, length=None, accepted=False,

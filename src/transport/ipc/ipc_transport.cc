@@ -202,14 +202,18 @@ void fail_peer(PeerState& p, Code c, const std::string& why) { p.fail(Status(c, 
 // A chunk that cannot go: answered at once, nothing moves.
 void refuse(PeerState& p, uint32_t lane, const ChunkOp& op, Code c) { p.answer(lane, op.hdr.slot, op.hdr.gen, uint8_t(c)); }
 
-// Where GPU bytes [ptr, ptr+len) of `region` lie for the other process: false if it cannot open them
-// (the export failed at registration, e.g. VMM memory) or they leave the allocation.
-bool gpu_place(const RegionState* region, const uint8_t* ptr, uint64_t len, CudaRef* ref, uint64_t* offset) {
-  if (!region || !region_ref(*region, ref)) return false;
+// [ptr, ptr+len) inside the allocation `ref` names; `offset`: where it starts there.
+bool within(const CudaRef& ref, const uint8_t* ptr, uint64_t len, uint64_t* offset) {
   const uint64_t at = reinterpret_cast<uint64_t>(ptr);
-  if (at < ref->base || at - ref->base > ref->size || len > ref->size - (at - ref->base)) return false;
-  *offset = at - ref->base;
+  if (at < ref.base || at - ref.base > ref.size || len > ref.size - (at - ref.base)) return false;
+  *offset = at - ref.base;
   return true;
+}
+
+// Where GPU bytes [ptr, ptr+len) of `region` lie for the other process: false if it cannot open them
+// (the export failed at registration) or they leave the allocation.
+bool gpu_place(const RegionState* region, const uint8_t* ptr, uint64_t len, CudaRef* ref, uint64_t* offset) {
+  return region && region_ref(*region, ref) && within(*ref, ptr, len, offset);
 }
 
 // What became of a chunk handed to send_chunk.
@@ -231,19 +235,24 @@ Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   f.where = uint8_t(gpu ? Where::kCuda : ip.out_cma ? Where::kCma : Where::kShm);
   uint32_t nrefs = 0;
   uint64_t staged = uint64_t(op.hdr.slot) * ip.slot_bytes;
+  const RegionState* last = nullptr;  // pieces of one region share its allocation's CudaRef: looked up once
+  uint32_t k = 0;
   for (uint32_t i = 0; i < n; ++i) {
     const core::Piece& pc = op.pieces[i];
     BatchEntry e{};
     e.frag = op.frags[i];
     if (gpu) {
-      CudaRef r;
-      if (!gpu_place(pc.region, pc.data, pc.length, &r, &e.addr)) {
-        refuse(p, lane, op, Code::kUnavailable);
-        return Sent::kRefused;
+      if (pc.region != last || !within(refs[k], pc.data, pc.length, &e.addr)) {
+        CudaRef r;
+        if (!gpu_place(pc.region, pc.data, pc.length, &r, &e.addr)) {
+          refuse(p, lane, op, Code::kUnavailable);
+          return Sent::kRefused;
+        }
+        k = 0;
+        while (k < nrefs && (refs[k].base != r.base || refs[k].size != r.size)) ++k;  // VMM spans may share a base
+        if (k == nrefs) refs[nrefs++] = r;
+        last = pc.region;
       }
-      uint32_t k = 0;
-      while (k < nrefs && refs[k].base != r.base) ++k;
-      if (k == nrefs) refs[nrefs++] = r;
       e.ref = k;
     } else if (ip.out_cma) {
       e.addr = reinterpret_cast<uint64_t>(pc.data);
@@ -717,6 +726,10 @@ bool finish_listener_setup(Lane& l, int host_mode) {
 // The lane's next message. Within `busy_us` of the last one it polls without sleeping: a request or an
 // answer usually follows soon, and a sleeping thread takes longer to wake than an NVLink copy of a
 // few MiB takes (docs/ARCHITECTURE.md, "Waking up").
+//
+// Polling lanes do not send queued chunks themselves: tried (session 5), it made lone and
+// many-in-flight transfers slower — packing a batch holds the peer's mutex, and lanes that met it
+// slept on it (docs/PERFORMANCE.md, "Session 5").
 ssize_t next_msg(Lane& l, uint32_t busy_us, std::chrono::steady_clock::time_point* last) {
   using Clock = std::chrono::steady_clock;
   if (busy_us > 0) {
