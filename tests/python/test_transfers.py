@@ -765,8 +765,8 @@ def test_stats_count_bytes_exactly(endpoints, transport):
     a, b = endpoints(chunk_bytes=1 * MiB, transport=transport, ipc_host="cma"), endpoints()
     peer = a.connect(b.metadata(), timeout=5)
     assert peer.transport == transport
-    # chunks b served over ipc: writes by cross-memory attach, reads through a's bounce segment
-    cma, shm = (4, 1) if transport == "ipc" else (0, 0)
+    # chunks b served over ipc, all by cross-memory attach: writes b read, the read a read out of b
+    cma, shm = (5, 0) if transport == "ipc" else (0, 0)
     n = 3 * MiB + 5
     src, dst = rand_bytes(8, n), poisoned(n)
     rs, rd = a.register(src), b.register(dst)

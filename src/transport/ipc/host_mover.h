@@ -1,9 +1,11 @@
 // Movers: how a chunk's bytes cross between the two processes of an ipc peer. The initiator says
 // where its local bytes are (Where + addr in every request frame); the target validates the
 // request against its own registry first, then moves the bytes with the mover for that place.
-// Host memory has two: cross-memory attach (the target reads/writes the initiator's address space
-// with process_vm_readv/writev) and a shared-memory bounce segment (the initiator stages through
-// it). GPU memory is moved by CUDA (cuda_mover.h, Where::kCuda).
+// Host memory has two: cross-memory attach (process_vm_readv: the target reads the initiator's
+// writes and sends, the initiator reads what it asked to read out of the target's region) and a
+// shared-memory bounce segment (the initiator stages through it). Where attach is refused in one
+// direction, that direction's bytes go through the segment. GPU memory is moved by CUDA
+// (cuda_mover.h, Where::kCuda).
 #pragma once
 #include <sys/types.h>
 
@@ -13,7 +15,7 @@ namespace tether::transport::ipc {
 
 enum class Where : uint8_t {
   kNone = 0,  // answers
-  kCma = 1,   // addr: a virtual address in the initiator
+  kCma = 1,   // addr: a virtual address in the initiator (a read's answer: in the target; its request: 0)
   kShm = 2,   // addr: a byte offset in the initiator's bounce segment
   kCuda = 3,  // addr: a byte offset in the GPU allocation the frame's CudaRef names (cuda_mover.h)
 };
@@ -21,8 +23,8 @@ enum class Where : uint8_t {
 class Mover {
  public:
   virtual ~Mover() = default;
-  // Target side. `remote` is the initiator's addr for this mover. 0 on success, else an errno.
-  virtual int pull(uint64_t remote, uint8_t* dst, uint64_t len) = 0;        // initiator -> dst
+  // `remote` is the other process's addr for this mover. 0 on success, else an errno.
+  virtual int pull(uint64_t remote, uint8_t* dst, uint64_t len) = 0;        // the other process -> dst
   // src -> initiator. Only into the initiator's bounce segment for now: a push into its own memory
   // could land after it gave up on the chunk and reused that memory (see ARCHITECTURE.md).
   virtual int push(const uint8_t* src, uint64_t remote, uint64_t len) = 0;

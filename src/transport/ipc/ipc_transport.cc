@@ -35,7 +35,8 @@ using wire::FrameType;
 namespace ipc {
 
 constexpr uint32_t kHelloMagic = 0x43504954;  // "TIPC"
-constexpr uint16_t kIpcVersion = 3;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM
+constexpr uint16_t kIpcVersion = 4;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
+                                     // 4: host reads copied by the initiator (kReadReq with kCma)
 constexpr int kSocketBuffer = 1 << 20;        // frames in flight per lane are bounded by the window
 constexpr int64_t kParkedExpiryMs = 10000;    // lanes nobody claimed (their connect failed)
 
@@ -276,9 +277,10 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   if (op.fragments > 0) return send_batch(ip, p, lane, op);
   Frame f{};
   f.hdr = op.hdr;
-  // Reads always land in our segment (host regions) or are copied by us out of the target's GPU
-  // allocation (GPU regions): no process ever writes into another's memory, so a peer we gave up on
-  // (its answer never came) cannot scribble over memory we have handed back.
+  // Reads are copied by us — out of the target's memory by attach where we may attach to it, out of
+  // its GPU allocation, or out of our segment where it pushed them: no process ever writes into
+  // another's memory, so a peer we gave up on (its answer never came) cannot scribble over memory we
+  // have handed back.
   const bool read = op.hdr.type == uint8_t(FrameType::kReadReq);
   if (op.device >= 0 && !read) {  // our GPU bytes: the target opens our allocation and copies
     if (!gpu_place(op.segment ? op.segment->local_region : nullptr, op.payload, op.length, &f.cuda, &f.addr)) {
@@ -289,6 +291,8 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   } else if (ip.out_cma && !read) {
     f.where = uint8_t(Where::kCma);
     f.addr = reinterpret_cast<uint64_t>(op.local);
+  } else if (read && op.device < 0 && ip.cma) {  // "say where your bytes are: we read them ourselves"
+    f.where = uint8_t(Where::kCma);
   } else {
     f.where = uint8_t(Where::kShm);
     f.addr = uint64_t(op.hdr.slot) * ip.slot_bytes;
@@ -443,6 +447,14 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
     stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
     return answer_frame(l, h, Code::kOk, uint8_t(Where::kCuda), at, &ref);
   }
+  if (c == Code::kOk && type == FrameType::kReadReq && f.where == uint8_t(Where::kCma)) {
+    // Our host bytes, read by the initiator itself (one copy, by attach): pinned, as above, until it
+    // says it is done.
+    l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+    count_served(ep, true, h.length);
+    stats.ipc_cma_chunks.fetch_add(1, std::memory_order_relaxed);
+    return answer_frame(l, h, Code::kOk, uint8_t(Where::kCma), reinterpret_cast<uint64_t>(local));
+  }
   Moved m;
   if (c == Code::kOk && h.length > 0 && local) {
     if (type == FrameType::kReadReq) {  // our host bytes into the initiator's segment
@@ -595,9 +607,15 @@ bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
       return false;
     }
     const uint64_t dst = reinterpret_cast<uint64_t>(dest);
-    if (f.where == uint8_t(Where::kCuda)) {  // the target's GPU region: we copy it out, then release it
-      auto map = ip.imports->get(f.cuda, device);
-      if (!map.is_ok()) {
+    if (f.where == uint8_t(Where::kCuda) || f.where == uint8_t(Where::kCma)) {
+      // The target's region, pinned for us: we copy it out, then release it.
+      if (f.where == uint8_t(Where::kCma)) {  // its host bytes, by attach (we asked so only for host memory)
+        if (device >= 0 || !ip.cma) {
+          fail_peer(p, Code::kProtocolError, "a read answered by address that was not asked so");
+          return false;
+        }
+        if (int e = ip.cma->pull(f.addr, dest, h.length)) return lane_error(p, e);
+      } else if (auto map = ip.imports->get(f.cuda, device); !map.is_ok()) {
         status = uint8_t(Code::kUnavailable);
       } else {
         const Mapping& mp = *map.value();
