@@ -144,8 +144,11 @@ def test_slow_link_carries_proportionally_less(bed, children):
     fast = min(sent[f"a{i}"] for i in range(3))
     # by rate the slow link should carry 1/4 of a fast one; a static split would give it as much
     assert sent["a3"] < 0.6 * fast, sent
+    # A slow link must not set the pace: a static split would finish at its pace, 4 x 100 Mbit/s =
+    # 0.4 Gbit/s. The bound sits between that and the links' 1.3 Gbit/s, well below what a loaded CI
+    # box reaches (0.72 the slowest seen); the rate itself is a benchmark's business.
     gbit = n * 8 / elapsed / 1e9
-    assert gbit > 0.6 * 1.3, f"{gbit:.2f} Gbit/s over 1.3 Gbit/s of links"  # a slow link must not set the pace
+    assert gbit > 0.55, f"{gbit:.2f} Gbit/s over 1.3 Gbit/s of links: paced by the slow link?"
 
 
 @pytest.mark.budget(120)
