@@ -59,6 +59,7 @@ t fabric_staged 120 $PT tests/python/test_fabric_staged.py
 t ipc_gpu_tuned 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
 t ipc_gpu_check 80 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --check
 t scatter_probe 150 python3 bench/gpu/scatter_probe.py
+t post_blocks_gpu 90 python3 bench/tools/post_blocks.py --transports ipc --gpus --channels 16 --window 64 --iters 50
 t ipc_rw 60 tether bench --transport ipc --mode write,read --sizes 1M,16M,256M --async-api --depth 2 --check --quiet \
   --device gpu --local-gpu-idx 0 --remote-gpu-idx 1
 t ipc_rw_host 60 tether bench --transport ipc --mode write,read --sizes 1M,16M,256M --check --quiet --device cpu
