@@ -107,6 +107,12 @@ Loaded& loaded() {
   return l;
 }
 
+// The VMM mapping (cuMemMap) GPU address `p` lies in: false where it has none.
+bool mapping_at(const CudaApi* a, CUdeviceptr p, uint64_t* base, uint64_t* len) {
+  return a->cuPointerGetAttribute(base, kPointerAttrMappingBase, p) == kCudaSuccess &&
+         a->cuPointerGetAttribute(len, kPointerAttrMappingSize, p) == kCudaSuccess;
+}
+
 }  // namespace
 
 const CudaApi* cuda(std::string* why) {
@@ -165,12 +171,8 @@ Result<PointerInfo> pointer_info(const void* ptr) {
   size_t size = 0;
   if (Status s = use_device(info.device); !s.is_ok()) return s;
   if (CUresult r = a->cuMemGetAddressRange(&info.alloc_base, &size, p); r != kCudaSuccess) {
-    // VMM memory: the mapping the pointer lies in.
-    uint64_t base = 0, len = 0;
-    if (a->cuPointerGetAttribute(&base, kPointerAttrMappingBase, p) != kCudaSuccess ||
-        a->cuPointerGetAttribute(&len, kPointerAttrMappingSize, p) != kCudaSuccess)
-      return Status(Code::kInternal, cuda_error("cuMemGetAddressRange", r));
-    info.alloc_base = base;
+    uint64_t len = 0;  // VMM memory: the mapping the pointer lies in
+    if (!mapping_at(a, p, &info.alloc_base, &len)) return Status(Code::kInternal, cuda_error("cuMemGetAddressRange", r));
     size = len;
   }
   info.alloc_size = size;
@@ -182,9 +184,7 @@ bool mapped_through(uint64_t at, uint64_t size) {
   if (!a) return false;
   for (uint64_t p = at; p < at + size;) {
     uint64_t base = 0, len = 0;
-    if (a->cuPointerGetAttribute(&base, kPointerAttrMappingBase, p) != kCudaSuccess ||
-        a->cuPointerGetAttribute(&len, kPointerAttrMappingSize, p) != kCudaSuccess || base > p || base + len <= p)
-      return false;
+    if (!mapping_at(a, p, &base, &len) || base > p || base + len <= p) return false;
     p = base + len;
   }
   return true;

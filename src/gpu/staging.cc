@@ -106,8 +106,8 @@ Status StagingRing::ready(StagingSlot& s, int device) {
   const CudaApi* a = cuda();
   auto& d = s.per_device[size_t(device)];
   if (!d.stream) {
-    if (Status st = cuda_check("cuStreamCreate", a->cuStreamCreate(&d.stream, kStreamNonBlocking)); !st.is_ok()) return st;
-    if (Status st = cuda_check("cuEventCreate", a->cuEventCreate(&d.event, kEventDisableTiming)); !st.is_ok()) return st;
+    TETHER_CUDA_TRY("cuStreamCreate", a->cuStreamCreate(&d.stream, kStreamNonBlocking));
+    TETHER_CUDA_TRY("cuEventCreate", a->cuEventCreate(&d.event, kEventDisableTiming));
   }
   return Status::ok();
 }
@@ -133,7 +133,7 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
   } else if (mode == Unpack::kKernel && n > 1) {
     if (Status st = copy_kernel(device); !st.is_ok()) return st;
     if (!d.scratch)
-      if (Status st = cuda_check("cuMemAlloc", a->cuMemAlloc(&d.scratch, capacity_)); !st.is_ok()) return st;
+      TETHER_CUDA_TRY("cuMemAlloc", a->cuMemAlloc(&d.scratch, capacity_));
     uint64_t* table = s.table.get();
     uint64_t begin = UINT64_MAX, extent = 0;  // only [begin, extent) of the slot moves
     for (uint32_t i = 0; i < n; ++i) {
@@ -163,7 +163,7 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
       const CUdeviceptr src = to_slot ? ptr(frags[i]) : host_at(frags[i]);
       const CUresult r = mode == Unpack::kHost ? a->cuMemcpy(dst, src, frags[i].length)
                                                : a->cuMemcpyAsync(dst, src, frags[i].length, d.stream);
-      if (Status st = cuda_check(mode == Unpack::kHost ? "cuMemcpy" : "cuMemcpyAsync", r); !st.is_ok()) return st;
+      TETHER_CUDA_TRY(mode == Unpack::kHost ? "cuMemcpy" : "cuMemcpyAsync", r);
     }
   }
   return cuda_check("cuEventRecord", a->cuEventRecord(d.event, d.stream));

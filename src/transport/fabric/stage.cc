@@ -27,10 +27,10 @@ Status Copier::start(uint32_t id, void* dst, const void* src, uint64_t n, int de
     return Status(Code::kInvalidArgument, "GPU " + std::to_string(device) + " does not exist");
   gpu::CUstream& stream = streams_[size_t(device)];
   if (!stream)
-    if (Status s = gpu::cuda_check("cuStreamCreate", a->cuStreamCreate(&stream, gpu::kStreamNonBlocking)); !s.is_ok()) return s;
+    TETHER_CUDA_TRY("cuStreamCreate", a->cuStreamCreate(&stream, gpu::kStreamNonBlocking));
   gpu::CUevent& ev = events_[size_t(device) * ids_ + id];
   if (!ev)
-    if (Status s = gpu::cuda_check("cuEventCreate", a->cuEventCreate(&ev, gpu::kEventDisableTiming)); !s.is_ok()) return s;
+    TETHER_CUDA_TRY("cuEventCreate", a->cuEventCreate(&ev, gpu::kEventDisableTiming));
   device_[id] = device;  // from here done() asks the event (an event never recorded counts as done)
   if (Status s = gpu::cuda_check("cuMemcpyAsync", a->cuMemcpyAsync(reinterpret_cast<gpu::CUdeviceptr>(dst),
                                                          reinterpret_cast<gpu::CUdeviceptr>(src), n, stream));

@@ -85,17 +85,14 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
   // open it, and CUDA refuses a second open of a handle in one context (CUDA_ERROR_ALREADY_MAPPED).
   // Opens happen once per allocation and peer; every later chunk finds the cache.
   std::lock_guard lock(mu_);
-  auto same = [&](const Mapping& m) {
-    return m.size == ref.size && (m.vmm != nullptr) == (ref.kind == kVmm) && std::memcmp(m.handle, ref.handle, sizeof ref.handle) == 0;
-  };
   {
     auto it = by_base_.find(key(ref));
-    if (it != by_base_.end() && same(*it->second)) return it->second;
+    if (it != by_base_.end() && names(*it->second, ref)) return it->second;
     auto f = forgotten_.find(key(ref));
     if (f != forgotten_.end()) {
       std::shared_ptr<Mapping> alive = f->second.lock();
       forgotten_.erase(f);
-      if (alive && same(*alive)) return by_base_[key(ref)] = alive;
+      if (alive && names(*alive, ref)) return by_base_[key(ref)] = alive;
     }
   }
   std::string why;
@@ -139,7 +136,7 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
     // The size the driver mapped, not the one we were told: bounds checks use this.
     CUdeviceptr base = 0;
     size_t size = 0;
-    if (Status s = gpu::cuda_check("cuMemGetAddressRange", a->cuMemGetAddressRange(&base, &size, m->ptr)); !s.is_ok()) return s;
+    TETHER_CUDA_TRY("cuMemGetAddressRange", a->cuMemGetAddressRange(&base, &size, m->ptr));
     m->size = std::min<uint64_t>(size - (m->ptr - base), ref.size);
     if (m->size != ref.size) return Status(Code::kProtocolError, "a peer's GPU allocation is smaller than it says");
   }
@@ -147,12 +144,15 @@ Result<std::shared_ptr<Mapping>> CudaImports::get(const CudaRef& ref, int prefer
   return m;
 }
 
+bool CudaImports::names(const Mapping& m, const CudaRef& ref) {
+  return m.size == ref.size && (m.vmm != nullptr) == (ref.kind == kVmm) && std::memcmp(m.handle, ref.handle, sizeof ref.handle) == 0;
+}
+
 void CudaImports::forget(const CudaRef& ref) {
   std::shared_ptr<Mapping> last;  // closed outside the lock, when no copy uses it any more
   std::lock_guard lock(mu_);
   auto it = by_base_.find(key(ref));
-  if (it == by_base_.end() || it->second->size != ref.size || std::memcmp(it->second->handle, ref.handle, sizeof ref.handle) != 0)
-    return;
+  if (it == by_base_.end() || !names(*it->second, ref)) return;
   last = std::move(it->second);
   by_base_.erase(it);
   for (auto f = forgotten_.begin(); f != forgotten_.end();) f = f->second.expired() ? forgotten_.erase(f) : std::next(f);
@@ -181,15 +181,15 @@ Result<CudaLane::Dev*> CudaLane::ready(int device) {
   if (devs_.empty()) devs_.resize(size_t(gpu::device_count()));
   Dev& d = devs_[size_t(device)];
   if (!d.stream) {  // first use of this GPU on this lane
-    if (Status s = gpu::cuda_check("cuStreamCreate", a->cuStreamCreate(&d.stream, gpu::kStreamNonBlocking)); !s.is_ok()) return s;
-    if (Status s = gpu::cuda_check("cuEventCreate", a->cuEventCreate(&d.event, gpu::kEventDisableTiming)); !s.is_ok()) return s;
+    TETHER_CUDA_TRY("cuStreamCreate", a->cuStreamCreate(&d.stream, gpu::kStreamNonBlocking));
+    TETHER_CUDA_TRY("cuEventCreate", a->cuEventCreate(&d.event, gpu::kEventDisableTiming));
   }
   return &d;
 }
 
 Status CudaLane::finish(Dev& d, const char* what) {
   const CudaApi* a = gpu::cuda();
-  if (Status s = gpu::cuda_check("cuEventRecord", a->cuEventRecord(d.event, d.stream)); !s.is_ok()) return s;
+  TETHER_CUDA_TRY("cuEventRecord", a->cuEventRecord(d.event, d.stream));
   const gpu::CUresult r = a->cuEventSynchronize(d.event);
   return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, std::string(what) + ": " + cuda_error("cuEventSynchronize", r));
 }
@@ -198,7 +198,7 @@ Status CudaLane::copy(int device, CUdeviceptr dst, CUdeviceptr src, uint64_t len
   auto d = ready(device);
   if (!d.is_ok()) return d.status();
   if (len == 0) return Status::ok();
-  if (Status s = gpu::cuda_check("cuMemcpyAsync", gpu::cuda()->cuMemcpyAsync(dst, src, len, d.value()->stream)); !s.is_ok()) return s;
+  TETHER_CUDA_TRY("cuMemcpyAsync", gpu::cuda()->cuMemcpyAsync(dst, src, len, d.value()->stream));
   return finish(*d.value(), "ipc copy");
 }
 
@@ -230,7 +230,7 @@ Result<uint8_t*> CudaLane::bounce(uint64_t bytes) {
   bounce_ = nullptr;
   bounce_size_ = 0;
   void* p = nullptr;
-  if (Status s = gpu::cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, gpu::kHostAllocPortable)); !s.is_ok()) return s;
+  TETHER_CUDA_TRY("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, gpu::kHostAllocPortable));
   bounce_ = static_cast<uint8_t*>(p);
   bounce_size_ = bytes;
   return bounce_;

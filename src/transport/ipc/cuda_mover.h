@@ -82,6 +82,8 @@ class CudaImports {
   // and, for VMM memory, also by size: regions that start in the same piece are different spans.
   using Key = std::pair<uint64_t, uint64_t>;
   static Key key(const CudaRef& ref) { return {ref.base, ref.kind == kVmm ? ref.size : 0}; }
+  // Whether `m` is the mapping of what `ref` names (same size, kind and handle): else it was freed there.
+  static bool names(const Mapping& m, const CudaRef& ref);
   std::map<Key, std::shared_ptr<Mapping>> by_base_;
   // Forgotten mappings a copy may still hold: CUDA refuses to open a handle twice in one context, so
   // a chunk for the same allocation arriving meanwhile takes the live mapping back instead.

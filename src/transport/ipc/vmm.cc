@@ -22,13 +22,12 @@ namespace tether::transport::ipc {
 using gpu::CudaApi;
 using gpu::CUdeviceptr;
 using gpu::CUmemGenericAllocationHandle;
-using gpu::cuda_check;
 
 namespace {
 
 Result<uint64_t> attribute(const CudaApi* a, int attr, uint64_t ptr) {
   uint64_t v = 0;  // every attribute read here is 64 bits, or 32 (handle types): zero-extended
-  if (Status s = cuda_check("cuPointerGetAttribute", a->cuPointerGetAttribute(&v, attr, ptr)); !s.is_ok()) return s;
+  TETHER_CUDA_TRY("cuPointerGetAttribute", a->cuPointerGetAttribute(&v, attr, ptr));
   return v;
 }
 
@@ -83,13 +82,11 @@ Result<std::shared_ptr<VmmExport>> export_vmm(uint64_t base, uint64_t size) {
       return Status(Code::kUnavailable, "VMM memory not created shareable as a POSIX fd (requestedHandleTypes)");
     if (e->pieces.size() >= kMaxVmmPieces) return Status(Code::kUnavailable, "VMM region of too many pieces");
     CUmemGenericAllocationHandle h = 0;
-    if (Status s = cuda_check("cuMemRetainAllocationHandle", a->cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(at)));
-        !s.is_ok())
-      return s;
+    TETHER_CUDA_TRY("cuMemRetainAllocationHandle", a->cuMemRetainAllocationHandle(&h, reinterpret_cast<void*>(at)));
     int fd = -1;
     const gpu::CUresult r = a->cuMemExportToShareableHandle(&fd, h, gpu::kMemHandlePosixFd, 0);
     a->cuMemRelease(h);  // the retain's reference; the mapping keeps the allocation
-    if (Status s = cuda_check("cuMemExportToShareableHandle", r); !s.is_ok()) return s;
+    TETHER_CUDA_TRY("cuMemExportToShareableHandle", r);
     e->pieces.push_back(VmmPiece{at - e->base, msize.value(), fd, 0, block.value()});
     e->identity = e->identity * 0x100000001b3ull ^ block.value();
     at += msize.value();
@@ -125,22 +122,20 @@ Result<std::unique_ptr<VmmImport>> import_vmm(pid_t pid, uint64_t table, uint32_
   if (end != size) return Status(Code::kProtocolError, "a malformed VMM piece table");
   Fd pidfd{int(::syscall(SYS_pidfd_open, pid, 0))};
   if (pidfd.fd < 0) return errno_status("pidfd_open");
-  if (Status s = cuda_check("cuMemAddressReserve", a->cuMemAddressReserve(&m->ptr, size, 0, 0, 0)); !s.is_ok()) return s;
+  TETHER_CUDA_TRY("cuMemAddressReserve", a->cuMemAddressReserve(&m->ptr, size, 0, 0, 0));
   m->size = size;
   gpu::CUmemAccessDesc access{{gpu::kMemLocationDevice, device}, gpu::kMemAccessReadWrite};
   for (const VmmPiece& p : pieces) {  // on any failure `m` unmaps what was mapped and frees the range
     Fd fd{int(::syscall(SYS_pidfd_getfd, pidfd.fd, p.fd, 0))};
     if (fd.fd < 0) return errno_status("pidfd_getfd (the peer's VMM allocation)");
     CUmemGenericAllocationHandle h = 0;
-    if (Status s = cuda_check("cuMemImportFromShareableHandle",
-                              a->cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(intptr_t(fd.fd)), gpu::kMemHandlePosixFd));
-        !s.is_ok())
-      return s;
+    TETHER_CUDA_TRY("cuMemImportFromShareableHandle",
+                    a->cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(intptr_t(fd.fd)), gpu::kMemHandlePosixFd));
     const gpu::CUresult r = a->cuMemMap(m->ptr + p.offset, p.size, 0, h, 0);
     a->cuMemRelease(h);  // the mapping holds the allocation from here on
-    if (Status s = cuda_check("cuMemMap", r); !s.is_ok()) return s;
+    TETHER_CUDA_TRY("cuMemMap", r);
     ++m->mapped;
-    if (Status s = cuda_check("cuMemSetAccess", a->cuMemSetAccess(m->ptr + p.offset, p.size, &access, 1)); !s.is_ok()) return s;
+    TETHER_CUDA_TRY("cuMemSetAccess", a->cuMemSetAccess(m->ptr + p.offset, p.size, &access, 1));
   }
   return m;
 }
