@@ -93,7 +93,9 @@ class Region:
     device = property(lambda self: self._r.device, doc="GPU index, or -1 for host memory")
 
     def descriptor(self, offset: int = 0, length: Optional[int] = None) -> bytes:
-        """Bytes (a RemoteRegion) granting access to [offset, offset+length) and nothing else."""
+        """Bytes (binary; a RemoteRegion) granting access to [offset, offset+length) and nothing else
+        (default: the whole region). Send them to the peer that will access it; over a text channel
+        use `.hex()` / `bytes.fromhex()` (or base64)."""
         return self._r.descriptor(offset, length)
 
     def __repr__(self) -> str:
@@ -242,24 +244,32 @@ class Peer:
 
 
 def _as_gpu_bytes(obj: Any) -> Tuple[int, int, bool]:
-    """(pointer, nbytes, readonly) of a C-contiguous GPU array (__cuda_array_interface__: torch, cupy, numba)."""
+    """(pointer, nbytes, readonly) of a contiguous (C or Fortran order) GPU array
+    (__cuda_array_interface__: torch, cupy, numba)."""
     cai = obj.__cuda_array_interface__
     ptr, ro = cai["data"]
     shape = tuple(int(n) for n in cai["shape"])
     itemsize = np.dtype(cai["typestr"]).itemsize
     strides = cai.get("strides")
-    if strides is not None:
-        expect, step = [], itemsize
-        for n in reversed(shape):
-            expect.append(step)
-            step *= n
-        if tuple(strides) != tuple(reversed(expect)) and int(np.prod(shape)) > 1:
-            raise _tether.InvalidArgument("cannot register a non-contiguous GPU array")
+    if strides is not None and int(np.prod(shape)) > 1:
+        # C or Fortran order: either way one block of memory (dimensions of length 1 have any stride)
+        def dense(dims):
+            step = itemsize
+            for n, st in dims:
+                if n > 1 and st != step:
+                    return False
+                step *= n
+            return True
+        dims = list(zip(shape, strides))
+        if not (dense(reversed(dims)) or dense(dims)):
+            raise _tether.InvalidArgument(
+                f"cannot register a non-contiguous GPU array (shape {shape}, strides {tuple(strides)}): "
+                "register a contiguous copy, e.g. t.contiguous() (torch) or cupy.ascontiguousarray(a)")
     return int(ptr or 0), int(np.prod(shape, dtype=np.int64)) * itemsize, bool(ro)
 
 
 def _as_host_bytes(obj: Any) -> Tuple[int, int, bool]:
-    """(pointer, nbytes, readonly) of a C-contiguous host buffer (buffer protocol or DLPack)."""
+    """(pointer, nbytes, readonly) of a contiguous (C or Fortran order) host buffer (buffer protocol or DLPack)."""
     try:
         arr = np.asarray(memoryview(obj))
     except TypeError:
@@ -271,8 +281,10 @@ def _as_host_bytes(obj: Any) -> Tuple[int, int, bool]:
                 f"cannot register {type(obj).__name__} on DLPack device {obj.__dlpack_device__()}: GPU objects "
                 "need __cuda_array_interface__ (torch, cupy), or pass (pointer, nbytes) with device=")
         arr = np.from_dlpack(obj)
-    if not arr.flags.c_contiguous:
-        raise _tether.InvalidArgument("cannot register a non-contiguous buffer")
+    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):  # Fortran order is one block too
+        raise _tether.InvalidArgument(
+            f"cannot register a non-contiguous buffer (shape {arr.shape}, strides {arr.strides}): "
+            "register a contiguous copy, e.g. np.ascontiguousarray(a)")
     return arr.ctypes.data, arr.nbytes, not arr.flags.writeable
 
 
@@ -286,6 +298,10 @@ class Endpoint:
     """
 
     def __init__(self, host: Optional[str] = None, port: Optional[int] = None, **options: Any):
+        """Starts listening at once: on `host` (default "127.0.0.1"; "0.0.0.0" for every NIC) and
+        `port` (default 0: an ephemeral port; `address` says which). `options` are the keywords listed
+        in the class docstring (README "Options"); each defaults to its TETHER_* environment variable,
+        else to the measured default. An unknown option raises TypeError."""
         cfg = _tether.Config.from_env()
         options.update({k: v for k, v in (("host", host), ("port", port)) if v is not None})
         for key, value in options.items():
@@ -313,7 +329,8 @@ class Endpoint:
         return self._ep.name
 
     def metadata(self) -> bytes:
-        """Bytes another endpoint passes to connect()."""
+        """Bytes (binary, not text) another endpoint passes to connect(). Over a text channel send
+        `metadata().hex()` and pass `bytes.fromhex(text)` (or base64). "host:port" also connects."""
         return self._ep.metadata()
 
     def connect(self, target: Union[bytes, str], timeout: Optional[float] = None) -> Peer:
@@ -358,6 +375,8 @@ class Endpoint:
         return [Notification(*n) for n in self._ep.notifications(float(timeout))]
 
     def peers(self) -> list[Peer]:
+        """Every connected peer: those this endpoint connected to and those that connected to it.
+        A target sees a peer only once the other side's connect() has returned (empty before)."""
         return [Peer(p) for p in self._ep.peers()]
 
     def stats(self) -> dict:

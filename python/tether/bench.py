@@ -9,9 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import platform
 import resource
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
@@ -21,6 +23,11 @@ import numpy as np
 import tether
 
 POISON = 0xA5
+_FAILED = "__error"  # key of the message a server sends instead of an answer when a command failed
+
+
+class BenchError(Exception):
+    """The bench's own failure: a server that failed or died. The CLI prints it as one line."""
 
 
 class Mem:
@@ -87,9 +94,13 @@ def parse_size(text: str) -> int:
         if t.endswith(suffix):
             t, mult = t[:-1], m
             break
-    value = float(t) * mult
+    try:
+        value = float(t) * mult
+    except ValueError:
+        value = -1.0
     if value <= 0 or value != int(value):
-        raise ValueError(f"bad size {text!r}")
+        raise ValueError(f"bad size {text!r}: a whole number of bytes, optionally with a binary suffix "
+                         f"K, M or G (1K = 1024 B; KiB, MiB, GiB mean the same)")
     return int(value)
 
 
@@ -98,6 +109,77 @@ def human(n: int) -> str:
         if n >= m and n % m == 0:
             return f"{n // m} {unit}"
     return f"{n} B"
+
+
+def human_approx(n: float) -> str:
+    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m:
+            return f"{n / m:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ---------------------------------------------------------------- memory, before a run starts
+
+def _read_int(path: str) -> "Optional[int]":
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return int(text)
+    except (OSError, ValueError):  # missing, or "max"
+        return None
+
+
+def host_memory_available() -> "Optional[int]":
+    """Bytes this host can still give: MemAvailable, or less where a cgroup limit says so (a container's
+    /proc/meminfo shows the whole machine)."""
+    avail = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        lim, used = _read_int(limit), _read_int(usage)
+        if lim is not None and used is not None and lim < 1 << 60:
+            avail.append(max(0, lim - used))
+    return min(avail) if avail else None
+
+
+def _vm_size() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def memory_shortfall(capacity: int, host_buffers: int, per_process: int, gpu_buffers: "dict[int, int]",
+                     what: str) -> "Optional[str]":
+    """Why buffers of `capacity` bytes (the largest case, `what`) cannot fit, or None: `host_buffers`
+    in this host's memory, at most `per_process` of them in one process, `gpu_buffers[g]` on GPU g.
+    Checked before a run, so no helper process dies allocating half-way through it."""
+    case = f"the largest case ({what}) needs {human(capacity)} per buffer"
+    if host_buffers:
+        need, avail = host_buffers * capacity, host_memory_available()
+        if avail is not None and need > 0.9 * avail:  # leave the rest to Python, tether and the OS
+            return (f"{case}, {human_approx(need)} for its {host_buffers} buffers (source and target); "
+                    f"{human_approx(avail)} of host memory available here")
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY and per_process * capacity + _vm_size() > soft:
+            return (f"{case}, {human_approx(per_process * capacity)} in one process: more than its "
+                    f"address-space limit (ulimit -v, {human_approx(soft)}) allows")
+    for g, n in sorted(gpu_buffers.items()):
+        import torch
+        free = torch.cuda.mem_get_info(g)[0]
+        if n * capacity > 0.95 * free:
+            return f"{case}, {human_approx(n * capacity)} on GPU {g} for its {n} buffers; {human_approx(free)} free there"
+    return None
 
 
 def digest(buf: np.ndarray) -> bytes:
@@ -158,17 +240,54 @@ def _decode(data: bytes):
     return dec(json.loads(data))
 
 
+def _answer(msg):
+    """A server's answer, or BenchError with the server's own error where its command failed."""
+    if isinstance(msg, dict) and _FAILED in msg:
+        raise BenchError(f"the bench server failed: {msg[_FAILED]}")
+    return msg
+
+
+def exit_text(code: "Optional[int]") -> str:
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        return f"killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    return f"exit code {code}"
+
+
 class PipeChannel:
-    def __init__(self, conn):
-        self.conn = conn
+    """Commands over a pipe. Given the server's process, a receive ends as soon as that process
+    dies (with its error) instead of waiting out the timeout."""
+
+    def __init__(self, conn, process=None):
+        self.conn, self.process = conn, process
 
     def send(self, msg) -> None:
         self.conn.send(msg)
 
     def recv(self, timeout: float = 300):
-        if not self.conn.poll(timeout):
-            raise TimeoutError("bench peer did not answer")
-        return self.conn.recv()
+        waitables = [self.conn] + ([self.process.sentinel] if self.process is not None else [])
+        if not mp.connection.wait(waitables, timeout):
+            raise TimeoutError(f"the bench server did not answer in {timeout:.0f} s")
+        try:
+            if self.process is None or self.conn.poll():
+                return _answer(self.conn.recv())
+        except EOFError:
+            pass
+        raise BenchError(self.death())
+
+    def death(self) -> str:
+        """Why the server process is gone: its own error if it sent one, else how it ended."""
+        try:
+            while self.conn.poll():
+                _answer(self.conn.recv())
+        except BenchError as e:
+            return str(e)
+        except (EOFError, OSError):
+            pass
+        if self.process is None:
+            return "the bench server closed its pipe"
+        self.process.join(5)
+        return f"the bench server process died ({exit_text(self.process.exitcode)})"
 
 
 class NotifyChannel:
@@ -186,13 +305,15 @@ class NotifyChannel:
         while not self.inbox:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError("bench peer did not answer")
+                raise TimeoutError(f"the bench peer did not answer in {timeout:.0f} s")
+            if self.peer is not None and not self.peer.connected:  # gone: say so now, not at the timeout
+                raise BenchError(f"the bench peer went away ({self.peer.error or 'connection closed'})")
             for n in self.ep.notifications(timeout=min(left, 1.0)):
                 if self.peer is None:
                     self.peer = next(p for p in self.ep.peers() if p.id == n.peer_id)
                 if n.peer_id == self.peer.id:
                     self.inbox.append(_decode(n.data))
-        return self.inbox.pop(0)
+        return _answer(self.inbox.pop(0))
 
 
 # ---------------------------------------------------------------- server side
@@ -200,67 +321,80 @@ class NotifyChannel:
 def serve(ep: "tether.Endpoint", channel) -> bool:
     """Target side: answers one client's commands until 'exit' (returns False) or 'shutdown' (True).
     Every command is (name, slot, *args): a slot is one target buffer (full mesh drives several);
-    ('setup', slot, capacity) (re)allocates it and answers with its descriptor."""
+    ('setup', slot, capacity) (re)allocates it and answers with its descriptor. A command that fails
+    (out of memory, ...) is answered with its error and ends the session (returns False)."""
     slots: dict[int, tuple[Mem, "tether.Region"]] = {}
     rng = np.random.default_rng()
+    peer = getattr(channel, "peer", None)
 
     def setup(slot: int, n: int, device: Optional[int] = None):
         if slot in slots:
             ep.deregister(slots[slot][1])
+            del slots[slot]
         b = Mem(n, device)
         b.fill(POISON)
         slots[slot] = (b, ep.register(b.obj))
         return slots[slot][1].descriptor()
 
-    peer = getattr(channel, "peer", None)
-    while True:
-        cmd, slot, *args = channel.recv(timeout=24 * 3600)
-        if cmd in ("exit", "shutdown"):
-            return cmd == "shutdown"
-        if peer is None and cmd in ("recv", "recv_check"):  # only receives need the link itself
-            peer = getattr(channel, "peer", None) or ep.peers()[0]
+    def answer(cmd: str, slot: int, args: list):
+        nonlocal peer
         if cmd == "setup":
-            channel.send(setup(slot, *args))
-            continue
+            return setup(slot, *args)
         buf, region = slots[slot]
         if cmd == "cpu":
-            channel.send(cpu_seconds())
-        elif cmd == "poison":
+            return cpu_seconds()
+        if cmd == "poison":
             buf.fill(POISON, args[0])
-            channel.send(True)
-        elif cmd == "corrupt":  # fault injection, so tests can prove --check catches a bad byte
+            return True
+        if cmd == "corrupt":  # fault injection, so tests can prove --check catches a bad byte
             buf.flip(args[0])
-            channel.send(True)
-        elif cmd == "verify":  # [(offset, length), ...], expected digest of their concatenation
+            return True
+        if cmd == "verify":  # [(offset, length), ...], expected digest of their concatenation
             spans, expect = args
             h = hashlib.blake2b(digest_size=16)
             for off, n in spans:
                 h.update(memoryview(buf.get(off, n)))
-            channel.send(h.digest() == expect)
-        elif cmd == "fill":  # random source data for reads; returns the digest of the spans
+            return h.digest() == expect
+        if cmd == "fill":  # random source data for reads; returns the digest of the spans
             h = hashlib.blake2b(digest_size=16)
             for off, n in args[0]:
                 buf.randomize(off, n, rng)
                 h.update(memoryview(buf.get(off, n)))
-            channel.send(h.digest())
-        elif cmd == "recv":  # post `count` receives of `size` bytes, one after another
+            return h.digest()
+        if peer is None:  # only receives need the link itself
+            peer = getattr(channel, "peer", None) or ep.peers()[0]
+        if cmd == "recv":  # post `count` receives of `size` bytes, one after another
             size, count = args
             channel.send(True)
             for _ in range(count):
                 peer.recv(region, length=size).wait(300)
-            channel.send(True)
-        elif cmd == "recv_check":
+            return True
+        if cmd == "recv_check":
             size, expect = args
             buf.fill(POISON, size)
             channel.send(True)
             t = peer.recv(region, length=size).wait(300)
-            channel.send(t.bytes == size and digest(buf.get(0, size)) == expect)
-        else:
-            raise ValueError(f"unknown bench command {cmd!r}")
+            return t.bytes == size and digest(buf.get(0, size)) == expect
+        raise ValueError(f"unknown bench command {cmd!r}")
+
+    while True:
+        cmd, slot, *args = channel.recv(timeout=24 * 3600)
+        if cmd in ("exit", "shutdown"):
+            return cmd == "shutdown"
+        try:
+            reply = answer(cmd, slot, args)
+        except Exception as e:  # the client hears why, at once, instead of waiting for an answer
+            channel.send({_FAILED: f"{type(e).__name__}: {e}"})
+            return False
+        channel.send(reply)
 
 
 def _local_server(conn, options: dict) -> None:
-    ep = tether.Endpoint(**options)
+    try:
+        ep = tether.Endpoint(**options)
+    except Exception as e:
+        conn.send({_FAILED: f"{type(e).__name__}: {e}"})
+        return
     try:
         channel = PipeChannel(conn)
         conn.send(ep.metadata())
@@ -298,6 +432,10 @@ class Pair:
             pass
         self.ep.close()
 
+    def failure(self, exc: Exception) -> Exception:
+        """What to report when `exc` ended a run on this pair (LocalPair: a dead server's own error)."""
+        return exc
+
 
 class LocalPair(Pair):
     """Spawns the server as a second local process."""
@@ -307,13 +445,33 @@ class LocalPair(Pair):
         conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_local_server, args=(child, options), daemon=True)
         self.proc.start()
-        channel = PipeChannel(conn)
-        metadata = channel.recv(timeout=60)
-        ep = tether.Endpoint(**options)
-        t0 = time.perf_counter()
-        peer = ep.connect(metadata)
-        super().__init__(ep, peer, channel, capacity, (time.perf_counter() - t0) * 1e3,
-                         device=device, remote_device=remote_device)
+        child.close()  # the server holds the only other end: its death reads as EOF here
+        self.channel = channel = PipeChannel(conn, self.proc)
+        ep = None
+        try:
+            metadata = channel.recv(timeout=60)
+            ep = tether.Endpoint(**options)
+            t0 = time.perf_counter()
+            peer = ep.connect(metadata)
+            super().__init__(ep, peer, channel, capacity, (time.perf_counter() - t0) * 1e3,
+                             device=device, remote_device=remote_device)
+        except BaseException as e:  # no half-made pair: say why it failed, then end the server
+            report = self.failure(e) if isinstance(e, Exception) else e
+            if ep is not None:
+                ep.close()
+            self.proc.kill()
+            self.proc.join(10)
+            if report is e:
+                raise
+            raise report from None
+
+    def failure(self, exc: Exception) -> Exception:
+        if isinstance(exc, BenchError):
+            return exc
+        self.proc.join(2)  # a transfer fails as the server dies: give its exit a moment to show
+        if self.proc.is_alive():
+            return exc
+        return BenchError(f"{self.channel.death()}; here: {type(exc).__name__}: {exc}")
 
     def close(self, shutdown: bool = False) -> None:
         super().close(shutdown)

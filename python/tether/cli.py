@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
+import shutil
 import sys
 import time
+import traceback
 from typing import Optional
 
 import tether
@@ -14,39 +17,91 @@ import tether
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 
 
-def _csv(kind):
+DEFAULT_CHECK_ITERS = 5  # checked operations per case: enough to catch a misplaced block, bounded in time
+UNPACK = ("kernel", "d2d", "host")
+MODES = ("write", "read", "send")
+
+EPILOG = """\
+units: sizes take binary suffixes K, M, G (1K = 1024 bytes; KiB, MiB, GiB are the same);
+GB/s is 10^9 bytes per second (the JSON key gbps), bytes per op = size x num_iovs;
+p50/p99 are per-op latencies in microseconds (lat_p50_us, lat_p99_us).
+Knobs given as comma lists (--channels, --sockets-per-channel, --chunk-bytes, --window, --unpack)
+sweep: every combination runs. Expected failures print one line; --debug (or TETHER_DEBUG=1)
+prints the traceback too."""
+
+
+def _csv(kind, what: str = "value"):
+    """A comma-list argument; a bad item is one argparse error line naming it and what is accepted."""
     def parse(text: str):
-        return [kind(x) for x in text.split(",") if x.strip()]
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+def _choice(what: str, *allowed: str):
+    def parse(text: str) -> str:
+        t = text.strip()
+        if t not in allowed:
+            raise ValueError(f"unknown {what} {t!r} (choose from {', '.join(allowed)})")
+        return t
     return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     from tether.bench import parse_size
 
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="on failure, print the traceback too (also TETHER_DEBUG=1)")
     p = argparse.ArgumentParser(prog="tether", description="tether: point-to-point transfer engine")
     sub = p.add_subparsers(dest="command", required=True)
 
-    b = sub.add_parser("bench", help="measure transfers between two local processes")
-    b.add_argument("--transport", default="auto", choices=["auto", "tcp", "ipc", "fabric", "netplugin"])
-    b.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
-    b.add_argument("--local-gpu-idx", type=int, default=0)
-    b.add_argument("--remote-gpu-idx", type=int, default=0)
-    b.add_argument("--sizes", type=_csv(parse_size), default=None, help=f"comma list, K/M/G suffixes (default {DEFAULT_SIZES})")
-    b.add_argument("--num-iovs", type=_csv(int), default=[1], help="blocks per vectored op (comma list)")
-    b.add_argument("--iters", type=int, default=None, help="measured ops per case (default: by size)")
-    b.add_argument("--warmup", type=int, default=None, help="unmeasured ops first (default: 10%% of iters, at least 1)")
-    b.add_argument("--mode", type=_csv(str), default=["write"], help="write,read,send (comma list)")
+    b = sub.add_parser("bench", parents=[common], help="measure transfers between two local processes",
+                       description="Measure transfers between two local processes (or two hosts: --role). "
+                                   "Prints a table; --json keeps every figure.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--transport", default="auto", choices=["auto", "tcp", "ipc", "fabric", "netplugin"],
+                   help="the transport to measure (default auto: ipc between two processes of one host, "
+                        "tcp between hosts)")
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"],
+                   help="memory of the source and target buffers (default auto: host memory; gpu: "
+                        "--local-gpu-idx and --remote-gpu-idx, needs torch with CUDA)")
+    b.add_argument("--local-gpu-idx", metavar="GPU", type=int, default=0, help="--device gpu: the driving side's GPU (default 0)")
+    b.add_argument("--remote-gpu-idx", metavar="GPU", type=int, default=0, help="--device gpu: the target side's GPU (default 0)")
+    b.add_argument("--sizes", metavar="LIST", type=_csv(parse_size, "size"), default=None,
+                   help=f"bytes per block, comma list with binary suffixes K, M, G (default {DEFAULT_SIZES})")
+    b.add_argument("--num-iovs", metavar="LIST", type=_csv(int, "count"), default=[1],
+                   help="blocks per vectored op, comma list; crossed with --sizes (default 1)")
+    b.add_argument("--iters", metavar="N", type=int, default=None, help="measured ops per case (default: by size)")
+    b.add_argument("--warmup", metavar="N", type=int, default=None, help="unmeasured ops first (default: 10%% of iters, at least 1)")
+    b.add_argument("--mode", metavar="LIST", type=_csv(_choice("mode", *MODES), "mode"), default=["write"],
+                   help="operations to measure, comma list of write, read, send (default: write)")
     b.add_argument("--async-api", action="store_true", help="keep --depth ops in flight instead of one at a time")
-    b.add_argument("--depth", type=int, default=8, help="ops in flight with --async-api")
-    b.add_argument("--check", action="store_true", help="random source, poisoned destination, every byte verified")
-    b.add_argument("--json", metavar="PATH")
-    b.add_argument("--plot", metavar="PATH", help="PNG: GB/s against size, a line per configuration")
-    b.add_argument("--channels", type=_csv(int), default=None)
-    b.add_argument("--sockets-per-channel", type=_csv(int), default=None)
-    b.add_argument("--chunk-bytes", type=_csv(parse_size), default=None)
-    b.add_argument("--window", type=_csv(int), default=None)
-    b.add_argument("--unpack", choices=["kernel", "d2d", "host"], default=None)
-    b.add_argument("--nics", default=None, help="data NICs in order, e.g. eth1,eth2 (sets TETHER_NICS)")
+    b.add_argument("--depth", metavar="N", type=int, default=8, help="ops in flight with --async-api (default 8)")
+    b.add_argument("--check", action="store_true",
+                   help="verify: random source, poisoned destination, every byte compared, for the first "
+                        "--check-iters ops of each case (not timed)")
+    b.add_argument("--check-iters", type=int, default=DEFAULT_CHECK_ITERS, metavar="N",
+                   help=f"ops verified per case with --check (default {DEFAULT_CHECK_ITERS}; 0: as many as --iters)")
+    b.add_argument("--json", metavar="PATH",
+                   help="write machine, configuration and every result to PATH (gbps in 10^9 B/s, latencies in µs)")
+    b.add_argument("--plot", metavar="PATH",
+                   help="PNG: GB/s against size, a line per configuration (needs matplotlib: pip install 'tether[plot]')")
+    b.add_argument("--channels", metavar="LIST", type=_csv(int, "count"), default=None,
+                   help="progress threads / lanes per peer, comma list to sweep (default: the endpoint's)")
+    b.add_argument("--sockets-per-channel", metavar="LIST", type=_csv(int, "count"), default=None,
+                   help="tcp sockets per lane, comma list to sweep")
+    b.add_argument("--chunk-bytes", metavar="LIST", type=_csv(parse_size, "size"), default=None,
+                   help="chunk size (unit of pipelining), comma list with K/M/G suffixes to sweep")
+    b.add_argument("--window", metavar="LIST", type=_csv(int, "count"), default=None,
+                   help="chunks in flight per peer, comma list to sweep")
+    b.add_argument("--unpack", metavar="LIST", type=_csv(_choice("unpack", *UNPACK), "unpack"), default=None,
+                   help="GPU memory over staging: how received bytes reach their places, comma list of "
+                        "kernel, d2d, host to sweep (default: the endpoint's, kernel where built)")
+    b.add_argument("--nics", metavar="LIST", default=None, help="data NICs in order, e.g. eth1,eth2 (sets TETHER_NICS)")
     b.add_argument("--stats", action="store_true", help="per-NIC and per-channel counters of the driving endpoint")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--role", choices=["local", "server", "client"], default=None,
@@ -57,15 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--full-mesh", action="store_true",
                    help="many flows at once; per-flow and aggregate rows. Host memory: --gpus pairs. "
                         "--device gpu: every ordered GPU pair i>j of --gpus GPUs")
-    b.add_argument("--gpus", type=int, default=2, help="full mesh: pairs (host memory) or GPUs (--device gpu)")
+    b.add_argument("--gpus", metavar="N", type=int, default=2, help="full mesh: pairs (host memory) or GPUs (--device gpu)")
     b.add_argument("--single-process", action="store_true",
                    help="full mesh: one process (one endpoint) per side for all flows, not one per pair/GPU")
     b.add_argument("--nccl", nargs="?", const="default,socket", default=None, metavar="default,socket",
                    help="GPU full mesh: also run NCCL all-pairs send/recv on the same GPUs and sizes "
                         "(default transport, socket transport forced, or both)")
 
-    d = sub.add_parser("doctor", help="what this machine offers and what tether will use")
-    d.add_argument("--json", action="store_true")
+    d = sub.add_parser("doctor", parents=[common], help="what this machine offers and what tether will use")
+    d.add_argument("--json", action="store_true", help="the report as JSON on stdout, for tools")
     return p
 
 
@@ -118,7 +173,17 @@ def _torch_cuda() -> bool:
         return False
 
 
-def stats_tables(console, stats: dict, combo: dict) -> None:
+def print_whole(table, stderr: bool = False) -> None:
+    """Prints `table` at the terminal's width (COLUMNS when piped; no limit without it), wider only
+    where its figures would not fit otherwise: text columns wrap, figures are never cut."""
+    from rich.console import Console
+
+    m = Console(width=10_000).measure(table)
+    width = _width(sys.stderr if stderr else sys.stdout)
+    Console(stderr=stderr, width=m.maximum if width is None else max(width, m.minimum)).print(table)
+
+
+def stats_tables(stats: dict, combo: dict) -> None:
     """Per-NIC and per-channel (lane) counters: bytes, chunks, lanes lost, chunks resent elsewhere."""
     from rich.table import Table
 
@@ -128,25 +193,51 @@ def stats_tables(console, stats: dict, combo: dict) -> None:
         return [f"{x['bytes_sent'] / 2**20:.1f}", f"{x['bytes_received'] / 2**20:.1f}", str(x["chunks_sent"]),
                 str(x["chunks_received"]), str(x["errors"]), str(x["resends"])]
 
-    t = Table(title=f"per NIC {combo or ''}")
-    for c in ("NIC",) + cols:
-        t.add_column(c, justify="right")
+    def table(title, text_cols):
+        t = Table(title=title)
+        for c in text_cols:
+            t.add_column(c, justify="right", overflow="fold")
+        for c in cols:  # headers wrap at their spaces, figures never
+            t.add_column(c, justify="right", overflow="fold", min_width=max(len(w) for w in c.split()))
+        return t
+
+    t = table(f"per NIC {combo or ''}", ("NIC",))
     for n in stats["nics"]:
         t.add_row(n["name"], *nums(n))
-    console.print(t)
-    t = Table(title="per channel (lane)")
-    for c in ("peer", "lane", "local NIC", "local", "remote", "alive") + cols:
-        t.add_column(c, justify="right")
+    print_whole(t, stderr=True)
+    t = table("per channel (lane)", ("peer", "lane", "local NIC", "local", "remote", "alive"))
     for l in stats["lanes"]:
         t.add_row(l["peer"], str(l["lane"]), l["local_nic"] or "-", l["local_addr"], l["remote_addr"],
                   "yes" if l["alive"] else "[red]no[/red]", *nums(l))
-    console.print(t)
+    print_whole(t, stderr=True)
+
+
+def _err(console, text: str) -> None:
+    """One red line, never hard-wrapped (so it stays one line in a log or a narrow terminal)."""
+    from rich.markup import escape
+
+    console.print(f"[red]{escape(text)}[/red]", soft_wrap=True)
+
+
+def _buffers(role: str, device: str, args) -> tuple[int, int, dict[int, int]]:
+    """(host buffers on this host, host buffers in the fullest process, {GPU: buffers}) that a run
+    allocates, each of the largest case's size: source and target, per pair or flow."""
+    if role == "client":
+        return (0, 0, {args.local_gpu_idx: 1}) if device == "gpu" else (1, 1, {})
+    if args.full_mesh and device == "gpu":  # GPU g holds the sources of flows g>j and targets of k>g
+        return 0, 0, {g: 2 * (args.gpus - 1) for g in range(args.gpus)}
+    if args.full_mesh:
+        return 2 * args.gpus, args.gpus if args.single_process else 1, {}
+    if device == "gpu":
+        gpus = {args.local_gpu_idx: 1}
+        gpus[args.remote_gpu_idx] = gpus.get(args.remote_gpu_idx, 0) + 1
+        return 0, 0, gpus
+    return 2, 1, {}
 
 
 def bench(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     from tether import bench as B
 
@@ -156,10 +247,13 @@ def bench(args) -> int:
     if role is None:
         role = ("client" if torchrun[0] == 0 else "server") if torchrun else "local"
     if torchrun and torchrun[1] != 2:
-        console.print("[red]under torchrun, tether bench takes exactly 2 ranks (--nnodes=2 --nproc_per_node=1)[/red]")
+        _err(console, "under torchrun, tether bench takes exactly 2 ranks (--nnodes=2 --nproc_per_node=1)")
         return 2
     if role == "client" and not (args.peer or torchrun):
-        console.print("[red]--role client needs --peer HOST:PORT (or torchrun)[/red]")
+        _err(console, "--role client needs --peer HOST:PORT (or torchrun)")
+        return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
+        _err(console, "--plot needs matplotlib, which is not installed: pip install 'tether[plot]'")
         return 2
     device = args.device
     cuda, why, ngpu = tether._tether.gpu_status()[:3]
@@ -167,40 +261,34 @@ def bench(args) -> int:
         device = "cpu"  # GPU memory on request (--device gpu): same-host ipc moves host memory only so far
     if device == "gpu":
         if not cuda or not _torch_cuda():
-            console.print(f"[red]--device gpu needs CUDA and torch with a GPU here ({why or 'torch has no CUDA'})[/red]")
+            _err(console, f"--device gpu needs CUDA and torch with a GPU here ({why or 'torch has no CUDA'})")
             return 2
         for idx in (args.local_gpu_idx, args.remote_gpu_idx):
             if not 0 <= idx < ngpu:
-                console.print(f"[red]GPU {idx} does not exist ({ngpu} visible)[/red]")
+                _err(console, f"GPU {idx} does not exist ({ngpu} visible)")
                 return 2
     transport_opts = {} if args.transport == "auto" else {"transport": args.transport}
     if args.transport != "auto":
         with tether.Endpoint(port=0) as probe:
             why = probe.transports().get(args.transport, "not built into this tether")
         if why:
-            console.print(f"[red]--transport {args.transport}: not available here ({why})[/red]")
+            _err(console, f"--transport {args.transport}: not available here ({why})")
             return 2
     if args.nics:
         os.environ["TETHER_NICS"] = args.nics  # both endpoints (a local server inherits it)
     gpu_kw = dict(device=args.local_gpu_idx, remote_device=args.remote_gpu_idx) if device == "gpu" else {}
     modes = args.mode
-    for m in modes:
-        if m not in ("write", "read", "send"):
-            console.print(f"[red]unknown mode {m!r}[/red]")
-            return 2
     sizes = args.sizes or _csv(B.parse_size)(DEFAULT_SIZES)
+    knobs = {
+        "channels": args.channels, "sockets_per_channel": args.sockets_per_channel,
+        "chunk_bytes": args.chunk_bytes, "window": args.window, "unpack": args.unpack,
+    }
     if role == "server":
-        single = {k: v[0] for k, v in (("channels", args.channels), ("sockets_per_channel", args.sockets_per_channel),
-                                         ("chunk_bytes", args.chunk_bytes), ("window", args.window)) if v}
-        return _run_server(args, dict(single, **transport_opts))
+        return _run_server(args, dict({k: v[0] for k, v in knobs.items() if v}, **transport_opts))
     if role == "client" and torchrun:
         target = _torch_store().get("tether/bench/metadata")
     else:
         target = args.peer
-    knobs = {
-        "channels": args.channels, "sockets_per_channel": args.sockets_per_channel,
-        "chunk_bytes": args.chunk_bytes, "window": args.window,
-    }
     names = [k for k, v in knobs.items() if v]
     combos = [dict(zip(names, values)) for values in itertools.product(*(knobs[k] for k in names))] or [{}]
     capacity = max(sizes) * max(args.num_iovs)
@@ -209,37 +297,43 @@ def bench(args) -> int:
     cases_per_combo = [
         B.Case(mode=m, size=s, num_iovs=n, iters=args.iters or B.auto_iters(s, n),
                warmup=args.warmup if args.warmup is not None else max(1, (args.iters or B.auto_iters(s, n)) // 10),
-               async_depth=args.depth if args.async_api else 0, check=args.check)
+               async_depth=args.depth if args.async_api else 0, check=args.check,
+               check_iters=args.check_iters)
         for m in modes for n in args.num_iovs for s in sizes if not (m == "send" and n != 1)
     ]
     if args.full_mesh and (role != "local" or args.gpus < 1):
-        console.print("[red]--full-mesh runs locally (two hosts: start one bench pair per device) with --gpus >= 1[/red]")
+        _err(console, "--full-mesh runs locally (two hosts: start one bench pair per device) with --gpus >= 1")
         return 2
     if args.nccl and not (args.full_mesh and device == "gpu"):
-        console.print("[red]--nccl goes with --full-mesh --device gpu[/red]")
+        _err(console, "--nccl goes with --full-mesh --device gpu")
         return 2
     nccl_variants = [v for v in (args.nccl or "").split(",") if v]
     if any(v not in ("default", "socket") for v in nccl_variants):
-        console.print(f"[red]--nccl takes default, socket or both, not {args.nccl!r}[/red]")
+        _err(console, f"--nccl takes default, socket or both, not {args.nccl!r}")
         return 2
     if args.full_mesh and device == "gpu":
         if not 2 <= args.gpus <= ngpu:
-            console.print(f"[red]a GPU full mesh takes 2 <= --gpus <= {ngpu} (the GPUs visible here)[/red]")
+            _err(console, f"a GPU full mesh takes 2 <= --gpus <= {ngpu} (the GPUs visible here)")
             return 2
         if "send" in modes:
-            console.print("[red]a GPU full mesh runs write and read (send needs a receiver per flow)[/red]")
+            _err(console, "a GPU full mesh runs write and read (send needs a receiver per flow)")
             return 2
+    # A case that cannot fit is refused before anything starts: a helper that dies allocating it
+    # would end the run half-way (issue 17).
+    too_big = B.memory_shortfall(capacity, *_buffers(role, device, args),
+                                 what=f"{B.human(max(sizes))} x {max(args.num_iovs)} iovs")
+    if too_big:
+        _err(console, f"refused: {too_big}; lower --sizes or --num-iovs")
+        return 2
     from tether import mesh
     n_flows = len(mesh.flows(args.gpus, device == "gpu"))
-    total_ops = len(combos) * sum(c.iters * (2 if c.check else 1) for c in cases_per_combo)
+    total_ops = len(combos) * sum(c.iters + (c.check_iters or c.iters if c.check else 0) for c in cases_per_combo)
     if args.full_mesh:
         total_ops = len(combos) * len(cases_per_combo) * n_flows
     t_start = time.perf_counter()
     with Progress(console=console, transient=True, disable=args.quiet) as progress:
         task = progress.add_task("bench", total=total_ops)
         for i, combo in enumerate(combos):
-            if args.unpack:
-                combo = dict(combo, unpack=args.unpack)
             opts = dict(combo, **transport_opts)
             if args.full_mesh:
                 progress.update(task, description=f"full mesh, {n_flows} flows {combo or ''}")
@@ -249,56 +343,43 @@ def bench(args) -> int:
                 except Exception as e:  # a worker's traceback in full, then its cause on one line
                     text = str(e).strip() or type(e).__name__
                     print(text, file=sys.stderr)
-                    console.print(f"[red]full mesh failed: {text.splitlines()[-1]}[/red]")
+                    _err(console, f"full mesh failed: {text.splitlines()[-1]}")
                     return 1
                 continue
-            pair = (B.LocalPair(opts, capacity, **gpu_kw) if role == "local"
-                    else B.RemotePair(opts, capacity, target, **gpu_kw))
-            last = i == len(combos) - 1
+            pair = None
             try:
+                pair = (B.LocalPair(opts, capacity, **gpu_kw) if role == "local"
+                        else B.RemotePair(opts, capacity, target, **gpu_kw))
                 for case in cases_per_combo:
                     progress.update(task, description=f"{case.mode} {B.human(case.size)} x{case.num_iovs} {combo or ''}")
                     r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda: progress.advance(task))
                     r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
                     results.append(r)
                 if args.stats:
-                    stats_tables(console, pair.ep.stats(), combo)
+                    stats_tables(pair.ep.stats(), combo)
+            except Exception as e:
+                raise (pair.failure(e) if pair else e) from None  # a dead server: its error, not ours
             finally:
-                pair.close(shutdown=last and bool(torchrun))
+                if pair:
+                    pair.close(shutdown=i == len(combos) - 1 and bool(torchrun))
 
     nccl_failed = False
     for variant in nccl_variants:
         rows, why = _nccl_rows(args.gpus, sizes, args.iters, variant == "socket")
         if why:
-            console.print(f"[red]NCCL all-pairs ({variant}) failed: {why}[/red]")
+            _err(console, f"NCCL all-pairs ({variant}) failed: {why}")
             nccl_failed = True
         results.extend(rows)
 
-    table = Table(title=f"tether bench ({time.perf_counter() - t_start:.1f} s)")
-    for col in ("mode", "transport", "device", "size", "num_iovs", "GB/s", "p50 µs", "p99 µs", "CPU% client", "CPU% server", "check"):
-        table.add_column(col, justify="right")
-    if args.full_mesh:
-        table.add_column("pair")
-    if len(combos) > 1:
-        table.add_column("config")
-    for r in results:
-        row = [r.mode, r.transport, r.device, B.human(r.size), str(r.num_iovs), f"{r.gbps:.2f}",
-               f"{r.lat_p50_us:.1f}", f"{r.lat_p99_us:.1f}",
-               "-" if r.cpu_client != r.cpu_client else f"{r.cpu_client:.0f}",
-               "-" if r.cpu_server != r.cpu_server else f"{r.cpu_server:.0f}",
-               {None: "-", True: "ok", False: "[red]FAILED[/red]"}[r.check]]
-        if args.full_mesh:
-            row.append(str(r.config.get("pair")))
-        if len(combos) > 1:
-            row.append(" ".join(f"{k}={v}" for k, v in r.config.items()
-                                if k not in ("connect_ms", "pair", "mesh_s", "shape", "transport", "unpack")))
-        table.add_row(*row)
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    print_results(results, full_mesh=args.full_mesh, show_config=len(combos) > 1,
+                  elapsed=time.perf_counter() - t_start)
 
     if args.json:
         doc = {
             "version": 1, "machine": B.machine_info(),
-            "config": {"transport": ",".join(sorted({r.transport for r in results})) or args.transport, "device": device, "async_api": args.async_api, "combos": combos},
+            "config": {"transport": ",".join(sorted({r.transport for r in results})) or args.transport, "device": device,
+                       "async_api": args.async_api, "check_iters": args.check_iters if args.check else 0,
+                       "combos": combos},
             "results": [dict(B.result_dict(r), config=r.config) for r in results],
         }
         with open(args.json, "w") as f:
@@ -307,9 +388,112 @@ def bench(args) -> int:
         _plot(results, args.plot)
     failed = [r for r in results if r.check is False]
     if failed:
-        console.print(f"[red]--check found corrupted bytes in {len(failed)} case(s)[/red]")
+        _err(console, f"--check found corrupted bytes in {len(failed)} case(s)")
         return 1
     return 1 if nccl_failed else 0
+
+
+# ---------------------------------------------------------------- the results table
+
+def fmt_gbps(v: float) -> str:
+    return f"{v:.2f}"
+
+
+def fmt_us(v: float) -> str:
+    """Latency in µs: one decimal where it tells something, whole µs from 1,000 up."""
+    return f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+
+
+def fmt_cpu(v: float) -> str:
+    return "-" if v != v else f"{v:.0f}"
+
+
+def _width(stream=None) -> Optional[int]:
+    """Columns to fit: the terminal's, or COLUMNS when piped; None (no limit) when piped without it."""
+    if (stream or sys.stdout).isatty():
+        return shutil.get_terminal_size().columns
+    cols = os.environ.get("COLUMNS", "")
+    return int(cols) if cols.isdigit() and int(cols) > 0 else None
+
+
+def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, width: Optional[int]):
+    """(table, the width it needs). The figures (size, GB/s, p50, p99) are never cut: what a narrow
+    terminal cannot hold goes first — columns equal on every row move into the title, the two CPU%
+    columns fold into one, then CPU% is dropped (--json keeps it), and the config column wraps."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from tether import bench as B
+
+    check = {None: "-", True: "ok", False: "FAILED"}
+    cols: dict[str, list[str]] = {
+        "mode": [r.mode for r in results], "transport": [r.transport for r in results],
+        "device": [r.device for r in results], "size": [B.human(r.size) for r in results],
+        "iovs": [str(r.num_iovs) for r in results], "GB/s": [fmt_gbps(r.gbps) for r in results],
+        "p50 µs": [fmt_us(r.lat_p50_us) for r in results], "p99 µs": [fmt_us(r.lat_p99_us) for r in results],
+        "CPU% client": [fmt_cpu(r.cpu_client) for r in results],
+        "CPU% server": [fmt_cpu(r.cpu_server) for r in results],
+        "check": [check[r.check] for r in results],
+    }
+    if full_mesh:
+        cols["pair"] = [str(r.config.get("pair")) for r in results]
+    if show_config:
+        cols["config"] = [" ".join(f"{k}={v}" for k, v in r.config.items()
+                                   if k not in ("connect_ms", "pair", "mesh_s", "shape", "transport"))
+                          for r in results]
+    if all(c == "-" for c in cols["check"]):
+        del cols["check"]  # nothing was checked: the column would say nothing
+    title = [f"tether bench ({elapsed:.1f} s)"]
+    caption: list[str] = []
+
+    def build():
+        t = Table(title=" · ".join(title), caption=" ".join(caption) or None)
+        for name in cols:
+            # Every figure is one word, so rich never breaks it; headers and config wrap at spaces.
+            t.add_column(name, justify="left" if name == "config" else "right",
+                         no_wrap=name == "size", overflow="fold")
+        for i in range(len(results)):
+            t.add_row(*(Text(c[i], style="red" if c[i] == "FAILED" else "") for c in cols.values()))
+        return t
+
+    def need() -> int:
+        return Console(width=10_000).measure(build()).minimum
+
+    steps = []
+    if results:
+        def constants():  # lossless: "write · ipc · cpu" once in the title
+            for name in ("mode", "transport", "device", "iovs", "check"):
+                values = set(cols.get(name, ()))
+                if len(values) == 1 and "FAILED" not in values:
+                    value = values.pop()
+                    title.append(f"{name} {value}" if name in ("iovs", "check") else value)
+                    del cols[name]
+
+        def fold_cpu():
+            cols["CPU% c/s"] = [f"{a}/{b}" for a, b in zip(cols.pop("CPU% client"), cols.pop("CPU% server"))]
+            if "check" in cols:
+                cols["check"] = cols.pop("check")
+
+        def drop_cpu():
+            del cols["CPU% c/s"]
+            caption.append("CPU% left out to fit the terminal (--json has it).")
+        steps = [constants, fold_cpu, drop_cpu]
+    for step in steps:
+        if width is None or need() <= width:
+            break
+        step()
+    table = build()
+    m = Console(width=10_000).measure(table)
+    # Wider than `width` only when even the figures alone do not fit: lines wrap, numbers stay whole.
+    return table, m.maximum if width is None else max(width, m.minimum)
+
+
+def print_results(results, full_mesh: bool, show_config: bool, elapsed: float) -> None:
+    from rich.console import Console
+
+    table, width = results_table(results, full_mesh, show_config, elapsed, _width())
+    Console(width=width).print(table)
 
 
 def _nccl_rows(n: int, sizes: list, iters: Optional[int], socket: bool) -> tuple[list, Optional[str]]:
@@ -370,11 +554,31 @@ def doctor(args) -> int:
     return 0
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or "(no message)"
+    return f"{type(e).__name__}: {text}"
+
+
+# Failures a user can cause or meet (a refused connection, a dead server, no memory): one line, not a
+# traceback. Anything else is a bug in tether and keeps its traceback.
+def _expected() -> tuple:
+    from tether import bench as B
+    return (tether.TetherError, B.BenchError, OSError, TimeoutError, MemoryError, EOFError)
+
+
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        return bench(args)
-    return doctor(args)
+    debug = args.debug or os.environ.get("TETHER_DEBUG", "") not in ("", "0")
+    try:
+        return bench(args) if args.command == "bench" else doctor(args)
+    except KeyboardInterrupt:
+        print(f"tether {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except _expected() as e:
+        if debug:
+            traceback.print_exc()
+        print(f"tether {args.command}: {_one_line(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -190,6 +190,11 @@ def _gpu_worker(g: int, options: dict, capacity: int, cases: list, outgoing: lis
 def _collect(procs, out, want: int, progress: Optional[Callable]) -> dict:
     results: dict = {}
     while len(results) < want:
+        # A worker that died without a word (killed, out of memory) would leave the others waiting on
+        # it at a barrier or a pipe: end the run now.
+        dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead and out.empty():
+            raise RuntimeError(f"full-mesh worker {dead[0]} died ({B.exit_text(procs[dead[0]].exitcode)})")
         if not any(p.is_alive() for p in procs) and out.empty():
             raise RuntimeError("a full-mesh worker died; see its error above")
         try:
