@@ -253,7 +253,8 @@ def bench(args) -> int:
         _err(console, "--role client needs --peer HOST:PORT (or torchrun)")
         return 2
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
-        _err(console, "--plot needs matplotlib, which is not installed: pip install 'tether[plot]'")
+        _err(console, "--plot needs matplotlib, not installed here: pip install matplotlib "
+                      "(in tether's source tree: pip install \".[plot]\")")
         return 2
     device = args.device
     cuda, why, ngpu = tether._tether.gpu_status()[:3]
@@ -417,9 +418,9 @@ def _width(stream=None) -> Optional[int]:
 
 
 def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, width: Optional[int]):
-    """(table, the width it needs). The figures (size, GB/s, p50, p99) are never cut: what a narrow
+    """(table, the width to print it at). The figures (size, GB/s, p50, p99) are never cut: what a narrow
     terminal cannot hold goes first — columns equal on every row move into the title, the two CPU%
-    columns fold into one, then CPU% is dropped (--json keeps it), and the config column wraps."""
+    columns fold into one, then CPU% is dropped (--json keeps it), and each config is listed once below."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -448,17 +449,16 @@ def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, w
     caption: list[str] = []
 
     def build():
-        t = Table(title=" · ".join(title), caption=" ".join(caption) or None)
+        t = Table(title=" · ".join(title), caption="\n".join(caption) or None)
         for name in cols:
-            # Every figure is one word, so rich never breaks it; headers and config wrap at spaces.
-            t.add_column(name, justify="left" if name == "config" else "right",
-                         no_wrap=name == "size", overflow="fold")
+            # Nothing wraps (rich would squeeze a wrapable column mid-word): the steps above fold.
+            t.add_column(name.replace("% ", "%\n"), justify="left" if name == "config" else "right", no_wrap=True)
         for i in range(len(results)):
             t.add_row(*(Text(c[i], style="red" if c[i] == "FAILED" else "") for c in cols.values()))
         return t
 
-    def need() -> int:
-        return Console(width=10_000).measure(build()).minimum
+    def need() -> int:  # the width without wrapping anything
+        return Console(width=10_000).measure(build()).maximum
 
     steps = []
     if results:
@@ -478,15 +478,19 @@ def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, w
         def drop_cpu():
             del cols["CPU% c/s"]
             caption.append("CPU% left out to fit the terminal (--json has it).")
-        steps = [constants, fold_cpu, drop_cpu]
+
+        def config_legend():  # each configuration once, under the table; a number in the rows
+            if "config" in cols:
+                names = list(dict.fromkeys(cols["config"]))
+                cols["config"] = [str(names.index(c) + 1) for c in cols["config"]]
+                caption.extend(f"config {i + 1}: {c}" for i, c in enumerate(names))
+        steps = [constants, fold_cpu, drop_cpu, config_legend]
     for step in steps:
         if width is None or need() <= width:
             break
         step()
-    table = build()
-    m = Console(width=10_000).measure(table)
     # Wider than `width` only when even the figures alone do not fit: lines wrap, numbers stay whole.
-    return table, m.maximum if width is None else max(width, m.minimum)
+    return build(), need() if width is None else max(width, need())
 
 
 def print_results(results, full_mesh: bool, show_config: bool, elapsed: float) -> None:

@@ -25,7 +25,7 @@ def _nics(topology: dict[str, Any]) -> list[dict[str, Any]]:
             "state": "up" if n["up"] else "down",
             "addrs": n["addrs"],
             "speed_mbps": n["speed_mbps"] if n["speed_mbps"] > 0 else None,
-            "numa_node": n["numa_node"] if n["pci_path"] else None,
+            "numa_node": n["numa_node"] if n["pci_path"] and n["numa_node"] >= 0 else None,  # -1: unknown
             "pci_path": n["pci_path"] or None,
             "local_cpus": n["local_cpus"],
             "mtu": int(_read(f"/sys/class/net/{n['name']}/mtu", "0") or 0),
@@ -205,12 +205,17 @@ def _busy_poll_us() -> Optional[int]:
 
 
 def _table(title: str, *columns: str):
+    """Cells wrap at spaces and fold where a word is too long: a narrow terminal never cuts one."""
     from rich.table import Table
 
     t = Table(title=title)
     for col in columns:
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     return t
+
+
+def _numa(node: Optional[int]) -> str:
+    return "-" if node is None or node < 0 else str(node)  # unknown (no PCI device, or one node)
 
 
 def render(report: dict[str, Any]) -> None:
@@ -232,22 +237,26 @@ def render(report: dict[str, Any]) -> None:
         t = _table("GPUs", "index", "name", "memory", "PCI", "NUMA", "nearest NICs")
         for g in report["gpus"]:
             near = report["gpu_nic_affinity"].get(str(g["index"]), [])
-            t.add_row(str(g["index"]), g["name"], g["memory"], g["pci_bus_id"], str(g["numa_node"]),
+            t.add_row(str(g["index"]), g["name"], g["memory"], g["pci_bus_id"], _numa(g["numa_node"]),
                       ", ".join(near[:4]) or "-")
         c.print(t)
     if report["nvlink_topology"]:
         c.print("[bold]GPU topology (nvidia-smi topo -m)[/bold]")
-        c.print(report["nvlink_topology"], markup=False)
+        c.print(report["nvlink_topology"], markup=False, soft_wrap=True)  # a matrix: never re-wrapped
     topo = report["topology"]
     if topo.get("error"):
         c.print(f"[red]tether cannot start with this environment: {topo['error']}[/red]")
-    t = _table("NICs", "name", "state", "addresses", "speed", "NUMA", "local CPUs", "tether uses", "PCI path")
+    t = _table("NICs", "name", "state", "addresses", "speed", "NUMA", "local CPUs", "tether uses")
     for n in report["nics"]:
-        t.add_row(n["name"], n["state"], " ".join(n["addrs"]) or "-",
+        t.add_row(n["name"], n["state"], "\n".join(n["addrs"]) or "-",
                   f"{n['speed_mbps']} Mb/s" if n["speed_mbps"] else "-",
-                  str(n["numa_node"]) if n["numa_node"] is not None else "-", n["local_cpus"] or "-",
-                  n["use"] or "-", n["pci_path"] or "virtual")
+                  _numa(n["numa_node"]), n["local_cpus"] or "-", n["use"] or "-")
     c.print(t)
+    # Paths are long and must stay whole (copied into commands): one line each, below the table.
+    c.print("NIC PCI paths:")
+    for n in report["nics"]:
+        c.print(f"  {n['name']}: {n['pci_path'] or 'virtual (no PCI device)'}", soft_wrap=True,
+                highlight=False, markup=False)
     if topo["threads"]:
         t = _table("Progress threads (TETHER_CHANNELS, TETHER_TX_CPUS / TETHER_RX_CPUS)", "thread", "NIC", "CPUs", "why")
         for th in topo["threads"]:
@@ -255,10 +264,13 @@ def render(report: dict[str, Any]) -> None:
         c.print(t)
     rails = report.get("fabric_rails")
     if rails:
-        t = _table(f"Fabric rails ({rails['provider']})", "rail", "domain", "NUMA", "PCI path")
+        t = _table(f"Fabric rails ({rails['provider']})", "rail", "domain", "NUMA")
         for i, r in enumerate(rails["rails"]):
-            t.add_row(str(i), r["domain"], str(r["numa_node"]) if r["numa_node"] >= 0 else "-", r["pci_path"] or "unknown")
+            t.add_row(str(i), r["domain"], _numa(r["numa_node"]))
         c.print(t)
+        c.print("Rail PCI paths:")
+        for i, r in enumerate(rails["rails"]):
+            c.print(f"  rail {i}: {r['pci_path'] or 'PCI path unknown'}", soft_wrap=True, highlight=False, markup=False)
         node = rails["host_numa"]
         c.print(f"Rail order, host memory (NUMA {node if node >= 0 else 'any'}): " + ", ".join(rails["host_order"]))
         for gpu, order in rails["gpu_orders"].items():
@@ -269,7 +281,8 @@ def render(report: dict[str, Any]) -> None:
     c.print(t)
     t = _table("sysctls", "key", "value", "advice")
     for k, v in report["sysctls"].items():
-        t.add_row(k, v["value"] or "?", "[green]ok[/green]" if v["ok"] else f"[yellow]{v['advice']}[/yellow]")
+        t.add_row(k, " ".join(v["value"].split()) or "?",
+                  "[green]ok[/green]" if v["ok"] else f"[yellow]{v['advice']}[/yellow]")
     c.print(t)
     if report["env"]:
         c.print("TETHER_* set: " + ", ".join(f"{k}={v}" for k, v in report["env"].items()))

@@ -15,6 +15,7 @@ from tether import cli
 
 TETHER_PATH = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
 ENV = dict(os.environ, PYTHONPATH=TETHER_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
+ENV.pop("COLUMNS", None)  # piped with no COLUMNS: the table at full width (the tests read its cells)
 
 
 def run_cli(*args, timeout=120):
