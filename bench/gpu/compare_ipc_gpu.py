@@ -1,11 +1,12 @@
-"""GPU0 -> GPU1 writes between two processes over the ipc transport (CUDA IPC, NVLink), in one run:
+"""GPU0 -> GPU1 writes between two processes over the ipc transport (CUDA IPC, NVLink), in one run
+(GPU0 -> GPU0, two processes sharing it, on a one-GPU machine):
 1 MiB, 16 MiB, 256 MiB, 128 x 1.15 MB vectored, 4,096 x 16 KiB scattered vectored; connect time to a
 same-host peer; first write to a newly registered remote region (and from a new local allocation)
 against a warm one. Issue 5's goals are printed beside each row.
 
     python bench/gpu/compare_ipc_gpu.py [--check] [--json out.json] [--channels N] [--gpu-chunk BYTES]
 
-Needs two GPUs and torch (tether bench's LocalPair with device=0, remote_device=1).
+Needs torch and a GPU (tether bench's LocalPair with device=0, remote_device=1, or 0 with one GPU).
 """
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def main() -> int:
     if args.check:
         cases = [(n, dataclasses.replace(c, check_iters=args.check_iters)) for n, c in cases]
     rows, extra = [], {}
-    pair = B.LocalPair(opts, cap, device=0, remote_device=1)
+    import torch
+    other = 1 if torch.cuda.device_count() > 1 else 0
+    pair = B.LocalPair(opts, cap, device=0, remote_device=other)
     try:
         assert pair.peer.transport == "ipc", pair.peer.transport
         extra["connect_ms"] = pair.connect_ms
@@ -67,13 +70,12 @@ def main() -> int:
         n = 16 << 20
         firsts, warms = [], []
         for _ in range(5):
-            desc = pair.ask("setup", cap, 1)  # the server deregisters and allocates anew
+            desc = pair.ask("setup", cap, other)  # the server deregisters and allocates anew
             pair.remote = desc
             firsts.append(timed_write(pair, desc, n))
             warms.append(float(np.median([timed_write(pair, desc, n) for _ in range(20)])))
         extra["first_remote_us"], extra["warm_us"] = float(np.median(firsts)), float(np.median(warms))
         # First write from a new local allocation (the target opens its handle once) vs warm.
-        import torch
         lfirst = []
         for _ in range(5):
             pair.ep.deregister(pair.src_region)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One batched run on the GPU machine (kind nvidia-h200-x2): build, GPU tests, GPU-over-TCP benchmarks
-# beside NCCL's socket transport. Logs under $OUT; a short table last.
+# One batched run on the GPU machine (any number of GPUs: GPU0 -> GPU1, or GPU0 -> GPU0 between two
+# processes on one): build, GPU tests, GPU-over-TCP benchmarks beside NCCL's socket transport. Logs
+# under $OUT; a short table last.
 # Usage (device tool): bash bench/gpu/device_run.sh [tests|bench|all]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -8,7 +9,9 @@ what=${1:-all}
 { which nvcc; nvcc --version | tail -1; nvidia-smi -L; nproc; } > "$OUT/env.txt" 2>&1
 python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 python3 -c "import tether; print('gpu_status', tether._tether.gpu_status())"
-G="--transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 --mode write --check --quiet"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+R=$(( NGPU > 1 ? 1 : 0 ))  # the target's GPU: GPU 1, or GPU 0 again (two processes sharing it)
+G="--transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx $R --mode write --check --quiet"
 if [ "$what" != bench ]; then
   timeout 300 python3 -m pytest tests/python/test_gpu.py -q -x -p no:cacheprovider > "$OUT/test_gpu.log" 2>&1
   echo "test_gpu rc=$? $(tail -1 $OUT/test_gpu.log)"

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# A short GPU check of every transport (nvidia-h200-x2), for a tight device budget: each step bounded,
-# one summary file ($OUT/summary.txt) and one combined log ($OUT/all.log); the rest stays in /tmp.
+# A short GPU check of every transport, for a tight device budget: each step bounded, one summary file
+# ($OUT/summary.txt) and one combined log ($OUT/all.log); the rest stays in /tmp. Any number of GPUs:
+# with one, the GPU0 -> GPU1 steps run GPU0 -> GPU0 between two processes and the steps that need two
+# GPUs (full mesh, NVLink) say "skipped".
 #   bash bench/gpu/final.sh                 every step
 #   bash bench/gpu/final.sh ipc_gpu mesh_sp  only the named steps (names below)
+#   bash bench/gpu/final.sh one_gpu par_tests   the one-GPU table (docs/PERFORMANCE.md) and every GPU test
 set -u
 STEPS=" $* "
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L=/tmp/tether-logs; mkdir -p "$L"
@@ -17,7 +20,9 @@ python3 -m pip install --no-build-isolation -q . > "$L/build.log" 2>&1 || { tail
 CMAKE=$(python3 -c "import cmake; print(cmake.CMAKE_BIN_DIR)" 2>/dev/null)/cmake; [ -x "$CMAKE" ] || CMAKE=cmake
 PLUGIN=$PWD/build/testnet-gpu/libtether_testnet.so
 PT="python3 -m pytest -q -x -p no:cacheprovider"
-G="--device gpu --local-gpu-idx 0 --remote-gpu-idx 1 --mode write --check --quiet"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+R=$(( NGPU > 1 ? 1 : 0 ))  # the target's GPU: GPU 1, or GPU 0 again (two processes sharing it)
+G="--device gpu --local-gpu-idx 0 --remote-gpu-idx $R --mode write --check --quiet"
 t() {  # name seconds command...: runs it, appends its verdict (and errors) to the summary
   local name=$1 secs=$2; shift 2; local t0=$SECONDS
   [ "$STEPS" = "  " ] || [[ "$STEPS" == *" $name "* ]] || return 0
@@ -26,14 +31,20 @@ t() {  # name seconds command...: runs it, appends its verdict (and errors) to t
     grep -aE "^E |Error:|FAILED|ERROR SUMMARY|^=========.*(Invalid|error)" "$L/$name.log" | head -6
     grep -aE "GB/s|MET|ratio|│ (write|read)" "$L/$name.log" | head -12
     grep -aE "^(pull|push|one process|two processes|write |fabric:|peer transport:|env:|pull|push|bytes|kernel|d2d|contiguous|256 MiB|4096x16K)|NCCL" "$L/$name.log" | head -40
-    grep -aE "^(FAIL|HANG|ok  ) |^    " "$L/$name.log" | head -80; } >> "$S"
+    grep -aE "^(FAIL|HANG|ok  ) |^    " "$L/$name.log" | head -80
+    grep -aE "^\| |^GPU0 ->" "$L/$name.log" | head -20; } >> "$S"
   cat "$L/$name.log" >> "$OUT/all.log"
 }
+two() {  # as t, where two GPUs are needed: else one line saying so
+  if [ "$NGPU" -ge 2 ]; then t "$@"
+  elif [ "$STEPS" = "  " ] || [[ "$STEPS" == *" $1 "* ]]; then echo "== $1 skipped: needs 2 GPUs ($NGPU here)" >> "$S"; fi
+}
+t one_gpu 330 python3 bench/gpu/one_gpu.py --step-timeout 100 --json "$OUT/one_gpu.json"
 t ipc_gpu 300 $PT tests/python/test_ipc_gpu.py
 t ipc_gpu_each 240 bash bench/gpu/each_test.sh tests/python/test_ipc_gpu.py 30
 t tcp_vectored 50 $PT tests/python/test_gpu.py -k vectored
 t memcheck 45 compute-sanitizer --tool memcheck --target-processes all --report-api-errors no --error-exitcode 9 \
-  $PT tests/python/test_gpu.py -k "vectored and kernel and gpu0-gpu1"
+  $PT tests/python/test_gpu.py -k "vectored and kernel and gpu0-gpu$R"
 t kv_kernel 30 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unpack kernel
 t kv_d2d 30 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unpack d2d
 t kv_host 60 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unpack host --iters 5
@@ -49,9 +60,9 @@ t unpack_bench16 30 python3 bench/gpu/unpack_bench.py --iters 300 --frag-kib 16
 for tr in netplugin tcp; do
   TETHER_NET_PLUGIN=$PLUGIN TETHER_TESTNET_BOUNCE=cuda t np_beside_$tr 60 tether bench --transport $tr $G --sizes 4M,64M
 done
-t mesh_ipc 45 tether bench --full-mesh --device gpu --gpus 2 --transport ipc --sizes 256M --iters 5 --warmup 1 --mode write --check --quiet --nccl default
-t mesh_tcp 40 tether bench --full-mesh --device gpu --gpus 2 --transport tcp --sizes 256M --iters 5 --warmup 1 --mode write --check --quiet
-t mesh_sp_tcp 90 tether bench --full-mesh --device gpu --gpus 2 --single-process --transport tcp --sizes 64M --iters 5 --warmup 1 --mode write --check --quiet
+two mesh_ipc 45 tether bench --full-mesh --device gpu --gpus 2 --transport ipc --sizes 256M --iters 5 --warmup 1 --mode write --check --quiet --nccl default
+two mesh_tcp 40 tether bench --full-mesh --device gpu --gpus 2 --transport tcp --sizes 256M --iters 5 --warmup 1 --mode write --check --quiet
+two mesh_sp_tcp 90 tether bench --full-mesh --device gpu --gpus 2 --single-process --transport tcp --sizes 64M --iters 5 --warmup 1 --mode write --check --quiet
 t fabric_host 120 $PT tests/python/test_fabric.py
 t fabric_gpu_probe 60 python3 bench/gpu/fabric_gpu_probe.py
 t fabric_gpu 120 $PT tests/python/test_fabric_gpu.py
@@ -61,17 +72,17 @@ t ipc_gpu_check 80 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --check
 t scatter_probe 150 python3 bench/gpu/scatter_probe.py
 t post_blocks_gpu 90 python3 bench/tools/post_blocks.py --transports ipc --gpus --channels 16 --window 64 --iters 50
 t ipc_rw 60 tether bench --transport ipc --mode write,read --sizes 1M,16M,256M --async-api --depth 2 --check --quiet \
-  --device gpu --local-gpu-idx 0 --remote-gpu-idx 1
+  --device gpu --local-gpu-idx 0 --remote-gpu-idx $R
 t ipc_rw_host 60 tether bench --transport ipc --mode write,read --sizes 1M,16M,256M --check --quiet --device cpu
 t ipc_gpu_notify 90 $PT tests/python/test_ipc_gpu.py -k write_and_notify
 # One op at a time, by size: where a lone op's time goes (ipc host memory, GPU0>GPU1, GPU0>GPU0, one
 # lane; tcp beside). docs/ARCHITECTURE.md, "Waking up".
 L1="--mode write --iters 400 --quiet --sizes 4K,64K,1M,16M"
 t lat_ipc_host 40 tether bench --transport ipc --device cpu $L1
-t lat_ipc_gpu 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 $L1
+t lat_ipc_gpu 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --remote-gpu-idx $R $L1
 t lat_ipc_gpu00 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --remote-gpu-idx 0 $L1
-TETHER_CHANNELS=1 t lat_ipc_gpu_1lane 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 $L1
-t lat_tcp_gpu 40 tether bench --transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx 1 $L1
+TETHER_CHANNELS=1 t lat_ipc_gpu_1lane 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --remote-gpu-idx $R $L1
+t lat_tcp_gpu 40 tether bench --transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx $R $L1
 # Thread wake-up cost: busy polling off, and off with the CPUs held out of idle (beside ipc_gpu_tuned).
 TETHER_BUSY_POLL_US=0 t ipc_busy0 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
 TETHER_BUSY_POLL_US=0 t ipc_busy0_qos 50 python3 bench/gpu/hold_cpu_latency.py python3 bench/gpu/compare_ipc_gpu.py --channels 16
@@ -80,7 +91,7 @@ t test_gpu_rest 240 $PT tests/python/test_gpu.py -k "not vectored"
 t ipc_gpu_quick 90 $PT tests/python/test_ipc_gpu.py -k "vectored or cache or deregistered or two_endpoints or child or send_recv"
 t tcp256 60 tether bench --transport tcp $G --sizes 256M --iters 10
 t nccl_socket 150 python3 bench/peers/run.py --only nccl-socket
-t nvlink_probe 40 python3 bench/gpu/nvlink_probe.py
+two nvlink_probe 40 python3 bench/gpu/nvlink_probe.py
 t ipc_probe 150 python3 bench/gpu/ipc_probe.py
 t env 20 bash -c '{ ldconfig -p | grep -E "libfabric|libcuda.so"; command -v fi_info && fi_info -l; nproc; nvidia-smi --query-gpu=name,driver_version --format=csv; } | sed "s/^/env: /"'
 cat "$S"

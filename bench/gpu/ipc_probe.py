@@ -6,7 +6,8 @@ opens them), by the destination GPU (pull: what ipc's target lanes do) and by th
 Rows: 256 MiB by the copy engines over 1, 2 and 4 streams; 4,096 x 16 KiB fragments (destinations
 shuffled) by tether's copy kernel in launches of 128 or 1,344 fragments over 1, 4 and 16 streams.
 Each operation is submitted and waited for, as a lane does (wall clock); every byte is checked.
-A probe for the device (two GPUs), not a gate.
+A probe for the device, not a gate. With one GPU, "GPU1" is GPU 0 again: the two-process rows are
+CUDA IPC on one device, and the one-process rows copy within GPU 0 (no peer access to enable).
 
     python3 bench/gpu/ipc_probe.py [--iters 20]
 """
@@ -56,6 +57,11 @@ class Cuda:
         if fill is not None:
             self.ok(self.cu.cuMemcpyHtoD_v2(p, fill.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(n)), "cuMemcpyHtoD")
         return p.value
+
+    def count(self) -> int:
+        n = ctypes.c_int()
+        self.ok(self.cu.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+        return n.value
 
     def peer(self, dev, other):
         self.use(other)
@@ -119,22 +125,23 @@ def main() -> int:
     cu = Cuda()
     data = np.random.default_rng(1).integers(0, 256, BIG, dtype=np.uint8)
     src = cu.alloc(0, BIG, data)
-    dst = cu.alloc(1, BIG)
-    cu.peer(1, 0)
-    cu.peer(0, 1)
-    bad = 0
-    one = [(f"pull {n}", r) for n, r in rows(1, src, dst, a.iters)] + [(f"push {n}", r) for n, r in rows(0, src, dst, a.iters)]
-    show("one process, peer access (GPU0 -> GPU1)", one)
+    g1 = 1 if cu.count() > 1 else 0  # the destination GPU
+    dst = cu.alloc(g1, BIG)
+    if g1 != 0:
+        cu.peer(1, 0)
+        cu.peer(0, 1)
+    one = [(f"pull {n}", r) for n, r in rows(g1, src, dst, a.iters)] + [(f"push {n}", r) for n, r in rows(0, src, dst, a.iters)]
+    show(f"one process{', peer access' if g1 else ''} (GPU0 -> GPU{g1})", one)
     p = subprocess.Popen([sys.executable, __file__, "--child", "--iters", str(a.iters)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     try:
-        their_src = cu.open(1, p.stdout.readline().split()[1])  # opened on GPU1, as ipc's target does
-        two = [(f"pull {n}", r) for n, r in rows(1, their_src, dst, a.iters)]
-        p.stdin.write(f"DST {cu.export(1, dst)}\n")
+        their_src = cu.open(g1, p.stdout.readline().split()[1])  # opened on the destination GPU, as ipc's target does
+        two = [(f"pull {n}", r) for n, r in rows(g1, their_src, dst, a.iters)]
+        p.stdin.write(f"DST {cu.export(g1, dst)}\n")
         p.stdin.flush()
         line = p.stdout.readline()
         two += [(f"push {n}", r) for n, r in json.loads(line.split(" ", 1)[1])]
-        show("two processes, CUDA IPC (GPU0 of one -> GPU1 of the other)", two)
+        show(f"two processes, CUDA IPC (GPU0 of one -> GPU{g1} of the other)", two)
         p.stdin.write("DONE\n")
         p.stdin.flush()
     finally:

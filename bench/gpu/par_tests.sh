@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU test module at once (they share the two GPUs; none of them times anything), each bounded;
+# Every GPU test module at once (they share the GPUs, one or more; none of them times anything), each bounded;
 # prints one line per module, "FAIL"/"HANG" where it did not pass, then the failures. For the device
 # budget: about as long as the longest module (test_ipc_gpu.py, ~5 min) instead of their sum.
 #   bash bench/gpu/par_tests.sh SECONDS   (needs the project installed; TETHER_TEST_NET_PLUGIN for netplugin)

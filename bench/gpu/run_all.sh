@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything GPU in one device call (nvidia-h200-x2), each step bounded; logs under $OUT, summary last.
+# Everything GPU in one device call (any number of GPUs: GPU0 -> GPU1, or GPU0 -> GPU0 between two
+# processes on one), each step bounded; logs under $OUT, summary last.
 # Usage: bash bench/gpu/run_all.sh [steps...]  (default: every step). Steps: tcp ipc netplugin bench
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,6 +13,8 @@ PLUGIN=$PWD/build/testnet-gpu/libtether_testnet.so
   -DCMAKE_BUILD_TYPE=Release > "$OUT/plugin.log" 2>&1 && "$CMAKE" --build build/testnet-gpu --target tether_testnet >> "$OUT/plugin.log" 2>&1 || tail -5 "$OUT/plugin.log"
 t() { local name=$1 secs=$2; shift 2; timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$? $(grep -E '[0-9]+ (passed|failed)' "$OUT/$name.log" | tail -1)"; }
 PT="python3 -m pytest -q -x -p no:cacheprovider"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+R=$(( NGPU > 1 ? 1 : 0 ))  # the target's GPU: GPU 1, or GPU 0 again (two processes sharing it)
 for s in $steps; do case $s in
   tcp) t test_gpu 200 $PT tests/python/test_gpu.py
        t memcheck 150 compute-sanitizer --tool memcheck --target-processes all --report-api-errors no --error-exitcode 9 \
@@ -22,7 +25,7 @@ for s in $steps; do case $s in
   netplugin) TETHER_TEST_NET_PLUGIN=$PLUGIN t test_netplugin_gpu 200 $PT tests/python/test_netplugin_gpu.py -k "cuda"
        grep -E "Error|error:|assert" "$OUT/test_netplugin_gpu.log" | head -6 ;;
   bench)
-    G="--device gpu --local-gpu-idx 0 --remote-gpu-idx 1 --mode write --check --quiet"
+    G="--device gpu --local-gpu-idx 0 --remote-gpu-idx $R --mode write --check --quiet"
     t b_sweep 120 tether bench --transport tcp $G --sizes 256M --channels 8,16 --window 32,64 --json "$OUT/b_sweep.json"
     for u in kernel d2d host; do
       t b_kv_$u 90 tether bench --transport tcp $G --sizes 16K --num-iovs 4096 --unpack $u --json "$OUT/b_kv_$u.json"

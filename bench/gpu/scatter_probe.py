@@ -3,7 +3,7 @@
 thread's share (post() returning, one op at a time) against the whole op, and the rate with 1, 2, 4
 and 8 ops in flight, for a few lane counts. If the rate keeps rising with depth, ops do not overlap
 and a per-op cost (posting, a lane's host work) bounds the figure; if it is flat, the copies are.
-A probe for the device (two GPUs), not a gate.
+A probe for the device (GPU0 -> GPU1; GPU0 -> GPU0 between two processes with one GPU), not a gate.
 
     python3 bench/gpu/scatter_probe.py [--channels 16,32] [--depths 1,2,4,8] [--host]
 """
@@ -48,9 +48,13 @@ def main() -> int:
     ap.add_argument("--host", action="store_true", help="host memory on both sides (a dry run without GPUs)")
     a = ap.parse_args()
     rows = []
+    other = 0
+    if not a.host:
+        import torch
+        other = 1 if torch.cuda.device_count() > 1 else 0
     for ch in (int(x) for x in a.channels.split(",")):
         pair = B.LocalPair(dict(transport="ipc", channels=ch, window=64), N * SIZE,
-                          **({} if a.host else dict(device=0, remote_device=1)))
+                          **({} if a.host else dict(device=0, remote_device=other)))
         try:
             post_us, total_us = post_split(pair, a.iters)
             print(f"channels {ch}: one at a time, post {post_us:.1f} us of {total_us:.1f} us", flush=True)

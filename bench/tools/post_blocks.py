@@ -42,14 +42,18 @@ def main():
     ap.add_argument("--size", default="16K")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--transports", default="ipc,tcp")
-    ap.add_argument("--gpus", action="store_true", help="GPU0 -> GPU1 instead of host memory")
+    ap.add_argument("--gpus", action="store_true", help="GPU0 -> GPU1 (GPU0 -> GPU0 with one GPU) instead of host memory")
     ap.add_argument("--channels", type=int)
     ap.add_argument("--window", type=int)
     a = ap.parse_args()
     n, size = a.blocks, B.parse_size(a.size)
     for tr in a.transports.split(","):
         opts = {k: v for k, v in dict(transport=tr, channels=a.channels, window=a.window).items() if v is not None}
-        pair = B.LocalPair(opts, n * size, device=0 if a.gpus else None, remote_device=1 if a.gpus else None)
+        other = None
+        if a.gpus:
+            import torch
+            other = 1 if torch.cuda.device_count() > 1 else 0
+        pair = B.LocalPair(opts, n * size, device=0 if a.gpus else None, remote_device=other)
         if a.gpus:
             r = B.run_case(pair, B.Case("write", size, n, 40, 3, 2, True))
             print(f"{tr:4} bench rate {r.gbps:.1f} GB/s (p50 {r.lat_p50_us:.0f} us, check {r.check})", flush=True)

@@ -3,8 +3,9 @@ offers FI_HMEM, GPU regions are registered directly; without it (the device mach
 libfabric, tcp;ofi_rxm) a GPU source or destination on the initiator goes through the lane's pinned
 staging slots, and a GPU target is reached by two-sided messages its CPU serves (copy through the
 bounce buffers, then the answer). Pairings GPU0->GPU1, host->GPU1, GPU0->host; every operation,
-random data, poisoned destinations, every byte. Needs CUDA and torch with two GPUs (one for the
-host pairings) and a usable fabric transport; skipped otherwise, saying why."""
+random data, poisoned destinations, every byte. Needs CUDA and torch with a GPU (with one, GPU0->GPU1
+runs GPU0->GPU0 between the two processes: GpuEnv.pairs) and a usable fabric transport; skipped
+otherwise, saying why."""
 import numpy as np
 import pytest
 
@@ -24,7 +25,7 @@ if _FWHY:
     pytest.skip(f"fabric transport unavailable: {_FWHY}", allow_module_level=True)
 
 T = 60
-PAIRS = [("gpu0", "gpu1"), ("host", "gpu1"), ("gpu0", "host")]
+PAIRS = GPU.pairs([("gpu0", "gpu1"), ("host", "gpu1"), ("gpu0", "host")])
 IDS = ["-".join(p) for p in PAIRS]
 SIZE = 9 * MiB + 12345  # several chunks and a ragged tail
 
@@ -124,8 +125,8 @@ def test_send_recv(pair, lk, rk):
 def test_child_writes_into_our_gpu(pair):
     """The other direction: the child initiates; our GPU region is the target."""
     local, peer, c = pair
-    d = _dev("gpu1")
-    ours = local.region("ours", "gpu1", SIZE)
+    d = GPU.other
+    ours = local.region("ours", GPU.kind("gpu1"), SIZE)
     desc = ours.descriptor()
     c.call("register", "src", SIZE, fill=("seed", 46), device=_dev("gpu0"))
     assert c.call("write", "src", desc, accepted=True)[0] == "ok"
@@ -139,7 +140,7 @@ def test_refusals_on_a_gpu_target(pair):
     """A bad key and a deregistered GPU region are refused; nothing lands; the peer keeps working."""
     from tether_testutil import DESC_KEY, get_u64, set_u64
     local, peer, c = pair
-    d = c.call("register", "dst", 1 * MiB, device=_dev("gpu1"))
+    d = c.call("register", "dst", 1 * MiB, device=GPU.other)
     src = local.region("src", "gpu0", 1 * MiB, seed=47)
     bad = set_u64(d, DESC_KEY, get_u64(d, DESC_KEY) ^ 1)
     with pytest.raises((tether.AccessDenied, tether.ConnectionLost)):
@@ -147,7 +148,7 @@ def test_refusals_on_a_gpu_target(pair):
     assert_poison(_get(c, "dst"), "GPU target after a bad key")
     if not peer.connected:  # an HMEM provider's NIC may drop the link on a refused key
         return
-    g = c.call("register", "gone", 1 * MiB, device=_dev("gpu1"))
+    g = c.call("register", "gone", 1 * MiB, device=GPU.other)
     c.call("deregister", "gone")
     with pytest.raises((tether.RegionNotFound, tether.AccessDenied, tether.ConnectionLost)):
         peer.write(src, g).wait(T)

@@ -1,6 +1,7 @@
 """GPU memory over TCP between two processes (issue 4): every pairing (GPU->GPU on different and on the
 same GPU, host->GPU, GPU->host), every operation, each unpack mode; random data, poisoned
-destinations, every byte checked. Needs CUDA, torch with a GPU; skipped otherwise, saying why."""
+destinations, every byte checked. Needs CUDA, torch with a GPU; skipped otherwise, saying why. With
+one GPU the GPU0->GPU1 pairings run GPU0->GPU0 between the two processes (GpuEnv.pairs)."""
 import numpy as np
 import pytest
 
@@ -14,7 +15,7 @@ _dev = GPU.device
 T = 60
 MODES = ["kernel", "d2d", "host"]
 # (local memory, remote memory): "gpu0"/"gpu1" = that GPU, "host" = host memory
-PAIRS = [("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu0", "host")]
+PAIRS = GPU.pairs([("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu0", "host")])
 SIZE = 5 * MiB + 12345  # several chunks and a partial one
 
 
@@ -129,13 +130,13 @@ def test_vmm_memory_over_tcp(children):
     info = b.call("endpoint", transport="tcp")
     a.call("connect", info["metadata"])
     n = 13 * MiB + 5
-    desc = b.call("register_vmm", "dst", n + 10, _dev("gpu1"))
-    a.call("register_vmm", "src", n, _dev("gpu0"), fill=("seed", 6))
+    desc = b.call("register_vmm", "dst", n + 10, GPU.other)  # GPU 1, or GPU 0 again on a one-GPU machine
+    a.call("register_vmm", "src", n, 0, fill=("seed", 6))
     assert a.call("write", "src", desc, remote_offset=7, length=n) == ("ok", n)
     got = np.frombuffer(b.call("get", "dst"), np.uint8)
     assert_bytes_equal(got[7:7 + n], rand_bytes(6, n), "write into VMM memory")
     assert_poison(got[:7])
     assert_poison(got[7 + n:])
-    a.call("register_vmm", "back", n, _dev("gpu0"))
+    a.call("register_vmm", "back", n, 0)
     assert a.call("read", "back", desc, remote_offset=7, length=n) == ("ok", n)
     assert_bytes_equal(np.frombuffer(a.call("get", "back"), np.uint8), rand_bytes(6, n), "read from VMM memory")

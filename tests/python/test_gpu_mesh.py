@@ -1,5 +1,7 @@
-"""GPU full mesh (issue 9): both ordered pairs of 2 GPUs at once, GPU memory to GPU memory, every
-byte checked, in both shapes; and NCCL all-pairs beside it. Needs CUDA, torch and 2 GPUs."""
+"""`tether bench --device gpu` on the GPUs here: one pair GPU0 -> GPU1 (GPU0 -> GPU0 between two processes
+on a one-GPU machine) over tcp and ipc, and the GPU full mesh (issue 9): both ordered pairs of 2 GPUs
+at once, every byte checked, in both shapes, with NCCL all-pairs beside it. Needs CUDA and torch with
+a GPU; the mesh needs 2 (its flows pair distinct GPUs)."""
 import json
 
 import pytest
@@ -13,11 +15,30 @@ try:
 except ImportError:  # CPU CI
     _ngpu_torch = 0
 _cuda, _why, _ngpu = tether._tether.gpu_status()[:3]
-if not (_cuda and _ngpu >= 2 and _ngpu_torch >= 2):
-    pytest.skip(f"GPU mesh tests need CUDA, torch and 2 GPUs (tether: {_why or f'{_ngpu} GPUs'}; "
+if not (_cuda and _ngpu >= 1 and _ngpu_torch >= 1):
+    pytest.skip(f"GPU bench tests need CUDA and torch with a GPU (tether: {_why or f'{_ngpu} GPUs'}; "
                 f"torch sees {_ngpu_torch})", allow_module_level=True)
+_other = 1 if min(_ngpu, _ngpu_torch) > 1 else 0
+two_gpus = pytest.mark.skipif(min(_ngpu, _ngpu_torch) < 2,
+                              reason=f"a GPU full mesh pairs distinct GPUs (flows i>j, i != j): needs 2, {_ngpu} here")
 
 
+@pytest.mark.budget(300)
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_bench_gpu_pair_checked(tmp_path, transport):
+    """The CLI's GPU path as a new user runs it: one write/read sweep, single and scattered, checked."""
+    out = tmp_path / "pair.json"
+    r = run_cli("bench", "--quiet", "--device", "gpu", "--local-gpu-idx", "0", "--remote-gpu-idx", str(_other),
+                "--transport", transport, "--sizes", "1M,16M", "--num-iovs", "1,16", "--mode", "write,read",
+                "--iters", "3", "--check", "--json", str(out), timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 8
+    assert all(x["check"] is True and x["transport"] == transport and x["gbps"] > 0 for x in rows)
+    assert {x["device"] for x in rows} == {f"gpu0>gpu{_other}"}
+
+
+@two_gpus
 @pytest.mark.budget(300)
 @pytest.mark.parametrize("single", [False, True], ids=["process-per-gpu", "single-process"])
 def test_gpu_mesh_two_gpus_checked(tmp_path, single):
@@ -35,6 +56,7 @@ def test_gpu_mesh_two_gpus_checked(tmp_path, single):
         assert all(x["check"] is True and x["transport"] == "tcp" for x in block)
 
 
+@two_gpus
 @pytest.mark.budget(300)
 def test_nccl_all_pairs_checked(tmp_path):
     from tether import nccl_mesh

@@ -2,8 +2,9 @@
 per peer, copies by the copy engines, batches by one copy-kernel launch over peer pointers. Every
 pairing (GPU0->GPU1, same GPU, host->GPU, GPU->host), every operation, random data, poisoned
 destinations, every byte; the handle cache (no reopen; a freed and reallocated allocation is noticed);
-a deregistered region is refused. Needs CUDA and torch with a GPU (two for GPU0<->GPU1); skipped
-otherwise, saying why."""
+a deregistered region is refused. Needs CUDA and torch with a GPU; skipped otherwise, saying why.
+With one GPU the GPU0<->GPU1 pairings run GPU0->GPU0 between two processes (CUDA IPC on one device;
+GpuEnv.pairs)."""
 import numpy as np
 import pytest
 
@@ -15,7 +16,7 @@ torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_wh
 _dev = GPU.device
 
 T = 60
-PAIRS = [("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu1", "host"), ("gpu1", "gpu0")]
+PAIRS = GPU.pairs([("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu1", "host"), ("gpu1", "gpu0")])
 SIZE = 37 * MiB + 12345  # several 16 MiB GPU chunks and a partial one (see Local)
 
 
@@ -108,7 +109,7 @@ def test_child_writes_into_our_gpu(pair):
     """The other direction: the child initiates a GPU write into our GPU region."""
     local, peer, c = pair
     dst = local.region("dst", "gpu0", 3 * MiB)
-    c.call("register", "s", 3 * MiB, fill=("seed", 45), device=_dev("gpu1") if _ngpu > 1 else 0)
+    c.call("register", "s", 3 * MiB, fill=("seed", 45), device=GPU.other)
     assert c.call("write", "s", dst.descriptor(), accepted=True) == ("ok", 3 * MiB)
     assert_bytes_equal(local.get("dst"), rand_bytes(45, 3 * MiB))
 
@@ -144,7 +145,7 @@ def test_deregistering_closes_the_peers_mapping(pair):
     """Deregistration tells the peer to close its mapping of the allocation (else the peer would keep
     that GPU memory alive until it disconnects): registering the same tensor again makes it reopen."""
     local, peer, c = pair
-    desc = c.call("register", "dst", 8 * MiB, device=1)
+    desc = c.call("register", "dst", 8 * MiB, device=GPU.other)
     src = local.region("src", "gpu0", 8 * MiB, seed=48)
     peer.write(src, desc).wait(T)
     opens1 = c.call("stats")["ipc_cuda_opens"]
@@ -180,7 +181,7 @@ def test_two_endpoints_of_one_process():
         assert peer.transport == "ipc"
         n = 9 * MiB + 3
         src = torch.from_numpy(rand_bytes(49, n)).to("cuda:0")
-        dst = torch.from_numpy(poisoned(n + 1)).to(f"cuda:{min(1, _ngpu - 1)}")
+        dst = torch.from_numpy(poisoned(n + 1)).to(f"cuda:{GPU.other}")
         torch.cuda.synchronize()
         peer.write(a.register(src), b.register(dst).descriptor(), remote_offset=1).wait(T)
         got = dst.cpu().numpy()
@@ -190,11 +191,11 @@ def test_two_endpoints_of_one_process():
 
 
 VMM_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # torch allocates with cuMemCreate + cuMemMap
+VMM_PAIRS = GPU.pairs([("gpu0", "gpu1"), ("gpu1", "gpu0"), ("gpu0", "gpu0")])
 
 
 @pytest.mark.parametrize("how", ["cuMemCreate", "expandable_segments"])
-@pytest.mark.parametrize("lk,rk", [("gpu0", "gpu1"), ("gpu1", "gpu0"), ("gpu0", "gpu0")],
-                         ids=["gpu0-gpu1", "gpu1-gpu0", "gpu0-gpu0"])
+@pytest.mark.parametrize("lk,rk", VMM_PAIRS, ids=["-".join(p) for p in VMM_PAIRS])
 def test_vmm_memory(children, lk, rk, how):
     """VMM memory has no legacy CUDA IPC handle: ipc exports each physical allocation behind a region
     as a POSIX fd and the other side maps them all at one pointer (transport/ipc/vmm.h). Two

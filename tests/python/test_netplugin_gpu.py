@@ -32,7 +32,8 @@ BOUNCES = ["cuda", "host"]
 # (this process's memory, the child's memory): "gpu0"/"gpu1" = that GPU, "host" = host memory.
 # The child's bounce pages are on GPU 1 when there are two (GPU 0 otherwise), ours on GPU 0, so
 # gpu0-gpu1 takes the kernel path on both sides and gpu0-gpu0 the cross-GPU d2d fallback.
-PAIRS = [("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu0", "host")]
+# One GPU: GpuEnv.pairs runs gpu0-gpu1 once, as gpu0-gpu0 (two processes sharing the GPU).
+PAIRS = GPU.pairs([("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu0", "host")])
 SIZE = 9 * MiB + 12345  # several 4 MiB frames and a partial one
 CHILD_GPU = 1 if _ngpu > 1 else 0
 

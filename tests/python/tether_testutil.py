@@ -73,10 +73,29 @@ def descriptor_extension(desc: bytes, name: bytes) -> tuple[int, bytes]:
 
 class GpuEnv:
     """What a GPU test module needs: torch, tether's GPU count and kernel status, and `device(kind)`
-    mapping "host" / "gpu0" / "gpu1" to None or a GPU index (skipping where that GPU is missing)."""
+    mapping "host" / "gpu0" / "gpu1" to None or a GPU index (skipping where that GPU is missing).
+
+    Tests written for two GPUs run on one too: `pairs()` maps "gpu1" to GPU 0 there (two processes
+    sharing one GPU: CUDA IPC on one device, staging both ways through one PCIe link) and `other` is
+    the second GPU's index (0 when there is one). Only what needs two devices asks `device("gpu1")`."""
 
     def __init__(self, torch, ngpu: int, kernels: bool, kernels_why: str):
         self.torch, self.ngpu, self.kernels, self.kernels_why = torch, ngpu, kernels, kernels_why
+        self.other = 1 if ngpu > 1 else 0
+
+    def kind(self, kind: str) -> str:
+        """ "gpu1" is GPU 0 on a one-GPU machine."""
+        return "gpu0" if kind == "gpu1" and self.ngpu < 2 else kind
+
+    def pairs(self, pairs: list) -> list:
+        """(local kind, remote kind) pairings written for two GPUs, on the GPUs here; pairings that
+        become one (gpu0-gpu1 and gpu0-gpu0 on one GPU) run once. Test ids: "-".join(pair)."""
+        out: list = []
+        for p in pairs:
+            q = tuple(self.kind(k) for k in p)
+            if q not in out:
+                out.append(q)
+        return out
 
     def device(self, kind: str) -> Optional[int]:
         import pytest
