@@ -35,9 +35,23 @@ def _csv(kind, what: str = "value"):
     def parse(text: str):
         try:
             return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError as e:
+        except (ValueError, argparse.ArgumentTypeError) as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+def _count(minimum: int = 1):
+    """A whole number >= minimum (0 iovs or channels would fail deep inside a run, not here)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text.strip()!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+    parse.__name__ = "count"
     return parse
 
 
@@ -73,30 +87,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--remote-gpu-idx", metavar="GPU", type=int, default=0, help="--device gpu: the target side's GPU (default 0)")
     b.add_argument("--sizes", metavar="LIST", type=_csv(parse_size, "size"), default=None,
                    help=f"bytes per block, comma list with binary suffixes K, M, G (default {DEFAULT_SIZES})")
-    b.add_argument("--num-iovs", metavar="LIST", type=_csv(int, "count"), default=[1],
+    b.add_argument("--num-iovs", metavar="LIST", type=_csv(_count(), "count"), default=[1],
                    help="blocks per vectored op, comma list; crossed with --sizes (default 1)")
-    b.add_argument("--iters", metavar="N", type=int, default=None, help="measured ops per case (default: by size)")
-    b.add_argument("--warmup", metavar="N", type=int, default=None, help="unmeasured ops first (default: 10%% of iters, at least 1)")
+    b.add_argument("--iters", metavar="N", type=_count(), default=None, help="measured ops per case (default: by size)")
+    b.add_argument("--warmup", metavar="N", type=_count(0), default=None, help="unmeasured ops first (default: 10%% of iters, at least 1)")
     b.add_argument("--mode", metavar="LIST", type=_csv(_choice("mode", *MODES), "mode"), default=["write"],
                    help="operations to measure, comma list of write, read, send (default: write)")
     b.add_argument("--async-api", action="store_true", help="keep --depth ops in flight instead of one at a time")
-    b.add_argument("--depth", metavar="N", type=int, default=8, help="ops in flight with --async-api (default 8)")
+    b.add_argument("--depth", metavar="N", type=_count(), default=8, help="ops in flight with --async-api (default 8)")
     b.add_argument("--check", action="store_true",
                    help="verify: random source, poisoned destination, every byte compared, for the first "
                         "--check-iters ops of each case (not timed)")
-    b.add_argument("--check-iters", type=int, default=DEFAULT_CHECK_ITERS, metavar="N",
+    b.add_argument("--check-iters", type=_count(0), default=DEFAULT_CHECK_ITERS, metavar="N",
                    help=f"ops verified per case with --check (default {DEFAULT_CHECK_ITERS}; 0: as many as --iters)")
     b.add_argument("--json", metavar="PATH",
                    help="write machine, configuration and every result to PATH (gbps in 10^9 B/s, latencies in µs)")
     b.add_argument("--plot", metavar="PATH",
                    help="PNG: GB/s against size, a line per configuration (needs matplotlib: pip install 'tether[plot]')")
-    b.add_argument("--channels", metavar="LIST", type=_csv(int, "count"), default=None,
+    b.add_argument("--channels", metavar="LIST", type=_csv(_count(), "count"), default=None,
                    help="progress threads / lanes per peer, comma list to sweep (default: the endpoint's)")
-    b.add_argument("--sockets-per-channel", metavar="LIST", type=_csv(int, "count"), default=None,
+    b.add_argument("--sockets-per-channel", metavar="LIST", type=_csv(_count(), "count"), default=None,
                    help="tcp sockets per lane, comma list to sweep")
     b.add_argument("--chunk-bytes", metavar="LIST", type=_csv(parse_size, "size"), default=None,
                    help="chunk size (unit of pipelining), comma list with K/M/G suffixes to sweep")
-    b.add_argument("--window", metavar="LIST", type=_csv(int, "count"), default=None,
+    b.add_argument("--window", metavar="LIST", type=_csv(_count(), "count"), default=None,
                    help="chunks in flight per peer, comma list to sweep")
     b.add_argument("--unpack", metavar="LIST", type=_csv(_choice("unpack", *UNPACK), "unpack"), default=None,
                    help="GPU memory over staging: how received bytes reach their places, comma list of "
@@ -112,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--full-mesh", action="store_true",
                    help="many flows at once; per-flow and aggregate rows. Host memory: --gpus pairs. "
                         "--device gpu: every ordered GPU pair i>j of --gpus GPUs")
-    b.add_argument("--gpus", metavar="N", type=int, default=2, help="full mesh: pairs (host memory) or GPUs (--device gpu)")
+    b.add_argument("--gpus", metavar="N", type=_count(), default=2, help="full mesh: pairs (host memory) or GPUs (--device gpu)")
     b.add_argument("--single-process", action="store_true",
                    help="full mesh: one process (one endpoint) per side for all flows, not one per pair/GPU")
     b.add_argument("--nccl", nargs="?", const="default,socket", default=None, metavar="default,socket",
@@ -252,7 +266,11 @@ def bench(args) -> int:
     if role == "client" and not (args.peer or torchrun):
         _err(console, "--role client needs --peer HOST:PORT (or torchrun)")
         return 2
-    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):  # found before the run, not after it
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            _err(console, f"{opt} {path}: cannot write there (no such directory, or no permission)")
+            return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
         _err(console, "--plot needs matplotlib, not installed here: pip install matplotlib "
                       "(in tether's source tree: pip install \".[plot]\")")
         return 2

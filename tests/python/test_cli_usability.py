@@ -151,6 +151,23 @@ def test_bad_size_lists_suffixes():
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args,says", [
+    (["--num-iovs", "0"], "--num-iovs: 0 is below 1"), (["--iters", "0"], "--iters: 0 is below 1"),
+    (["--channels", "2,x"], "'x' is not a whole number"), (["--window", "-1"], "-1 is below 1")])
+def test_bad_counts_fail_before_the_run(args, says):
+    """Found by argparse, not by a ZeroDivisionError (or a server's refusal) inside a run."""
+    r = run_cli("bench", "--sizes", "4K", *args)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_unwritable_output_fails_before_the_run(tmp_path):
+    t0 = time.monotonic()
+    r = run_cli("bench", "--sizes", "4K", "--iters", "2", "--json", str(tmp_path / "no" / "such" / "r.json"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "--json" in lines[0] and r.stdout == "", r.stderr
+    assert time.monotonic() - t0 < 30
+
+
 @pytest.mark.budget(90)
 def test_unpack_sweeps(tmp_path):
     a = cli.build_parser().parse_args(["bench", "--unpack", "kernel,d2d"])
