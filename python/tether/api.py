@@ -288,6 +288,27 @@ def _as_host_bytes(obj: Any) -> Tuple[int, int, bool]:
     return arr.ctypes.data, arr.nbytes, not arr.flags.writeable
 
 
+class _InstanceOrClass:
+    """A method callable on an endpoint or on the class itself (then on a short-lived endpoint with the
+    default options and TETHER_* overrides): `tether.Endpoint.transports()` reads naturally."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+        self.__name__ = fn.__name__
+
+    def __get__(self, obj, cls=None):
+        if obj is not None:
+            return self.fn.__get__(obj, cls)
+
+        def on_class(**options: Any):
+            with cls(port=0, **options) as ep:
+                return self.fn(ep)
+        on_class.__doc__ = self.fn.__doc__
+        on_class.__name__ = self.fn.__name__
+        return on_class
+
+
 class Endpoint:
     """One per process. Listens, accepts peers by itself, owns regions, peers and progress threads.
 
@@ -382,8 +403,10 @@ class Endpoint:
     def stats(self) -> dict:
         return self._ep.stats()
 
+    @_InstanceOrClass
     def transports(self) -> dict[str, str]:
-        """Every transport this build knows -> why it cannot be used here ("" when it can)."""
+        """Every transport this build knows -> why it cannot be used here ("" when it can).
+        Also on the class: `tether.Endpoint.transports(**options)` asks a short-lived endpoint."""
         return dict(self._ep.transports())
 
     def close(self) -> None:

@@ -64,14 +64,22 @@ def _choice(what: str, *allowed: str):
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line naming the option and where the options are listed, not the whole
+    usage block (which buried the message under a dozen lines)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tether.bench import parse_size
 
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true",
                         help="on failure, print the traceback too (also TETHER_DEBUG=1)")
-    p = argparse.ArgumentParser(prog="tether", description="tether: point-to-point transfer engine")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="tether", description="tether: point-to-point transfer engine")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     b = sub.add_parser("bench", parents=[common], help="measure transfers between two local processes",
                        description="Measure transfers between two local processes (or two hosts: --role). "
@@ -103,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="PATH",
                    help="write machine, configuration and every result to PATH (gbps in 10^9 B/s, latencies in µs)")
     b.add_argument("--plot", metavar="PATH",
-                   help="PNG: GB/s against size, a line per configuration (needs matplotlib: pip install 'tether[plot]')")
+                   help="PNG: GB/s against size, a line per configuration (needs matplotlib: pip install matplotlib)")
     b.add_argument("--channels", metavar="LIST", type=_csv(_count(), "count"), default=None,
                    help="progress threads / lanes per peer, comma list to sweep (default: the endpoint's)")
     b.add_argument("--sockets-per-channel", metavar="LIST", type=_csv(_count(), "count"), default=None,
@@ -589,7 +597,11 @@ def _expected() -> tuple:
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # plain `tether`: what it can do, not an error line
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("TETHER_DEBUG", "") not in ("", "0")
     try:
         return bench(args) if args.command == "bench" else doctor(args)

@@ -149,6 +149,12 @@ def test_bad_size_lists_suffixes():
     r = run_cli("bench", "--sizes", "12Q")
     assert r.returncode == 2 and "K, M or G" in r.stderr and "12Q" in r.stderr
     assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "tether bench --help" in r.stderr, r.stderr
+
+
+def test_plain_tether_prints_its_help():
+    r = run_cli()
+    assert r.returncode == 2 and "bench" in r.stderr and "doctor" in r.stderr and "required" not in r.stderr
 
 
 @pytest.mark.parametrize("args,says", [
@@ -158,6 +164,7 @@ def test_bad_counts_fail_before_the_run(args, says):
     """Found by argparse, not by a ZeroDivisionError (or a server's refusal) inside a run."""
     r = run_cli("bench", "--sizes", "4K", *args)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_unwritable_output_fails_before_the_run(tmp_path):
@@ -325,8 +332,10 @@ def test_fortran_ordered_array_registers_and_moves():
 
 def test_readme_names_work_as_written():
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert "Endpoint.transports()" not in readme  # an instance method: the README says how to call it
+    assert "tether.Endpoint.transports()" in readme  # as written there: on the class, and on an endpoint
+    assert tether.Endpoint.transports()["tcp"] == ""
+    assert tether.Endpoint.transports(transport="tcp")["tcp"] == ""
     with tether.Endpoint() as ep:
-        assert ep.transports()["tcp"] == ""
+        assert ep.transports() == tether.Endpoint.transports()
     assert tether.Endpoint.__init__.__doc__ and tether.Endpoint.peers.__doc__
     assert "bytes" in tether.Endpoint.metadata.__doc__ and "hex" in tether.Region.descriptor.__doc__
