@@ -10,7 +10,7 @@ import numpy as np
 
 from tether import _tether
 
-Remote = Union[bytes, _tether.RemoteRegion]
+Remote = Union[bytes, str, _tether.RemoteRegion]  # str: a descriptor's .hex() text
 
 # Constructor options -> Config fields (each also has a TETHER_* environment override).
 _OPTIONS = {
@@ -109,7 +109,15 @@ def _notify_arg(notify: Optional[bytes]) -> bytes:
 
 
 def _remote(r: Remote) -> _tether.RemoteRegion:
-    return r if isinstance(r, _tether.RemoteRegion) else _tether.RemoteRegion(bytes(r))
+    if isinstance(r, _tether.RemoteRegion):
+        return r
+    if isinstance(r, str):  # a descriptor that crossed a text channel as .hex()
+        try:
+            r = bytes.fromhex(r)
+        except ValueError:
+            raise _tether.InvalidArgument("a descriptor is bytes (or their .hex() text); got other text "
+                                          "(base64 must be decoded first)") from None
+    return _tether.RemoteRegion(bytes(r))
 
 
 Offsets = Union[Sequence[int], np.ndarray]
@@ -168,16 +176,18 @@ class Peer:
               length: Optional[int] = None, notify: Optional[bytes] = None) -> Transfer:
         """Local [local_offset, +length) -> remote [remote_offset, +length). Default length: the
         rest of the remote range. `notify` reaches the target only after the data is in place."""
-        if length is None:
+        if length is None or isinstance(remote, str):
             remote = _remote(remote)
+        if length is None:
             length = remote.length - remote_offset
         return Transfer(self._p.write(local._r, local_offset, remote, remote_offset, length, _notify_arg(notify)))
 
     def read(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
              length: Optional[int] = None) -> Transfer:
         """Remote [remote_offset, +length) -> local [local_offset, +length)."""
-        if length is None:
+        if length is None or isinstance(remote, str):
             remote = _remote(remote)
+        if length is None:
             length = remote.length - remote_offset
         return Transfer(self._p.read(local._r, local_offset, remote, remote_offset, length))
 
@@ -198,14 +208,14 @@ class Peer:
         as they are); `lengths`: one int for every block, or one per block; zero-length blocks are
         allowed. Checked like `writev` before any byte moves; errors name the block ("(block 17)").
         Much cheaper to post than `writev` with a tuple per block."""
-        return Transfer(self._p.writev_blocks(local._r, remote, _blocks(local_offsets, remote_offsets, lengths),
+        return Transfer(self._p.writev_blocks(local._r, _remote(remote) if isinstance(remote, str) else remote, _blocks(local_offsets, remote_offsets, lengths),
                                               _notify_arg(notify)))
 
     def readv_blocks(self, local: Region, remote: Remote, local_offsets: Offsets, remote_offsets: Offsets,
                      lengths: Union[int, Offsets]) -> Transfer:
         """Block i: remote [remote_offsets[i], +lengths[i]) -> local [local_offsets[i], +lengths[i]);
         arguments as for `writev_blocks`."""
-        return Transfer(self._p.readv_blocks(local._r, remote, _blocks(local_offsets, remote_offsets, lengths)))
+        return Transfer(self._p.readv_blocks(local._r, _remote(remote) if isinstance(remote, str) else remote, _blocks(local_offsets, remote_offsets, lengths)))
 
     def send(self, local: Region, *, offset: int = 0, length: Optional[int] = None, tag: int = 0) -> Transfer:
         """Two-sided: matched by the peer's recv with the same tag, in posting order."""
@@ -288,6 +298,25 @@ def _as_host_bytes(obj: Any) -> Tuple[int, int, bool]:
     return arr.ctypes.data, arr.nbytes, not arr.flags.writeable
 
 
+_METADATA_MAGIC = b"TTRM"
+
+
+def _metadata_text(text: str) -> bytes:
+    """connect()'s str argument: "host:port", or metadata that crossed a text channel as hex."""
+    t = text.strip()
+    if ":" not in t:
+        try:
+            raw = bytes.fromhex(t)
+        except ValueError:
+            raw = b""
+        if raw.startswith(_METADATA_MAGIC):
+            return raw
+        raise _tether.InvalidArgument(
+            f"connect: {t[:40]!r} is neither \"host:port\" nor metadata; metadata is bytes "
+            "(over a text channel send metadata().hex(); base64 text must be decoded first)")
+    return t.encode()
+
+
 class _InstanceOrClass:
     """A method callable on an endpoint or on the class itself (then on a short-lived endpoint with the
     default options and TETHER_* overrides): `tether.Endpoint.transports()` reads naturally."""
@@ -355,9 +384,10 @@ class Endpoint:
         return self._ep.metadata()
 
     def connect(self, target: Union[bytes, str], timeout: Optional[float] = None) -> Peer:
-        """Connects to metadata bytes or "host:port". Raises ConnectionLost, AuthError, ..."""
+        """Connects to metadata bytes (or their `.hex()` text) or "host:port". Raises ConnectionLost,
+        AuthError, ..."""
         if isinstance(target, str):
-            target = target.encode()
+            target = _metadata_text(target)
         return Peer(self._ep.connect(bytes(target), -1.0 if timeout is None else float(timeout)))
 
     def register(self, obj: Any, *, readonly: Optional[bool] = None, device: Optional[int] = None) -> Region:

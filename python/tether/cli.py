@@ -55,6 +55,17 @@ def _count(minimum: int = 1):
     return parse
 
 
+def _host_port(least_port: int):
+    """HOST:PORT (IPv6 in brackets or bare: the port follows the last colon), checked before a run."""
+    def parse(text: str) -> str:
+        host, sep, port = text.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not least_port <= int(port) <= 65535:
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port {least_port}-65535, got {text!r}")
+        return text.strip()
+    parse.__name__ = "address"
+    return parse
+
+
 def _choice(what: str, *allowed: str):
     def parse(text: str) -> str:
         t = text.strip()
@@ -129,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--role", choices=["local", "server", "client"], default=None,
                    help="local: two processes here (default); server/client: one side each on two hosts. "
                         "Under torchrun (2 ranks) rank 0 is the client, rank 1 the server.")
-    b.add_argument("--listen", default=None, metavar="HOST:PORT", help="server: where to listen (default 0.0.0.0:0)")
-    b.add_argument("--peer", default=None, metavar="HOST:PORT", help="client: the server's address")
+    b.add_argument("--listen", default=None, metavar="HOST:PORT", type=_host_port(0), help="server: where to listen (default 0.0.0.0:0)")
+    b.add_argument("--peer", default=None, metavar="HOST:PORT", type=_host_port(1), help="client: the server's address")
     b.add_argument("--full-mesh", action="store_true",
                    help="many flows at once; per-flow and aggregate rows. Host memory: --gpus pairs. "
                         "--device gpu: every ordered GPU pair i>j of --gpus GPUs")
@@ -171,7 +182,7 @@ def _run_server(args, options: dict) -> int:
     host, port = "0.0.0.0", 0
     if args.listen:
         host, _, p = args.listen.rpartition(":")
-        port = int(p)
+        host, port = host.strip("[]"), int(p)
     ep = tether.Endpoint(host=host, port=port, **options)
     torchrun = _torchrun_role()
     if torchrun:
@@ -328,6 +339,10 @@ def bench(args) -> int:
                check_iters=args.check_iters)
         for m in modes for n in args.num_iovs for s in sizes if not (m == "send" and n != 1)
     ]
+    if not cases_per_combo:  # --mode send --num-iovs 4: nothing would run, and an empty table says nothing
+        _err(console, "nothing to measure: send moves one block per op (--num-iovs 1); "
+                      "vectored ops are write and read")
+        return 2
     if args.full_mesh and (role != "local" or args.gpus < 1):
         _err(console, "--full-mesh runs locally (two hosts: start one bench pair per device) with --gpus >= 1")
         return 2
@@ -358,7 +373,8 @@ def bench(args) -> int:
     if args.full_mesh:
         total_ops = len(combos) * len(cases_per_combo) * n_flows
     t_start = time.perf_counter()
-    with Progress(console=console, transient=True, disable=args.quiet) as progress:
+    # A progress bar only on a terminal: in a log or a pipe it is noise (and leaves a blank line).
+    with Progress(console=console, transient=True, disable=args.quiet or not console.is_terminal) as progress:
         task = progress.add_task("bench", total=total_ops)
         for i, combo in enumerate(combos):
             opts = dict(combo, **transport_opts)

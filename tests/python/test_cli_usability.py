@@ -159,7 +159,10 @@ def test_plain_tether_prints_its_help():
 
 @pytest.mark.parametrize("args,says", [
     (["--num-iovs", "0"], "--num-iovs: 0 is below 1"), (["--iters", "0"], "--iters: 0 is below 1"),
-    (["--channels", "2,x"], "'x' is not a whole number"), (["--window", "-1"], "-1 is below 1")])
+    (["--channels", "2,x"], "'x' is not a whole number"), (["--window", "-1"], "-1 is below 1"),
+    (["--role", "client", "--peer", "127.0.0.1"], "--peer: expected HOST:PORT"),
+    (["--role", "server", "--listen", "nonsense"], "--listen: expected HOST:PORT"),
+    (["--mode", "send", "--num-iovs", "4"], "nothing to measure: send moves one block per op")])
 def test_bad_counts_fail_before_the_run(args, says):
     """Found by argparse, not by a ZeroDivisionError (or a server's refusal) inside a run."""
     r = run_cli("bench", "--sizes", "4K", *args)
@@ -339,3 +342,19 @@ def test_readme_names_work_as_written():
         assert ep.transports() == tether.Endpoint.transports()
     assert tether.Endpoint.__init__.__doc__ and tether.Endpoint.peers.__doc__
     assert "bytes" in tether.Endpoint.metadata.__doc__ and "hex" in tether.Region.descriptor.__doc__
+
+
+def test_hex_text_of_metadata_and_descriptors_is_accepted():
+    """What a text channel (JSON, a store) carries: .hex() of the bytes, passed on as it is."""
+    with tether.Endpoint() as a, tether.Endpoint() as b:
+        dst = np.zeros(4096, np.uint8)
+        src = np.arange(4096, dtype=np.uint32).astype(np.uint8)
+        rd, rs = b.register(dst), a.register(src)
+        peer = a.connect(b.metadata().hex(), timeout=10)
+        peer.write(rs, rd.descriptor().hex()).wait(10)
+        assert np.array_equal(dst, src)
+        peer.writev_blocks(rs, rd.descriptor(0, 64).hex(), [0], [0], 64).wait(10)
+        with pytest.raises(tether.InvalidArgument, match="base64"):
+            a.connect("VFRSTQMAhbDUYZeHCjcunoPFm6MyW", timeout=5)
+        with pytest.raises(tether.InvalidArgument, match="base64"):
+            peer.write(rs, "zz", length=4)
