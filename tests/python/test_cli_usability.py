@@ -19,7 +19,7 @@ from tether import bench as B
 from tether import cli
 
 TETHER_PATH = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
-ROOT = os.path.dirname(TETHER_PATH)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the source tree
 ENV = dict(os.environ, PYTHONPATH=TETHER_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
 ENV.pop("COLUMNS", None)
 ENV.pop("TETHER_DEBUG", None)
