@@ -2,7 +2,8 @@
 """The one-GPU table (issue 18): tether between two processes sharing GPU 0 (GPU0 -> GPU0), over tcp
 (staging through pinned host memory both ways, one PCIe link) and ipc (CUDA IPC on one device), with
 the ceilings measured in the same call: pinned copies each way, a device-to-device copy on GPU 0, and
-loopback TCP with 8 streams. Rows: 1 MiB, 16 MiB and 256 MiB writes one at a time, and the 4,096 x
+loopback TCP (bench/tools/tcp_ceiling.c, page-locked by cudaHostAlloc): each tcp row runs
+`tether bench --ceiling` (as many streams as tether's lanes, right after the row), and 8 streams once. Rows: 1 MiB, 16 MiB and 256 MiB writes one at a time, and the 4,096 x
 16 KiB scattered write (one vectored op), every one byte-checked (`tether bench --check`).
 Each step is bounded; the markdown table comes last (docs/PERFORMANCE.md, "One GPU").
 
@@ -22,6 +23,19 @@ import threading
 import time
 
 MiB = 1 << 20
+
+
+def _ceiling_tool() -> bool:
+    try:
+        from tether import bench as B
+        B.ceiling_tool()
+        return True
+    except Exception as e:  # no compiler, not installed: the Python streams stand in
+        print(f"no tcp_ceiling ({e}): tcp rows without their own ceiling", flush=True)
+        return False
+
+
+CEILING_TOOL = _ceiling_tool()
 CASES = [("256 MiB write", ["--sizes", "256M"]), ("16 MiB write", ["--sizes", "16M"]),
          ("1 MiB write", ["--sizes", "1M"]), ("4,096 x 16 KiB write", ["--sizes", "16K", "--num-iovs", "4096"])]
 
@@ -32,15 +46,19 @@ def tether_row(transport: str, remote: int, args: list, timeout: float) -> dict:
         path = os.path.join(tmp, "r.json")
         cmd = [sys.executable, "-m", "tether", "bench", "--transport", transport, "--device", "gpu",
                "--local-gpu-idx", "0", "--remote-gpu-idx", str(remote), "--mode", "write", "--check", "--quiet",
-               "--json", path, *args]
+               "--json", path, *args] + (["--ceiling"] if transport == "tcp" and CEILING_TOOL else [])
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"error": f"no result in {timeout:.0f} s"}
         if p.returncode != 0 or not os.path.exists(path):
             return {"error": (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:60]}
-        r = json.load(open(path))["results"][0]
-        return {"gbps": r["gbps"], "p50": r["lat_p50_us"], "check": r["check"], "device": r["device"]}
+        doc = json.load(open(path))
+        r = doc["results"][0]
+        c = (doc.get("ceilings") or [{}])[0]
+        return {"gbps": r["gbps"], "p50": r["lat_p50_us"], "check": r["check"], "device": r["device"],
+                "cpu_s_per_gb": r.get("cpu_s_per_gb"), "ceiling": c.get("gbps"), "ceiling_streams": c.get("streams"),
+                "ceiling_cpu_s_per_gb": (c.get("cpu_s_per_gb") or {}).get("both")}
 
 
 def copy_ceilings(iters: int = 20, n: int = 256 * MiB) -> dict:
@@ -104,7 +122,14 @@ def _stream(start, seconds: float, out) -> None:
 
 
 def loopback_tcp(streams: int = 8, seconds: float = 3.0) -> float:
-    """GB/s of `streams` loopback TCP streams at once, one process each (no GIL between them)."""
+    """GB/s of `streams` loopback TCP streams: bench/tools/tcp_ceiling.c (tether's socket options and
+    framing, cudaHostAlloc'd buffers, a thread per stream each side), else Python, one process each."""
+    if CEILING_TOOL:
+        from tether import bench as B
+        try:
+            return B.tcp_ceiling(streams, seconds=seconds, cuda=True)["gbps"]
+        except B.BenchError as e:
+            print(f"tcp_ceiling failed ({e}); Python streams instead", flush=True)
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(streams + 1), ctx.Queue()
     procs = [ctx.Process(target=_stream, args=(start, seconds, out), daemon=True) for _ in range(streams)]
@@ -145,7 +170,6 @@ def main() -> int:
     def gb(v):
         return "-" if v is None else f"{v:,.1f}"
 
-    tcp_ceiling = min([v for v in (copies.get("h2d"), copies.get("d2h"), tcp8) if v] or [0]) or None
     d2d = copies.get("d2d")
     print(f"\nGPU0 -> GPU{a.remote_gpu}, two processes, --check; ceilings from this call")
     print("| write | tcp GB/s | tcp p50 µs | tcp / ceiling | ipc GB/s | ipc p50 µs | ipc / D2D copy |")
@@ -153,7 +177,10 @@ def main() -> int:
     for name, _ in CASES:
         t, i = rows[(name, "tcp")], rows[(name, "ipc")]
         cells = []
-        for r, ceiling in ((t, tcp_ceiling), (i, d2d)):
+        # tcp's ceiling: the row's own loopback TCP (same call, tether's lanes) or the 8-stream one, and
+        # the pinned copies both ways (staging crosses PCIe on each side)
+        row_ceiling = min([v for v in (t.get("ceiling") or tcp8, copies.get("h2d"), copies.get("d2h")) if v] or [0]) or None
+        for r, ceiling in ((t, row_ceiling), (i, d2d)):
             if "error" in r:
                 cells += [f"failed: {r['error']}", "", ""]
                 continue
@@ -165,7 +192,13 @@ def main() -> int:
     print(f"| pinned host -> GPU copy, 256 MiB | {gb(copies.get('h2d'))} |")
     print(f"| GPU -> pinned host copy, 256 MiB | {gb(copies.get('d2h'))} |")
     print(f"| device-to-device copy on GPU 0, 256 MiB | {gb(d2d)} |")
-    print(f"| loopback TCP, 8 streams (Python, 4 MiB sends, 3 s) | {gb(tcp8)} |")
+    print(f"| loopback TCP, 8 streams ({'tcp_ceiling, 1 MiB sends' if CEILING_TOOL else 'Python, 4 MiB sends'}, 3 s) | {gb(tcp8)} |")
+    for name, _ in CASES:
+        t = rows[(name, "tcp")]
+        if t.get("ceiling"):
+            print(f"| loopback TCP beside tcp {name}, {t['ceiling_streams']} streams (tether's lanes; "
+                  f"{t['ceiling_cpu_s_per_gb']:.3f} CPU-s/GB, tether {t['cpu_s_per_gb'] or float('nan'):.3f}) "
+                  f"| {gb(t['ceiling'])} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": {f"{t} {n}": r for (n, t), r in rows.items()}, "copies": copies, "loopback_tcp_8": tcp8},

@@ -213,6 +213,7 @@ class Result:
     cpu_server: float
     check: Optional[bool]
     config: dict = field(default_factory=dict)
+    ceiling_gbps: Optional[float] = None  # --ceiling: tcp_ceiling's GB/s with as many streams as lanes
 
 
 # ---------------------------------------------------------------- command channels
@@ -624,4 +625,76 @@ def machine_info() -> dict:
 def result_dict(r: Result) -> dict:
     d = asdict(r)
     d.pop("config", None)
+    if r.ceiling_gbps is None:
+        d.pop("ceiling_gbps")
+    else:
+        d["of_ceiling"] = round(r.gbps / r.ceiling_gbps, 4) if r.ceiling_gbps else None
+    if r.gbps > 0 and r.cpu_client == r.cpu_client and r.cpu_server == r.cpu_server:  # not NaN
+        d["cpu_s_per_gb"] = round((r.cpu_client + r.cpu_server) / 100.0 / r.gbps, 5)  # both sides
     return d
+
+
+# ---------------------------------------------------------------- the loopback TCP ceiling (issue 20)
+# bench/tools/tcp_ceiling.c: N plain TCP streams over loopback with tether's socket options, chunk size
+# and framing, page-locked buffers, one thread per stream on each side; GB/s and CPU-s per GB.
+
+CEILING_SOURCE = os.path.join("bench", "tools", "tcp_ceiling.c")
+
+
+def ceiling_tool() -> str:
+    """The tcp_ceiling executable: $TETHER_TCP_CEILING, the one installed in this package (CMake target
+    tcp_ceiling), or one compiled with cc from the source tree (cached under ~/.cache/tether, by the
+    source's hash). Raises BenchError saying why there is none."""
+    import shutil
+    import subprocess
+
+    env = os.environ.get("TETHER_TCP_CEILING")
+    if env:
+        if not os.access(env, os.X_OK):
+            raise BenchError(f"TETHER_TCP_CEILING={env} is not an executable")
+        return env
+    here = os.path.dirname(os.path.abspath(tether.__file__))
+    installed = os.path.join(here, "tcp_ceiling")
+    if os.access(installed, os.X_OK):
+        return installed
+    source = os.path.join(os.path.dirname(os.path.dirname(here)), CEILING_SOURCE)
+    if not os.path.exists(source):
+        raise BenchError("tcp_ceiling is not installed here (build with CMake's tcp_ceiling target, or set "
+                         "TETHER_TCP_CEILING to its path)")
+    with open(source, "rb") as f:
+        tag = hashlib.sha256(f.read()).hexdigest()[:12]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tether")
+    exe = os.path.join(cache, f"tcp_ceiling-{tag}")
+    if os.access(exe, os.X_OK):
+        return exe
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise BenchError(f"no C compiler to build {CEILING_SOURCE} (set CC, or TETHER_TCP_CEILING)")
+    os.makedirs(cache, exist_ok=True)
+    tmp = f"{exe}.{os.getpid()}"
+    p = subprocess.run([cc, "-O2", "-pthread", "-o", tmp, source, "-ldl"], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise BenchError(f"building {CEILING_SOURCE} failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    os.replace(tmp, exe)
+    return exe
+
+
+def tcp_ceiling(streams: int, chunk_bytes: int = 1 << 20, socket_buffer: int = 4 << 20, seconds: float = 2.0,
+                cuda: bool = False, buffer_bytes: int = 256 << 20) -> dict:
+    """Runs tcp_ceiling once: its JSON (gbps, per_stream_gbps, cpu_s_per_gb {sender, receiver, both},
+    pinned, ...) plus "command". Raises BenchError on failure."""
+    import subprocess
+
+    cmd = [ceiling_tool(), "-n", str(streams), "-t", str(seconds), "-c", str(chunk_bytes),
+           "-s", str(socket_buffer), "-b", str(max(buffer_bytes, 2 * chunk_bytes * streams)), "--json"]
+    if cuda:
+        cmd.append("--cuda")
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"tcp_ceiling gave no result in {seconds + 60:.0f} s") from None
+    if p.returncode != 0:
+        raise BenchError(f"tcp_ceiling failed: {(p.stderr.strip().splitlines() or [f'exit {p.returncode}'])[-1]}")
+    out = json.loads(p.stdout)
+    out["command"] = " ".join(["tcp_ceiling"] + cmd[1:])
+    return out

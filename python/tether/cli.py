@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--unpack", metavar="LIST", type=_csv(_choice("unpack", *UNPACK), "unpack"), default=None,
                    help="GPU memory over staging: how received bytes reach their places, comma list of "
                         "kernel, d2d, host to sweep (default: the endpoint's, kernel where built)")
+    b.add_argument("--ceiling", action="store_true",
+                   help="beside tether, in the same call: plain loopback TCP (bench/tools/tcp_ceiling.c) with as "
+                        "many streams as tether has lanes, its socket options and chunk size, page-locked "
+                        "buffers; the table gets each row's fraction of it, the caption its GB/s and CPU-s "
+                        "per GB (--transport tcp, --role local)")
     b.add_argument("--nics", metavar="LIST", default=None, help="data NICs in order, e.g. eth1,eth2 (sets TETHER_NICS)")
     b.add_argument("--stats", action="store_true", help="per-NIC and per-channel counters of the driving endpoint")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -312,6 +317,12 @@ def bench(args) -> int:
         if why:
             _err(console, f"--transport {args.transport}: not available here ({why})")
             return 2
+    if args.ceiling:  # found (or built) before the run, not after it
+        if args.transport != "tcp" or role != "local" or args.full_mesh:
+            _err(console, "--ceiling measures loopback TCP beside tether's tcp transport: it goes with "
+                          "--transport tcp, two local processes (--role local), no --full-mesh")
+            return 2
+        B.ceiling_tool()
     if args.nics:
         os.environ["TETHER_NICS"] = args.nics  # both endpoints (a local server inherits it)
     gpu_kw = dict(device=args.local_gpu_idx, remote_device=args.remote_gpu_idx) if device == "gpu" else {}
@@ -372,6 +383,7 @@ def bench(args) -> int:
     total_ops = len(combos) * sum(c.iters + (c.check_iters or c.iters if c.check else 0) for c in cases_per_combo)
     if args.full_mesh:
         total_ops = len(combos) * len(cases_per_combo) * n_flows
+    ceilings: dict = {}  # (lanes, chunk bytes, socket buffer) -> tcp_ceiling's result
     t_start = time.perf_counter()
     # A progress bar only on a terminal: in a log or a pipe it is noise (and leaves a blank line).
     with Progress(console=console, transient=True, disable=args.quiet or not console.is_terminal) as progress:
@@ -390,6 +402,7 @@ def bench(args) -> int:
                     return 1
                 continue
             pair = None
+            combo_rows: list = []
             try:
                 pair = (B.LocalPair(opts, capacity, **gpu_kw) if role == "local"
                         else B.RemotePair(opts, capacity, target, **gpu_kw))
@@ -398,13 +411,22 @@ def bench(args) -> int:
                     r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda: progress.advance(task))
                     r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
                     results.append(r)
+                    combo_rows.append(r)
                 if args.stats:
                     stats_tables(pair.ep.stats(), combo)
+                lanes = sum(1 for l in pair.ep.stats()["lanes"] if l["peer_id"] == pair.peer.id)
+                shape = (lanes, pair.ep.config.chunk_bytes, pair.ep.config.socket_buffer)
             except Exception as e:
                 raise (pair.failure(e) if pair else e) from None  # a dead server: its error, not ours
             finally:
                 if pair:
                     pair.close(shutdown=i == len(combos) - 1 and bool(torchrun))
+            if args.ceiling:  # after the pair has gone: the ceiling has the CPUs to itself
+                if shape not in ceilings:
+                    progress.update(task, description=f"tcp_ceiling, {shape[0]} streams")
+                    ceilings[shape] = B.tcp_ceiling(*shape, cuda=device == "gpu")
+                for r in combo_rows:
+                    r.ceiling_gbps = ceilings[shape]["gbps"]
 
     nccl_failed = False
     for variant in nccl_variants:
@@ -415,7 +437,7 @@ def bench(args) -> int:
         results.extend(rows)
 
     print_results(results, full_mesh=args.full_mesh, show_config=len(combos) > 1,
-                  elapsed=time.perf_counter() - t_start)
+                  elapsed=time.perf_counter() - t_start, ceilings=list(ceilings.values()))
 
     if args.json:
         doc = {
@@ -424,6 +446,7 @@ def bench(args) -> int:
                        "async_api": args.async_api, "check_iters": args.check_iters if args.check else 0,
                        "combos": combos},
             "results": [dict(B.result_dict(r), config=r.config) for r in results],
+            **({"ceilings": list(ceilings.values())} if ceilings else {}),
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
@@ -459,7 +482,19 @@ def _width(stream=None) -> Optional[int]:
     return int(cols) if cols.isdigit() and int(cols) > 0 else None
 
 
-def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, width: Optional[int]):
+def ceiling_line(c: dict) -> str:
+    """One ceiling, for the table's caption."""
+    from tether import bench as B
+
+    per = c["cpu_s_per_gb"]
+    n = c["streams"]
+    return (f"ceiling: loopback TCP, {n} stream{'s' if n != 1 else ''} (tether's lanes), {B.human(c['chunk_bytes'])} "
+            f"sends: {c['gbps']:.2f} GB/s, {per['both']:.3f} CPU-s per GB (sender {per['sender']:.3f}, "
+            f"receiver {per['receiver']:.3f}); buffers {c['pinned']['receiver']}")
+
+
+def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, width: Optional[int],
+                  ceilings: Optional[list] = None):
     """(table, the width to print it at). The figures (size, GB/s, p50, p99) are never cut: what a narrow
     terminal cannot hold goes first — columns equal on every row move into the title, the two CPU%
     columns fold into one, then CPU% is dropped (--json keeps it), and each config is listed once below."""
@@ -474,6 +509,7 @@ def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, w
         "mode": [r.mode for r in results], "transport": [r.transport for r in results],
         "device": [r.device for r in results], "size": [B.human(r.size) for r in results],
         "iovs": [str(r.num_iovs) for r in results], "GB/s": [fmt_gbps(r.gbps) for r in results],
+        "of ceiling": [f"{r.gbps / r.ceiling_gbps:.2f}" if r.ceiling_gbps else "-" for r in results],
         "p50 µs": [fmt_us(r.lat_p50_us) for r in results], "p99 µs": [fmt_us(r.lat_p99_us) for r in results],
         "CPU% client": [fmt_cpu(r.cpu_client) for r in results],
         "CPU% server": [fmt_cpu(r.cpu_server) for r in results],
@@ -485,10 +521,12 @@ def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, w
         cols["config"] = [" ".join(f"{k}={v}" for k, v in r.config.items()
                                    if k not in ("connect_ms", "pair", "mesh_s", "shape", "transport"))
                           for r in results]
+    if all(c == "-" for c in cols["of ceiling"]):
+        del cols["of ceiling"]  # no --ceiling
     if all(c == "-" for c in cols["check"]):
         del cols["check"]  # nothing was checked: the column would say nothing
     title = [f"tether bench ({elapsed:.1f} s)"]
-    caption: list[str] = []
+    caption: list[str] = [ceiling_line(c) for c in ceilings or ()]
 
     def build():
         t = Table(title=" · ".join(title), caption="\n".join(caption) or None)
@@ -535,10 +573,11 @@ def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, w
     return build(), need() if width is None else max(width, need())
 
 
-def print_results(results, full_mesh: bool, show_config: bool, elapsed: float) -> None:
+def print_results(results, full_mesh: bool, show_config: bool, elapsed: float,
+                  ceilings: Optional[list] = None) -> None:
     from rich.console import Console
 
-    table, width = results_table(results, full_mesh, show_config, elapsed, _width())
+    table, width = results_table(results, full_mesh, show_config, elapsed, _width(), ceilings)
     Console(width=width).print(table)
 
 
@@ -562,7 +601,8 @@ def _nccl_rows(n: int, sizes: list, iters: Optional[int], socket: bool) -> tuple
             return [], (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
         with open(path) as f:
             doc = json.load(f)
-    return [B.Result(**r) for r in doc["results"]], None
+    fields = set(B.Result.__dataclass_fields__)  # derived keys (cpu_s_per_gb, of_ceiling) are not fields
+    return [B.Result(**{k: v for k, v in r.items() if k in fields}) for r in doc["results"]], None
 
 
 def _plot(results, path: str) -> None:

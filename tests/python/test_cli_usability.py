@@ -358,3 +358,47 @@ def test_hex_text_of_metadata_and_descriptors_is_accepted():
             a.connect("VFRSTQMAhbDUYZeHCjcunoPFm6MyW", timeout=5)
         with pytest.raises(tether.InvalidArgument, match="base64"):
             peer.write(rs, "zz", length=4)
+
+
+# ---------------------------------------------------------------- issue 20: the loopback TCP ceiling
+
+def test_tcp_ceiling_tool_runs():
+    """bench/tools/tcp_ceiling.c, built (or found) as `tether bench --ceiling` finds it: N streams,
+    GB/s, per-stream rates and CPU-seconds per GB on each side."""
+    try:
+        exe = B.ceiling_tool()
+    except B.BenchError as e:
+        pytest.skip(str(e))
+    r = subprocess.run([exe, "-n", "3", "-t", "0.3", "-b", "8M", "-c", "256K", "--json"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["streams"] == 3 and len(out["per_stream_gbps"]) == 3 and out["gbps"] > 0
+    assert out["chunk_bytes"] == 256 << 10 and out["socket_buffer"] == 4 << 20
+    assert 0 < out["cpu_s_per_gb"]["both"] == pytest.approx(out["cpu_s_per_gb"]["sender"] + out["cpu_s_per_gb"]["receiver"], rel=1e-3)
+    assert out["pinned"]["sender"]  # "mlock", or why not
+    r = subprocess.run([exe, "-n", "0"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "STREAMS" in r.stderr
+
+
+@pytest.mark.budget(60)
+def test_bench_ceiling_beside_tether(tmp_path):
+    """--ceiling: the same call runs tcp_ceiling with N = tether's lanes; each row gets its fraction."""
+    try:
+        B.ceiling_tool()
+    except B.BenchError as e:
+        pytest.skip(str(e))
+    out = tmp_path / "r.json"
+    r = run_cli("bench", "--transport", "tcp", "--ceiling", "--channels", "2", "--sizes", "256K", "--iters", "3",
+                "--json", str(out), env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    (c,) = doc["ceilings"]
+    assert c["streams"] == 2 and c["gbps"] > 0 and c["chunk_bytes"] == 1 << 20
+    (x,) = doc["results"]
+    assert x["ceiling_gbps"] == c["gbps"] and x["of_ceiling"] == pytest.approx(x["gbps"] / c["gbps"], rel=1e-3)
+    assert x["cpu_s_per_gb"] > 0
+    assert "of ceiling" in r.stdout and "2 streams (tether's lanes)" in r.stdout
+    assert f"{x['gbps'] / c['gbps']:.2f}" in cells(r.stdout)
+    r = run_cli("bench", "--ceiling", "--sizes", "4K")  # auto: ipc between two local processes
+    assert r.returncode == 2 and "--transport tcp" in r.stderr and len(r.stderr.strip().splitlines()) == 1
