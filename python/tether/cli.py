@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true",
                         help="on failure, print the traceback too (also TETHER_DEBUG=1)")
     p = _Parser(prog="tether", description="tether: point-to-point transfer engine")
+    p.add_argument("--version", action="version", version=f"tether {tether.__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     b = sub.add_parser("bench", parents=[common], help="measure transfers between two local processes",

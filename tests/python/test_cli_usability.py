@@ -155,6 +155,8 @@ def test_bad_size_lists_suffixes():
 def test_plain_tether_prints_its_help():
     r = run_cli()
     assert r.returncode == 2 and "bench" in r.stderr and "doctor" in r.stderr and "required" not in r.stderr
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"tether {tether.__version__}"
 
 
 @pytest.mark.parametrize("args,says", [
