@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="what this machine offers and what tether will use")
     d.add_argument("--json", action="store_true")
+
+    n = sub.add_parser("nixl", help="tether as a NIXL backend: put the plugin where NIXL finds it, or show its state")
+    n.add_argument("action", choices=["install", "status"],
+                   help="install: copy libplugin_TETHER.so into the installed NIXL's plugin folder; "
+                        "status: NIXL's version and whether it sees TETHER")
+    n.add_argument("--plugin-dir", default=None, help="install: this folder instead of the NIXL wheel's")
+    n.add_argument("--json", action="store_true", help="status as JSON")
     return p
 
 
@@ -374,6 +381,9 @@ def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return bench(args)
+    if args.command == "nixl":
+        from tether.nixl import cli
+        return cli(args)
     return doctor(args)
 
 
