@@ -22,7 +22,7 @@ import tempfile
 
 import numpy as np
 
-from common import (CAPACITY, POISON, WORKLOADS, address, alloc, checked_write, emit, layout, measure, mem_type,
+from common import (CAPACITY, DEVICE, POISON, WORKLOADS, address, alloc, checked_write, emit, layout, measure, mem_type,
                     quiet_stdout, serve, start_target)
 
 # variant: (backend, its parameters, environment)
@@ -88,6 +88,8 @@ def main(variant: str) -> int:
     for key in ("UCX_TLS", "UCX_NET_DEVICES"):
         os.environ.pop(key, None)
     os.environ.update(env)
+    if DEVICE == "gpu" and variant == "tcp":  # UCX needs a CUDA transport to register GPU memory at all
+        os.environ["UCX_TLS"] = "tcp,cuda_copy"
     logdir = tempfile.mkdtemp(prefix="nixl-ucx-")
     os.environ.update(UCX_PROTO_INFO="y", UCX_LOG_FILE=os.path.join(logdir, "ucx.%p.log"))
     system = {"tcp": "NIXL/UCX UCX_TLS=tcp", "default": "NIXL/UCX default", "tether-tcp": "NIXL + TETHER (tcp)",

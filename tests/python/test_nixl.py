@@ -397,8 +397,11 @@ def test_deregister_while_transfers_run(pair):
     keys = []
     for i in range(6):
         a.call("xfer", f"w{i}", "WRITE", "l", [0], "r", [0])
-        a.call("post", f"w{i}")
-        keys.append(f"w{i}")
+        try:
+            a.call("post", f"w{i}")
+            keys.append(f"w{i}")
+        except AgentError as e:  # after the deregistration, post itself may already report the refusal
+            assert i > 2 and "NIXL_ERR_NOT_FOUND" in str(e), e
         if i == 2:
             b.call("deregister", "dst")
     for k in keys:

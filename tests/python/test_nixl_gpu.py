@@ -40,8 +40,8 @@ BACKENDS = {"TETHER-ipc": ("TETHER", {"transport": "ipc"}), "TETHER-tcp": ("TETH
 def gpair(request, spawn):  # noqa: F811
     backend, params = BACKENDS[request.param]
     a, b = spawn(), spawn()
-    a.call("create", "A", backend, params)
-    b.call("create", "B", backend, params)
+    a.call("create", "A", backend, params, capture_telemetry=True)
+    b.call("create", "B", backend, params, capture_telemetry=True)
     return a, b
 
 
@@ -128,18 +128,20 @@ def test_vllm_call_pattern_with_cuda_tensors(gpair, nixl_site):  # noqa: F811
     a.call("prep", "remote", remote, rows(b_addrs, dev_b), "VRAM")
     rng = np.random.default_rng(5)
     filled = {}  # decode block -> prefill block it must now hold
+    sizes = []   # bytes per request
     for req in range(3):  # three requests in flight at once, their blocks interleaved in both pools
         free = [i for i in range(blocks) if i not in filled]
         n = int(rng.integers(4, 16))
         lid = rng.choice(free, n, replace=False)
         rid = rng.choice(blocks, n, replace=False)
         filled.update(zip(map(int, lid), map(int, rid)))
+        sizes.append(n * block * 2 * layers)
         flat = lambda ids: [r * blocks + int(i) for r in range(2 * layers) for i in ids]  # noqa: E731
         a.call("xfer", f"req{req}", "READ", "local", flat(lid), "remote", flat(rid), notif=b"req-%d:1" % req)
         assert a.call("post", f"req{req}") in ("PROC", "DONE")
     for req in range(3):
         assert a.call("wait", f"req{req}", T)[0] == "DONE"
-        a.call("telemetry", f"req{req}")
+        assert a.call("telemetry", f"req{req}")["bytes"] == sizes[req]
         a.call("release", f"req{req}")
     for r in range(2 * layers):
         got = _bytes(a, a_names[r]).reshape(blocks, block)
