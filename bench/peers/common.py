@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-CAPACITY = 256 << 20  # source and target buffers; the largest workload fills them
+CAPACITY = 336 << 20  # source and target buffers; the largest workload (298 x 1.15 MB) fits
+DEVICE = os.environ.get("PEERS_DEVICE", "cpu")  # "gpu": buffers in GPU 0's memory (run.py --device)
 POISON = 0xA5
 PIPE_TIMEOUT = 60.0  # seconds a driver waits on its target process before giving up
 
@@ -38,6 +39,9 @@ class Workload:
 WORKLOADS = [
     Workload("256 MiB write", 256 << 20, 1, 10, 2, 0),
     Workload("128 x 1.15 MB writev", 1179648, 128, 10, 2, 0),
+    # The KV-cache shapes published for NIXL: one DeepSeek-R1 request's pages (351 MB), small pages.
+    Workload("298 x 1.15 MB writev (KV)", 1179648, 298, 5, 1, 0),
+    Workload("4096 x 16 KiB writev (KV)", 16 << 10, 4096, 10, 2, 0),
     Workload("64 KiB write", 64 << 10, 1, 5000, 200, 0),
     Workload("64 KiB write, 8 in flight", 64 << 10, 1, 5000, 200, 8),
     Workload("8 B write", 8, 1, 20000, 1000, 0),
@@ -49,6 +53,38 @@ def layout(w: Workload, rng: np.random.Generator) -> list[tuple[int, int, int]]:
     (as tether.bench does), so a vectored op cannot pass as one contiguous copy."""
     order = rng.permutation(w.blocks) if w.blocks > 1 else [0]
     return [(i * w.size, int(order[i]) * w.size, w.size) for i in range(w.blocks)]
+
+
+# ---------------------------------------------------------------- buffers
+
+def alloc(n: int, fill: int = 0):
+    """A buffer of n bytes in host memory (numpy) or, with PEERS_DEVICE=gpu, GPU 0 (a torch tensor)."""
+    if DEVICE == "gpu":
+        import torch
+        return torch.full((n,), fill, dtype=torch.uint8, device="cuda:0")
+    return np.full(n, fill, dtype=np.uint8)
+
+
+def address(buf) -> int:
+    return buf.ctypes.data if isinstance(buf, np.ndarray) else buf.data_ptr()
+
+
+def mem_type(buf) -> str:
+    return "DRAM" if isinstance(buf, np.ndarray) else "VRAM"
+
+
+def _fill_random(buf, lo: int, n: int, rng) -> None:
+    data = rng.integers(0, 256, n, dtype=np.uint8)
+    if isinstance(buf, np.ndarray):
+        buf[lo:lo + n] = data
+    else:
+        import torch
+        buf[lo:lo + n].copy_(torch.from_numpy(data))
+        torch.cuda.synchronize()
+
+
+def _span(buf, lo: int, n: int):
+    return memoryview(buf[lo:lo + n]) if isinstance(buf, np.ndarray) else buf[lo:lo + n].cpu().numpy().data
 
 
 # ---------------------------------------------------------------- target side
@@ -64,12 +100,12 @@ def serve(conn, buf: np.ndarray) -> None:
         if cmd == "exit":
             return
         if cmd == "poison":
-            buf.fill(POISON)
+            buf.fill(POISON) if isinstance(buf, np.ndarray) else buf.fill_(POISON)
             conn.send(True)
         elif cmd == "digest":  # [(offset, length), ...] in remote-offset order
             h = hashlib.blake2b(digest_size=16)
             for off, n in args[0]:
-                h.update(memoryview(buf[off:off + n]))
+                h.update(_span(buf, off, n))
             conn.send(h.digest())
 
 
@@ -82,17 +118,17 @@ def ask(conn, *cmd):
     return conn.recv()
 
 
-def checked_write(conn, src: np.ndarray, blocks, write_once: Callable[[], None], rng) -> bool:
+def checked_write(conn, src, blocks, write_once: Callable[[], None], rng) -> bool:
     """Random source bytes, poisoned target, one write, then the target's hash of the written spans
     against the source's: a peer that silently does nothing (or writes elsewhere) fails here."""
     for lo, _, n in blocks:
-        src[lo:lo + n] = rng.integers(0, 256, n, dtype=np.uint8)
+        _fill_random(src, lo, n, rng)
     ask(conn, "poison")
     write_once()
     spans = sorted((ro, lo, n) for lo, ro, n in blocks)
     h = hashlib.blake2b(digest_size=16)
     for _, lo, n in spans:
-        h.update(memoryview(src[lo:lo + n]))
+        h.update(_span(src, lo, n))
     return ask(conn, "digest", [(ro, n) for ro, _, n in spans]) == h.digest()
 
 

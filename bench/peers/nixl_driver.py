@@ -1,7 +1,11 @@
-"""NIXL with its UCX backend, host memory (DRAM descriptors), between two local processes.
+"""NIXL between two local processes, with its UCX backend or with tether's (TETHER, docs/NIXL.md).
 
-    python nixl_driver.py tcp      # UCX_TLS=tcp UCX_NET_DEVICES=lo: the TCP row
-    python nixl_driver.py default  # UCX picks; on one host that is a same-host copy path, not TCP
+    python nixl_driver.py tcp         # UCX, UCX_TLS=tcp UCX_NET_DEVICES=lo: the TCP row
+    python nixl_driver.py default     # UCX picks; on one host that is a same-host copy path, not TCP
+    python nixl_driver.py tether-tcp  # TETHER with transport=tcp
+    python nixl_driver.py tether      # TETHER as configured by default (same host: ipc)
+
+Host memory (DRAM descriptors), or GPU 0's memory (VRAM) with PEERS_DEVICE=gpu.
 
 Each op is one NIXL transfer request, prepared once per workload and re-posted (NIXL's intended
 use); the 128-block batch is one request with 128 descriptors; "8 in flight" keeps 8 requests.
@@ -18,19 +22,25 @@ import tempfile
 
 import numpy as np
 
-from common import (CAPACITY, POISON, WORKLOADS, checked_write, emit, layout, measure, quiet_stdout, serve,
-                    start_target)
+from common import (CAPACITY, DEVICE, POISON, WORKLOADS, address, alloc, checked_write, emit, layout, measure, mem_type,
+                    quiet_stdout, serve, start_target)
 
-VARIANTS = {"tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}, "default": {}}
+# variant: (backend, its parameters, environment)
+VARIANTS = {"tcp": ("UCX", {}, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}), "default": ("UCX", {}, {}),
+            "tether-tcp": ("TETHER", {"transport": "tcp"}, {}), "tether": ("TETHER", {}, {})}
+VARIANT = "tcp"
 
 
 def _agent(name: str, progress_thread: bool):
     from nixl._api import nixl_agent, nixl_agent_config
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+    backend, params, _ = VARIANTS[VARIANT]
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+    agent.create_backend(backend, params)
+    return agent
 
 
-def _register(agent, buf: np.ndarray) -> None:
-    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+def _register(agent, buf) -> None:
+    agent.register_memory([(address(buf), CAPACITY, 0, "")], mem_type(buf))
 
 
 def target(conn) -> None:
@@ -38,9 +48,9 @@ def target(conn) -> None:
         # The target's Python thread only waits on its pipe, so UCX needs the progress thread to take
         # in TCP data. It busy-polls (the Python API sets no delay): one core, all the time.
         agent = _agent("bench-target", progress_thread=True)
-        buf = np.full(CAPACITY, POISON, dtype=np.uint8)
+        buf = alloc(CAPACITY, POISON)
         _register(agent, buf)
-        conn.send(("ok", agent.get_agent_metadata(), buf.ctypes.data))
+        conn.send(("ok", agent.get_agent_metadata(), address(buf)))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}", 0))
         os._exit(0)
@@ -70,25 +80,37 @@ def put_paths(logdir: str) -> str:
 
 
 def main(variant: str) -> int:
+    global VARIANT
     quiet_stdout()
+    VARIANT = variant
+    os.environ["PEERS_NIXL_VARIANT"] = variant  # the target process reads it (spawned: a fresh module)
+    backend, params, env = VARIANTS[variant]
     for key in ("UCX_TLS", "UCX_NET_DEVICES"):
         os.environ.pop(key, None)
-    os.environ.update(VARIANTS[variant])
+    os.environ.update(env)
+    if DEVICE == "gpu" and variant == "tcp":  # UCX needs a CUDA transport to register GPU memory at all
+        os.environ["UCX_TLS"] = "tcp,cuda_copy"
     logdir = tempfile.mkdtemp(prefix="nixl-ucx-")
     os.environ.update(UCX_PROTO_INFO="y", UCX_LOG_FILE=os.path.join(logdir, "ucx.%p.log"))
-    system = "NIXL/UCX " + ("UCX_TLS=tcp" if variant == "tcp" else "default")
+    system = {"tcp": "NIXL/UCX UCX_TLS=tcp", "default": "NIXL/UCX default", "tether-tcp": "NIXL + TETHER (tcp)",
+              "tether": "NIXL + TETHER (default: ipc)"}[variant]
     try:
         import nixl._api  # noqa: F401
     except Exception as e:
         emit(system, "not run", note=f"import nixl._api failed: {e}")
         return 0
+    if backend == "TETHER":
+        from nixl._api import nixl_agent, nixl_agent_config
+        if "TETHER" not in nixl_agent("probe", nixl_agent_config(backends=[])).get_plugin_list():
+            emit(system, "not run", note="NIXL does not see the TETHER plugin: run `tether nixl install`")
+            return 0
     proc = None
     try:
         proc, conn, metadata, raddr = start_target(target, "agent")  # inherits the UCX environment above
         # No progress thread here: a second spinning thread on a 2-core host pushed 64 KiB writes
         # from ~0.1 ms to 4-8 ms. The initiator progresses UCX itself in check_xfer_state().
         agent = _agent("bench-initiator", progress_thread=False)
-        src = np.zeros(CAPACITY, dtype=np.uint8)
+        src = alloc(CAPACITY)
         _register(agent, src)
         remote_name = agent.add_remote_agent(metadata)
     except Exception as e:
@@ -98,14 +120,15 @@ def main(variant: str) -> int:
         return 0
 
     rng = np.random.default_rng()
-    base = src.ctypes.data
-    named = False
+    base = address(src)
+    mem = mem_type(src)
+    named = backend != "UCX"  # UCX's own report names its transport; TETHER's is its parameter
     for w in WORKLOADS:
         handles = []
         try:
             blocks = layout(w, rng)
-            local = agent.get_xfer_descs([(base + lo, n, 0) for lo, _, n in blocks], "DRAM")
-            remote = agent.get_xfer_descs([(raddr + ro, n, 0) for _, ro, n in blocks], "DRAM")
+            local = agent.get_xfer_descs([(base + lo, n, 0) for lo, _, n in blocks], mem)
+            remote = agent.get_xfer_descs([(raddr + ro, n, 0) for _, ro, n in blocks], mem)
             handles = [agent.initialize_xfer("WRITE", local, remote, remote_name) for _ in range(max(1, w.depth))]
 
             def post(i):
@@ -141,6 +164,8 @@ def main(variant: str) -> int:
     sys.stderr.flush()
     os._exit(0)  # see target(): skip the teardown that crashes
 
+
+VARIANT = os.environ.get("PEERS_NIXL_VARIANT", VARIANT)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "tcp"))

@@ -25,17 +25,22 @@ from rich.console import Console
 from rich.table import Table
 
 HERE = Path(__file__).resolve().parent
-DRIVER_TIMEOUT = 150  # seconds per driver; the slowest (NIXL over TCP) needs about a minute
+DRIVER_TIMEOUT = 240  # seconds per driver; the slowest (NIXL/UCX over TCP) needs about a minute and a half
 
 # (name for --only, driver file, its arguments, system name for a row if it yields none)
 DRIVERS = [
-    ("tether", "tether_driver.py", [], "tether (tcp)"),
+    ("tether", "tether_driver.py", ["tcp"], "tether (tcp)"),
+    ("nixl-tether-tcp", "nixl_driver.py", ["tether-tcp"], "NIXL + TETHER (tcp)"),
     ("mooncake", "mooncake_driver.py", [], "Mooncake TE (tcp)"),
     ("nixl-tcp", "nixl_driver.py", ["tcp"], "NIXL/UCX UCX_TLS=tcp"),
+    ("tether-ipc", "tether_driver.py", ["ipc"], "tether (ipc)"),
+    ("nixl-tether", "nixl_driver.py", ["tether"], "NIXL + TETHER (default: ipc)"),
     ("nixl-default", "nixl_driver.py", ["default"], "NIXL/UCX default"),
     ("nccl", "nccl_driver.py", [], "NCCL send/recv"),
     ("nccl-socket", "nccl_driver.py", ["socket"], "NCCL send/recv, socket transport forced"),
 ]
+GPU_DRIVERS = {"tether", "tether-ipc", "nixl-tether-tcp", "nixl-tether", "nixl-tcp", "nixl-default", "nccl",
+               "nccl-socket"}  # the systems with a GPU-memory path here
 PACKAGES = ["mooncake-transfer-engine-non-cuda", "nixl", "nixl-cu13", "torch", "numpy"]
 
 
@@ -82,10 +87,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the rows and the machine's details here")
     ap.add_argument("--only", nargs="+", choices=["iperf3"] + [d[0] for d in DRIVERS], help="run only these")
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                    help="cpu: host memory (default); gpu: GPU 0's memory on both sides (two processes)")
     args = ap.parse_args()
+    os.environ["PEERS_DEVICE"] = args.device
     console = Console(width=None if sys.stdout.isatty() else 150)
     log = Console(stderr=True)
     wanted = set(args.only or ["iperf3"] + [d[0] for d in DRIVERS])
+    if args.device == "gpu":
+        wanted &= GPU_DRIVERS
     t0 = time.time()
     rows = []
     if "iperf3" in wanted:
@@ -96,7 +106,8 @@ def main() -> int:
             log.log(name)
             rows.extend(run_driver(script, dargs, system, log))
 
-    table = Table(title=f"tether vs peers: two processes on one host, host memory, TCP loopback unless the "
+    memory = "host memory" if args.device == "cpu" else "GPU 0's memory both sides"
+    table = Table(title=f"tether vs peers: two processes on one host, {memory}, TCP loopback unless the "
                         f"system says otherwise — {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, "
                         f"{time.time() - t0:.0f} s")
     for col in ("system", "workload", "GB/s", "p50 µs", "p99 µs", "verified"):

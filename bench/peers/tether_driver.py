@@ -1,4 +1,4 @@
-"""tether over TCP loopback (default options), driven by its own bench module so its rows match
+"""tether over TCP loopback (`tcp`, default) or same-host ipc (`ipc`), otherwise default options, driven by its own bench module so its rows match
 `tether bench` and bench/compare_tcp.py. Each workload runs twice: a one-op case with check=True
 (random source, poisoned target, target-side hash compared with the source's), then the timed case.
 """
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import sys
 
-from common import CAPACITY, WORKLOADS, emit, quiet_stdout
-
-SYSTEM = "tether (tcp)"
+from common import CAPACITY, DEVICE, WORKLOADS, emit, quiet_stdout
 
 
-def main() -> int:
+def main(transport: str) -> int:
+    SYSTEM = f"tether ({transport})"
+    gpu = 0 if DEVICE == "gpu" else None
     quiet_stdout()
     try:
         from tether import bench as B
@@ -19,7 +19,7 @@ def main() -> int:
         emit(SYSTEM, "not run", note=f"import tether failed (PYTHONPATH=python?): {e}")
         return 0
     try:
-        pair = B.LocalPair({"transport": "tcp"}, CAPACITY)  # the TCP row: same host would pick ipc
+        pair = B.LocalPair({"transport": transport}, CAPACITY, device=gpu, remote_device=gpu)
     except Exception as e:
         emit(SYSTEM, "not run", note=f"start failed: {type(e).__name__}: {e}")
         return 0
@@ -40,4 +40,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "tcp"))

@@ -4,6 +4,10 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
+
+#include "tether/status.h"
 
 namespace tether {
 
@@ -60,6 +64,13 @@ struct Config {
 
   // Defaults overridden by TETHER_* variables that are set.
   static Config from_env();
+  // Sets one option by the name Python's tether.Endpoint(...) keyword has ("channels", "peer_timeout"
+  // in seconds, ...), from its text: kInvalidArgument names the option and what was wrong.
+  Status set(std::string_view option, std::string_view value);
+  // The option's value as set() takes it (seconds for timeouts); "" for an unknown name.
+  std::string get(std::string_view option) const;
+  // Every option name set() accepts, in declaration order.
+  static std::vector<std::string> option_names();
 };
 
 }  // namespace tether

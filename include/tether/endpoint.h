@@ -86,6 +86,23 @@ struct Block {
 };
 static_assert(sizeof(Block) == 3 * sizeof(uint64_t));
 
+// Blocks between one local region and one remote range: one run of a transfer that spans several
+// regions (a KV cache laid out as one region per layer, say). Pointers are read during the call only.
+struct BlockRun {
+  const Region* local = nullptr;
+  const RemoteRegion* remote = nullptr;
+  const Block* blocks = nullptr;
+  size_t n = 0;
+};
+
+// What metadata bytes (Endpoint::metadata()) say about the endpoint that made them.
+struct MetadataInfo {
+  EndpointId endpoint{};
+  std::string host;      // the address it listens on ("0.0.0.0" for every interface)
+  uint16_t port = 0;
+  std::string hostname;
+};
+
 // Handle to one asynchronous operation.
 class Transfer {
  public:
@@ -96,6 +113,10 @@ class Transfer {
   // if it is still running (it keeps running).
   Status wait(int64_t timeout_ms = -1) const;
   Status status() const;   // kTimeout-free: ok while running
+  // Stops the transfer without blocking: no further chunk leaves, and it ends with kCancelled once
+  // the chunks already in flight are answered (a deregistration of its regions waits for that).
+  // No notification is sent unless it already was. Finished transfers are unaffected.
+  void cancel() const;
   uint64_t bytes() const;  // payload bytes of the operation (for recv: the message length)
   const std::shared_ptr<core::TransferState>& state() const { return state_; }
 
@@ -122,7 +143,14 @@ class Peer {
   // copy) per block. `blocks` is read during the call only; zero-length blocks are allowed.
   Transfer writev(const Region& local, const RemoteRegion& remote, const Block* blocks, size_t n,
                   std::string notify = {});
-  Transfer readv(const Region& local, const RemoteRegion& remote, const Block* blocks, size_t n);
+  // A read's notification reaches the target once every byte has arrived here (the target learns
+  // that its memory may be reused).
+  Transfer readv(const Region& local, const RemoteRegion& remote, const Block* blocks, size_t n,
+                 std::string notify = {});
+  // Runs of blocks over several regions as one transfer: one completion, one notification after all
+  // of it. Errors name the block by its index over all runs.
+  Transfer writev(const BlockRun* runs, size_t nruns, std::string notify = {});
+  Transfer readv(const BlockRun* runs, size_t nruns, std::string notify = {});
   Transfer send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag = 0);
   Transfer recv(const Region& local, uint64_t offset, uint64_t length, uint64_t tag = 0);
   Transfer notify(std::string data);
@@ -182,6 +210,8 @@ class Endpoint {
 
   std::string address() const;    // "host:port" it listens on
   std::string metadata() const;   // bytes a peer passes to connect()
+  // Checks metadata bytes without connecting: kInvalidArgument or kProtocolError says what is wrong.
+  static Result<MetadataInfo> parse_metadata(std::string_view bytes);
   EndpointId id() const;
   std::string name() const;
   const Config& config() const;

@@ -51,6 +51,11 @@ class Transfer:
     def done(self) -> bool:
         return self._t.done()
 
+    def cancel(self) -> None:
+        """Stops the transfer without blocking: no further chunk leaves; it ends with Cancelled once
+        the chunks already in flight are answered. No effect once it is done."""
+        self._t.cancel()
+
     def wait(self, timeout: Optional[float] = None) -> "Transfer":
         """Blocks until done (or `timeout` seconds: raises TransferTimeout, the transfer goes on)."""
         self._t._wait(-1.0 if timeout is None else float(timeout))
@@ -183,22 +188,24 @@ class Peer:
         return Transfer(self._p.write(local._r, local_offset, remote, remote_offset, length, _notify_arg(notify)))
 
     def read(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
-             length: Optional[int] = None) -> Transfer:
-        """Remote [remote_offset, +length) -> local [local_offset, +length)."""
+             length: Optional[int] = None, notify: Optional[bytes] = None) -> Transfer:
+        """Remote [remote_offset, +length) -> local [local_offset, +length). `notify` reaches the
+        target once every byte has arrived here (it may then reuse its memory)."""
         if length is None or isinstance(remote, str):
             remote = _remote(remote)
         if length is None:
             length = remote.length - remote_offset
-        return Transfer(self._p.read(local._r, local_offset, remote, remote_offset, length))
+        return Transfer(self._p.read(local._r, local_offset, remote, remote_offset, length, _notify_arg(notify)))
 
     def writev(self, entries: Sequence[Tuple[Region, int, Remote, int, int]],
                notify: Optional[bytes] = None) -> Transfer:
         """Many (local region, local offset, remote, remote offset, length) as one transfer."""
         return Transfer(self._p.writev(entries, _notify_arg(notify)))
 
-    def readv(self, entries: Sequence[Tuple[Region, int, Remote, int, int]]) -> Transfer:
+    def readv(self, entries: Sequence[Tuple[Region, int, Remote, int, int]],
+              notify: Optional[bytes] = None) -> Transfer:
         """Many (local region, local offset, remote, remote offset, length) read as one transfer."""
-        return Transfer(self._p.readv(entries))
+        return Transfer(self._p.readv(entries, _notify_arg(notify)))
 
     def writev_blocks(self, local: Region, remote: Remote, local_offsets: Offsets, remote_offsets: Offsets,
                       lengths: Union[int, Offsets], notify: Optional[bytes] = None) -> Transfer:
@@ -212,10 +219,11 @@ class Peer:
                                               _notify_arg(notify)))
 
     def readv_blocks(self, local: Region, remote: Remote, local_offsets: Offsets, remote_offsets: Offsets,
-                     lengths: Union[int, Offsets]) -> Transfer:
+                     lengths: Union[int, Offsets], notify: Optional[bytes] = None) -> Transfer:
         """Block i: remote [remote_offsets[i], +lengths[i]) -> local [local_offsets[i], +lengths[i]);
         arguments as for `writev_blocks`."""
-        return Transfer(self._p.readv_blocks(local._r, _remote(remote) if isinstance(remote, str) else remote, _blocks(local_offsets, remote_offsets, lengths)))
+        return Transfer(self._p.readv_blocks(local._r, _remote(remote) if isinstance(remote, str) else remote,
+                                             _blocks(local_offsets, remote_offsets, lengths), _notify_arg(notify)))
 
     def send(self, local: Region, *, offset: int = 0, length: Optional[int] = None, tag: int = 0) -> Transfer:
         """Two-sided: matched by the peer's recv with the same tag, in posting order."""

@@ -160,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", parents=[common], help="what this machine offers and what tether will use")
     d.add_argument("--json", action="store_true", help="the report as JSON on stdout, for tools")
+
+    n = sub.add_parser("nixl", parents=[common],
+                       help="tether as a NIXL backend: put the plugin where NIXL finds it, or show its state")
+    n.add_argument("action", choices=["install", "status"],
+                   help="install: copy libplugin_TETHER.so into the installed NIXL's plugin folder; "
+                        "status: NIXL's version and whether it sees TETHER")
+    n.add_argument("--plugin-dir", default=None, help="install: this folder instead of the NIXL wheel's")
+    n.add_argument("--json", action="store_true", help="status as JSON")
     return p
 
 
@@ -661,7 +669,12 @@ def main(argv: Optional[list] = None) -> int:
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("TETHER_DEBUG", "") not in ("", "0")
     try:
-        return bench(args) if args.command == "bench" else doctor(args)
+        if args.command == "bench":
+            return bench(args)
+        if args.command == "nixl":
+            from tether.nixl import cli
+            return cli(args)
+        return doctor(args)
     except KeyboardInterrupt:
         print(f"tether {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -118,7 +118,7 @@ uint64_t as_u64(PyObject* o) {
 // into Python objects that `keep` holds: use it while the GIL is held.
 struct Entries {
   std::vector<Block> blocks;
-  std::vector<core::BlockRun> runs;
+  std::vector<BlockRun> runs;
   std::deque<RemoteRegion> parsed;  // descriptors given as bytes, parsed once per object
   std::vector<nb::object> keep;     // every object a run points into (user code may drop the list's)
 };
@@ -155,7 +155,7 @@ void parse_entries(nb::handle seq, Entries& out) {
     const Block b{as_u64(PyTuple_GET_ITEM(t.ptr(), 1)), as_u64(PyTuple_GET_ITEM(t.ptr(), 3)),
                   as_u64(PyTuple_GET_ITEM(t.ptr(), 4))};
     out.blocks.push_back(b);
-    if (fresh) out.runs.push_back(core::BlockRun{local, remote, &out.blocks.back(), 0});
+    if (fresh) out.runs.push_back(BlockRun{local, remote, &out.blocks.back(), 0});
     ++out.runs.back().n;
   }
 }
@@ -182,7 +182,7 @@ Transfer post_blocks(Peer& p, core::OpKind op, const Region& local, nb::handle r
   std::deque<RemoteRegion> parsed;
   const RemoteRegion* r = remote_of(remote, parsed);
   const auto* b = static_cast<const Block*>(a.data());
-  const core::BlockRun run{&local, r, b, a.shape(0)};
+  const BlockRun run{&local, r, b, a.shape(0)};
   return p.state()->post_rma(op, &run, 1, "block", std::move(notify));
 }
 
@@ -283,6 +283,7 @@ NB_MODULE(_tether, m) {
 
   nb::class_<Transfer>(m, "Transfer")
       .def("done", &Transfer::done)
+      .def("cancel", &Transfer::cancel)
       .def("_wait", [](const Transfer& t, double timeout) {
             check(without_gil([&] { return t.wait(timeout < 0 ? -1 : int64_t(timeout * 1000.0)); }));
           }, "timeout"_a)
@@ -295,19 +296,22 @@ NB_MODULE(_tether, m) {
             RemoteRegion rr = parse_remote(r);
             return p.write(l, lo, rr, ro, len, as_string(notify));
           })
-      .def("read", [](Peer& p, const Region& l, uint64_t lo, nb::object r, uint64_t ro, uint64_t len) {
+      .def("read", [](Peer& p, const Region& l, uint64_t lo, nb::object r, uint64_t ro, uint64_t len, nb::bytes notify) {
             RemoteRegion rr = parse_remote(r);
-            return p.read(l, lo, rr, ro, len);
+            const Block b{lo, ro, len};
+            return p.readv(l, rr, &b, 1, as_string(notify));
           })
       .def("writev", [](Peer& p, nb::handle entries, nb::bytes notify) {
             return post_entries(p, core::OpKind::kWrite, entries, as_string(notify));
           })
-      .def("readv", [](Peer& p, nb::handle entries) { return post_entries(p, core::OpKind::kRead, entries, {}); })
+      .def("readv", [](Peer& p, nb::handle entries, nb::bytes notify) {
+            return post_entries(p, core::OpKind::kRead, entries, as_string(notify));
+          })
       .def("writev_blocks", [](Peer& p, const Region& l, nb::handle r, nb::handle blocks, nb::bytes notify) {
             return post_blocks(p, core::OpKind::kWrite, l, r, blocks, as_string(notify));
           })
-      .def("readv_blocks", [](Peer& p, const Region& l, nb::handle r, nb::handle blocks) {
-            return post_blocks(p, core::OpKind::kRead, l, r, blocks, {});
+      .def("readv_blocks", [](Peer& p, const Region& l, nb::handle r, nb::handle blocks, nb::bytes notify) {
+            return post_blocks(p, core::OpKind::kRead, l, r, blocks, as_string(notify));
           })
       .def("send", &Peer::send)
       .def("recv", &Peer::recv)

@@ -260,6 +260,35 @@ std::vector<Peer> EndpointImpl::peers() const {
 
 namespace {
 
+bool looks_like_metadata(std::string_view b) {
+  return b.size() >= sizeof(MetadataHeader) && std::memcmp(b.data(), &kMetadataMagic, 4) == 0;
+}
+
+struct ParsedMetadata {
+  MetadataInfo info;
+  uint8_t host_id[32];
+  std::string control;  // a wildcard listener's control address
+};
+
+Status parse_metadata_bytes(std::string_view b, ParsedMetadata* out) {
+  if (!looks_like_metadata(b)) return Status(Code::kInvalidArgument, "not tether endpoint metadata");
+  MetadataHeader m;
+  std::memcpy(&m, b.data(), sizeof m);
+  if (m.version != wire::kVersion)
+    return Status(Code::kProtocolError, "metadata from wire version " + std::to_string(m.version) +
+                                            ", this build speaks " + std::to_string(wire::kVersion));
+  if (b.size() != sizeof m + m.host_len + m.hostname_len + m.control_len)
+    return Status(Code::kInvalidArgument, "metadata is truncated or malformed");
+  if (m.port == 0) return Status(Code::kInvalidArgument, "metadata names port 0");
+  out->info.host.assign(b.substr(sizeof m, m.host_len));
+  out->info.hostname.assign(b.substr(sizeof m + m.host_len, m.hostname_len));
+  out->control.assign(b.substr(sizeof m + m.host_len + m.hostname_len, m.control_len));
+  out->info.port = m.port;
+  std::memcpy(out->info.endpoint.data(), m.endpoint, 16);
+  std::memcpy(out->host_id, m.host_id, 32);
+  return Status::ok();
+}
+
 struct Target {
   std::string host;
   uint16_t port = 0;
@@ -327,23 +356,15 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   if (closing_.load()) return Status(Code::kCancelled, "endpoint closed");
   const int64_t deadline = sys::now_ms() + (timeout_ms < 0 ? int64_t(config_.connect_timeout_ms) : timeout_ms);
   Target t;
-  if (target_bytes.size() >= sizeof(MetadataHeader) &&
-      std::memcmp(target_bytes.data(), &kMetadataMagic, 4) == 0) {
-    MetadataHeader m;
-    std::memcpy(&m, target_bytes.data(), sizeof m);
-    if (m.version != wire::kVersion)
-      return Status(Code::kProtocolError, "metadata from wire version " + std::to_string(m.version) +
-                                              ", this build speaks " + std::to_string(wire::kVersion));
-    if (target_bytes.size() != sizeof m + m.host_len + m.hostname_len + m.control_len)
-      return Status(Code::kInvalidArgument, "metadata is truncated or malformed");
-    std::string host(target_bytes.substr(sizeof m, m.host_len));
-    std::string hn(target_bytes.substr(sizeof m + m.host_len, m.hostname_len));
-    std::string ctl(target_bytes.substr(sizeof m + m.host_len + m.hostname_len, m.control_len));
+  if (looks_like_metadata(target_bytes)) {
+    ParsedMetadata m;
+    Status ps = parse_metadata_bytes(target_bytes, &m);
+    if (!ps.is_ok()) return ps;
     const bool same_host = std::memcmp(m.host_id, host_id_.data(), 32) == 0;
-    t.host = !wildcard(host) ? host : same_host ? "127.0.0.1" : !ctl.empty() ? ctl : hn;
-    t.port = m.port;
+    t.host = !wildcard(m.info.host) ? m.info.host : same_host ? "127.0.0.1" : !m.control.empty() ? m.control : m.info.hostname;
+    t.port = m.info.port;
     t.has_id = true;
-    std::memcpy(t.id.data(), m.endpoint, 16);
+    t.id = m.info.endpoint;
   } else {
     Status s = sys::split_host_port(target_bytes, &t.host, &t.port);
     if (!s.is_ok()) return Status(Code::kInvalidArgument, "connect: expected metadata bytes or \"host:port\"; " + s.message());
@@ -955,6 +976,12 @@ Result<std::unique_ptr<Endpoint>> Endpoint::create(const Config& config) {
 
 std::string Endpoint::address() const { return impl_->address(); }
 std::string Endpoint::metadata() const { return impl_->metadata(); }
+Result<MetadataInfo> Endpoint::parse_metadata(std::string_view bytes) {
+  core::ParsedMetadata m;
+  Status s = core::parse_metadata_bytes(bytes, &m);
+  if (!s.is_ok()) return s;
+  return m.info;
+}
 EndpointId Endpoint::id() const { return impl_->id(); }
 std::string Endpoint::name() const { return impl_->name(); }
 const Config& Endpoint::config() const { return impl_->config(); }
@@ -1035,14 +1062,14 @@ namespace {
 // descriptor form one run, so the core keeps one copy of each descriptor rather than one per entry.
 struct EntryRuns {
   std::vector<Block> blocks;
-  std::vector<core::BlockRun> runs;
+  std::vector<BlockRun> runs;
   explicit EntryRuns(const std::vector<IoEntry>& entries) {
     blocks.reserve(entries.size());  // runs point into it
     for (size_t i = 0; i < entries.size(); ++i) {
       const IoEntry& e = entries[i];
       blocks.push_back(Block{e.local_offset, e.remote_offset, e.length});
       if (i == 0 || e.local.state() != entries[i - 1].local.state() || !(e.remote == entries[i - 1].remote))
-        runs.push_back(core::BlockRun{&e.local, &e.remote, &blocks.back(), 0});
+        runs.push_back(BlockRun{&e.local, &e.remote, &blocks.back(), 0});
       ++runs.back().n;
     }
   }
@@ -1058,12 +1085,18 @@ Transfer Peer::readv(std::vector<IoEntry> entries) {
   return state_->post_rma(core::OpKind::kRead, r.runs.data(), r.runs.size(), "entry", {});
 }
 Transfer Peer::writev(const Region& local, const RemoteRegion& remote, const Block* blocks, size_t n, std::string notify) {
-  const core::BlockRun run{&local, &remote, blocks, n};
+  const BlockRun run{&local, &remote, blocks, n};
   return state_->post_rma(core::OpKind::kWrite, &run, 1, "block", std::move(notify));
 }
-Transfer Peer::readv(const Region& local, const RemoteRegion& remote, const Block* blocks, size_t n) {
-  const core::BlockRun run{&local, &remote, blocks, n};
-  return state_->post_rma(core::OpKind::kRead, &run, 1, "block", {});
+Transfer Peer::readv(const Region& local, const RemoteRegion& remote, const Block* blocks, size_t n, std::string notify) {
+  const BlockRun run{&local, &remote, blocks, n};
+  return state_->post_rma(core::OpKind::kRead, &run, 1, "block", std::move(notify));
+}
+Transfer Peer::writev(const BlockRun* runs, size_t nruns, std::string notify) {
+  return state_->post_rma(core::OpKind::kWrite, runs, nruns, "block", std::move(notify));
+}
+Transfer Peer::readv(const BlockRun* runs, size_t nruns, std::string notify) {
+  return state_->post_rma(core::OpKind::kRead, runs, nruns, "block", std::move(notify));
 }
 Transfer Peer::send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
   return state_->post_send(local, offset, length, tag);
@@ -1087,6 +1120,9 @@ Status Transfer::wait(int64_t timeout_ms) const {
   return state_->wait(timeout_ms, p ? p->spin_us() : 0, p ? p->busy_poll_us() : 0);
 }
 Status Transfer::status() const { return state_->is_finished() ? state_->final_status() : Status::ok(); }
+void Transfer::cancel() const {
+  if (state_->peer) state_->peer->cancel(state_.get());
+}
 uint64_t Transfer::bytes() const { return state_->bytes.load(std::memory_order_acquire); }
 
 }  // namespace tether

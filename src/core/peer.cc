@@ -103,8 +103,6 @@ Transfer PeerState::start(std::shared_ptr<TransferState> t) {
 
 Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, const char* noun, std::string notify) {
   const bool write = op == OpKind::kWrite;
-  if (!write && !notify.empty())
-    return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "notify= is only allowed on writes"));
   if (notify.size() > wire::kMaxNotify)
     return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "notification larger than 1 MiB"));
   size_t total = 0;
@@ -598,7 +596,8 @@ void PeerState::transfer_drained(TransferState* t) {
     t->finish(err);
     return;
   }
-  const bool notify = t->op == OpKind::kNotify || (t->op == OpKind::kWrite && !t->notify.empty());
+  // A write's notification follows its data into the target; a read's follows the last answer here.
+  const bool notify = t->op == OpKind::kNotify || !t->notify.empty();
   if (!notify) {
     t->finish(Status::ok());
     return;
@@ -778,6 +777,41 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
   }
   fail(Status(Code::kProtocolError, "peer '" + info_.name + "' sent a malformed control message (type " +
                                         std::to_string(int(type)) + ", " + std::to_string(length) + " bytes)"));
+}
+
+void PeerState::cancel(TransferState* t) {
+  if (t->is_finished()) return;
+  bool taken = false;  // off the queue or out of the rendezvous: its hold is ours to release
+  {
+    std::lock_guard lock(mu_);
+    TransferState* prev = nullptr;
+    for (TransferState* q = queue_head_.load(std::memory_order_relaxed); q; prev = q, q = q->next_queued) {
+      if (q != t) continue;
+      if (prev) {
+        prev->next_queued = t->next_queued;
+      } else {
+        queue_head_.store(t->next_queued, std::memory_order_release);
+      }
+      if (queue_tail_ == t) queue_tail_ = prev;
+      t->next_queued = nullptr;
+      taken = true;
+      break;
+    }
+    if (!taken && t->op == OpKind::kSend && awaiting_cts_.erase(t->msg_id) > 0) taken = true;
+    if (!taken && t->op == OpKind::kRecv)
+      if (auto it = posted_recvs_.find(t->tag); it != posted_recvs_.end()) {
+        auto& q = it->second;
+        for (auto qi = q.begin(); qi != q.end(); ++qi)
+          if (*qi == t) {
+            q.erase(qi);
+            taken = true;
+            break;
+          }
+        if (q.empty()) posted_recvs_.erase(it);
+      }
+  }
+  t->record_error(Status(Code::kCancelled, std::string(op_name(t->op)) + " cancelled"));
+  if (taken) t->release();
 }
 
 void PeerState::cancel_region(const RegionState* region) {

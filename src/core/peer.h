@@ -46,15 +46,11 @@ struct ChunkOp {
   int32_t device = -1;               // GPU of the local bytes (all pieces share it), -1 for host memory
 };
 
-// Blocks of a write or read that share one local region and one remote descriptor: a whole
-// Peer::writev(Block) call, or a run of consecutive entries of an IoEntry list (or of the Python
-// tuples) naming the same two. Borrowed for the duration of post_rma only.
-struct BlockRun {
-  const Region* local = nullptr;
-  const RemoteRegion* remote = nullptr;
-  const Block* blocks = nullptr;
-  size_t n = 0;
-};
+// Blocks of a write or read that share one local region and one remote descriptor (the public
+// tether::BlockRun): a whole Peer::writev(Block) call, a run of consecutive entries of an IoEntry list
+// (or of the Python tuples) naming the same two, or one run of a multi-region call. Borrowed for the
+// duration of post_rma only.
+using tether::BlockRun;
 
 struct PeerInfo {
   uint64_t id = 0;
@@ -132,6 +128,9 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   int64_t last_heard_ms() const { return last_heard_ms_.load(std::memory_order_relaxed); }
   void send_control(wire::ControlType type, const void* body, uint32_t length);
 
+  // Transfer::cancel(): takes `t` off the work queue (and a send or recv out of the rendezvous) so no
+  // further chunk leaves; it ends with kCancelled once its chunks in flight are answered.
+  void cancel(TransferState* t);
   // Fails sends still waiting for a CTS and recvs still unmatched that use `region`.
   void cancel_region(const RegionState* region);
   // Fails the peer once: every transfer still using it ends with `s`, sockets are shut down.

@@ -43,7 +43,7 @@ struct KernelModule {
 };
 
 KernelModule& module(int device) {
-  static std::vector<KernelModule> modules(64);
+  static std::vector<KernelModule>& modules = *new std::vector<KernelModule>(64);  // never destroyed, as cuda()
   return modules[size_t(device)];
 }
 

@@ -27,7 +27,9 @@ bool bind(void* lib, const char* name, F*& fn, std::string* why) {
 }
 
 Loaded& loaded() {
-  static Loaded l;
+  // Never destroyed: progress threads of an endpoint nobody closed (a NIXL agent leaked at exit) may
+  // still use it while the process's statics are torn down.
+  static Loaded& l = *new Loaded;
   static std::once_flag once;
   std::call_once(once, [] {
     const char* env = std::getenv("TETHER_LIBCUDA_SO");

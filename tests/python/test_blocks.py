@@ -202,7 +202,7 @@ def test_bad_block_arrays_are_refused_clearly(duo):
     with pytest.raises(TypeError, match="uint64"):
         peer._p.writev_blocks(rs._r, d, good.astype(np.int64), b"")
     with pytest.raises(TypeError, match="uint64"):
-        peer._p.readv_blocks(rs._r, d, good.astype(np.uint32))
+        peer._p.readv_blocks(rs._r, d, good.astype(np.uint32), b"")
     with pytest.raises(ValueError, match=r"\(n, 3\)"):
         peer._p.writev_blocks(rs._r, d, good[:, :2].copy(), b"")
     with pytest.raises(ValueError, match=r"\(n, 3\)"):

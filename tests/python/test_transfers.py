@@ -385,6 +385,28 @@ def test_write_notify_arrives_after_data_with_sender_name(pair):
     assert b.notifications() == []  # consumed
 
 
+@pytest.mark.parametrize("form", ["read", "readv", "readv_blocks"])
+def test_read_notify_reaches_the_target_after_every_byte_arrived(pair, form):
+    """A read's notification tells the target its memory was read: it is sent once the last byte is
+    in the reader's memory, so whenever the target sees it, the reader's copy is complete."""
+    a, b, peer = pair
+    n = 6 * MiB + 3
+    src, dst = rand_bytes(14, n), poisoned(n)
+    rd, rs = a.register(dst), b.register(src)
+    desc = rs.descriptor()
+    if form == "read":
+        t = peer.read(rd, desc, notify=b"read-done")
+    elif form == "readv":
+        t = peer.readv([(rd, 0, desc, 0, n // 2), (rd, n // 2, desc, n // 2, n - n // 2)], notify=b"read-done")
+    else:
+        t = peer.readv_blocks(rd, desc, [n // 2, 0], [n // 2, 0], [n - n // 2, n // 2], notify=b"read-done")
+    notes = b.notifications(timeout=T)
+    assert [(x.peer_name, x.data) for x in notes] == [("ep-a", b"read-done")]
+    assert_bytes_equal(dst, src, "the reader's copy when the target got the notification")
+    t.wait(T)
+    assert b.notifications() == []
+
+
 def test_writev_notify_and_standalone_notify_in_order(pair):
     a, b, peer = pair
     src, dst = rand_bytes(12, 50000), poisoned(50000)
@@ -412,9 +434,8 @@ def test_notify_size_limits(pair):
     got = b.notifications(timeout=T)
     assert len(got) == 1 and got[0].data == biggest
     assert isinstance(wait_error(peer.notify(biggest + b"x")), tether.InvalidArgument)
-    # notify= is only for writes
-    with pytest.raises(TypeError):
-        peer.read(a.register(poisoned(8)), b.register(poisoned(8)).descriptor(), notify=b"x")
+    assert isinstance(wait_error(peer.read(a.register(poisoned(8)), b.register(poisoned(8)).descriptor(),
+                                           notify=biggest + b"x")), tether.InvalidArgument)
     empty = peer.notify(b"")
     empty.wait(T)
     got = b.notifications(timeout=T)

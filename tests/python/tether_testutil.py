@@ -150,6 +150,28 @@ class LocalMemory:
         return obj if isinstance(obj, np.ndarray) else obj.cpu().numpy()
 
 
+def build_testnet_plugin() -> str:
+    """Path of the testnet NCCL net plugin (tests/netplugin, TCPX-like over loopback), built on first
+    use; TETHER_TEST_NET_PLUGIN=path names another build."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+    if os.environ.get("TETHER_TEST_NET_PLUGIN"):
+        return os.environ["TETHER_TEST_NET_PLUGIN"]
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake not installed: the testnet plugin cannot be built")
+    root = Path(__file__).resolve().parents[2]
+    build = root / "build" / "testnet"
+    build.mkdir(parents=True, exist_ok=True)
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run(["cmake", str(root), *gen, "-DTETHER_BUILD_PYTHON=OFF", "-DTETHER_BUILD_TEST_PLUGIN=ON",
+                    "-DCMAKE_BUILD_TYPE=Release"], cwd=build, check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", ".", "--target", "tether_testnet"], cwd=build, check=True, capture_output=True)
+    return str(build / "libtether_testnet.so")
+
+
 def rand_bytes(seed: int, n: int) -> np.ndarray:
     """Deterministic random bytes (both processes can regenerate the same data from a seed)."""
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)

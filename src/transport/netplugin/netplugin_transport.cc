@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 
+#include "core/crypto.h"
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"
@@ -19,7 +20,7 @@ namespace tether::transport {
 
 namespace {
 
-constexpr uint32_t kOfferMagic = 0x4f504e54;  // "TNPO"
+constexpr uint32_t kOfferMagic = 0x32504e54;  // "TNP2": with a nonce (v1, "TNPO", had none)
 constexpr uint32_t kMaxLanes = 64;
 constexpr int64_t kOfferLifetimeMs = 60000;   // listens offered to a connector that picked another transport
 
@@ -27,6 +28,7 @@ struct OfferHeader {
   uint32_t magic;
   uint32_t lanes;
   uint64_t session;
+  uint64_t nonce;  // tells our offer from the other side's when both are ours (a self-connect)
 };
 
 bool parse_offer(std::string_view bytes, OfferHeader* h) {
@@ -231,14 +233,9 @@ std::string NetpluginTransport::offer(uint64_t session) {
   std::lock_guard lock(mu_);
   const int64_t now = sys::now_ms();
   prune_offers(now);
-  auto old = listening_.find(session);
-  if (old != listening_.end()) {  // a retried handshake of the same session: offer afresh
-    for (void* c : old->second.comms) net_->close_listen(c);
-    listening_.erase(old);
-  }
   const uint32_t n = lane_count();
   std::string out(sizeof(OfferHeader) + size_t(n) * netabi::kHandleMaxSize, '\0');
-  OfferHeader h{kOfferMagic, n, session};
+  OfferHeader h{kOfferMagic, n, session, crypto::random_u64()};
   std::memcpy(out.data(), &h, sizeof h);
   Listening l;
   l.created_ms = now;
@@ -252,7 +249,7 @@ std::string NetpluginTransport::offer(uint64_t session) {
     }
     l.comms.push_back(comm);
   }
-  listening_[session] = std::move(l);
+  listening_[OfferKey{session, h.nonce}] = std::move(l);
   return out;
 }
 
@@ -297,10 +294,23 @@ Status NetpluginTransport::attach(const std::shared_ptr<core::PeerState>& peer, 
   Listening mine;
   {
     std::lock_guard lock(mu_);
-    auto it = listening_.find(rh.session);
-    if (it == listening_.end()) return Status(Code::kProtocolError, "netplugin: no offer of ours for this session");
-    mine = std::move(it->second);
-    listening_.erase(it);
+    // Ours is the newest offer of the session that is not the peer's; older ones of ours were for
+    // handshakes retried since, and are closed now.
+    auto mine_it = listening_.end();
+    for (auto it = listening_.lower_bound(OfferKey{rh.session, 0}); it != listening_.end() && it->first.first == rh.session; ++it)
+      if (it->first.second != rh.nonce && (mine_it == listening_.end() || it->second.created_ms >= mine_it->second.created_ms))
+        mine_it = it;
+    if (mine_it == listening_.end()) return Status(Code::kProtocolError, "netplugin: no offer of ours for this session");
+    mine = std::move(mine_it->second);
+    listening_.erase(mine_it);
+    for (auto it = listening_.lower_bound(OfferKey{rh.session, 0}); it != listening_.end() && it->first.first == rh.session;) {
+      if (it->first.second == rh.nonce) {
+        ++it;
+        continue;
+      }
+      for (void* c : it->second.comms) net_->close_listen(c);
+      it = listening_.erase(it);
+    }
   }
   const uint32_t n = peer->lanes();
   auto close_all = [&](std::vector<NetLane::Comms>& comms) {

@@ -50,6 +50,8 @@ class NetpluginTransport final : public Transport {
     std::vector<void*> comms;  // one per lane
     int64_t created_ms = 0;
   };
+  // (session, nonce of the offer): an endpoint connecting to itself makes two offers in one session.
+  using OfferKey = std::pair<uint64_t, uint64_t>;
   uint32_t lane_count() const;
   void start_threads();
   void prune_offers(int64_t now);
@@ -62,7 +64,7 @@ class NetpluginTransport final : public Transport {
   RegionTable regions_;
 
   std::mutex mu_;  // offers, lanes, threads (control path only)
-  std::map<uint64_t, Listening> listening_;  // session -> our listen comms, until attach
+  std::map<OfferKey, Listening> listening_;  // our listen comms per offer, until attach
   std::vector<std::weak_ptr<NetLane>> lanes_;
   std::vector<std::unique_ptr<NetProgressThread>> threads_;
   std::atomic<bool> stopped_{false};
