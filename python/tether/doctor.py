@@ -191,8 +191,18 @@ def collect() -> dict[str, Any]:
         "nccl_net_plugins": _nccl_net_plugins(),
         "sysctls": sysctls,
         "transports": transports,
+        "nixl": _nixl(),
         "env": {k: v for k, v in os.environ.items() if k.startswith("TETHER_") and "TOKEN" not in k},
     }
+
+
+def _nixl() -> dict[str, Any]:
+    """NIXL: installed? which version? does it list and create our TETHER backend (tether.nixl)?"""
+    from . import nixl
+    try:
+        return nixl.status()
+    except Exception as e:  # a broken NIXL install is a finding, not a crash of doctor
+        return {"nixl_installed": None, "detail": f"{type(e).__name__}: {e}"}
 
 
 def _busy_poll_us() -> Optional[int]:
@@ -278,6 +288,12 @@ def render(report: dict[str, Any]) -> None:
     t = _table("Transports", "transport", "available", "why")
     for name, v in report["transports"].items():
         t.add_row(name, "[green]yes[/green]" if v["available"] else "[red]no[/red]", v["why"])
+    c.print(t)
+    n = report["nixl"]
+    t = _table("NIXL (serving stacks: vLLM, SGLang, Dynamo)", "NIXL", "version", "sees TETHER", "detail")
+    sees = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[n.get("nixl_sees_tether")]
+    t.add_row({True: "installed", False: "not installed", None: "?"}[n.get("nixl_installed")],
+              n.get("nixl_version") or "-", sees, n.get("detail") or "backends=[\"TETHER\"] uses tether")
     c.print(t)
     t = _table("sysctls", "key", "value", "advice")
     for k, v in report["sysctls"].items():

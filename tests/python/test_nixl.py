@@ -557,5 +557,10 @@ def test_install_status_and_cli(tmp_path, nixl_site):
         assert st["nixl_installed"] and st["installed_copy_current"] and st["nixl_sees_tether"], st
         r = subprocess.run([sys.executable, "-m", "tether", "nixl", "status"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "NIXL sees it: yes" in r.stdout, r.stdout + r.stderr
+        r = subprocess.run([sys.executable, "-m", "tether", "doctor", "--json"], capture_output=True, text=True,
+                           timeout=120)
+        import json
+        n = json.loads(r.stdout)["nixl"]
+        assert n["nixl_installed"] and n["nixl_version"] == nixl_site["version"] and n["nixl_sees_tether"], n
     with pytest.raises(tn.NixlError):
         tn.install(str(tmp_path / "missing"))
