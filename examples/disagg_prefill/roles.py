@@ -1,0 +1,213 @@
+"""The two processes. Prefill runs every prompt, writes its KV into its paged pool and tells decode the
+block ids over the side channel; decode allocates its own blocks, PULLS each request with one READ
+(all requests in flight at once), checks what landed, decodes from its pool, and compares its tokens
+with one-process generation. A READ's notification tells prefill to free that request's blocks.
+
+Per round (run twice by default: the first warms up connections and kernels):
+  prefill: compute all prompts -> kv_ready x N, round_sent, verify (digests) -> free blocks as
+           "kv:<req>" notifications arrive
+  decode:  post one READ per kv_ready as it arrives -> wait all -> check against verify -> decode ->
+           "round:<r>" notification
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import kv_engines
+import llm
+from paged_kv import PagedKVPool, host_bytes
+from side_channel import SideChannel
+
+BLOCK = 16  # tokens per block, vLLM's default
+
+
+def prompts(seed: int, lens: list[int], vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, vocab, n)] for n in lens]
+
+
+def _setup(args, role: str):
+    device = args.device
+    model = llm.build(args.model, args.preset, args.seed, device, args.dtype)
+    need = sum(-(-n // BLOCK) for n in args.prompt_lens)
+    # Different pool sizes and seeds on the two sides: the same request lands at different places.
+    blocks = (args.prefill_blocks or 2 * need + 3) if role == "prefill" else (args.decode_blocks or 3 * need + 5)
+    pool = PagedKVPool.allocate(model.array_kind, model.layers, blocks, BLOCK, model.kv_heads, model.head_dim,
+                                model.pool_dtype(), seed=args.seed + (1 if role == "prefill" else 2),
+                                device=device if model.array_kind == "torch" else None)
+    options = {"transport": args.transport} if args.transport != "auto" else {}
+    return model, pool, options
+
+
+def _interleaved(tables: list[list[int]]) -> bool:
+    """True when some request's blocks lie between another request's (the pool is shared, not split)."""
+    spans = [(min(t), max(t)) for t in tables if t]
+    return any(lo_a < b < hi_a for i, (lo_a, hi_a) in enumerate(spans)
+               for j, t in enumerate(tables) if j != i for b in t)
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+
+
+def prefill_main(args, announce) -> int:
+    model, pool, options = _setup(args, "prefill")
+    source = kv_engines.make_source(args.path, pool, "prefill", options)
+    host, port = args.listen.rsplit(":", 1)
+    lst, address = SideChannel.listen(host, int(port), args.key)
+    announce(address)
+    ch = SideChannel.accept(lst)
+    T = args.timeout
+    ch.recv(T, "hello")
+    ch.send("welcome", engine=source.info(), fingerprint=model.fingerprint(), block_bytes=pool.block_bytes)
+    texts = prompts(args.seed, args.prompt_lens, model.vocab)
+    notes: set[bytes] = set()
+    tables: list[list[int]] = []
+
+    def wait_note(want: set[bytes], on_note=None):
+        while not want <= notes:
+            got = source.notifications(min(T, 1.0))
+            for n in got:
+                notes.add(n)
+                if on_note:
+                    on_note(n)
+            if not got and time.monotonic() > deadline:
+                raise TimeoutError(f"prefill: no notification {sorted(want - notes)} within {T:.0f} s")
+
+    for r in range(args.rounds):
+        deadline = time.monotonic() + T
+        if r:
+            wait_note({b"round:%d" % (r - 1)})
+        live = {}
+        for i, p in enumerate(texts):
+            model.sync()
+            t0 = time.perf_counter()
+            kv = model.prefill(p)
+            ids = pool.alloc(len(p))
+            pool.write(ids, kv)
+            model.sync()
+            live[f"{r}:{i}"] = (i, ids, time.perf_counter() - t0)
+        tables = [ids for _, ids, _ in live.values()]
+        for key, (i, ids, secs) in live.items():  # back to back, like one scheduler step: all in flight
+            ch.send("kv_ready", req=key, index=i, prompt=texts[i], block_ids=ids, prefill_s=secs)
+        ch.send("round_sent", count=len(live))
+        # What decode checks its pulled blocks against, sent after the block ids so it delays no READ.
+        ch.send("verify", blocks={key: {"digests": pool.digests(ids),
+                                        **({"bytes": host_bytes(pool.blocks(ids))} if args.verify_bytes else {})}
+                                  for key, (_, ids, _) in live.items()})
+        freed = []
+
+        def free(note: bytes, live=live, freed=freed):
+            key = note.decode().split("kv:", 1)[-1]
+            if note.startswith(b"kv:") and key in live:
+                pool.free(live.pop(key)[1])
+                freed.append(key)
+        deadline = time.monotonic() + T
+        wait_note({b"kv:%d:%d" % (r, i) for i in range(len(texts))}, free)
+    deadline = time.monotonic() + T
+    wait_note({b"round:%d" % (args.rounds - 1)})
+    ch.send("bye", prefill={"all_blocks_freed": pool.free_blocks == pool.num_blocks, "num_blocks": pool.num_blocks,
+                            "interleaved": _interleaved(tables), "notifications": len(notes)})
+    try:
+        ch.recv(T)  # decode closes the channel once its engine is closed: ours closes after
+    except (EOFError, OSError):
+        pass
+    source.close()
+    ch.close()
+    lst.close()
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- decode
+
+
+def decode_main(args) -> dict:
+    model, pool, options = _setup(args, "decode")
+    puller = kv_engines.make_puller(args.path, pool, "decode", options, args.dlist)
+    T = args.timeout
+    ch = SideChannel.connect(args.connect, args.key)
+    ch.send("hello")
+    welcome = ch.recv(T, "welcome")
+    if welcome["fingerprint"] != model.fingerprint():
+        raise RuntimeError("prefill and decode built different weights (seed, preset, dtype or device differ)")
+    puller.connect(welcome["engine"])
+    references: dict[int, list[int]] = {}
+    rounds = []
+    for r in range(args.rounds):
+        reqs, handles, done_at = {}, {}, {}
+        deadline, sent = time.monotonic() + T, False
+        while not sent or len(done_at) < len(handles):
+            # Post each READ the moment its block ids arrive; between messages, stamp finished READs.
+            if not sent and ch.conn.poll(0):
+                m = ch.recv(T)
+                if m["op"] == "round_sent":
+                    sent = True
+                    continue
+                assert m["op"] == "kv_ready", m
+                local = pool.alloc(len(m["prompt"]))
+                t0 = time.perf_counter()
+                handles[m["req"]] = puller.pull(local, m["block_ids"], b"kv:" + m["req"].encode())
+                reqs[m["req"]] = dict(msg=m, local=local, posted=t0)
+            kv_engines.poll_done(puller, handles, done_at)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"decode: round {r} not pulled within {T:.0f} s")
+        for h in handles.values():
+            puller.release(h)
+        verify = ch.recv(T, "verify")["blocks"]
+        rows = [_finish(model, pool, req, done_at[key], verify[key], args, references) for key, req in reqs.items()]
+        first = min(q["posted"] for q in reqs.values())
+        for row, key in zip(rows, reqs):  # when each READ was posted and seen done, from the round's first post
+            row["posted_at_s"], row["done_at_s"] = reqs[key]["posted"] - first, done_at[key] - first
+        poison_ok = pool.untouched_is_poison()
+        tables = [req["local"] for req in reqs.values()]
+        for req in reqs.values():
+            pool.free(req["local"])
+        last = max(done_at.values())
+        total = sum(x["kv_bytes"] for x in rows)
+        rounds.append({"round": r, "requests": rows, "poison_ok": poison_ok, "interleaved": _interleaved(tables),
+                       "total": {"kv_bytes": total, "blocks": sum(x["blocks"] for x in rows),
+                                 "window_s": last - first, "gbps": total / (last - first) / 1e9},
+                       "mean": {k: float(np.mean([x[k] for x in rows]))
+                                for k in ("prefill_s", "transfer_s", "first_step_s", "ttft_s")}})
+        puller.notify(b"round:%d" % r)
+    bye = ch.recv(T, "bye")
+    transport = puller.transport
+    puller.close()
+    ch.close()
+    ok = all(x["match"] and x["digests_ok"] and x["bytes_ok"] is not False for rd in rounds for x in rd["requests"])
+    return {"path": args.path, "transport": transport, "model": model.kind, "preset": args.preset,
+            "device": args.device, "dtype": args.dtype, "dlist": args.dlist if args.path != "tether" else None,
+            "block_bytes": pool.block_bytes, "decode_pool_blocks": pool.num_blocks, "prefill": bye["prefill"],
+            "ok": ok and all(rd["poison_ok"] for rd in rounds) and bye["prefill"]["all_blocks_freed"],
+            "rounds": rounds}
+
+
+def _finish(model, pool, req, done_at: float, want: dict, args, references) -> dict:
+    """Checks one pulled request against prefill's blocks, decodes it from the pool, compares tokens."""
+    m, local = req["msg"], req["local"]
+    n = len(m["prompt"])
+    digests_ok = pool.digests(local) == want["digests"]
+    bytes_ok = None
+    if "bytes" in want:
+        bytes_ok = bool(np.array_equal(host_bytes(pool.blocks(local)), want["bytes"]))
+    model.sync()
+    t0 = time.perf_counter()
+    kv = pool.gather(local, n)[:, :, :n - 1]  # the last prompt token is recomputed by the first step
+    model.sync()
+    gather_s = time.perf_counter() - t0
+    tokens, step_s = model.decode(kv, m["prompt"], args.max_new_tokens)
+    if m["index"] not in references:
+        references[m["index"]] = model.reference(m["prompt"], args.max_new_tokens)
+    ref = references[m["index"]]
+    transfer_s = done_at - req["posted"]
+    blocks = len(local) * pool.layers * 2
+    first_step_s = gather_s + step_s
+    return {"req": m["req"], "prompt_tokens": n, "pages": len(local), "blocks": blocks,
+            "kv_bytes": blocks * pool.block_bytes, "transfer_s": transfer_s,
+            "gbps": blocks * pool.block_bytes / transfer_s / 1e9, "prefill_s": m["prefill_s"],
+            "gather_s": gather_s, "first_step_s": first_step_s, "ttft_s": m["prefill_s"] + transfer_s + first_step_s,
+            "tokens": tokens, "reference": ref, "match": tokens == ref,
+            "first_mismatch": next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), None),
+            "digests_ok": digests_ok, "bytes_ok": bytes_ok,
+            "prefill_block_ids": m["block_ids"], "decode_block_ids": local}
