@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from paged_kv import PagedKVPool
+from paged_kv import Geometry, PagedKVPool
 
 PATHS = ("tether", "nixl-TETHER", "nixl-UCX")
 
@@ -36,6 +36,13 @@ def path_unavailable(path: str) -> str:
 
 class TransferFailed(RuntimeError):
     pass
+
+
+def _remote_geometry(local: PagedKVPool, info: dict) -> Geometry:
+    """Prefill's pool as decode sees it: the same slabs and block size, its own block count."""
+    if info["block_bytes"] != local.block_bytes:
+        raise RuntimeError("prefill and decode disagree on the block layout (model or dtype differ)")
+    return Geometry(local.layers * 2, info["num_blocks"], info["block_bytes"])
 
 
 # --------------------------------------------------------------------------------------- tether
@@ -70,11 +77,12 @@ class TetherPuller:
     def connect(self, info: dict) -> None:
         self.peer = self.ep.connect(info["metadata"], timeout=30)
         self.remote = info["descriptor"]
-        self.remote_pool = _RemoteGeometry(self.pool, info)
+        self.remote_geometry = _remote_geometry(self.pool, info)
 
-    def pull(self, local_ids, remote_ids, notify: bytes) -> Any:
-        return self.peer.readv_blocks(self.region, self.remote, self.pool.offsets(local_ids),
-                                      self.remote_pool.offsets(remote_ids), self.pool.block_bytes, notify=notify)
+    def pull(self, local_flat: np.ndarray, remote_flat: np.ndarray, notify: bytes) -> Any:
+        bb = np.uint64(self.pool.block_bytes)
+        return self.peer.readv_blocks(self.region, self.remote, local_flat.astype(np.uint64) * bb,
+                                      remote_flat.astype(np.uint64) * bb, self.pool.block_bytes, notify=notify)
 
     def done(self, t) -> bool:
         if not t.done():
@@ -94,21 +102,6 @@ class TetherPuller:
 
     def close(self) -> None:
         self.ep.close()
-
-
-class _RemoteGeometry:
-    """Prefill's pool as decode sees it: same layers and block size, its own block count."""
-
-    def __init__(self, local: PagedKVPool, info: dict):
-        assert info["block_bytes"] == local.block_bytes, "prefill and decode disagree on the block layout"
-        self.num_blocks, self.block_bytes, self.slabs = info["num_blocks"], info["block_bytes"], local.layers * 2
-
-    def slab_index(self, ids) -> np.ndarray:
-        slabs = np.arange(self.slabs, dtype=np.int64)[:, None] * self.num_blocks
-        return (slabs + np.asarray(ids, dtype=np.int64)[None, :]).reshape(-1)
-
-    def offsets(self, ids) -> np.ndarray:
-        return self.slab_index(ids).astype(np.uint64) * np.uint64(self.block_bytes)
 
 
 # ----------------------------------------------------------------------------------------- NIXL
@@ -191,17 +184,17 @@ class NixlPuller:
         a = self.agent
         name = a.add_remote_agent(info["agent_metadata"])
         self.remote_name = name.decode() if isinstance(name, bytes) else name
-        assert info["block_bytes"] == self.pool.block_bytes, "prefill and decode disagree on the block layout"
         mem = _mem_type(self.pool)
         self.local_h = a.prep_xfer_dlist("NIXL_INIT_AGENT", _block_rows(
             _slab_addrs(self.pool), self.pool.num_blocks, self.pool.block_bytes, self.pool.device or 0, self.form), mem)
         self.remote_h = a.prep_xfer_dlist(self.remote_name, _block_rows(
             info["slab_addrs"], info["num_blocks"], info["block_bytes"], info["device_id"], self.form), info["mem_type"])
-        self.remote_geometry = _RemoteGeometry(self.pool, info)
+        self.remote_geometry = _remote_geometry(self.pool, info)
 
-    def pull(self, local_ids, remote_ids, notify: bytes) -> Any:
-        h = self.agent.make_prepped_xfer("READ", self.local_h, self.pool.slab_index(local_ids),
-                                         self.remote_h, self.remote_geometry.slab_index(remote_ids), notif_msg=notify)
+    def pull(self, local_flat: np.ndarray, remote_flat: np.ndarray, notify: bytes) -> Any:
+        # The prepped lists hold every block in flat order, so a flat index is a descriptor index.
+        h = self.agent.make_prepped_xfer("READ", self.local_h, local_flat, self.remote_h, remote_flat,
+                                         notif_msg=notify)
         state = self.agent.transfer(h)
         if state == "ERR":
             self.agent.release_xfer_handle(h)

@@ -45,6 +45,23 @@ def fill_bytes(x: Any, value: int) -> None:
         x.view(np.uint8)[...] = value
 
 
+class Geometry:
+    """Where blocks are, as both transfer engines name them: flat index = slab * num_blocks + block, with
+    slab = layer * 2 + (0 for K, 1 for V); byte offset = flat index * block_bytes. Prefill's pool and
+    decode's pool each have their own (their block counts differ)."""
+
+    def __init__(self, slabs: int, num_blocks: int, block_bytes: int):
+        self.slabs, self.num_blocks, self.block_bytes = slabs, num_blocks, block_bytes
+
+    def flat(self, ids: Sequence[int]) -> np.ndarray:
+        """Every (layer, K/V, block) of a block table, layer-major, then K/V, then table order."""
+        slabs = np.arange(self.slabs, dtype=np.int64)[:, None] * self.num_blocks
+        return (slabs + np.asarray(ids, dtype=np.int64)[None, :]).reshape(-1)
+
+    def as_dict(self) -> dict:
+        return {"slabs": self.slabs, "num_blocks": self.num_blocks, "block_bytes": self.block_bytes}
+
+
 class PagedKVPool:
     """Blocks of `block_size` tokens for every (layer, K/V); a block id names the same place in every
     layer's K and V slab, as in vLLM. `alloc` hands out free ids in random order (seeded)."""
@@ -119,17 +136,12 @@ class PagedKVPool:
         """One layer's K (kv=0) or V (kv=1): the contiguous region vLLM registers per layer."""
         return self.data[layer, kv]
 
-    def slab_index(self, ids: Sequence[int]) -> np.ndarray:
-        """Flat descriptor indices slab * num_blocks + block, for every (layer, K/V, block) in order."""
-        slabs = np.arange(self.layers * 2, dtype=np.int64)[:, None] * self.num_blocks
-        return (slabs + np.asarray(ids, dtype=np.int64)[None, :]).reshape(-1)
-
-    def offsets(self, ids: Sequence[int]) -> np.ndarray:
-        """Byte offsets in the pool of every (layer, K/V, block), in `slab_index` order."""
-        return self.slab_index(ids).astype(np.uint64) * np.uint64(self.block_bytes)
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.layers * 2, self.num_blocks, self.block_bytes)
 
     def digests(self, ids: Sequence[int]) -> list[str]:
-        """BLAKE2b of every (layer, K/V, block), in `slab_index` order."""
+        """BLAKE2b of every (layer, K/V, block), in `Geometry.flat` order."""
         raw = host_bytes(self.blocks(ids)).reshape(self.layers * 2 * len(ids), self.block_bytes)
         return [hashlib.blake2b(row.tobytes(), digest_size=16).hexdigest() for row in raw]
 

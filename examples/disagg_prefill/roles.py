@@ -133,6 +133,7 @@ def decode_main(args) -> dict:
         raise RuntimeError("prefill and decode built different weights (seed, preset, dtype or device differ)")
     puller.connect(welcome["engine"])
     references: dict[int, list[int]] = {}
+    faulty = max(range(len(args.prompt_lens)), key=lambda i: args.prompt_lens[i])  # the longest prompt
     rounds = []
     for r in range(args.rounds):
         reqs, handles, done_at = {}, {}, {}
@@ -146,8 +147,11 @@ def decode_main(args) -> dict:
                     continue
                 assert m["op"] == "kv_ready", m
                 local = pool.alloc(len(m["prompt"]))
+                lf, rf = pool.geometry.flat(local), puller.remote_geometry.flat(m["block_ids"])
+                if args.fault != "none" and m["index"] == faulty:
+                    lf, rf = _inject(args.fault, lf, rf)
                 t0 = time.perf_counter()
-                handles[m["req"]] = puller.pull(local, m["block_ids"], b"kv:" + m["req"].encode())
+                handles[m["req"]] = puller.pull(lf, rf, b"kv:" + m["req"].encode())
                 reqs[m["req"]] = dict(msg=m, local=local, posted=t0)
             kv_engines.poll_done(puller, handles, done_at)
             if time.monotonic() > deadline:
@@ -211,3 +215,14 @@ def _finish(model, pool, req, done_at: float, want: dict, args, references) -> d
             "first_mismatch": next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), None),
             "digests_ok": digests_ok, "bytes_ok": bytes_ok,
             "prefill_block_ids": m["block_ids"], "decode_block_ids": local}
+
+
+def _inject(fault: str, lf: np.ndarray, rf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For the tests' negative runs. "misplace": layer 0's K blocks 0 and 1 land swapped (K alone: swapping
+    whole (K, V) pairs would leave attention, a sum over positions, unchanged); "missing": layer 0's first K
+    block is not pulled. Either must show as a digest mismatch and different tokens."""
+    if fault == "misplace":
+        rf = rf.copy()
+        rf[[0, 1]] = rf[[1, 0]]
+        return lf, rf
+    return lf[1:], rf[1:]

@@ -55,6 +55,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any one wait may take")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the record to PATH ('-': stdout only)")
     p.add_argument("--no-install", action="store_true", help="do not copy the TETHER plugin into NIXL's folder")
+    p.add_argument("--fault", choices=["none", "misplace", "missing"], default="none",
+                   help="tests: decode pulls the longest request wrongly; the run must report it and fail")
     p.add_argument("--role", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     p.add_argument("--listen", default="127.0.0.1:0", help="prefill's side channel (with --role prefill)")
@@ -89,7 +91,7 @@ def child_argv(args, role: str, path: str) -> list[str]:
             "--prompt-lens", ",".join(map(str, args.prompt_lens)), "--max-new-tokens", str(args.max_new_tokens),
             "--rounds", str(args.rounds), "--transport", args.transport, "--dlist", args.dlist,
             "--prefill-blocks", str(args.prefill_blocks), "--decode-blocks", str(args.decode_blocks),
-            "--timeout", str(args.timeout)]
+            "--timeout", str(args.timeout), "--fault", args.fault]
     return argv + (["--verify-bytes"] if args.verify_bytes else [])
 
 
