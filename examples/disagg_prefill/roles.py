@@ -38,6 +38,9 @@ def _setup(args, role: str):
                                 model.pool_dtype(), seed=args.seed + (1 if role == "prefill" else 2),
                                 device=device if model.array_kind == "torch" else None)
     options = {"transport": args.transport} if args.transport != "auto" else {}
+    host = args.listen.rsplit(":", 1)[0]
+    if role == "prefill" and host not in ("127.0.0.1", "localhost"):
+        options["host"] = host  # decode on another host: tether listens where the side channel does
     return model, pool, options
 
 
@@ -65,20 +68,18 @@ def prefill_main(args, announce) -> int:
     notes: set[bytes] = set()
     tables: list[list[int]] = []
 
-    def wait_note(want: set[bytes], on_note=None):
+    def wait_for(want: set[bytes], on_note=lambda note: None) -> None:
+        deadline = time.monotonic() + T
         while not want <= notes:
-            got = source.notifications(min(T, 1.0))
-            for n in got:
-                notes.add(n)
-                if on_note:
-                    on_note(n)
-            if not got and time.monotonic() > deadline:
+            for note in source.notifications(min(T, 1.0)):
+                notes.add(note)
+                on_note(note)
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"prefill: no notification {sorted(want - notes)} within {T:.0f} s")
 
     for r in range(args.rounds):
-        deadline = time.monotonic() + T
         if r:
-            wait_note({b"round:%d" % (r - 1)})
+            wait_for({b"round:%d" % (r - 1)})  # decode is done with the last round: compute the next
         live = {}
         for i, p in enumerate(texts):
             model.sync()
@@ -96,17 +97,13 @@ def prefill_main(args, announce) -> int:
         ch.send("verify", blocks={key: {"digests": pool.digests(ids),
                                         **({"bytes": host_bytes(pool.blocks(ids))} if args.verify_bytes else {})}
                                   for key, (_, ids, _) in live.items()})
-        freed = []
 
-        def free(note: bytes, live=live, freed=freed):
-            key = note.decode().split("kv:", 1)[-1]
-            if note.startswith(b"kv:") and key in live:
+        def free(note: bytes, live=live) -> None:  # a READ's notification: decode has the blocks
+            key = note[3:].decode() if note.startswith(b"kv:") else None
+            if key in live:
                 pool.free(live.pop(key)[1])
-                freed.append(key)
-        deadline = time.monotonic() + T
-        wait_note({b"kv:%d:%d" % (r, i) for i in range(len(texts))}, free)
-    deadline = time.monotonic() + T
-    wait_note({b"round:%d" % (args.rounds - 1)})
+        wait_for({b"kv:%s" % key.encode() for key in live}, free)
+    wait_for({b"round:%d" % (args.rounds - 1)})
     ch.send("bye", prefill={"all_blocks_freed": pool.free_blocks == pool.num_blocks, "num_blocks": pool.num_blocks,
                             "interleaved": _interleaved(tables), "notifications": len(notes)})
     try:
