@@ -13,7 +13,7 @@ one request: ONE READ of every layer's K and V blocks, carrying a notification b
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -185,10 +185,11 @@ class NixlPuller:
         name = a.add_remote_agent(info["agent_metadata"])
         self.remote_name = name.decode() if isinstance(name, bytes) else name
         mem = _mem_type(self.pool)
-        self.local_h = a.prep_xfer_dlist("NIXL_INIT_AGENT", _block_rows(
-            _slab_addrs(self.pool), self.pool.num_blocks, self.pool.block_bytes, self.pool.device or 0, self.form), mem)
-        self.remote_h = a.prep_xfer_dlist(self.remote_name, _block_rows(
-            info["slab_addrs"], info["num_blocks"], info["block_bytes"], info["device_id"], self.form), info["mem_type"])
+        p = self.pool
+        local = _block_rows(_slab_addrs(p), p.num_blocks, p.block_bytes, p.device or 0, self.form)
+        remote = _block_rows(info["slab_addrs"], info["num_blocks"], info["block_bytes"], info["device_id"], self.form)
+        self.local_h = a.prep_xfer_dlist("NIXL_INIT_AGENT", local, mem)
+        self.remote_h = a.prep_xfer_dlist(self.remote_name, remote, info["mem_type"])
         self.remote_geometry = _remote_geometry(self.pool, info)
 
     def pull(self, local_flat: np.ndarray, remote_flat: np.ndarray, notify: bytes) -> Any:

@@ -84,9 +84,12 @@ class PagedKVPool:
         if like == "torch":
             import torch
             data = torch.empty(shape, dtype=dtype, device=device)
+            fill_bytes(data, POISON)
+            if data.is_cuda:  # the poison is in place before any engine writes into the pool
+                torch.cuda.synchronize(data.device)
         else:
             data = np.empty(shape, dtype=dtype)
-        fill_bytes(data, POISON)
+            fill_bytes(data, POISON)
         return cls(data, block_size, seed)
 
     # -- block table

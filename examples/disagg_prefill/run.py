@@ -31,7 +31,8 @@ KEY_ENV = "TETHER_DISAGG_KEY"
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--paths", default=",".join(kv_engines.PATHS),
                    help="comma list of tether, nixl-TETHER, nixl-UCX (those that cannot run here are skipped)")
     p.add_argument("--model", choices=["auto", "llama", "fake"], default="auto",
@@ -223,7 +224,9 @@ def main(argv=None) -> int:
     record = {"ok": True, "paths": {}}
     ran = 0
     for path in args.paths:
-        why = kv_engines.path_unavailable(path) or (nixl_plugin_ready(not args.no_install) if path == "nixl-TETHER" else "")
+        why = kv_engines.path_unavailable(path)
+        if not why and path == "nixl-TETHER":
+            why = nixl_plugin_ready(not args.no_install)
         if why:
             record["paths"][path] = {"skipped": why}
             continue

@@ -26,7 +26,7 @@ sys.path.insert(0, str(EXAMPLE))
 
 import kv_engines  # noqa: E402
 import llm  # noqa: E402
-from paged_kv import POISON, PagedKVPool, host_bytes  # noqa: E402
+from paged_kv import PagedKVPool, host_bytes  # noqa: E402
 
 NO_TORCH = llm.torch_available()
 NIXL_WHY = kv_engines.path_unavailable("nixl-TETHER")
