@@ -87,6 +87,9 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
   }
   if (config.ipc_host != "auto" && config.ipc_host != "cma" && config.ipc_host != "shm")
     return Status(Code::kInvalidArgument, "ipc_host must be auto, cma or shm (got \"" + config.ipc_host + "\")");
+  if (config.transport != "auto" && wire::transport_bit(config.transport) == 0)
+    return Status(Code::kInvalidArgument, "transport (TETHER_TRANSPORT) must be auto, tcp, ipc, fabric or netplugin (got \"" +
+                                              config.transport + "\")");
   EndpointId id;
   crypto::random_bytes(id.data(), id.size());
   std::shared_ptr<EndpointImpl> ep(new EndpointImpl(config, id));
@@ -111,6 +114,10 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
   ev.data.u64 = kEventTag;
   ::epoll_ctl(ep->epoll_fd_, EPOLL_CTL_ADD, ep->event_fd_, &ev);
   ep->transports_ = transport::make_transports(ep.get());
+  // A transport asked for by name must work here: say why not now, not at the first connect.
+  for (auto& t : ep->transports_)
+    if (config.transport == t->name() && !t->unavailable_reason().empty())
+      return Status(Code::kUnavailable, "transport " + config.transport + " cannot be used here: " + t->unavailable_reason());
   ep->control_thread_ = std::thread([p = ep.get()] { p->control_loop(); });
   return ep;
 }

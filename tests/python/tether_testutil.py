@@ -51,7 +51,11 @@ DESC_KEY = 48
 def transport_unusable(name: str, **options) -> str:
     """'' when an endpoint made with `options` offers transport `name`, else why it does not."""
     import tether
-    with tether.Endpoint(**options) as ep:
+    try:
+        ep = tether.Endpoint(**options)
+    except tether.Unavailable as e:  # asked for by name (transport=) and unusable: creation says why
+        return str(e)
+    with ep:
         return ep.transports().get(name, f"this build has no {name} transport")
 
 
@@ -218,8 +222,24 @@ def wait_until(pred, timeout: float, interval: float = 0.01) -> bool:
     return bool(pred())
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def fd_count(pid: str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def thread_count() -> int:
@@ -268,10 +288,10 @@ def read_server_hello(s: socket.socket) -> dict:
     return h
 
 
-def client_proof(transport: bytes = b"tcp", lanes: int = 1, proof: bytes = bytes(32)) -> bytes:
+def client_proof(transport: bytes = b"tcp", lanes: int = 1, proof: bytes = bytes(32), offer: bytes = b"") -> bytes:
     """A ClientProof (56 bytes): HMAC 32, chosen transport 16 (control sockets; empty for data
-    sockets), lanes u32, offer length u32 (0: no offer follows)."""
-    return struct.pack("<32s16sII", proof, transport.ljust(16, b"\0"), lanes, 0)
+    sockets), lanes u32, offer length u32, then the connector's offer for that transport."""
+    return struct.pack("<32s16sII", proof, transport.ljust(16, b"\0"), lanes, len(offer)) + offer
 
 
 def recv_exact(s: socket.socket, n: int, timeout: float = 5.0) -> bytes:
@@ -599,6 +619,14 @@ class _Agent:
         return {"notes": [tuple(n) for n in notes], "mismatch": first_mismatch(snapshot, expected),
                 "timed_out": False}
 
+    def cmd_drain_notifications(self):
+        """Takes every notification waiting; returns (length, first 8 bytes) of each, not the data."""
+        return [(len(n.data), n.data[:8]) for n in self.ep.notifications()]
+
+    def cmd_stream_errors(self):
+        """Errors the background stream (cmd_start_stream) met, and how many of its ops completed."""
+        return list(self.bg_state.get("errors", [])), self.bg_state.get("completed", 0)
+
     def cmd_peers(self):
         return [(p.id, p.name, p.connected, p.error) for p in self.ep.peers()]
 
@@ -623,6 +651,7 @@ class _Agent:
                     self.bg_state["errors"].append(repr(e))
                     first.set()
                     return
+                self.bg_state["completed"] = self.bg_state.get("completed", 0) + 1
                 first.set()
 
         th = threading.Thread(target=loop, daemon=True)
@@ -675,6 +704,36 @@ class _Agent:
         become non-dumpable (then no process without CAP_SYS_PTRACE may attach to us)."""
         refuse_cma(dumpable)
         return True
+
+    def cmd_setrlimit_nofile(self, soft):
+        """Lowers this process's open-files limit (the soft one; the hard one stays)."""
+        import resource
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return soft
+
+    def cmd_hold_fds(self, leave=0):
+        """Opens /dev/null until the open-files limit is reached (then closes `leave` of them again):
+        the application itself has used up the descriptors. Returns how many it holds."""
+        held = self.bg_state.setdefault("fds", [])
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        for _ in range(min(leave, len(held))):
+            os.close(held.pop())
+        return len(held)
+
+    def cmd_release_fds(self):
+        for fd in self.bg_state.pop("fds", []):
+            os.close(fd)
+
+    def cmd_stderr_to(self, path):
+        """Sends this process's stderr (fd 2: where tether logs) to a file."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
 
     def cmd_close(self):
         if self.ep is not None:
