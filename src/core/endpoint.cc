@@ -1,11 +1,13 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 
@@ -105,6 +107,9 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
   if (!lfd.is_ok()) return lfd.status();
   ep->listen_fd_ = lfd.value();
   ep->port_ = sys::local_port(ep->listen_fd_);
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY)
+    ep->max_pending_ = std::clamp<size_t>(size_t(files.rlim_cur / 4), 8, 1024);
   ep->epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
   ep->event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_event ev{};
@@ -607,6 +612,7 @@ void EndpointImpl::control_loop() {
       adopt.swap(to_adopt_);
     }
     for (auto& p : adopt) adopt_peer(p);
+    resume_listening(sys::now_ms());
     reap();
     std::vector<std::shared_ptr<PeerState>> all;
     {
@@ -619,10 +625,56 @@ void EndpointImpl::control_loop() {
 }
 
 
+void EndpointImpl::listen_paused(bool paused) {
+  if (listen_armed_ == !paused) return;
+  listen_armed_ = !paused;
+  if (paused) {
+    ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+    return;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kListenTag;
+  ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
+}
+
+// Control thread, every turn: a listener paused for descriptors is tried again after its pause, one
+// paused for the handshake cap once a handshake has ended.
+void EndpointImpl::resume_listening(int64_t now) {
+  if (listen_armed_) return;
+  if (listen_retry_at_ms_ ? now >= listen_retry_at_ms_ : pending_.size() < max_pending_) {
+    listen_retry_at_ms_ = 0;
+    listen_paused(false);
+  }
+}
+
 void EndpointImpl::accept_all() {
+  // Level-triggered: a listener left armed while accept() cannot succeed would wake us forever.
+  constexpr int64_t kRetryMs = 100;
   for (;;) {
+    if (pending_.size() >= max_pending_) {
+      if (!logged_pending_)
+        std::fprintf(stderr, "tether: endpoint '%s': %zu handshakes under way at once (the limit: a quarter of the "
+                             "open-files limit); new connections wait in the backlog\n", name_.c_str(), pending_.size());
+      logged_pending_ = true;
+      listen_paused(true);
+      return;
+    }
     int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;  // EAGAIN, or a transient error (EMFILE): the next event retries
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        if (!logged_fds_)
+          std::fprintf(stderr, "tether: endpoint '%s': out of file descriptors (accept: %s; %zu handshakes under way); "
+                               "new connections wait until descriptors free up\n", name_.c_str(), std::strerror(errno),
+                       pending_.size());
+        logged_fds_ = true;
+        listen_retry_at_ms_ = sys::now_ms() + kRetryMs;
+        listen_paused(true);
+      }
+      return;  // EAGAIN: nothing queued; ECONNABORTED and the like: the next event retries
+    }
+    logged_fds_ = false;  // an episode ends when accept() works again
+    if (pending_.size() + 1 < max_pending_ / 2) logged_pending_ = false;
     sys::set_nodelay(fd);  // control messages are small: Nagle + delayed ACK would add 40 ms stalls
     auto p = std::make_unique<Pending>();
     p->fd = fd;

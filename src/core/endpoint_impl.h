@@ -79,6 +79,10 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   EndpointImpl(const Config& config, const EndpointId& id);
   void control_loop();
   void accept_all();
+  // Takes the listening socket out of the event loop, or puts it back: paused while the handshakes
+  // under way are at max_pending_ or after accept() ran out of descriptors (retried after a pause).
+  void listen_paused(bool paused);
+  void resume_listening(int64_t now);
   void advance_handshake(int fd);
   void finish_accept(Pending& p);
   void adopt_peer(const std::shared_ptr<PeerState>& peer);
@@ -120,6 +124,13 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   std::unordered_map<int, std::unique_ptr<Pending>> pending_;
   std::unordered_map<uint64_t, std::shared_ptr<PeerState>> accepting_;  // session -> peer awaiting lanes
   int64_t last_tick_ms_ = 0;
+  // Hostile or broken connectors cannot starve the endpoint of descriptors or spin it: at most
+  // max_pending_ handshakes at once (a quarter of the open-files limit), and accept() failing with
+  // EMFILE pauses the listener for listen_retry_ms_ (logged once per episode) instead of spinning.
+  size_t max_pending_ = 1024;
+  bool listen_armed_ = true;
+  int64_t listen_retry_at_ms_ = 0;   // 0: paused for max_pending_, else: out of descriptors until then
+  bool logged_fds_ = false, logged_pending_ = false;
 
   std::mutex notes_mu_;
   std::condition_variable notes_cv_;
