@@ -26,6 +26,8 @@ _OPTIONS = {
     "fabric_library": "fabric_library", "fabric_provider": "fabric_provider",
     "fabric_domains": "fabric_domains", "fabric_rails": "fabric_rails",
     "fabric_delivery_complete": "fabric_delivery_complete", "fabric_busy_poll": "fabric_busy_poll",
+    "notify_max_bytes": "notify_max_bytes", "notify_queue_peer_bytes": "notify_queue_peer_bytes",
+    "notify_queue_bytes": "notify_queue_bytes",
 }
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",

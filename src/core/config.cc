@@ -56,6 +56,9 @@ Config Config::from_env() {
   env_str("TETHER_RX_CPUS", c.rx_cpus);
   env_uint("TETHER_PIN_THREADS", c.pin_threads);
   env_uint("TETHER_LANE_TIMEOUT_MS", c.lane_timeout_ms);
+  env_uint("TETHER_NOTIFY_MAX_BYTES", c.notify_max_bytes);
+  env_uint("TETHER_NOTIFY_QUEUE_PEER_BYTES", c.notify_queue_peer_bytes);
+  env_uint("TETHER_NOTIFY_QUEUE_BYTES", c.notify_queue_bytes);
   env_uint("TETHER_DISABLE_IPC", c.disable_ipc);
   env_str("TETHER_IPC_HOST", c.ipc_host);
   env_uint("TETHER_IPC_GPU_CHUNK_BYTES", c.ipc_gpu_chunk_bytes);

@@ -89,6 +89,11 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
   }
   if (config.ipc_host != "auto" && config.ipc_host != "cma" && config.ipc_host != "shm")
     return Status(Code::kInvalidArgument, "ipc_host must be auto, cma or shm (got \"" + config.ipc_host + "\")");
+  if (config.notify_max_bytes == 0 || config.notify_max_bytes > wire::kMaxNotify)
+    return Status(Code::kInvalidArgument, "notify_max_bytes must be between 1 and 1048576 (got " +
+                                              std::to_string(config.notify_max_bytes) + ")");
+  if (config.notify_queue_peer_bytes < config.notify_max_bytes || config.notify_queue_bytes < config.notify_queue_peer_bytes)
+    return Status(Code::kInvalidArgument, "notify_queue_bytes >= notify_queue_peer_bytes >= notify_max_bytes must hold");
   if (config.transport != "auto" && wire::transport_bit(config.transport) == 0)
     return Status(Code::kInvalidArgument, "transport (TETHER_TRANSPORT) must be auto, tcp, ipc, fabric or netplugin (got \"" +
                                               config.transport + "\")");
@@ -232,12 +237,27 @@ void EndpointImpl::wake_control() {
   (void)rc;
 }
 
-void EndpointImpl::push_notification(const PeerInfo& from, std::string data) {
+namespace {
+// What one queued notification costs: its bytes, the peer's name copied into it, the queue entry.
+uint64_t note_cost(size_t data, size_t name) { return uint64_t(data) + name + 64; }
+}  // namespace
+
+Code EndpointImpl::push_notification(const PeerInfo& from, const uint8_t* data, size_t length) {
+  if (length > config_.notify_max_bytes) return Code::kInvalidArgument;
+  const uint64_t cost = note_cost(length, from.name.size());
   {
     std::lock_guard lock(notes_mu_);
-    notes_.push_back(Notification{from.id, from.name, std::move(data)});
+    uint64_t& mine = notes_by_peer_[from.id];
+    if (mine + cost > config_.notify_queue_peer_bytes || notes_bytes_ + cost > config_.notify_queue_bytes) {
+      if (mine == 0) notes_by_peer_.erase(from.id);
+      return Code::kResourceExhausted;
+    }
+    mine += cost;
+    notes_bytes_ += cost;
+    notes_.push_back(Notification{from.id, from.name, std::string(reinterpret_cast<const char*>(data), length)});
   }
   notes_cv_.notify_all();
+  return Code::kOk;
 }
 
 std::vector<Notification> EndpointImpl::notifications(int64_t timeout_ms) {
@@ -245,7 +265,9 @@ std::vector<Notification> EndpointImpl::notifications(int64_t timeout_ms) {
   if (timeout_ms > 0)
     notes_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return !notes_.empty() || closing_.load(); });
   std::vector<Notification> out(std::make_move_iterator(notes_.begin()), std::make_move_iterator(notes_.end()));
-  notes_.clear();
+  std::deque<Notification>().swap(notes_);  // its blocks too: a burst must not keep its high-water mark
+  notes_bytes_ = 0;
+  notes_by_peer_.clear();
   return out;
 }
 
@@ -371,6 +393,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   ch.lanes = config_.channels * config_.sockets_per_channel;  // TCP data sockets, if tcp is chosen
   ch.peer_timeout_ms = config_.peer_timeout_ms;
   ch.chunk_bytes = config_.chunk_bytes;
+  ch.max_notify = config_.notify_max_bytes;
   std::memcpy(ch.host_id, host_id_.data(), 32);
   copy_name(ch.name, name_);
   for (auto& tr : transports_)  // what we could choose: the listener offers no more than it must
@@ -457,6 +480,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   info.same_host = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
   info.heartbeat_ms = heartbeat_for(sh.peer_timeout_ms);
   info.chunk_bytes = chunk_for(sh.chunk_bytes);
+  info.max_notify = std::min(sh.max_notify, wire::kMaxNotify);
   info.transport = chosen->name();
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, chosen->lanes_for(remote_offer), chosen);
   peer->control_fd = fds[0];
@@ -603,7 +627,7 @@ void EndpointImpl::control_loop() {
           std::lock_guard lock(peers_mu_);
           if (auto it = peers_.find(tag); it != peers_.end()) p = it->second;
         }
-        if (p && !p->failed()) control_readable(*p);
+        if (p && !p->failed() && !p->ctl_backlogged) control_readable(*p);
       }
     }
     std::vector<std::shared_ptr<PeerState>> adopt;
@@ -721,6 +745,7 @@ void EndpointImpl::advance_handshake(int fd) {
     sh.has_token = !token.empty();
     sh.peer_timeout_ms = config_.peer_timeout_ms;
     sh.chunk_bytes = config_.chunk_bytes;
+    sh.max_notify = config_.notify_max_bytes;
     std::memcpy(sh.endpoint_id, id_.data(), 16);
     std::memcpy(sh.nonce, p.server_nonce, 16);
     std::memcpy(sh.host_id, host_id_.data(), 32);
@@ -807,6 +832,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
     info.heartbeat_ms = heartbeat_for(h.peer_timeout_ms);
     info.chunk_bytes = chunk_for(h.chunk_bytes);
+    info.max_notify = std::min(h.max_notify, wire::kMaxNotify);
     const wire::ClientProof& cp = p.proof;
     const std::string name(cp.transport, strnlen(cp.transport, sizeof cp.transport));
     transport::Transport* chosen = nullptr;
@@ -896,36 +922,55 @@ void EndpointImpl::finish_accept(Pending& p) {
   ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
+namespace {
+constexpr size_t kControlRead = 64 << 10;      // bytes read from a control socket at a time
+constexpr int kControlReadsPerTurn = 16;       // then other sockets get their turn (level-triggered: we come back)
+constexpr size_t kControlBacklog = 1 << 20;    // unsent control bytes past which we stop reading that peer
+constexpr size_t kKeepCapacity = 256 << 10;    // a control buffer larger than this is given back once empty
+}  // namespace
+
+// Reads and handles whole control messages. The input buffer never holds more than one partial
+// message plus one read (parsing follows every read), so a fast sender cannot grow it.
 void EndpointImpl::control_readable(PeerState& peer) {
-  char buf[64 << 10];
-  for (;;) {
-    ssize_t n = ::recv(peer.control_fd, buf, sizeof buf, MSG_DONTWAIT);
-    if (n > 0) {
-      peer.ctl_in.append(buf, size_t(n));
-      continue;
+  for (int reads = 0; reads < kControlReadsPerTurn; ++reads) {
+    const size_t had = peer.ctl_in.size();
+    peer.ctl_in.resize(had + kControlRead);
+    ssize_t n = ::recv(peer.control_fd, peer.ctl_in.data() + had, kControlRead, MSG_DONTWAIT);
+    peer.ctl_in.resize(had + size_t(std::max<ssize_t>(n, 0)));
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+      peer.fail(Status(Code::kConnectionLost, n == 0 ? "peer '" + peer.info().name + "' closed the connection"
+                                                     : "control connection to peer '" + peer.info().name + "': " + std::strerror(errno)));
+      return;
     }
-    if (n < 0 && (errno == EAGAIN || errno == EINTR)) break;
-    peer.fail(Status(Code::kConnectionLost, n == 0 ? "peer '" + peer.info().name + "' closed the connection"
-                                                   : "control connection to peer '" + peer.info().name + "': " + std::strerror(errno)));
-    return;
+    if (!parse_control(peer)) return;
+    if (n < 0) break;  // drained
   }
+  if (peer.ctl_in.empty() && peer.ctl_in.capacity() > kKeepCapacity) std::string().swap(peer.ctl_in);
+}
+
+// Handles every whole message in peer.ctl_in and keeps the partial rest; false if the peer failed.
+bool EndpointImpl::parse_control(PeerState& peer) {
   size_t pos = 0;
   while (peer.ctl_in.size() - pos >= sizeof(wire::ControlHeader)) {
     wire::ControlHeader h;
     std::memcpy(&h, peer.ctl_in.data() + pos, sizeof h);
     if (h.length > wire::kMaxControlBody || h.pad[0] || h.pad[1] || h.pad[2]) {
       peer.fail(Status(Code::kProtocolError, "peer '" + peer.info().name + "' sent garbage on the control connection"));
-      return;
+      return false;
     }
     if (peer.ctl_in.size() - pos < sizeof h + h.length) break;
     peer.on_control(static_cast<wire::ControlType>(h.type),
                     reinterpret_cast<const uint8_t*>(peer.ctl_in.data() + pos + sizeof h), h.length);
     pos += sizeof h + h.length;
-    if (peer.failed()) return;
+    if (peer.failed()) return false;
   }
   peer.ctl_in.erase(0, pos);
+  return true;
 }
 
+// Sends what the peer's control output holds. A peer that does not read its control connection is
+// not read either while more than kControlBacklog bytes wait for it (its answers cannot pile up
+// here); it then falls silent to us and peer_timeout_ms ends it.
 void EndpointImpl::flush_control(PeerState& peer) {
   if (peer.failed()) return;
   if (peer.take_control_output(&peer.ctl_pending)) peer.last_sent_ms = sys::now_ms();
@@ -938,15 +983,20 @@ void EndpointImpl::flush_control(PeerState& peer) {
     return;
   }
   if (peer.ctl_sent == peer.ctl_pending.size()) {
+    if (peer.ctl_pending.capacity() > kKeepCapacity) std::string().swap(peer.ctl_pending);
     peer.ctl_pending.clear();
     peer.ctl_sent = 0;
   }
-  epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP | (peer.ctl_pending.empty() ? 0u : uint32_t(EPOLLOUT));
-  ev.data.u64 = peer.info().id;
-  if (!peer.ctl_pending.empty() || peer.ctl_epollout) {
+  const bool out = !peer.ctl_pending.empty();
+  const bool backlogged = peer.ctl_pending.size() - peer.ctl_sent > kControlBacklog;
+  if (out != peer.ctl_epollout || backlogged != peer.ctl_backlogged) {
+    epoll_event ev{};
+    // Backlogged: writable only (a hang-up still shows as EPOLLHUP/EPOLLERR, and the send then fails).
+    ev.events = backlogged ? uint32_t(EPOLLOUT) : EPOLLIN | EPOLLRDHUP | (out ? uint32_t(EPOLLOUT) : 0u);
+    ev.data.u64 = peer.info().id;
     ::epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, peer.control_fd, &ev);
-    peer.ctl_epollout = !peer.ctl_pending.empty();
+    peer.ctl_epollout = out;
+    peer.ctl_backlogged = backlogged;
   }
 }
 

@@ -63,7 +63,9 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   // (name, why unavailable — empty when usable) of every transport this build knows.
   std::vector<std::pair<std::string, std::string>> transport_status() const;
   void wake_control();
-  void push_notification(const PeerInfo& from, std::string data);
+  // Queues a notification for the application, or refuses it: kInvalidArgument over notify_max_bytes,
+  // kResourceExhausted when the peer's or the endpoint's queue of unread ones is full.
+  Code push_notification(const PeerInfo& from, const uint8_t* data, size_t length);
   void count_finished(bool ok);
   void peer_failed(PeerState* peer);
   // NICs and threads (src/sys/topology.h): decided once at create().
@@ -87,6 +89,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   void finish_accept(Pending& p);
   void adopt_peer(const std::shared_ptr<PeerState>& peer);
   void control_readable(PeerState& peer);
+  bool parse_control(PeerState& peer);
   void flush_control(PeerState& peer);
   void tick(const std::vector<std::shared_ptr<PeerState>>& peers);
   uint32_t heartbeat_for(uint32_t remote_timeout_ms) const;
@@ -135,6 +138,8 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   std::mutex notes_mu_;
   std::condition_variable notes_cv_;
   std::deque<Notification> notes_;
+  uint64_t notes_bytes_ = 0;                               // charged against Config::notify_queue_bytes
+  std::unordered_map<uint64_t, uint64_t> notes_by_peer_;   // peer id -> bytes charged (notify_queue_peer_bytes)
 };
 
 }  // namespace tether::core

@@ -121,7 +121,6 @@ def _notify_all(peer, n, size):
 
 
 @pytest.mark.budget(90)
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2: not fixed yet")
 def test_notifications_are_bounded_and_memory_returns(endpoints, children):
     """A token-less peer sends 150 notifications of ~1 MiB the application has not read. The target
     keeps at most its per-peer queue (16 MiB); every notification is delivered or refused with a
@@ -156,7 +155,6 @@ def test_notifications_are_bounded_and_memory_returns(endpoints, children):
     assert gone < 12 * MiB, f"{gone / MiB:.0f} MiB stayed after the peer left"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2: not fixed yet")
 def test_notification_size_limit_is_checked_before_sending(endpoints):
     """The target's limit travels in the handshake: a larger notification fails locally with
     InvalidArgument naming the limit, before a byte is sent; the limit is an option."""
@@ -174,7 +172,6 @@ def test_notification_size_limit_is_checked_before_sending(endpoints):
         tether.Endpoint(notify_max_bytes=(1 << 20) + 1)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 2: not fixed yet")
 def test_endpoint_queue_limit_spans_peers(endpoints):
     """The per-endpoint limit bounds what all peers together may queue."""
     b = endpoints(name="target", notify_queue_peer_bytes=1 * MiB, notify_queue_bytes=2 * MiB)

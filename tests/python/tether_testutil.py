@@ -27,8 +27,8 @@ MiB = 1 << 20
 
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
-CLIENT_HELLO_SIZE = 165
-SERVER_HELLO_SIZE = 184  # then offers_length bytes of transport offers (control sockets)
+CLIENT_HELLO_SIZE = 169
+SERVER_HELLO_SIZE = 188  # then offers_length bytes of transport offers (control sockets)
 CLIENT_PROOF_SIZE = 56
 SERVER_DONE_SIZE = 8
 HELLO_VERSION_MISMATCH = 1
@@ -249,16 +249,16 @@ def thread_count() -> int:
 # --------------------------------------------------------------------------- raw sockets
 
 
-def client_hello(version: int = 3, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
+def client_hello(version: int = 4, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
                  has_token: int = 0, magic: int = WIRE_MAGIC, name: bytes = b"raw", host_id: bytes = bytes(32),
-                 transports: int = 0) -> bytes:
-    """A ClientHello (165 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
+                 transports: int = 0, max_notify: int = 1 << 20) -> bytes:
+    """A ClientHello (169 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
     nonce 16, session u64, lane u32, lanes u32, peer timeout ms u32, host id 32, name 64, chunk bytes u64,
-    transports u8 (bits: tcp 1, ipc 2, fabric 4, netplugin 8; 0 = any). `host_id`: the listener's
-    (host_id_of(its metadata)) to pose as a same-host peer."""
-    msg = struct.pack("<IHBB16s16sQIII32s64sQB", magic, version, kind, has_token, os.urandom(16),
+    transports u8 (bits: tcp 1, ipc 2, fabric 4, netplugin 8; 0 = any), max notification u32.
+    `host_id`: the listener's (host_id_of(its metadata)) to pose as a same-host peer."""
+    msg = struct.pack("<IHBB16s16sQIII32s64sQBI", magic, version, kind, has_token, os.urandom(16),
                       os.urandom(16), int.from_bytes(os.urandom(8), "little"), lane, lanes, 10000, host_id,
-                      name.ljust(64, b"\0")[:64], 0, transports)
+                      name.ljust(64, b"\0")[:64], 0, transports, max_notify)
     assert len(msg) == CLIENT_HELLO_SIZE
     return msg
 
