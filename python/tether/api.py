@@ -32,7 +32,7 @@ _OPTIONS = {
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",
     "heartbeat": "heartbeat_ms", "handshake_timeout": "handshake_timeout_ms",
-    "lane_timeout": "lane_timeout_ms",
+    "lane_timeout": "lane_timeout_ms", "deregister_timeout": "deregister_timeout_ms",
 }
 
 

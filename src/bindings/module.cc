@@ -253,6 +253,7 @@ NB_MODULE(_tether, m) {
       .def_rw("rx_cpus", &Config::rx_cpus)
       .def_rw("pin_threads", &Config::pin_threads)
       .def_rw("lane_timeout_ms", &Config::lane_timeout_ms)
+      .def_rw("deregister_timeout_ms", &Config::deregister_timeout_ms)
       .def_rw("disable_ipc", &Config::disable_ipc)
       .def_rw("ipc_host", &Config::ipc_host)
       .def_rw("fabric_library", &Config::fabric_library)

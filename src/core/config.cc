@@ -56,6 +56,7 @@ Config Config::from_env() {
   env_str("TETHER_RX_CPUS", c.rx_cpus);
   env_uint("TETHER_PIN_THREADS", c.pin_threads);
   env_uint("TETHER_LANE_TIMEOUT_MS", c.lane_timeout_ms);
+  env_uint("TETHER_DEREGISTER_TIMEOUT_MS", c.deregister_timeout_ms);
   env_uint("TETHER_NOTIFY_MAX_BYTES", c.notify_max_bytes);
   env_uint("TETHER_NOTIFY_QUEUE_PEER_BYTES", c.notify_queue_peer_bytes);
   env_uint("TETHER_NOTIFY_QUEUE_BYTES", c.notify_queue_bytes);

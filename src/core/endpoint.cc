@@ -588,7 +588,11 @@ Status EndpointImpl::deregister(const Region& region) {
     for (auto& [id, p] : peers_) all.push_back(p);
   }
   for (auto& p : all) p->cancel_region(region.state().get());
-  RegionRegistry::wait_unpinned(region);
+  RegionRegistry::wait_unpinned(region, [&](int64_t waited_ms) {
+    const bool force = waited_ms >= int64_t(config_.deregister_timeout_ms);
+    for (auto& t : transports_)
+      if (t->unavailable_reason().empty()) t->region_stalled(*region.state(), force);
+  });
   for (auto& t : transports_)
     if (t->unavailable_reason().empty()) t->deregister_region(*region.state());
   return Status::ok();

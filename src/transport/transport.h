@@ -62,6 +62,10 @@ class Transport {
   }
   // After every access in flight has let go of the region.
   virtual void deregister_region(core::RegionState& region) { (void)region; }
+  // Called every few milliseconds while deregister() waits for `region`'s pins: disconnect the peers
+  // that hold it and cannot answer (a stopped process), or with `force` (Config::deregister_timeout_ms
+  // passed) every peer still holding it. Only transports that let a peer hold a region do anything.
+  virtual void region_stalled(core::RegionState& region, bool force) { (void)region; (void)force; }
 
   // Takes the peer over: `tcp_fds` are its connected data sockets (uses_tcp_lanes only),
   // `remote_offer` the other side's offer(); `initiator` is true on the connecting side; setup

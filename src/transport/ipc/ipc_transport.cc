@@ -7,10 +7,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -109,6 +111,7 @@ struct Lane {
   std::unique_ptr<uint8_t[]> rx;     // one message (kMaxMsg)
   std::unique_ptr<CudaLane> cuda;    // streams, bounce buffer
   struct Held { uint32_t slot, gen; RegionState* pin; };
+  std::mutex held_mu;                // held: the lane thread changes it; deregister looks for a region in it
   std::vector<Held> held;            // regions pinned for reads the initiator is pulling (until kReadDone)
   RegionState* pins[kMaxBatch];     // a batch's pinned regions (one per run of one descriptor)
   RegionState* dests[kMaxBatch];    // each fragment's region
@@ -410,6 +413,12 @@ void count_served(core::EndpointImpl* ep, bool read, uint64_t length) {
   (read ? stats.chunks_sent : stats.chunks_received).fetch_add(1, std::memory_order_relaxed);
 }
 
+// A read the initiator copies itself: the region stays pinned until its kReadDone (or the lane ends).
+void hold(Lane& l, const FrameHeader& h, RegionState* pin) {
+  std::lock_guard lock(l.held_mu);  // never contended but by a deregister looking for stalled readers
+  l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+}
+
 // Validates a request exactly as tcp does, moves the bytes, answers. False: the lane must end.
 bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   PeerState& p = *l.peer;
@@ -442,7 +451,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
       stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
       return answer_frame(l, h, Code::kUnavailable);
     }
-    l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+    hold(l, h, pin);
     count_served(ep, true, h.length);
     stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
     return answer_frame(l, h, Code::kOk, uint8_t(Where::kCuda), at, &ref);
@@ -450,7 +459,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   if (c == Code::kOk && type == FrameType::kReadReq && f.where == uint8_t(Where::kCma)) {
     // Our host bytes, read by the initiator itself (one copy, by attach): pinned, as above, until it
     // says it is done.
-    l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+    hold(l, h, pin);
     count_served(ep, true, h.length);
     stats.ipc_cma_chunks.fetch_add(1, std::memory_order_relaxed);
     return answer_frame(l, h, Code::kOk, uint8_t(Where::kCma), reinterpret_cast<uint64_t>(local));
@@ -485,6 +494,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
 
 // kReadDone: the initiator has copied a read out of our GPU region; let go of it.
 bool read_done(Lane& l, const FrameHeader& h) {
+  std::lock_guard lock(l.held_mu);
   for (size_t i = 0; i < l.held.size(); ++i) {
     if (l.held[i].slot != h.slot || l.held[i].gen != h.gen) continue;
     l.held[i].pin->unpin();
@@ -805,8 +815,11 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
       }
     }
   }
-  for (auto& h : l->held) h.pin->unpin();  // reads the initiator never finished: it cannot any more
-  l->held.clear();
+  {
+    std::lock_guard lock(l->held_mu);
+    for (auto& h : l->held) h.pin->unpin();  // reads the initiator never finished: it cannot any more
+    l->held.clear();
+  }
   l->cuda.reset();  // waits for its streams
   p.release_lane(l->index, Code::kConnectionLost);  // after fail(): nothing new can be pulled
   // Let go at once, so a dead peer's sockets and segments go with it; the thread is joined later.
@@ -909,6 +922,56 @@ void IpcTransport::deregister_region(RegionState& region) {
   }
   // Never blocks: a peer that stopped reading keeps its mapping until it is dropped (peer timeout).
   for (auto& ip : peers) (void)::send(ip->fds[0], &f, sizeof f, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+namespace {
+// The process is stopped (SIGSTOP, a debugger): it cannot answer until someone continues it.
+bool process_stopped(pid_t pid) {
+  if (pid <= 0) return false;  // another pid namespace: we cannot tell
+  char path[64], buf[512];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return false;
+  buf[n] = 0;
+  const char* paren = std::strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces and parentheses
+  return paren && paren[1] == ' ' && (paren[2] == 'T' || paren[2] == 't');
+}
+}  // namespace
+
+// deregister() is waiting for `region`: readers over ipc copy it themselves and hold it until their
+// kReadDone. One that cannot answer is disconnected, which shuts its lanes: our lane threads unpin
+// what it held, and its own copy, should its process run again, ends in a failed send of kReadDone,
+// so that read fails rather than completing with bytes the application wrote after deregister().
+void IpcTransport::region_stalled(RegionState& region, bool force) {
+  std::vector<std::shared_ptr<PeerState>> cut;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& l : lanes_) {
+      std::shared_ptr<PeerState> peer;
+      pid_t pid = 0;
+      {
+        std::lock_guard ll(l->mu);
+        if (!l->peer || !l->ip) continue;
+        peer = l->peer;
+        pid = l->ip->pid;
+      }
+      bool holds = false;
+      {
+        std::lock_guard hl(l->held_mu);
+        for (auto& h : l->held) holds = holds || h.pin == &region;
+      }
+      if (holds && !peer->failed() && std::find(cut.begin(), cut.end(), peer) == cut.end() &&
+          (force || process_stopped(pid)))
+        cut.push_back(peer);
+    }
+  }
+  for (auto& p : cut)
+    p->fail(Status(Code::kConnectionLost, "peer '" + p->info().name + "' held region " + std::to_string(region.id) +
+                                              " while it was deregistered and did not let go (" +
+                                              (force ? "deregister_timeout_ms" : "its process is stopped") + ")"));
 }
 
 // version, session, then the name of this endpoint's lane socket. Stateless: the listener offers

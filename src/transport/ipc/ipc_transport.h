@@ -43,6 +43,7 @@ class IpcTransport final : public Transport {
   uint32_t lanes_for(std::string_view remote_offer) const override;
   Status register_region(core::RegionState& region, std::string* desc_ext) override;
   void deregister_region(core::RegionState& region) override;
+  void region_stalled(core::RegionState& region, bool force) override;
   Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
                 std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
   void wake(core::PeerState* peer, uint64_t chunks, int device) override;
