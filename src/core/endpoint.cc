@@ -344,6 +344,9 @@ Status client_handshake(int fd, const wire::ClientHello& ch, const std::string& 
   if (!s.is_ok()) return Status(token.empty() ? s.code() : Code::kAuthFailed, "handshake: " + s.message());
   if (done.status == uint8_t(wire::HelloStatus::kAuthFailed))
     return Status(Code::kAuthFailed, "peer refused our auth token");
+  if (done.status == uint8_t(wire::HelloStatus::kNotSameHost))
+    return Status(Code::kAccessDenied, "handshake: the peer could not verify that we share its host (our lanes of a "
+                                       "same-host transport did not reach it)");
   if (done.status != 0) return Status(Code::kProtocolError, "handshake: peer rejected the connection");
   if (done.nic_list > 0) {  // control socket: the listener's data NICs follow
     if (!nic_list || ch.kind != uint8_t(wire::SocketKind::kControl))
@@ -401,6 +404,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
       ch.transports |= wire::transport_bit(tr->name());
 
   transport::Transport* chosen = nullptr;
+  transport::Transport* prepared = nullptr;  // connector_offer() ran: abandon() it if we fail before attach()
   std::string remote_offer;
   wire::ServerHello sh{};
   auto choose = [&](std::string_view offers, wire::ClientProof* cp, std::string* offer) -> Status {
@@ -412,13 +416,20 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
     remote_offer = std::move(r.value().second);
     std::memcpy(cp->transport, chosen->name(), std::min(sizeof cp->transport - 1, std::strlen(chosen->name())));
     cp->lanes = chosen->lanes_for(remote_offer);
-    *offer = chosen->offer(ch.session);
+    auto mine = chosen->connector_offer(ch.session, remote_offer);
+    if (!mine.is_ok()) return Status(mine.status().code(), "connect: transport " + std::string(chosen->name()) + ": " +
+                                                               mine.status().message());
+    prepared = chosen;
+    *offer = mine.take();
     cp->offer_length = uint32_t(offer->size());
     return Status::ok();
   };
 
   std::vector<int> fds;
-  auto cleanup = [&] { for (int fd : fds) ::close(fd); };
+  auto cleanup = [&] {
+    for (int fd : fds) ::close(fd);
+    if (prepared) prepared->abandon(ch.session);
+  };
   uint32_t lanes = 0;  // TCP data sockets to open: known once the control handshake chose tcp
   std::string nic_text;
   std::vector<sys::NicPair> pairs;  // local/remote NIC per channel (src/sys/topology.h)
@@ -489,6 +500,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   for (int fd : peer->lane_fds) sys::tune_data_socket(fd);
   Status s = chosen->attach(peer, peer->lane_fds, remote_offer, true, deadline);  // before anyone can post on the peer
   if (!s.is_ok()) {
+    chosen->abandon(ch.session);  // whatever connector_offer() prepared and attach() did not take
     peer->lane_fds.clear();  // the transport owns (and closed) them; the control socket closes with the peer
     return Status(s.code(), "connect: transport " + info.transport + ": " + s.message());
   }
@@ -855,7 +867,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     if (early) {  // attach and publish first: connect() returning there means peers() shows it here
       Status s = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
       if (!s.is_ok()) {
-        done.status = uint8_t(wire::HelloStatus::kBadRequest);
+        done.status = uint8_t(s.code() == Code::kAccessDenied ? wire::HelloStatus::kNotSameHost : wire::HelloStatus::kBadRequest);
         ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
         ::close(fd);
         peer->fail(Status(s.code(), "accept: transport " + name + ": " + s.message()));
@@ -1016,6 +1028,8 @@ void EndpointImpl::tick(const std::vector<std::shared_ptr<PeerState>>& peers) {
     }
     if (now - p->last_sent_ms >= int64_t(p->info().heartbeat_ms)) p->send_control(wire::ControlType::kHeartbeat, nullptr, 0);
   }
+  for (auto& t : transports_)
+    if (t->unavailable_reason().empty()) t->tick(now);
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (now > it->second->deadline_ms) {
       ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, it->first, nullptr);

@@ -27,7 +27,9 @@ inline uint8_t transport_bit(std::string_view name) {
   return 0;
 }
 enum class SocketKind : uint8_t { kControl = 1, kData = 2 };
-enum class HelloStatus : uint8_t { kOk = 0, kVersionMismatch = 1, kAuthFailed = 2, kBadRequest = 3, kClosing = 4 };
+// kNotSameHost: the connector chose a same-host transport and could not prove it shares our host.
+enum class HelloStatus : uint8_t { kOk = 0, kVersionMismatch = 1, kAuthFailed = 2, kBadRequest = 3, kClosing = 4,
+                                   kNotSameHost = 5 };
 
 #pragma pack(push, 1)
 struct ClientHello {           // connector -> listener

@@ -19,9 +19,9 @@ import pytest
 
 import tether
 from tether_testutil import (
-    HELLO_BAD_REQUEST, MiB, SERVER_DONE_SIZE, assert_bytes_equal, client_hello, client_proof, cpu_seconds,
-    fd_count, host_id_of, outcome, poisoned, rand_bytes, raw_connect, read_server_hello, recv_exact, rss_bytes,
-    wait_until,
+    CLIENT_HELLO_SIZE, HELLO_BAD_REQUEST, HELLO_NOT_SAME_HOST, MiB, SERVER_DONE_SIZE, assert_bytes_equal,
+    client_hello, client_proof, cpu_seconds, fd_count, host_id_of, outcome, parse_client_hello, poisoned,
+    rand_bytes, raw_connect, read_server_hello, recv_exact, rss_bytes, server_hello, wait_until,
 )
 
 T = 20.0
@@ -188,48 +188,112 @@ def test_endpoint_queue_limit_spans_peers(endpoints):
 # --------------------------------------------------------------------------- 3. same host
 
 
+def _forge_ipc(address: str, host: bytes, strip: bool):
+    """One forged same-host handshake: a TCP client echoes the listener's host identity, picks ipc
+    and answers with the listener's own ipc offer (`strip`: cut to version, session and challenge,
+    the shape of a connector's offer). Returns (the connection, the listener's answer)."""
+    s = raw_connect(address)
+    s.sendall(client_hello(host_id=host, transports=2))  # 2: ipc
+    h = read_server_hello(s)
+    if h["status"] != 0 or "ipc" not in h["offers"]:
+        return s, ("hello", h["status"])
+    offer = h["offers"]["ipc"][:18] if strip else h["offers"]["ipc"]
+    s.sendall(client_proof(b"ipc", lanes=4, offer=offer))
+    done = recv_exact(s, SERVER_DONE_SIZE)
+    return s, done[0] if done else "closed"
+
+
 @pytest.mark.budget(60)
-@pytest.mark.xfail(strict=True, reason="issue 17 item 3: not fixed yet")
 def test_remote_connector_cannot_claim_the_host_for_ipc(endpoints, children):
     """A TCP connector echoes the listener's host identity, picks ipc and hands back the listener's
-    own ipc offer (its lanes would lead back into the listener). Done 50 times, holding the control
-    connections: the listener must refuse every one (nothing proves the connector is on this host)
-    and open no descriptors for them; a real same-host peer still gets ipc."""
+    own ipc offer (before the fix the listener connected 4 lanes to its own socket per handshake:
+    200 grew it from 25 to 632 fds), or that offer cut to a connector's shape. Done 200 times, holding
+    the control connections: the listener refuses every one, with "not on this host" where only the
+    proof is missing, opens no descriptors for them, and a legitimate same-host peer's 1 MiB write
+    stays fast; afterwards a new same-host peer still gets ipc."""
     c = children("ipc-target")
     info = c.call("endpoint", name="ipc-target")
     host = host_id_of(info["metadata"])
-    time.sleep(0.2)
-    fds0 = fd_count(c.pid)
-    held, statuses = [], []
-    try:
-        for _ in range(50):
-            s = raw_connect(info["address"])
-            held.append(s)
-            s.sendall(client_hello(host_id=host, transports=2))  # 2: ipc
-            h = read_server_hello(s)
-            if h["status"] != 0 or "ipc" not in h["offers"]:
-                statuses.append(("hello", h["status"]))
-                continue
-            s.sendall(client_proof(b"ipc", lanes=4, offer=h["offers"]["ipc"]))
-            done = recv_exact(s, SERVER_DONE_SIZE)
-            statuses.append(done[0] if done else "closed")
-        time.sleep(0.5)
-        grown = fd_count(c.pid) - fds0
-        print(f"\nclaimed same host 50 times: target fds {fds0} -> {fds0 + grown}; answers {set(map(str, statuses))}")
-        assert all(st in (HELLO_BAD_REQUEST, "closed") for st in statuses), statuses
-        assert grown <= 5, f"the target holds {grown} more descriptors after 50 forged ipc handshakes"
-        assert c.call("peers") == []
-    finally:
-        for s in held:
-            s.close()
-    assert wait_until(lambda: fd_count(c.pid) <= fds0 + 2, 5), (fd_count(c.pid), fds0)
+    desc = c.call("register", "d", 1 * MiB)
     me = endpoints(name="neighbour")
     peer = me.connect(info["metadata"], timeout=5)
     assert peer.transport == "ipc"
-    desc = c.call("register", "d", 4096)
-    src = rand_bytes(4, 4096)
-    peer.write(me.register(src), desc).wait(T)
-    assert_bytes_equal(np.frombuffer(c.call("get", "d"), np.uint8), src)
+    src = me.register(rand_bytes(4, 1 * MiB))
+    base = min(_timed_write(peer, src, desc) for _ in range(3))
+    time.sleep(0.2)
+    fds0, rss0 = fd_count(c.pid), rss_bytes(c.pid)
+    held, answers = [], {False: set(), True: set()}
+    try:
+        for i in range(200):
+            s, answer = _forge_ipc(info["address"], host, strip=bool(i % 2))
+            held.append(s)
+            answers[bool(i % 2)].add(answer)
+        during = _timed_write(peer, src, desc)
+        time.sleep(0.3)
+        fds1, rss1 = fd_count(c.pid), rss_bytes(c.pid)
+        peers = c.call("peers")
+    finally:
+        for s in held:
+            s.close()
+    print(f"\nforged same-host ipc handshakes: 200 held; target fds {fds0} -> {fds1}, RSS {rss0 / MiB:.0f} -> "
+          f"{rss1 / MiB:.0f} MiB; legit 1 MiB ipc write {base * 1e3:.2f} ms before, {during * 1e3:.2f} ms with them held; "
+          f"answers: own offer {answers[False]}, cut offer {answers[True]}")
+    assert answers[False] == {HELLO_BAD_REQUEST}, answers   # a listener's offer is no connector's offer
+    assert answers[True] == {HELLO_NOT_SAME_HOST}, answers  # well formed, but no lanes reached this host
+    assert fds1 - fds0 <= 5, f"the target holds {fds1 - fds0} more descriptors after 200 forged ipc handshakes"
+    assert rss1 - rss0 < 16 * MiB, (rss0, rss1)
+    assert [p[1] for p in peers] == ["neighbour"], peers
+    assert during < 1.0, (base, during)
+    assert wait_until(lambda: fd_count(c.pid) <= fds0 + 2, 5), (fd_count(c.pid), fds0)
+    other = endpoints(name="newcomer")
+    p2 = other.connect(info["metadata"], timeout=5)
+    assert p2.transport == "ipc"
+    src2 = rand_bytes(5, 1 * MiB)
+    p2.write(other.register(src2), desc).wait(T)
+    assert_bytes_equal(np.frombuffer(c.call("get", "d"), np.uint8), src2)
+
+
+def test_listener_offer_naming_the_connector_itself_is_refused(endpoints):
+    """The other way round: a hostile listener echoes the connector's host identity and offers ipc
+    naming the CONNECTOR's own ipc socket. The connector must not open lanes into itself (they would
+    sit parked there); it refuses with a clear error, holding nothing afterwards. Connecting to its
+    own address (which offers the same socket, with its own challenge) keeps working."""
+    me = endpoints(name="connector")
+    s = raw_connect(me.address)
+    s.sendall(client_hello(host_id=host_id_of(me.metadata())))
+    own = read_server_hello(s)["offers"]["ipc"]
+    s.close()
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(4)
+    seen = []
+
+    def fake_listener():
+        for _ in range(3):
+            try:
+                conn, _ = lsock.accept()
+            except OSError:
+                return
+            with conn:
+                h = parse_client_hello(recv_exact(conn, CLIENT_HELLO_SIZE))
+                offer = struct.pack("<HQQ", 5, h["session"], int.from_bytes(os.urandom(8), "little")) + own[18:]
+                conn.sendall(server_hello(h["host_id"], {"ipc": offer}))
+                seen.append(recv_exact(conn, 56, timeout=2))  # a proof would mean it went ahead
+
+    t = threading.Thread(target=fake_listener, daemon=True)
+    t.start()
+    fds0 = fd_count()
+    try:
+        for _ in range(3):
+            with pytest.raises(tether.ProtocolError, match="own ipc socket"):
+                me.connect("127.0.0.1:%d" % lsock.getsockname()[1], timeout=3)
+    finally:
+        lsock.close()
+        t.join(5)
+    assert seen == [b""] * 3, "the connector answered a handshake whose offer names its own socket"
+    time.sleep(0.3)  # a tick: anything parked would still be there
+    assert fd_count() <= fds0, (fds0, fd_count())
+    assert me.connect(me.metadata(), timeout=5).transport == "ipc"
 
 
 # --------------------------------------------------------------------------- 5. typed errors

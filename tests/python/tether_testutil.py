@@ -34,6 +34,7 @@ SERVER_DONE_SIZE = 8
 HELLO_VERSION_MISMATCH = 1
 HELLO_AUTH_FAILED = 2
 HELLO_BAD_REQUEST = 3
+HELLO_NOT_SAME_HOST = 5  # the connector chose a same-host transport and did not prove it shares the host
 SOCKET_CONTROL = 1
 SOCKET_DATA = 2
 
@@ -286,6 +287,24 @@ def read_server_hello(s: socket.socket) -> dict:
         raw = raw[5 + n + length:]
     h["offers"] = offers
     return h
+
+
+def server_hello(host_id: bytes, offers: dict, version: int = 4, name: bytes = b"fake") -> bytes:
+    """A ServerHello (188 bytes) and its transport offers, as a (possibly hostile) listener sends them:
+    magic u32, version u16, status u8, has_token u8, endpoint id 16, nonce 16, proof 32, peer timeout
+    ms u32, host id 32, name 64, offers length u32, chunk bytes u64, max notification u32; then per
+    offer: name length u8, name, length u32, bytes."""
+    raw = b"".join(bytes([len(k)]) + k.encode() + struct.pack("<I", len(v)) + v for k, v in offers.items())
+    msg = struct.pack("<IHBB16s16s32sI32s64sIQI", WIRE_MAGIC, version, 0, 0, os.urandom(16), os.urandom(16),
+                      bytes(32), 10000, host_id, name.ljust(64, b"\0")[:64], len(raw), 0, 1 << 20)
+    assert len(msg) == SERVER_HELLO_SIZE
+    return msg + raw
+
+
+def parse_client_hello(b: bytes) -> dict:
+    """The fields of a ClientHello a test listener needs: session and host id."""
+    session, = struct.unpack_from("<Q", b, 40)
+    return {"magic": struct.unpack_from("<I", b, 0)[0], "session": session, "host_id": b[60:92]}
 
 
 def client_proof(transport: bytes = b"tcp", lanes: int = 1, proof: bytes = bytes(32), offer: bytes = b"") -> bytes:
