@@ -491,7 +491,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   info.same_host = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
   info.heartbeat_ms = heartbeat_for(sh.peer_timeout_ms);
   info.chunk_bytes = chunk_for(sh.chunk_bytes);
-  info.max_notify = std::min(sh.max_notify, wire::kMaxNotify);
+  info.max_notify = std::min(uint32_t(sh.max_notify), wire::kMaxNotify);  // a copy: no reference to a packed field
   info.transport = chosen->name();
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, chosen->lanes_for(remote_offer), chosen);
   peer->control_fd = fds[0];
@@ -848,7 +848,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
     info.heartbeat_ms = heartbeat_for(h.peer_timeout_ms);
     info.chunk_bytes = chunk_for(h.chunk_bytes);
-    info.max_notify = std::min(h.max_notify, wire::kMaxNotify);
+    info.max_notify = std::min(uint32_t(h.max_notify), wire::kMaxNotify);  // a copy: no reference to a packed field
     const wire::ClientProof& cp = p.proof;
     const std::string name(cp.transport, strnlen(cp.transport, sizeof cp.transport));
     transport::Transport* chosen = nullptr;
@@ -862,7 +862,7 @@ void EndpointImpl::finish_accept(Pending& p) {
       return;
     }
     info.transport = name;
-    auto peer = std::make_shared<PeerState>(shared_from_this(), info, cp.lanes, chosen);
+    auto peer = std::make_shared<PeerState>(shared_from_this(), info, uint32_t(cp.lanes), chosen);  // packed: a copy
     const bool early = !tcp_lanes && chosen->caps().attach_before_answer;
     if (early) {  // attach and publish first: connect() returning there means peers() shows it here
       Status s = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
@@ -894,7 +894,7 @@ void EndpointImpl::finish_accept(Pending& p) {
       peer->lane_fds.assign(h.lanes, -1);
       peer->lane_paths.resize(h.lanes);
       peer->accept_deadline_ms = sys::now_ms() + config_.handshake_timeout_ms;
-      accepting_[h.session] = peer;
+      accepting_[uint64_t(h.session)] = peer;  // packed field: a copy, not a reference
       return;
     }
     // Its own lanes: attach after answering, since attaching may need the connector to act.
@@ -910,7 +910,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     adopt_peer(peer);
     return;
   }
-  auto it = accepting_.find(h.session);
+  auto it = accepting_.find(uint64_t(h.session));
   if (it == accepting_.end() || std::memcmp(it->second->info().endpoint.data(), h.endpoint_id, 16) != 0 ||
       it->second->lane_fds.size() != h.lanes || it->second->lane_fds[h.lane] != -1) {
     done.status = uint8_t(wire::HelloStatus::kBadRequest);

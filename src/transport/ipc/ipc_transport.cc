@@ -880,7 +880,7 @@ struct Rendezvous {
       }
       if (n == ssize_t(sizeof m.hello) && m.hello.magic == kHelloMagic && m.hello.version == kIpcVersion &&
           m.hello.stage == 1) {
-        parked[m.hello.session].push_back(m);
+        parked[uint64_t(m.hello.session)].push_back(m);  // packed field: a copy, not a reference
       } else {
         close_parked(m);
         --count;
