@@ -691,11 +691,13 @@ void EndpointImpl::resume_listening(int64_t now) {
 void EndpointImpl::accept_all() {
   // Level-triggered: a listener left armed while accept() cannot succeed would wake us forever.
   constexpr int64_t kRetryMs = 100;
+  constexpr int64_t kLogEveryMs = 10000;  // episodes a flood starts and ends in turn are logged at most this often
   for (;;) {
     if (pending_.size() >= max_pending_) {
-      if (!logged_pending_)
+      if (!logged_pending_ && sys::now_ms() >= quiet_log_until_ms_)
         std::fprintf(stderr, "tether: endpoint '%s': %zu handshakes under way at once (the limit: a quarter of the "
                              "open-files limit); new connections wait in the backlog\n", name_.c_str(), pending_.size());
+      if (!logged_pending_) quiet_log_until_ms_ = sys::now_ms() + kLogEveryMs;
       logged_pending_ = true;
       listen_paused(true);
       return;
@@ -703,10 +705,11 @@ void EndpointImpl::accept_all() {
     int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-        if (!logged_fds_)
+        if (!logged_fds_ && sys::now_ms() >= quiet_log_until_ms_)
           std::fprintf(stderr, "tether: endpoint '%s': out of file descriptors (accept: %s; %zu handshakes under way); "
                                "new connections wait until descriptors free up\n", name_.c_str(), std::strerror(errno),
                        pending_.size());
+        if (!logged_fds_) quiet_log_until_ms_ = sys::now_ms() + kLogEveryMs;
         logged_fds_ = true;
         listen_retry_at_ms_ = sys::now_ms() + kRetryMs;
         listen_paused(true);

@@ -129,11 +129,12 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   int64_t last_tick_ms_ = 0;
   // Hostile or broken connectors cannot starve the endpoint of descriptors or spin it: at most
   // max_pending_ handshakes at once (a quarter of the open-files limit), and accept() failing with
-  // EMFILE pauses the listener for listen_retry_ms_ (logged once per episode) instead of spinning.
+  // EMFILE pauses the listener for listen_retry_ms_ (logged once per episode, at most every 10 s) instead of spinning.
   size_t max_pending_ = 1024;
   bool listen_armed_ = true;
   int64_t listen_retry_at_ms_ = 0;   // 0: paused for max_pending_, else: out of descriptors until then
   bool logged_fds_ = false, logged_pending_ = false;
+  int64_t quiet_log_until_ms_ = 0;   // neither is logged again before then (a flood must not spam stderr)
 
   std::mutex notes_mu_;
   std::condition_variable notes_cv_;

@@ -67,6 +67,7 @@ struct Harness {
   uint64_t cookie = 0x5eed5eed5eed5eedull;  // mode 5: what the target's cross-memory attach probe reads
   int base_fds = 0;
   uint64_t runs = 0;
+  uint64_t retries = 0;                 // well-formed connects refused while the target was busy
 };
 Harness* h = nullptr;
 
@@ -190,8 +191,7 @@ void hostile_listener(std::string reply) {
   if (peer.is_ok()) peer.value().close();
 }
 
-// A tcp peer with one lane, the way Endpoint::connect makes one: {control fd, data fd}.
-std::pair<int, int> connect_peer() {
+wire::ClientHello base_hello(uint8_t transports) {
   wire::ClientHello ch{};
   ch.magic = wire::kMagic;
   ch.version = wire::kVersion;
@@ -200,29 +200,51 @@ std::pair<int, int> connect_peer() {
   ch.session = (uint64_t(std::rand()) << 32) ^ uint64_t(std::rand());
   ch.lanes = 1;
   ch.peer_timeout_ms = 10000;
-  ch.transports = wire::transport_bit("tcp");
+  ch.transports = transports;
   ch.max_notify = wire::kMaxNotify;
   std::memcpy(ch.name, "fuzz", 4);
-  int fds[2] = {-1, -1};
-  for (int i = 0; i < 2; ++i) {
-    ch.kind = uint8_t(i == 0 ? wire::SocketKind::kControl : wire::SocketKind::kData);
-    fds[i] = dial();
-    wire::ServerHello sh{};
-    wire::ClientProof cp{};
-    wire::ServerDone done{};
-    if (i == 0) std::memcpy(cp.transport, "tcp", 3);
-    cp.lanes = 1;
-    std::string skip;
-    bool ok = ::send(fds[i], &ch, sizeof ch, MSG_NOSIGNAL) == ssize_t(sizeof ch) && read_exact(fds[i], &sh, sizeof sh) &&
-              sh.status == 0;
-    skip.resize(ok ? sh.offers_length : 0);
-    ok = ok && read_exact(fds[i], skip.data(), skip.size()) &&
-         ::send(fds[i], &cp, sizeof cp, MSG_NOSIGNAL) == ssize_t(sizeof cp) && read_exact(fds[i], &done, sizeof done) &&
-         done.status == 0;
-    skip.resize(ok ? done.nic_list : 0);
-    if (!ok || !read_exact(fds[i], skip.data(), skip.size())) finding("the target refused a well-formed tcp handshake");
-  }
-  return {fds[0], fds[1]};
+  return ch;
+}
+
+std::string errno_text(const char* step) { return std::string(step) + ": " + std::strerror(errno); }
+
+// One handshake on `fd` as Endpoint::connect does it; the listener's offers go to *offers.
+bool handshake(int fd, const wire::ClientHello& ch, const std::string& proof, std::string* offers, std::string* why) {
+  wire::ServerHello sh{};
+  wire::ServerDone done{};
+  std::string nics;
+  if (::send(fd, &ch, sizeof ch, MSG_NOSIGNAL) != ssize_t(sizeof ch)) return *why = errno_text("send hello"), false;
+  if (!read_exact(fd, &sh, sizeof sh)) return *why = errno_text("read server hello"), false;
+  if (sh.status != 0) return *why = "server hello status " + std::to_string(sh.status), false;
+  offers->resize(sh.offers_length);
+  if (!read_exact(fd, offers->data(), offers->size())) return *why = errno_text("read offers"), false;
+  if (proof.empty()) return true;  // the caller answers: its proof depends on the offers
+  if (::send(fd, proof.data(), proof.size(), MSG_NOSIGNAL) != ssize_t(proof.size())) return *why = errno_text("send proof"), false;
+  if (!read_exact(fd, &done, sizeof done)) return *why = errno_text("read server done"), false;
+  if (done.status != 0) return *why = "server done status " + std::to_string(done.status), false;
+  nics.resize(done.nic_list);
+  if (!read_exact(fd, nics.data(), nics.size())) return *why = errno_text("read NIC list"), false;
+  return true;
+}
+
+std::string proof_for(const char* transport, const std::string& offer = {}) {
+  wire::ClientProof cp{};
+  std::memcpy(cp.transport, transport, std::strlen(transport));
+  cp.lanes = 1;
+  cp.offer_length = uint32_t(offer.size());
+  return std::string(reinterpret_cast<const char*>(&cp), sizeof cp) + offer;
+}
+
+// A tcp peer with one lane, the way Endpoint::connect makes one: {control fd, data fd}.
+bool try_tcp_peer(int fds[2], std::string* why) {
+  wire::ClientHello ch = base_hello(wire::transport_bit("tcp"));
+  std::string offers;
+  fds[0] = dial();
+  if (!handshake(fds[0], ch, proof_for("tcp"), &offers, why)) return *why = "control: " + *why, false;
+  ch.kind = uint8_t(wire::SocketKind::kData);
+  fds[1] = dial();
+  if (!handshake(fds[1], ch, proof_for(""), &offers, why)) return *why = "data: " + *why, false;
+  return true;
 }
 
 // The ipc lane setup message (src/transport/ipc/ipc_transport.cc, Hello; ipc version 5).
@@ -257,54 +279,39 @@ bool send_fd(int fd, const void* buf, size_t len, int pass) {
 }
 
 // An ipc peer with one lane, set up the way a same-host connector does: {control fd, lane fd}.
-std::pair<int, int> connect_ipc_peer() {
-  wire::ClientHello ch{};
-  ch.magic = wire::kMagic;
-  ch.version = wire::kVersion;
-  ch.kind = uint8_t(wire::SocketKind::kControl);
-  for (auto& b : ch.endpoint_id) b = uint8_t(std::rand());
-  const uint64_t session = (uint64_t(std::rand()) << 32) ^ uint64_t(std::rand());
-  ch.session = session;
-  ch.lanes = 1;
-  ch.peer_timeout_ms = 10000;
+bool try_ipc_peer(int fds[2], std::string* why) {
+  wire::ClientHello ch = base_hello(wire::transport_bit("ipc"));
   std::memcpy(ch.host_id, h->host_id.data(), 32);
-  ch.transports = wire::transport_bit("ipc");
-  ch.max_notify = wire::kMaxNotify;
-  const int fd = dial();
-  wire::ServerHello sh{};
   std::string offers;
-  bool ok = ::send(fd, &ch, sizeof ch, MSG_NOSIGNAL) == ssize_t(sizeof ch) && read_exact(fd, &sh, sizeof sh) && sh.status == 0;
-  offers.resize(ok ? sh.offers_length : 0);
+  fds[0] = dial();
+  if (!handshake(fds[0], ch, {}, &offers, why)) return false;
   wire::Offers parsed;
-  ok = ok && read_exact(fd, offers.data(), offers.size()) && wire::decode_offers(offers, &parsed) && parsed.size() == 1 &&
-       parsed[0].first == "ipc" && parsed[0].second.size() > 18;
-  if (!ok) finding("the target did not offer ipc to a same-host connector");
+  if (!wire::decode_offers(offers, &parsed) || parsed.size() != 1 || parsed[0].first != "ipc" ||
+      parsed[0].second.size() <= 18)
+    return *why = "no ipc offer for a same-host connector", false;
   const std::string& offer = parsed[0].second;
   IpcHello m;
   std::memcpy(&m.challenge, offer.data() + 10, 8);
-  m.session = session;
+  m.session = ch.session;
   m.cookie_addr = reinterpret_cast<uint64_t>(&h->cookie);
   m.cookie = h->cookie;
-  const int lane = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  fds[1] = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   sockaddr_un a{};
   a.sun_family = AF_UNIX;
   const std::string name = offer.substr(18);
   std::memcpy(a.sun_path + 1, name.data(), std::min(name.size(), sizeof a.sun_path - 2));
   const socklen_t alen = socklen_t(offsetof(sockaddr_un, sun_path) + 1 + std::min(name.size(), sizeof a.sun_path - 2));
-  if (::connect(lane, reinterpret_cast<sockaddr*>(&a), alen) != 0 || !send_fd(lane, &m, sizeof m, h->segment))
-    finding("cannot open a lane to the target's ipc socket");
-  wire::ClientProof cp{};
-  std::memcpy(cp.transport, "ipc", 3);
-  cp.lanes = 1;
-  cp.offer_length = 18;
-  std::string proof(reinterpret_cast<const char*>(&cp), sizeof cp);
-  proof += offer.substr(0, 18);
+  if (::connect(fds[1], reinterpret_cast<sockaddr*>(&a), alen) != 0 || !send_fd(fds[1], &m, sizeof m, h->segment))
+    return *why = errno_text("lane to the ipc socket"), false;
+  // The proof, our offer (session and challenge) and the rest of the handshake.
+  const std::string p = proof_for("ipc", offer.substr(0, 18));
   wire::ServerDone done{};
   std::string nics;
-  ok = ::send(fd, proof.data(), proof.size(), MSG_NOSIGNAL) == ssize_t(proof.size()) &&
-       read_exact(fd, &done, sizeof done) && done.status == 0;
-  nics.resize(ok ? done.nic_list : 0);
-  if (!ok || !read_exact(fd, nics.data(), nics.size())) finding("the target refused a well-formed ipc connect");
+  if (::send(fds[0], p.data(), p.size(), MSG_NOSIGNAL) != ssize_t(p.size()) || !read_exact(fds[0], &done, sizeof done))
+    return *why = errno_text("ipc proof"), false;
+  if (done.status != 0) return *why = "ipc: server done status " + std::to_string(done.status), false;
+  nics.resize(done.nic_list);
+  if (!read_exact(fds[0], nics.data(), nics.size())) return *why = errno_text("NIC list"), false;
   IpcHello two;
   alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))];
   iovec iov{&two, sizeof two};
@@ -313,17 +320,34 @@ std::pair<int, int> connect_ipc_peer() {
   r.msg_iovlen = 1;
   r.msg_control = ctl;
   r.msg_controllen = sizeof ctl;
-  if (::recvmsg(lane, &r, MSG_CMSG_CLOEXEC) != ssize_t(sizeof two) || two.stage != 2) finding("no ipc stage 2");
-  for (cmsghdr* c = CMSG_FIRSTHDR(&r); c; c = CMSG_NXTHDR(&r, c)) {
+  const ssize_t n = ::recvmsg(fds[1], &r, MSG_CMSG_CLOEXEC);
+  for (cmsghdr* c = CMSG_FIRSTHDR(&r); n > 0 && c; c = CMSG_NXTHDR(&r, c)) {
     int got;
     std::memcpy(&got, CMSG_DATA(c), sizeof got);
     ::close(got);  // its segment: we never describe chunks by it
   }
+  if (n != ssize_t(sizeof two) || two.stage != 2) return *why = errno_text("ipc stage 2"), false;
   IpcHello three = m;
   three.stage = 3;
   three.verdict = 1;  // it may name its chunks by address
-  if (!send_fd(lane, &three, sizeof three, -1)) finding("ipc stage 3");
-  return {fd, lane};
+  if (!send_fd(fds[1], &three, sizeof three, -1)) return *why = errno_text("ipc stage 3"), false;
+  return true;
+}
+
+// A well-formed connect may meet a target still busy with what earlier inputs left (handshakes
+// waiting for their data sockets hold pending slots until handshake_timeout): once the target is
+// quiet it must succeed, else that is a finding.
+std::pair<int, int> connect_with(bool (*attempt)(int[2], std::string*), const char* what) {
+  std::string why;
+  for (int tries = 0; tries < 3; ++tries) {
+    int fds[2] = {-1, -1};
+    if (attempt(fds, &why)) return {fds[0], fds[1]};
+    for (int fd : fds)
+      if (fd >= 0) ::close(fd);
+    ++h->retries;
+    std::this_thread::sleep_for(std::chrono::milliseconds(h->target->config().handshake_timeout_ms + 500));
+  }
+  finding(std::string("the target refused a well-formed ") + what + " connect 3 times, the last one quiet: " + why);
 }
 
 // Mode 5: {u16 length, bytes} messages, each one seqpacket message on the lane.
@@ -371,6 +395,11 @@ void decoders(std::string_view in) {
     finding("a parsed descriptor's range wraps around");
 }
 
+void report() {
+  std::fprintf(stderr, "harness: %llu inputs, %llu well-formed connects retried after the target went quiet\n",
+               (unsigned long long)h->runs, (unsigned long long)h->retries);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -416,6 +445,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
     finding("fake listener");
   h->fake_port = ntohs(a.sin_port);
   h->base_fds = open_fds();
+  std::atexit(report);
   return 0;
 }
 
@@ -429,7 +459,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     hostile_listener(in);
     wait_reaped();
   } else if (mode == 5) {
-    auto [control, lane] = connect_ipc_peer();
+    auto [control, lane] = connect_with(try_ipc_peer, "ipc");
     send_messages(lane, in);
     drain_until_closed(lane, 2);
     ::close(lane);
@@ -442,7 +472,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     drain_until_closed(fd, 5);  // a handshake waiting for data sockets stays open: not waited for
     ::close(fd);
   } else {
-    auto [control, lane] = connect_peer();
+    auto [control, lane] = connect_with(try_tcp_peer, "tcp");
     send_some(mode == 1 ? control : lane, in);
     drain_until_closed(mode == 1 ? control : lane, 2);  // answers, or the target closing on garbage
     ::close(lane);

@@ -255,28 +255,30 @@ def test_remote_connector_cannot_claim_the_host_for_ipc(endpoints, children):
 
 def test_listener_offer_naming_the_connector_itself_is_refused(endpoints):
     """The other way round: a hostile listener echoes the connector's host identity and offers ipc
-    naming the CONNECTOR's own ipc socket. The connector must not open lanes into itself (they would
-    sit parked there); it refuses with a clear error, holding nothing afterwards. Connecting to its
-    own address (which offers the same socket, with its own challenge) keeps working."""
+    naming the CONNECTOR's own ipc socket (or another service's socket). The connector must not
+    open lanes there (into itself they would sit parked); it refuses with a clear error, holding
+    nothing afterwards. Connecting to its own address (which offers the same socket, with its own
+    challenge) keeps working."""
     me = endpoints(name="connector")
     s = raw_connect(me.address)
     s.sendall(client_hello(host_id=host_id_of(me.metadata())))
-    own = read_server_hello(s)["offers"]["ipc"]
+    own = read_server_hello(s)["offers"]["ipc"][18:]
     s.close()
+    cases = [(own, "own ipc socket"), (own, "own ipc socket"), (b"some-other-service", "malformed ipc offer")]
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(4)
     seen = []
 
     def fake_listener():
-        for _ in range(3):
+        for name, _ in cases:
             try:
                 conn, _ = lsock.accept()
             except OSError:
                 return
             with conn:
                 h = parse_client_hello(recv_exact(conn, CLIENT_HELLO_SIZE))
-                offer = struct.pack("<HQQ", 5, h["session"], int.from_bytes(os.urandom(8), "little")) + own[18:]
+                offer = struct.pack("<HQQ", 5, h["session"], int.from_bytes(os.urandom(8), "little")) + name
                 conn.sendall(server_hello(h["host_id"], {"ipc": offer}))
                 seen.append(recv_exact(conn, 56, timeout=2))  # a proof would mean it went ahead
 
@@ -284,13 +286,13 @@ def test_listener_offer_naming_the_connector_itself_is_refused(endpoints):
     t.start()
     fds0 = fd_count()
     try:
-        for _ in range(3):
-            with pytest.raises(tether.ProtocolError, match="own ipc socket"):
+        for _, match in cases:
+            with pytest.raises(tether.ProtocolError, match=match):
                 me.connect("127.0.0.1:%d" % lsock.getsockname()[1], timeout=3)
     finally:
         lsock.close()
         t.join(5)
-    assert seen == [b""] * 3, "the connector answered a handshake whose offer names its own socket"
+    assert seen == [b""] * len(cases), "the connector answered a handshake whose offer names a socket not its peer's"
     time.sleep(0.3)  # a tick: anything parked would still be there
     assert fd_count() <= fds0, (fds0, fd_count())
     assert me.connect(me.metadata(), timeout=5).transport == "ipc"

@@ -40,6 +40,7 @@ constexpr uint32_t kHelloMagic = 0x43504954;  // "TIPC"
 constexpr uint16_t kIpcVersion = 5;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
                                      // 4: host reads copied by the initiator (kReadReq with kCma);
                                      // 5: the connector opens the lanes, to the listener (same host proven)
+constexpr const char* kSocketPrefix = "tether-ipc-";  // every endpoint's lane socket: this and 16 hex digits
 constexpr int kSocketBuffer = 1 << 20;        // frames in flight per lane are bounded by the window
 constexpr size_t kMaxParked = 1024;            // lane sockets accepted and not yet claimed by a handshake
 
@@ -927,7 +928,7 @@ IpcTransport::IpcTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
   }
   rendezvous_ = std::make_unique<Rendezvous>();
   Rendezvous* rv = rendezvous_.get();
-  rv->name = "tether-ipc-" + hex(crypto::random_u64());
+  rv->name = kSocketPrefix + hex(crypto::random_u64());
   crypto::random_bytes(rv->secret, sizeof rv->secret);
   rv->fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   sockaddr_un a;
@@ -1058,7 +1059,9 @@ uint32_t IpcTransport::lanes_for(std::string_view) const { return std::max<uint3
 Result<std::string> IpcTransport::connector_offer(uint64_t session, std::string_view remote_offer) {
   uint64_t theirs = 0, challenge = 0;
   std::string name;
-  if (!rendezvous_ || !parse_offer(remote_offer, &theirs, &challenge, &name) || name.empty() || theirs != session)
+  // Only a tether endpoint's socket: a hostile listener must not point our lanes at another service.
+  if (!rendezvous_ || !parse_offer(remote_offer, &theirs, &challenge, &name) || theirs != session ||
+      name.rfind(kSocketPrefix, 0) != 0)
     return Status(Code::kProtocolError, "malformed ipc offer");
   // Our own socket is fine when we are the listener (an endpoint connecting to itself), which only an
   // offer carrying our challenge for this session shows: anyone else naming it would have us park our
