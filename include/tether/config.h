@@ -46,6 +46,17 @@ struct Config {
   std::string tx_cpus;              // TETHER_TX_CPUS: "eth1:8-21;eth2:22-35" CPUs of the progress threads serving a NIC
   std::string rx_cpus;              // TETHER_RX_CPUS: same form; a progress thread drives both directions (union)
   uint32_t pin_threads = 1;         // TETHER_PIN_THREADS: 0 = never pin; 1 = pin to CPUs local to the thread's NIC
+  // Notifications a peer may leave unread here (docs/ARCHITECTURE.md, "Hostile peers"): one is at most
+  // notify_max_bytes (peers learn it at connect and refuse larger ones before sending); what is queued
+  // unread is bounded per peer and for the endpoint (each notification counts its bytes + 64). Over a
+  // queue limit the sender's transfer fails with ResourceExhausted; nothing is dropped silently.
+  uint32_t notify_max_bytes = 1 << 20;            // TETHER_NOTIFY_MAX_BYTES: at most 1 MiB
+  uint64_t notify_queue_peer_bytes = 16ull << 20; // TETHER_NOTIFY_QUEUE_PEER_BYTES: unread, from one peer
+  uint64_t notify_queue_bytes = 64ull << 20;      // TETHER_NOTIFY_QUEUE_BYTES: unread, from all peers together
+  // deregister() waits for accesses in flight; over ipc a peer reading a region copies it itself and
+  // holds it until it says it is done: a peer whose process is stopped is disconnected at once, any
+  // other still holding it after this long too (docs/ARCHITECTURE.md, "Hostile peers").
+  uint32_t deregister_timeout_ms = 1000;  // TETHER_DEREGISTER_TIMEOUT_MS
   uint32_t lane_timeout_ms = 5000;  // TETHER_LANE_TIMEOUT_MS: unacknowledged data this long kills a lane (its chunks move)
   bool disable_ipc = false;         // TETHER_DISABLE_IPC=1: never offer ipc (same-host peers use tcp)
   std::string ipc_host = "auto";    // TETHER_IPC_HOST: host memory over ipc: auto (cross-memory attach

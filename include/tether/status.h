@@ -19,6 +19,7 @@ enum class Code : int {
   kTruncated,         // two-sided message larger than the posted receive
   kUnavailable,       // transport or feature not available on this machine
   kInternal,
+  kResourceExhausted, // the peer's bounded queue is full (unread notifications); retry after it drains
 };
 
 const char* code_name(Code c);

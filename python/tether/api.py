@@ -26,12 +26,46 @@ _OPTIONS = {
     "fabric_library": "fabric_library", "fabric_provider": "fabric_provider",
     "fabric_domains": "fabric_domains", "fabric_rails": "fabric_rails",
     "fabric_delivery_complete": "fabric_delivery_complete", "fabric_busy_poll": "fabric_busy_poll",
+    "notify_max_bytes": "notify_max_bytes", "notify_queue_peer_bytes": "notify_queue_peer_bytes",
+    "notify_queue_bytes": "notify_queue_bytes",
 }
 _SECONDS = {  # options given in seconds, stored in milliseconds
     "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",
     "heartbeat": "heartbeat_ms", "handshake_timeout": "handshake_timeout_ms",
-    "lane_timeout": "lane_timeout_ms",
+    "lane_timeout": "lane_timeout_ms", "deregister_timeout": "deregister_timeout_ms",
 }
+
+
+def _set_option(cfg: "_tether.Config", key: str, field: str, value: Any) -> None:
+    """Sets one Config field; a value of the wrong type or range is InvalidArgument naming the option
+    (nanobind's own conversion error names neither)."""
+    try:
+        setattr(cfg, field, value)
+    except (TypeError, ValueError, OverflowError):
+        current = getattr(cfg, field)
+        want = ("True or False" if isinstance(current, bool) else "a string" if isinstance(current, str)
+                else "a non-negative integer in range")
+        raise _tether.InvalidArgument(f"option {key}: expected {want}, got {value!r}") from None
+
+
+_U64 = 1 << 64
+
+
+def _check_u64(**values: Any) -> None:
+    """Raises InvalidArgument naming the first argument that is not an integer in [0, 2**64)."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < _U64:
+            raise _tether.InvalidArgument(f"{name} must be an integer in [0, 2**64), got {v!r}")
+
+
+def _u64_args(call, **values: Any):
+    """Runs `call()`; if the binding refuses an argument's type, says which one (InvalidArgument).
+    Checked only on failure, so the common path costs nothing."""
+    try:
+        return call()
+    except TypeError:
+        _check_u64(**values)
+        raise
 
 
 class Notification(NamedTuple):
@@ -101,7 +135,8 @@ class Region:
         """Bytes (binary; a RemoteRegion) granting access to [offset, offset+length) and nothing else
         (default: the whole region). Send them to the peer that will access it; over a text channel
         use `.hex()` / `bytes.fromhex()` (or base64)."""
-        return self._r.descriptor(offset, length)
+        return _u64_args(lambda: self._r.descriptor(offset, length), offset=offset,
+                         **({} if length is None else {"length": length}))
 
     def __repr__(self) -> str:
         return f"Region(id={self.id}, size={self.size}, kind={self.kind!r})"
@@ -185,7 +220,9 @@ class Peer:
             remote = _remote(remote)
         if length is None:
             length = remote.length - remote_offset
-        return Transfer(self._p.write(local._r, local_offset, remote, remote_offset, length, _notify_arg(notify)))
+        notify = _notify_arg(notify)
+        return Transfer(_u64_args(lambda: self._p.write(local._r, local_offset, remote, remote_offset, length, notify),
+                                  local_offset=local_offset, remote_offset=remote_offset, length=length))
 
     def read(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
              length: Optional[int] = None, notify: Optional[bytes] = None) -> Transfer:
@@ -195,7 +232,9 @@ class Peer:
             remote = _remote(remote)
         if length is None:
             length = remote.length - remote_offset
-        return Transfer(self._p.read(local._r, local_offset, remote, remote_offset, length, _notify_arg(notify)))
+        notify = _notify_arg(notify)
+        return Transfer(_u64_args(lambda: self._p.read(local._r, local_offset, remote, remote_offset, length, notify),
+                                  local_offset=local_offset, remote_offset=remote_offset, length=length))
 
     def writev(self, entries: Sequence[Tuple[Region, int, Remote, int, int]],
                notify: Optional[bytes] = None) -> Transfer:
@@ -229,13 +268,15 @@ class Peer:
         """Two-sided: matched by the peer's recv with the same tag, in posting order."""
         if length is None:
             length = local.size - offset
-        return Transfer(self._p.send(local._r, offset, length, tag))
+        return Transfer(_u64_args(lambda: self._p.send(local._r, offset, length, tag), offset=offset, length=length,
+                                  tag=tag))
 
     def recv(self, local: Region, *, offset: int = 0, length: Optional[int] = None, tag: int = 0) -> Transfer:
         """Posts room for one message; `Transfer.bytes` is its length once done."""
         if length is None:
             length = local.size - offset
-        return Transfer(self._p.recv(local._r, offset, length, tag))
+        return Transfer(_u64_args(lambda: self._p.recv(local._r, offset, length, tag), offset=offset, length=length,
+                                  tag=tag))
 
     def notify(self, data: bytes) -> Transfer:
         return Transfer(self._p.notify(bytes(data)))
@@ -366,9 +407,11 @@ class Endpoint:
             if value is None:
                 continue
             if key in _OPTIONS:
-                setattr(cfg, _OPTIONS[key], value)
+                _set_option(cfg, key, _OPTIONS[key], value)
             elif key in _SECONDS:
-                setattr(cfg, _SECONDS[key], int(value * 1000))
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                    raise _tether.InvalidArgument(f"{key} is in seconds: expected a number >= 0, got {value!r}")
+                _set_option(cfg, key, _SECONDS[key], int(value * 1000))
             else:
                 raise TypeError(f"Endpoint() got an unknown option {key!r}")
         self.config = cfg

@@ -118,8 +118,9 @@ def summarize(case_rows: list[B.Result], case_flows: list[Flow], single_process:
 # ---------------------------------------------------------------- one process per pair, host memory
 
 def _host_worker(index: int, options: dict, capacity: int, cases: list, barrier, timing, out) -> None:
-    pair = B.LocalPair(options, capacity)
+    pair = None
     try:
+        pair = B.LocalPair(options, capacity)  # inside: a transport that cannot work here is reported
         for k, case in enumerate(cases):
             barrier.wait(600)
             r = B.run_case(pair, case, before_timing=lambda: timing.wait(600))
@@ -130,7 +131,8 @@ def _host_worker(index: int, options: dict, capacity: int, cases: list, barrier,
         out.put((index, -1, traceback.format_exc()))
         raise
     finally:
-        pair.close()
+        if pair is not None:
+            pair.close()
 
 
 # ---------------------------------------------------------------- one process per GPU, GPU memory
@@ -141,10 +143,12 @@ def _gpu_worker(g: int, options: dict, capacity: int, cases: list, outgoing: lis
     (gpu=False: the same shape over host memory, so the CPU suite covers it.)"""
     import tether
 
-    ep = tether.Endpoint(**options)
-    servers = [threading.Thread(target=B.serve, args=(ep, B.PipeChannel(c)), daemon=True) for _, c in incoming]
+    ep = None
+    servers: list[threading.Thread] = []
     pairs: list[tuple[int, B.Pair]] = []
     try:
+        ep = tether.Endpoint(**options)  # inside: a transport that cannot work here fails it (reported below)
+        servers = [threading.Thread(target=B.serve, args=(ep, B.PipeChannel(c)), daemon=True) for _, c in incoming]
         for t in servers:
             t.start()
         meta_out.put((g, ep.metadata()))
@@ -184,7 +188,8 @@ def _gpu_worker(g: int, options: dict, capacity: int, cases: list, outgoing: lis
         out.put(((g, None), -1, traceback.format_exc()))
         raise
     finally:
-        ep.close()
+        if ep is not None:
+            ep.close()
 
 
 def _collect(procs, out, want: int, progress: Optional[Callable]) -> dict:

@@ -29,10 +29,13 @@ using namespace tether;
 
 namespace {
 
-PyObject* g_errors[int(Code::kInternal) + 1] = {};
+PyObject* g_errors[int(Code::kResourceExhausted) + 1] = {};
+PyObject* g_base_error = nullptr;
 
 [[noreturn]] void raise(const Status& s) {
-  PyObject* cls = g_errors[int(s.code())];
+  // A code from a newer (or hostile) peer that this build does not know is still a TetherError.
+  const int c = int(s.code());
+  PyObject* cls = c >= 0 && c <= int(Code::kResourceExhausted) && g_errors[c] ? g_errors[c] : g_base_error;
   PyErr_SetString(cls ? cls : PyExc_RuntimeError, s.message().c_str());
   throw nb::python_error();
 }
@@ -194,6 +197,7 @@ NB_MODULE(_tether, m) {
   // Typed exceptions: every Code has its class; all derive from TetherError.
   PyObject* base = PyErr_NewException("tether.TetherError", PyExc_RuntimeError, nullptr);
   m.attr("TetherError") = nb::handle(base);
+  g_base_error = base;
   struct Spec { Code code; const char* name; PyObject* also; };
   const Spec specs[] = {
       {Code::kInvalidArgument, "InvalidArgument", PyExc_ValueError},
@@ -208,6 +212,7 @@ NB_MODULE(_tether, m) {
       {Code::kTruncated, "Truncated", nullptr},
       {Code::kUnavailable, "Unavailable", nullptr},
       {Code::kInternal, "InternalError", nullptr},
+      {Code::kResourceExhausted, "ResourceExhausted", nullptr},
   };
   for (const Spec& s : specs) {
     PyObject* bases = s.also ? PyTuple_Pack(2, base, s.also) : PyTuple_Pack(1, base);
@@ -248,6 +253,7 @@ NB_MODULE(_tether, m) {
       .def_rw("rx_cpus", &Config::rx_cpus)
       .def_rw("pin_threads", &Config::pin_threads)
       .def_rw("lane_timeout_ms", &Config::lane_timeout_ms)
+      .def_rw("deregister_timeout_ms", &Config::deregister_timeout_ms)
       .def_rw("disable_ipc", &Config::disable_ipc)
       .def_rw("ipc_host", &Config::ipc_host)
       .def_rw("fabric_library", &Config::fabric_library)
@@ -255,7 +261,10 @@ NB_MODULE(_tether, m) {
       .def_rw("fabric_domains", &Config::fabric_domains)
       .def_rw("fabric_rails", &Config::fabric_rails)
       .def_rw("fabric_delivery_complete", &Config::fabric_delivery_complete)
-      .def_rw("fabric_busy_poll", &Config::fabric_busy_poll);
+      .def_rw("fabric_busy_poll", &Config::fabric_busy_poll)
+      .def_rw("notify_max_bytes", &Config::notify_max_bytes)
+      .def_rw("notify_queue_peer_bytes", &Config::notify_queue_peer_bytes)
+      .def_rw("notify_queue_bytes", &Config::notify_queue_bytes);
 
   nb::class_<RemoteRegion>(m, "RemoteRegion")
       .def("__init__", [](RemoteRegion* self, nb::bytes b) { new (self) RemoteRegion(take(RemoteRegion::parse(as_string(b)))); })

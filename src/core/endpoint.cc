@@ -1,11 +1,13 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 
@@ -87,6 +89,14 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
   }
   if (config.ipc_host != "auto" && config.ipc_host != "cma" && config.ipc_host != "shm")
     return Status(Code::kInvalidArgument, "ipc_host must be auto, cma or shm (got \"" + config.ipc_host + "\")");
+  if (config.notify_max_bytes == 0 || config.notify_max_bytes > wire::kMaxNotify)
+    return Status(Code::kInvalidArgument, "notify_max_bytes must be between 1 and 1048576 (got " +
+                                              std::to_string(config.notify_max_bytes) + ")");
+  if (config.notify_queue_peer_bytes < config.notify_max_bytes || config.notify_queue_bytes < config.notify_queue_peer_bytes)
+    return Status(Code::kInvalidArgument, "notify_queue_bytes >= notify_queue_peer_bytes >= notify_max_bytes must hold");
+  if (config.transport != "auto" && wire::transport_bit(config.transport) == 0)
+    return Status(Code::kInvalidArgument, "transport (TETHER_TRANSPORT) must be auto, tcp, ipc, fabric or netplugin (got \"" +
+                                              config.transport + "\")");
   EndpointId id;
   crypto::random_bytes(id.data(), id.size());
   std::shared_ptr<EndpointImpl> ep(new EndpointImpl(config, id));
@@ -102,6 +112,9 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
   if (!lfd.is_ok()) return lfd.status();
   ep->listen_fd_ = lfd.value();
   ep->port_ = sys::local_port(ep->listen_fd_);
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY)
+    ep->max_pending_ = std::clamp<size_t>(size_t(files.rlim_cur / 4), 8, 1024);
   ep->epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
   ep->event_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_event ev{};
@@ -111,6 +124,10 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
   ev.data.u64 = kEventTag;
   ::epoll_ctl(ep->epoll_fd_, EPOLL_CTL_ADD, ep->event_fd_, &ev);
   ep->transports_ = transport::make_transports(ep.get());
+  // A transport asked for by name must work here: say why not now, not at the first connect.
+  for (auto& t : ep->transports_)
+    if (config.transport == t->name() && !t->unavailable_reason().empty())
+      return Status(Code::kUnavailable, "transport " + config.transport + " cannot be used here: " + t->unavailable_reason());
   ep->control_thread_ = std::thread([p = ep.get()] { p->control_loop(); });
   return ep;
 }
@@ -220,12 +237,27 @@ void EndpointImpl::wake_control() {
   (void)rc;
 }
 
-void EndpointImpl::push_notification(const PeerInfo& from, std::string data) {
+namespace {
+// What one queued notification costs: its bytes, the peer's name copied into it, the queue entry.
+uint64_t note_cost(size_t data, size_t name) { return uint64_t(data) + name + 64; }
+}  // namespace
+
+Code EndpointImpl::push_notification(const PeerInfo& from, const uint8_t* data, size_t length) {
+  if (length > config_.notify_max_bytes) return Code::kInvalidArgument;
+  const uint64_t cost = note_cost(length, from.name.size());
   {
     std::lock_guard lock(notes_mu_);
-    notes_.push_back(Notification{from.id, from.name, std::move(data)});
+    uint64_t& mine = notes_by_peer_[from.id];
+    if (mine + cost > config_.notify_queue_peer_bytes || notes_bytes_ + cost > config_.notify_queue_bytes) {
+      if (mine == 0) notes_by_peer_.erase(from.id);
+      return Code::kResourceExhausted;
+    }
+    mine += cost;
+    notes_bytes_ += cost;
+    notes_.push_back(Notification{from.id, from.name, std::string(reinterpret_cast<const char*>(data), length)});
   }
   notes_cv_.notify_all();
+  return Code::kOk;
 }
 
 std::vector<Notification> EndpointImpl::notifications(int64_t timeout_ms) {
@@ -233,7 +265,9 @@ std::vector<Notification> EndpointImpl::notifications(int64_t timeout_ms) {
   if (timeout_ms > 0)
     notes_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return !notes_.empty() || closing_.load(); });
   std::vector<Notification> out(std::make_move_iterator(notes_.begin()), std::make_move_iterator(notes_.end()));
-  notes_.clear();
+  std::deque<Notification>().swap(notes_);  // its blocks too: a burst must not keep its high-water mark
+  notes_bytes_ = 0;
+  notes_by_peer_.clear();
   return out;
 }
 
@@ -339,6 +373,9 @@ Status client_handshake(int fd, const wire::ClientHello& ch, const std::string& 
   if (!s.is_ok()) return Status(token.empty() ? s.code() : Code::kAuthFailed, "handshake: " + s.message());
   if (done.status == uint8_t(wire::HelloStatus::kAuthFailed))
     return Status(Code::kAuthFailed, "peer refused our auth token");
+  if (done.status == uint8_t(wire::HelloStatus::kNotSameHost))
+    return Status(Code::kAccessDenied, "handshake: the peer could not verify that we share its host (our lanes of a "
+                                       "same-host transport did not reach it)");
   if (done.status != 0) return Status(Code::kProtocolError, "handshake: peer rejected the connection");
   if (done.nic_list > 0) {  // control socket: the listener's data NICs follow
     if (!nic_list || ch.kind != uint8_t(wire::SocketKind::kControl))
@@ -380,6 +417,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   ch.lanes = config_.channels * config_.sockets_per_channel;  // TCP data sockets, if tcp is chosen
   ch.peer_timeout_ms = config_.peer_timeout_ms;
   ch.chunk_bytes = config_.chunk_bytes;
+  ch.max_notify = config_.notify_max_bytes;
   std::memcpy(ch.host_id, host_id_.data(), 32);
   copy_name(ch.name, name_);
   for (auto& tr : transports_)  // what we could choose: the listener offers no more than it must
@@ -387,6 +425,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
       ch.transports |= wire::transport_bit(tr->name());
 
   transport::Transport* chosen = nullptr;
+  transport::Transport* prepared = nullptr;  // connector_offer() ran: abandon() it if we fail before attach()
   std::string remote_offer;
   wire::ServerHello sh{};
   auto choose = [&](std::string_view offers, wire::ClientProof* cp, std::string* offer) -> Status {
@@ -398,13 +437,20 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
     remote_offer = std::move(r.value().second);
     std::memcpy(cp->transport, chosen->name(), std::min(sizeof cp->transport - 1, std::strlen(chosen->name())));
     cp->lanes = chosen->lanes_for(remote_offer);
-    *offer = chosen->offer(ch.session);
+    auto mine = chosen->connector_offer(ch.session, remote_offer);
+    if (!mine.is_ok()) return Status(mine.status().code(), "connect: transport " + std::string(chosen->name()) + ": " +
+                                                               mine.status().message());
+    prepared = chosen;
+    *offer = mine.take();
     cp->offer_length = uint32_t(offer->size());
     return Status::ok();
   };
 
   std::vector<int> fds;
-  auto cleanup = [&] { for (int fd : fds) ::close(fd); };
+  auto cleanup = [&] {
+    for (int fd : fds) ::close(fd);
+    if (prepared) prepared->abandon(ch.session);
+  };
   uint32_t lanes = 0;  // TCP data sockets to open: known once the control handshake chose tcp
   std::string nic_text;
   std::vector<sys::NicPair> pairs;  // local/remote NIC per channel (src/sys/topology.h)
@@ -466,6 +512,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   info.same_host = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
   info.heartbeat_ms = heartbeat_for(sh.peer_timeout_ms);
   info.chunk_bytes = chunk_for(sh.chunk_bytes);
+  info.max_notify = std::min(uint32_t(sh.max_notify), wire::kMaxNotify);  // a copy: no reference to a packed field
   info.transport = chosen->name();
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, chosen->lanes_for(remote_offer), chosen);
   peer->control_fd = fds[0];
@@ -474,6 +521,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   for (int fd : peer->lane_fds) sys::tune_data_socket(fd);
   Status s = chosen->attach(peer, peer->lane_fds, remote_offer, true, deadline);  // before anyone can post on the peer
   if (!s.is_ok()) {
+    chosen->abandon(ch.session);  // whatever connector_offer() prepared and attach() did not take
     peer->lane_fds.clear();  // the transport owns (and closed) them; the control socket closes with the peer
     return Status(s.code(), "connect: transport " + info.transport + ": " + s.message());
   }
@@ -573,7 +621,11 @@ Status EndpointImpl::deregister(const Region& region) {
     for (auto& [id, p] : peers_) all.push_back(p);
   }
   for (auto& p : all) p->cancel_region(region.state().get());
-  RegionRegistry::wait_unpinned(region);
+  RegionRegistry::wait_unpinned(region, [&](int64_t waited_ms) {
+    const bool force = waited_ms >= int64_t(config_.deregister_timeout_ms);
+    for (auto& t : transports_)
+      if (t->unavailable_reason().empty()) t->region_stalled(*region.state(), force);
+  });
   for (auto& t : transports_)
     if (t->unavailable_reason().empty()) t->deregister_region(*region.state());
   return Status::ok();
@@ -612,7 +664,7 @@ void EndpointImpl::control_loop() {
           std::lock_guard lock(peers_mu_);
           if (auto it = peers_.find(tag); it != peers_.end()) p = it->second;
         }
-        if (p && !p->failed()) control_readable(*p);
+        if (p && !p->failed() && !p->ctl_backlogged) control_readable(*p);
       }
     }
     std::vector<std::shared_ptr<PeerState>> adopt;
@@ -621,6 +673,7 @@ void EndpointImpl::control_loop() {
       adopt.swap(to_adopt_);
     }
     for (auto& p : adopt) adopt_peer(p);
+    resume_listening(sys::now_ms());
     reap();
     std::vector<std::shared_ptr<PeerState>> all;
     {
@@ -633,10 +686,59 @@ void EndpointImpl::control_loop() {
 }
 
 
+void EndpointImpl::listen_paused(bool paused) {
+  if (listen_armed_ == !paused) return;
+  listen_armed_ = !paused;
+  if (paused) {
+    ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+    return;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kListenTag;
+  ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
+}
+
+// Control thread, every turn: a listener paused for descriptors is tried again after its pause, one
+// paused for the handshake cap once a handshake has ended.
+void EndpointImpl::resume_listening(int64_t now) {
+  if (listen_armed_) return;
+  if (listen_retry_at_ms_ ? now >= listen_retry_at_ms_ : pending_.size() < max_pending_) {
+    listen_retry_at_ms_ = 0;
+    listen_paused(false);
+  }
+}
+
 void EndpointImpl::accept_all() {
+  // Level-triggered: a listener left armed while accept() cannot succeed would wake us forever.
+  constexpr int64_t kRetryMs = 100;
+  constexpr int64_t kLogEveryMs = 10000;  // episodes a flood starts and ends in turn are logged at most this often
   for (;;) {
+    if (pending_.size() >= max_pending_) {
+      if (!logged_pending_ && sys::now_ms() >= quiet_log_until_ms_)
+        std::fprintf(stderr, "tether: endpoint '%s': %zu handshakes under way at once (the limit: a quarter of the "
+                             "open-files limit); new connections wait in the backlog\n", name_.c_str(), pending_.size());
+      if (!logged_pending_) quiet_log_until_ms_ = sys::now_ms() + kLogEveryMs;
+      logged_pending_ = true;
+      listen_paused(true);
+      return;
+    }
     int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;  // EAGAIN, or a transient error (EMFILE): the next event retries
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        if (!logged_fds_ && sys::now_ms() >= quiet_log_until_ms_)
+          std::fprintf(stderr, "tether: endpoint '%s': out of file descriptors (accept: %s; %zu handshakes under way); "
+                               "new connections wait until descriptors free up\n", name_.c_str(), std::strerror(errno),
+                       pending_.size());
+        if (!logged_fds_) quiet_log_until_ms_ = sys::now_ms() + kLogEveryMs;
+        logged_fds_ = true;
+        listen_retry_at_ms_ = sys::now_ms() + kRetryMs;
+        listen_paused(true);
+      }
+      return;  // EAGAIN: nothing queued; ECONNABORTED and the like: the next event retries
+    }
+    logged_fds_ = false;  // an episode ends when accept() works again
+    if (pending_.size() + 1 < max_pending_ / 2) logged_pending_ = false;
     sys::set_nodelay(fd);  // control messages are small: Nagle + delayed ACK would add 40 ms stalls
     auto p = std::make_unique<Pending>();
     p->fd = fd;
@@ -683,6 +785,7 @@ void EndpointImpl::advance_handshake(int fd) {
     sh.has_token = !token.empty();
     sh.peer_timeout_ms = config_.peer_timeout_ms;
     sh.chunk_bytes = config_.chunk_bytes;
+    sh.max_notify = config_.notify_max_bytes;
     std::memcpy(sh.endpoint_id, id_.data(), 16);
     std::memcpy(sh.nonce, p.server_nonce, 16);
     std::memcpy(sh.host_id, host_id_.data(), 32);
@@ -769,6 +872,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
     info.heartbeat_ms = heartbeat_for(h.peer_timeout_ms);
     info.chunk_bytes = chunk_for(h.chunk_bytes);
+    info.max_notify = std::min(uint32_t(h.max_notify), wire::kMaxNotify);  // a copy: no reference to a packed field
     const wire::ClientProof& cp = p.proof;
     const std::string name(cp.transport, strnlen(cp.transport, sizeof cp.transport));
     transport::Transport* chosen = nullptr;
@@ -782,12 +886,12 @@ void EndpointImpl::finish_accept(Pending& p) {
       return;
     }
     info.transport = name;
-    auto peer = std::make_shared<PeerState>(shared_from_this(), info, cp.lanes, chosen);
+    auto peer = std::make_shared<PeerState>(shared_from_this(), info, uint32_t(cp.lanes), chosen);  // packed: a copy
     const bool early = !tcp_lanes && chosen->caps().attach_before_answer;
     if (early) {  // attach and publish first: connect() returning there means peers() shows it here
       Status s = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
       if (!s.is_ok()) {
-        done.status = uint8_t(wire::HelloStatus::kBadRequest);
+        done.status = uint8_t(s.code() == Code::kAccessDenied ? wire::HelloStatus::kNotSameHost : wire::HelloStatus::kBadRequest);
         ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
         ::close(fd);
         peer->fail(Status(s.code(), "accept: transport " + name + ": " + s.message()));
@@ -814,7 +918,7 @@ void EndpointImpl::finish_accept(Pending& p) {
       peer->lane_fds.assign(h.lanes, -1);
       peer->lane_paths.resize(h.lanes);
       peer->accept_deadline_ms = sys::now_ms() + config_.handshake_timeout_ms;
-      accepting_[h.session] = peer;
+      accepting_[uint64_t(h.session)] = peer;  // packed field: a copy, not a reference
       return;
     }
     // Its own lanes: attach after answering, since attaching may need the connector to act.
@@ -830,7 +934,7 @@ void EndpointImpl::finish_accept(Pending& p) {
     adopt_peer(peer);
     return;
   }
-  auto it = accepting_.find(h.session);
+  auto it = accepting_.find(uint64_t(h.session));
   if (it == accepting_.end() || std::memcmp(it->second->info().endpoint.data(), h.endpoint_id, 16) != 0 ||
       it->second->lane_fds.size() != h.lanes || it->second->lane_fds[h.lane] != -1) {
     done.status = uint8_t(wire::HelloStatus::kBadRequest);
@@ -858,36 +962,55 @@ void EndpointImpl::finish_accept(Pending& p) {
   ::send(fd, &done, sizeof done, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
+namespace {
+constexpr size_t kControlRead = 64 << 10;      // bytes read from a control socket at a time
+constexpr int kControlReadsPerTurn = 16;       // then other sockets get their turn (level-triggered: we come back)
+constexpr size_t kControlBacklog = 1 << 20;    // unsent control bytes past which we stop reading that peer
+constexpr size_t kKeepCapacity = 256 << 10;    // a control buffer larger than this is given back once empty
+}  // namespace
+
+// Reads and handles whole control messages. The input buffer never holds more than one partial
+// message plus one read (parsing follows every read), so a fast sender cannot grow it.
 void EndpointImpl::control_readable(PeerState& peer) {
-  char buf[64 << 10];
-  for (;;) {
-    ssize_t n = ::recv(peer.control_fd, buf, sizeof buf, MSG_DONTWAIT);
-    if (n > 0) {
-      peer.ctl_in.append(buf, size_t(n));
-      continue;
+  for (int reads = 0; reads < kControlReadsPerTurn; ++reads) {
+    const size_t had = peer.ctl_in.size();
+    peer.ctl_in.resize(had + kControlRead);
+    ssize_t n = ::recv(peer.control_fd, peer.ctl_in.data() + had, kControlRead, MSG_DONTWAIT);
+    peer.ctl_in.resize(had + size_t(std::max<ssize_t>(n, 0)));
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+      peer.fail(Status(Code::kConnectionLost, n == 0 ? "peer '" + peer.info().name + "' closed the connection"
+                                                     : "control connection to peer '" + peer.info().name + "': " + std::strerror(errno)));
+      return;
     }
-    if (n < 0 && (errno == EAGAIN || errno == EINTR)) break;
-    peer.fail(Status(Code::kConnectionLost, n == 0 ? "peer '" + peer.info().name + "' closed the connection"
-                                                   : "control connection to peer '" + peer.info().name + "': " + std::strerror(errno)));
-    return;
+    if (!parse_control(peer)) return;
+    if (n < 0) break;  // drained
   }
+  if (peer.ctl_in.empty() && peer.ctl_in.capacity() > kKeepCapacity) std::string().swap(peer.ctl_in);
+}
+
+// Handles every whole message in peer.ctl_in and keeps the partial rest; false if the peer failed.
+bool EndpointImpl::parse_control(PeerState& peer) {
   size_t pos = 0;
   while (peer.ctl_in.size() - pos >= sizeof(wire::ControlHeader)) {
     wire::ControlHeader h;
     std::memcpy(&h, peer.ctl_in.data() + pos, sizeof h);
     if (h.length > wire::kMaxControlBody || h.pad[0] || h.pad[1] || h.pad[2]) {
       peer.fail(Status(Code::kProtocolError, "peer '" + peer.info().name + "' sent garbage on the control connection"));
-      return;
+      return false;
     }
     if (peer.ctl_in.size() - pos < sizeof h + h.length) break;
     peer.on_control(static_cast<wire::ControlType>(h.type),
                     reinterpret_cast<const uint8_t*>(peer.ctl_in.data() + pos + sizeof h), h.length);
     pos += sizeof h + h.length;
-    if (peer.failed()) return;
+    if (peer.failed()) return false;
   }
   peer.ctl_in.erase(0, pos);
+  return true;
 }
 
+// Sends what the peer's control output holds. A peer that does not read its control connection is
+// not read either while more than kControlBacklog bytes wait for it (its answers cannot pile up
+// here); it then falls silent to us and peer_timeout_ms ends it.
 void EndpointImpl::flush_control(PeerState& peer) {
   if (peer.failed()) return;
   if (peer.take_control_output(&peer.ctl_pending)) peer.last_sent_ms = sys::now_ms();
@@ -900,15 +1023,20 @@ void EndpointImpl::flush_control(PeerState& peer) {
     return;
   }
   if (peer.ctl_sent == peer.ctl_pending.size()) {
+    if (peer.ctl_pending.capacity() > kKeepCapacity) std::string().swap(peer.ctl_pending);
     peer.ctl_pending.clear();
     peer.ctl_sent = 0;
   }
-  epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP | (peer.ctl_pending.empty() ? 0u : uint32_t(EPOLLOUT));
-  ev.data.u64 = peer.info().id;
-  if (!peer.ctl_pending.empty() || peer.ctl_epollout) {
+  const bool out = !peer.ctl_pending.empty();
+  const bool backlogged = peer.ctl_pending.size() - peer.ctl_sent > kControlBacklog;
+  if (out != peer.ctl_epollout || backlogged != peer.ctl_backlogged) {
+    epoll_event ev{};
+    // Backlogged: writable only (a hang-up still shows as EPOLLHUP/EPOLLERR, and the send then fails).
+    ev.events = backlogged ? uint32_t(EPOLLOUT) : EPOLLIN | EPOLLRDHUP | (out ? uint32_t(EPOLLOUT) : 0u);
+    ev.data.u64 = peer.info().id;
     ::epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, peer.control_fd, &ev);
-    peer.ctl_epollout = !peer.ctl_pending.empty();
+    peer.ctl_epollout = out;
+    peer.ctl_backlogged = backlogged;
   }
 }
 
@@ -924,6 +1052,8 @@ void EndpointImpl::tick(const std::vector<std::shared_ptr<PeerState>>& peers) {
     }
     if (now - p->last_sent_ms >= int64_t(p->info().heartbeat_ms)) p->send_control(wire::ControlType::kHeartbeat, nullptr, 0);
   }
+  for (auto& t : transports_)
+    if (t->unavailable_reason().empty()) t->tick(now);
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (now > it->second->deadline_ms) {
       ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, it->first, nullptr);

@@ -63,7 +63,9 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   // (name, why unavailable — empty when usable) of every transport this build knows.
   std::vector<std::pair<std::string, std::string>> transport_status() const;
   void wake_control();
-  void push_notification(const PeerInfo& from, std::string data);
+  // Queues a notification for the application, or refuses it: kInvalidArgument over notify_max_bytes,
+  // kResourceExhausted when the peer's or the endpoint's queue of unread ones is full.
+  Code push_notification(const PeerInfo& from, const uint8_t* data, size_t length);
   void count_finished(bool ok);
   void peer_failed(PeerState* peer);
   // NICs and threads (src/sys/topology.h): decided once at create().
@@ -79,10 +81,15 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   EndpointImpl(const Config& config, const EndpointId& id);
   void control_loop();
   void accept_all();
+  // Takes the listening socket out of the event loop, or puts it back: paused while the handshakes
+  // under way are at max_pending_ or after accept() ran out of descriptors (retried after a pause).
+  void listen_paused(bool paused);
+  void resume_listening(int64_t now);
   void advance_handshake(int fd);
   void finish_accept(Pending& p);
   void adopt_peer(const std::shared_ptr<PeerState>& peer);
   void control_readable(PeerState& peer);
+  bool parse_control(PeerState& peer);
   void flush_control(PeerState& peer);
   void tick(const std::vector<std::shared_ptr<PeerState>>& peers);
   uint32_t heartbeat_for(uint32_t remote_timeout_ms) const;
@@ -120,10 +127,20 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   std::unordered_map<int, std::unique_ptr<Pending>> pending_;
   std::unordered_map<uint64_t, std::shared_ptr<PeerState>> accepting_;  // session -> peer awaiting lanes
   int64_t last_tick_ms_ = 0;
+  // Hostile or broken connectors cannot starve the endpoint of descriptors or spin it: at most
+  // max_pending_ handshakes at once (a quarter of the open-files limit), and accept() failing with
+  // EMFILE pauses the listener for listen_retry_ms_ (logged once per episode, at most every 10 s) instead of spinning.
+  size_t max_pending_ = 1024;
+  bool listen_armed_ = true;
+  int64_t listen_retry_at_ms_ = 0;   // 0: paused for max_pending_, else: out of descriptors until then
+  bool logged_fds_ = false, logged_pending_ = false;
+  int64_t quiet_log_until_ms_ = 0;   // neither is logged again before then (a flood must not spam stderr)
 
   std::mutex notes_mu_;
   std::condition_variable notes_cv_;
   std::deque<Notification> notes_;
+  uint64_t notes_bytes_ = 0;                               // charged against Config::notify_queue_bytes
+  std::unordered_map<uint64_t, uint64_t> notes_by_peer_;   // peer id -> bytes charged (notify_queue_peer_bytes)
 };
 
 }  // namespace tether::core

@@ -101,10 +101,16 @@ Transfer PeerState::start(std::shared_ptr<TransferState> t) {
   return Transfer(std::move(t));
 }
 
+// The peer stated its limit at connect: a larger notification is refused here, before anything is sent.
+Status PeerState::notify_too_large(size_t bytes) const {
+  return Status(Code::kInvalidArgument, "a notification of " + std::to_string(bytes) + " bytes is larger than peer '" +
+                                            info_.name + "' accepts (its notify_max_bytes: " +
+                                            std::to_string(info_.max_notify) + ")");
+}
+
 Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, const char* noun, std::string notify) {
   const bool write = op == OpKind::kWrite;
-  if (notify.size() > wire::kMaxNotify)
-    return invalid(shared_from_this(), op, Status(Code::kInvalidArgument, "notification larger than 1 MiB"));
+  if (notify.size() > info_.max_notify) return invalid(shared_from_this(), op, notify_too_large(notify.size()));
   size_t total = 0;
   for (size_t r = 0; r < nruns; ++r) total += runs[r].n;
   // Messages are formatted only here, on the way out: the good path builds no strings.
@@ -238,8 +244,7 @@ Transfer PeerState::post_recv(const Region& local, uint64_t offset, uint64_t len
 }
 
 Transfer PeerState::post_notify(std::string data) {
-  if (data.size() > wire::kMaxNotify)
-    return invalid(shared_from_this(), OpKind::kNotify, Status(Code::kInvalidArgument, "notification larger than 1 MiB"));
+  if (data.size() > info_.max_notify) return invalid(shared_from_this(), OpKind::kNotify, notify_too_large(data.size()));
   auto t = std::make_shared<TransferState>();
   t->op = OpKind::kNotify;
   t->notify = std::move(data);
@@ -678,26 +683,38 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
       return;
     case wire::ControlType::kNotify: {
       if (length < 8) break;
-      uint64_t id;
-      std::memcpy(&id, body, 8);
-      endpoint_->push_notification(info_, std::string(reinterpret_cast<const char*>(body) + 8, length - 8));
-      send_control(wire::ControlType::kNotifyAck, &id, 8);
+      wire::NotifyAckBody ack{};
+      std::memcpy(&ack.id, body, 8);
+      // Queued for the application, or refused (too large, queue full): the sender learns which.
+      ack.status = uint8_t(endpoint_->push_notification(info_, body + 8, length - 8));
+      send_control(wire::ControlType::kNotifyAck, &ack, sizeof ack);
       return;
     }
     case wire::ControlType::kNotifyAck: {
-      if (length != 8) break;
-      uint64_t id;
-      std::memcpy(&id, body, 8);
+      if (length != sizeof(wire::NotifyAckBody)) break;
+      wire::NotifyAckBody ack;
+      std::memcpy(&ack, body, sizeof ack);
       TransferState* t = nullptr;
       {
         std::lock_guard lock(mu_);
-        if (auto it = awaiting_ack_.find(id); it != awaiting_ack_.end()) {
+        if (auto it = awaiting_ack_.find(ack.id); it != awaiting_ack_.end()) {
           t = it->second;
           awaiting_ack_.erase(it);
         }
       }
       if (!t) break;
-      t->finish(Status::ok());
+      const Code c = static_cast<Code>(ack.status);
+      if (c == Code::kOk) {
+        t->finish(Status::ok());
+      } else {
+        const bool write = t->op == OpKind::kWrite;
+        t->finish(Status(c, "peer '" + info_.name + "' refused the notification: " +
+                                (c == Code::kResourceExhausted
+                                     ? "its queue of unread notifications is full (notify_queue_peer_bytes / "
+                                       "notify_queue_bytes there); retry once the application there has read them"
+                                     : std::string(code_name(c))) +
+                                (write ? " (the write's data is in place)" : "")));
+      }
       return;
     }
     case wire::ControlType::kRts: {

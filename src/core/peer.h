@@ -60,6 +60,7 @@ struct PeerInfo {
   std::string transport;         // the transport carrying its data
   uint64_t chunk_bytes = 1 << 20;  // min of both sides' chunk_bytes: no frame between them is longer
   uint32_t heartbeat_ms = 1000;  // ours, or sooner if the other side's peer_timeout needs it
+  uint32_t max_notify = wire::kMaxNotify;  // the largest notification it accepts (its notify_max_bytes)
 };
 
 class PeerState : public std::enable_shared_from_this<PeerState> {
@@ -150,6 +151,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   size_t ctl_sent = 0;
   int64_t last_sent_ms = 0;
   bool ctl_epollout = false;
+  bool ctl_backlogged = false;      // too much unsent control output: not read until it drains
   int64_t accept_deadline_ms = 0;   // listener side: all lanes must join by then
   static int64_t now_ms();
 
@@ -175,6 +177,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   // Pairs a recv with an RTS (mu_ held); returns the CTS to send once the lock is dropped.
   wire::CtsBody match(TransferState* recv, const wire::RtsBody& rts, TransferState** release_now);
   Status chunk_error(const Slot& s, uint8_t status) const;
+  Status notify_too_large(size_t bytes) const;
 
   const std::shared_ptr<EndpointImpl> endpoint_;
   PeerInfo info_;

@@ -1,5 +1,6 @@
 #include "core/region.h"
 
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -68,10 +69,25 @@ Status RegionRegistry::unpublish(const Region& region) {
   return Status::ok();
 }
 
-void RegionRegistry::wait_unpinned(const Region& region) {
+void RegionRegistry::wait_unpinned(const Region& region, const std::function<void(int64_t)>& stalled) {
   // Remote accesses pin for one chunk at most, local transfers until they finish; a stalled peer
-  // is cut off by peer_timeout_ms, so this ends.
-  while (region.state()->pins.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  // is cut off (peer_timeout_ms, or `stalled`), so this ends. Yields first (a chunk takes microseconds),
+  // then sleeps: a long wait must not take a core.
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto next = start + std::chrono::milliseconds(10);
+  for (int spins = 0; region.state()->pins.load(std::memory_order_acquire) != 0; ++spins) {
+    if (spins < 1000) {
+      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    const auto now = Clock::now();
+    if (stalled && now >= next) {
+      stalled(std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count());
+      next = now + std::chrono::milliseconds(10);
+    }
+  }
 }
 
 Code RegionRegistry::resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,

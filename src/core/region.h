@@ -3,6 +3,7 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <shared_mutex>
 #include <string>
@@ -45,8 +46,9 @@ class RegionRegistry {
   Result<Region> add(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
   // Unpublishes the region: no new remote access resolves to it.
   Status unpublish(const Region& region);
-  // Waits until every access in flight (remote chunks, local transfers) has let go of it.
-  static void wait_unpinned(const Region& region);
+  // Waits until every access in flight (remote chunks, local transfers) has let go of it; calls
+  // `stalled(elapsed_ms)` every 10 ms while it waits (EndpointImpl::deregister cuts off stalled peers).
+  static void wait_unpinned(const Region& region, const std::function<void(int64_t)>& stalled = {});
   // Validates a remote access and pins the region. On success *out is pinned: call unpin().
   Code resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
                uint64_t offset, uint64_t length, bool write, RegionState** out) const;

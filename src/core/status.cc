@@ -17,6 +17,7 @@ const char* code_name(Code c) {
     case Code::kTruncated: return "truncated";
     case Code::kUnavailable: return "unavailable";
     case Code::kInternal: return "internal error";
+    case Code::kResourceExhausted: return "resource exhausted";
   }
   return "unknown";
 }

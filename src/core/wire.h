@@ -16,7 +16,7 @@
 namespace tether::wire {
 
 constexpr uint32_t kMagic = 0x52485454;  // "TTHR"
-constexpr uint16_t kVersion = 3;  // 3: ClientHello::transports
+constexpr uint16_t kVersion = 4;  // 3: ClientHello::transports; 4: max_notify in both hellos, NotifyAckBody
 
 // ---- handshake (every socket, control or data) ----
 // A transport's bit in ClientHello::transports (0 for a name not listed).
@@ -27,7 +27,9 @@ inline uint8_t transport_bit(std::string_view name) {
   return 0;
 }
 enum class SocketKind : uint8_t { kControl = 1, kData = 2 };
-enum class HelloStatus : uint8_t { kOk = 0, kVersionMismatch = 1, kAuthFailed = 2, kBadRequest = 3, kClosing = 4 };
+// kNotSameHost: the connector chose a same-host transport and could not prove it shares our host.
+enum class HelloStatus : uint8_t { kOk = 0, kVersionMismatch = 1, kAuthFailed = 2, kBadRequest = 3, kClosing = 4,
+                                   kNotSameHost = 5 };
 
 #pragma pack(push, 1)
 struct ClientHello {           // connector -> listener
@@ -45,6 +47,7 @@ struct ClientHello {           // connector -> listener
   char name[64];
   uint64_t chunk_bytes;        // the peer uses min(ours, theirs): no frame is longer (0 = no preference)
   uint8_t transports;          // bit transport_bit(name): transports the connector may choose (0: any)
+  uint32_t max_notify;         // the largest notification the connector accepts (its notify_max_bytes)
 };
 struct ServerHello {           // listener -> connector
   uint32_t magic;
@@ -59,6 +62,7 @@ struct ServerHello {           // listener -> connector
   char name[64];
   uint32_t offers_length;      // control sockets: this many bytes of transport offers follow
   uint64_t chunk_bytes;
+  uint32_t max_notify;         // the largest notification the listener accepts
 };
 struct ClientProof {           // connector -> listener
   uint8_t proof[32];           // HMAC(token, "tether-client" | client nonce | server nonce | session | lane)
@@ -116,7 +120,7 @@ struct FrameHeader {
 enum class ControlType : uint8_t {
   kHeartbeat = 1,
   kNotify = 2,      // u64 id, then bytes
-  kNotifyAck = 3,   // u64 id
+  kNotifyAck = 3,   // NotifyAckBody: delivered (status 0), or refused with a tether::Code
   kRts = 4,         // ready to send: u64 msg id, u64 tag, u64 length
   kCts = 5,         // clear to send: u64 msg id, u32 token, u8 status
   kCancel = 6,      // u32 token: the sender withdrew the message this CTS was for
@@ -127,11 +131,13 @@ struct ControlHeader {
   uint8_t pad[3];
 };
 struct RtsBody { uint64_t msg_id, tag, length; };
+struct NotifyAckBody { uint64_t id; uint8_t status; uint8_t pad[7]; };
 struct CtsBody { uint64_t msg_id; uint32_t token; uint8_t status; uint8_t pad[3]; };
 #pragma pack(pop)
 
-static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64 + 8 + 1);
-static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4 + 8);
+static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64 + 8 + 1 + 4);
+static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4 + 8 + 4);
+static_assert(sizeof(NotifyAckBody) == 16);
 static_assert(sizeof(ClientProof) == 32 + 16 + 4 + 4);
 static_assert(sizeof(FrameHeader) == 56);
 static_assert(sizeof(Fragment) == 48);
@@ -166,7 +172,7 @@ inline bool decode_offers(std::string_view in, Offers* out) {
   return true;
 }
 
-constexpr uint32_t kMaxControlBody = 1 << 20;   // notifications are bounded; bigger is garbage
-constexpr uint32_t kMaxNotify = kMaxControlBody - 8;
+constexpr uint32_t kMaxNotify = 1 << 20;                // Config::notify_max_bytes is at most this
+constexpr uint32_t kMaxControlBody = kMaxNotify + 8;    // a kNotify body: id + bytes; bigger is garbage
 
 }  // namespace tether::wire

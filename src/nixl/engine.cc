@@ -68,6 +68,7 @@ nixl_status_t to_nixl(const Status& s) {
     case Code::kCancelled: return NIXL_ERR_CANCELED;
     case Code::kTruncated: return NIXL_ERR_MISMATCH;
     case Code::kUnavailable: return NIXL_ERR_NOT_SUPPORTED;
+    case Code::kResourceExhausted:  // the target's unread notifications are at their bound: NIXL has no "busy"
     case Code::kProtocolError:
     case Code::kInternal: return NIXL_ERR_BACKEND;
   }

@@ -52,6 +52,17 @@ class Transport {
   // Bytes telling the peer connecting in `session` how to reach us (fabric addresses, plugin
   // listen handles...). Called on the control thread during each handshake.
   virtual std::string offer(uint64_t session) { (void)session; return {}; }
+  // The connector's offer, answering the listener's `remote_offer` (called during the handshake, before
+  // the connector answers it). A transport may prepare here what the listener's attach() must find
+  // (ipc opens its lanes to the listener: the proof that both are on one host).
+  virtual Result<std::string> connector_offer(uint64_t session, std::string_view remote_offer) {
+    (void)remote_offer;
+    return offer(session);
+  }
+  // The connect that called connector_offer(session) failed before attach(): let go of what it prepared.
+  virtual void abandon(uint64_t session) { (void)session; }
+  // Called by the control thread every tick (at most 200 ms apart): reclaim what handshakes left behind.
+  virtual void tick(int64_t now_ms) { (void)now_ms; }
   // Lanes a peer gets on this transport, given the other side's offer.
   virtual uint32_t lanes_for(std::string_view remote_offer) const = 0;
 
@@ -62,6 +73,10 @@ class Transport {
   }
   // After every access in flight has let go of the region.
   virtual void deregister_region(core::RegionState& region) { (void)region; }
+  // Called every few milliseconds while deregister() waits for `region`'s pins: disconnect the peers
+  // that hold it and cannot answer (a stopped process), or with `force` (Config::deregister_timeout_ms
+  // passed) every peer still holding it. Only transports that let a peer hold a region do anything.
+  virtual void region_stalled(core::RegionState& region, bool force) { (void)region; (void)force; }
 
   // Takes the peer over: `tcp_fds` are its connected data sockets (uses_tcp_lanes only),
   // `remote_offer` the other side's offer(); `initiator` is true on the connecting side; setup

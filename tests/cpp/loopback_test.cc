@@ -179,3 +179,19 @@ TEST(Loopback, AuthTokenMustMatch) {
   EXPECT_EQ(wrong->connect(server->address()).status().code(), Code::kAuthFailed);
   EXPECT_EQ(none->connect(server->address()).status().code(), Code::kAuthFailed);
 }
+
+// Issue 17: a transport named in the Config must exist and work here; create() says so, not connect().
+TEST(Loopback, CreateRefusesUnknownOrUnusableTransport) {
+  Config c;
+  c.transport = "fabirc";
+  auto r = Endpoint::create(c);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("fabirc"), std::string::npos) << r.status().message();
+  c.transport = "fabric";
+  c.fabric_library = "/nonexistent/libfabric.so.1";
+  r = Endpoint::create(c);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), Code::kUnavailable);
+  EXPECT_NE(r.status().message().find("transport fabric cannot be used here"), std::string::npos) << r.status().message();
+}

@@ -184,8 +184,8 @@ def test_disable_ipc_falls_back_to_tcp(endpoints, children, monkeypatch):
     assert "TETHER_DISABLE_IPC" in off.transports()["ipc"]
     assert off.connect(me.metadata(), timeout=5).transport == "tcp"  # connector side disabled
     assert endpoints(disable_ipc=True).connect(me.metadata(), timeout=5).transport == "tcp"
-    with pytest.raises(tether.Unavailable, match="no transport both sides can use"):
-        endpoints(transport="ipc", disable_ipc=True).connect(me.metadata(), timeout=5)
+    with pytest.raises(tether.Unavailable, match="transport ipc cannot be used here: disabled"):
+        endpoints(transport="ipc", disable_ipc=True)
 
 
 def test_bad_ipc_host_value_is_refused():
@@ -242,18 +242,20 @@ def test_listener_offers_only_what_the_connector_would_choose(endpoints):
 
 
 def test_strangers_on_the_lane_socket_do_not_disturb_connects(endpoints):
-    """The lane socket's name is in the handshake offer; anyone on the host may connect to it and
-    send garbage or nothing. Real connects keep working (the connector side accepts lanes)."""
+    """The lane socket's name is in the listener's handshake offer; anyone on the host may connect to
+    it and send garbage, a forged introduction or nothing. Real connects keep working (the listener
+    accepts lanes and parks each under the session it names)."""
     me = endpoints(name="me")
     other = endpoints(name="other")
-    s = raw_connect(me.address)
-    s.sendall(client_hello(host_id=host_id_of(me.metadata())))  # a same-host peer is offered ipc
+    s = raw_connect(other.address)
+    s.sendall(client_hello(host_id=host_id_of(other.metadata())))  # a same-host peer is offered ipc
     offer = read_server_hello(s)["offers"]["ipc"]
     s.close()
-    version, _session = struct.unpack_from("<HQ", offer, 0)
-    name = offer[10:]
+    version, session, challenge = struct.unpack_from("<HQQ", offer, 0)
+    name = offer[18:]
+    forged = struct.pack("<IHBBQIIQQQ", 0x43504954, version, 1, 0, session, 0, 1, 0, 0, challenge)
     junk = []
-    for payload in (b"", b"x" * 40, struct.pack("<IHBB", 0x43504954, 1, 1, 0) + bytes(32), b"y" * 500):
+    for payload in (b"", b"x" * 40, forged, forged[:20], b"y" * 500):
         u = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         u.connect(b"\0" + name)
         if payload:

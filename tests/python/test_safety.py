@@ -433,7 +433,7 @@ def test_version_mismatch_hello_gets_reply_then_close(endpoints):
         assert len(reply) == SERVER_HELLO_SIZE, f"short reply: {len(reply)} bytes"
         h = parse_server_hello(reply)
         assert h["magic"] == WIRE_MAGIC
-        assert h["version"] == tether.WIRE_VERSION == 3
+        assert h["version"] == tether.WIRE_VERSION == 4
         assert h["status"] == HELLO_VERSION_MISMATCH
         assert h["name"] == "vm-server"
         assert recv_until_closed(s, timeout=5) == b"", "no bytes may follow the refusal"

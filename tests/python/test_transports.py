@@ -35,15 +35,24 @@ def test_forced_tcp_is_used():
 
 
 @pytest.mark.parametrize("want", ["no-such-transport", "fabric", "netplugin"])
-def test_unusable_transport_request_fails_connect_clearly(want):
-    with tether.Endpoint(transport=want) as a, tether.Endpoint() as b:
-        if want in a.transports() and a.transports()[want] == "" and b.transports()[want] == "":
-            pytest.skip(f"{want} is usable on this machine")
-        with pytest.raises(tether.Unavailable, match=f"wanted {want}; peer offers"):
+def test_unusable_transport_request_fails_at_creation(want):
+    """A transport named by transport= must exist and work here: an unknown name is InvalidArgument
+    and an unusable one Unavailable with its reason, when the endpoint is made (issue 17)."""
+    with tether.Endpoint() as probe:
+        why = probe.transports().get(want)
+    if why == "":
+        pytest.skip(f"{want} is usable on this machine")
+    exc, match = (tether.InvalidArgument, want) if why is None else (tether.Unavailable, f"transport {want} cannot")
+    with pytest.raises(exc, match=match):
+        tether.Endpoint(transport=want)
+
+
+def test_transport_the_peer_does_not_offer_fails_connect_clearly():
+    with tether.Endpoint(transport="ipc") as a, tether.Endpoint(disable_ipc=True) as b:
+        with pytest.raises(tether.Unavailable, match="wanted ipc; peer offers"):
             a.connect(b.metadata(), timeout=5)
         assert a.peers() == [] and b.peers() == []
-        # the endpoint still connects normally afterwards
-    with tether.Endpoint() as a, tether.Endpoint() as b:
+    with tether.Endpoint() as a, tether.Endpoint() as b:  # the endpoint still connects normally afterwards
         a.connect(b.metadata(), timeout=5)
 
 
@@ -90,10 +99,9 @@ def test_missing_libfabric_makes_fabric_unavailable_and_nothing_else():
         src, dst = rand_bytes(2, 1 << 20), poisoned(1 << 20)
         peer.write(a.register(src), b.register(dst).descriptor()).wait(T)
         assert_bytes_equal(dst, src)
-    with tether.Endpoint(fabric_library="/nonexistent/libfabric.so.1", transport="fabric") as a, \
-            tether.Endpoint() as b:
-        with pytest.raises(tether.Unavailable):
-            a.connect(b.metadata(), timeout=5)
+    # asked for by name, it fails at creation with the reason (issue 17), not at the first connect
+    with pytest.raises(tether.Unavailable, match="/nonexistent/libfabric.so.1|without libfabric headers"):
+        tether.Endpoint(fabric_library="/nonexistent/libfabric.so.1", transport="fabric")
 
 
 def test_unknown_fabric_provider_is_explained():

@@ -27,13 +27,14 @@ MiB = 1 << 20
 
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
-CLIENT_HELLO_SIZE = 165
-SERVER_HELLO_SIZE = 184  # then offers_length bytes of transport offers (control sockets)
+CLIENT_HELLO_SIZE = 169
+SERVER_HELLO_SIZE = 188  # then offers_length bytes of transport offers (control sockets)
 CLIENT_PROOF_SIZE = 56
 SERVER_DONE_SIZE = 8
 HELLO_VERSION_MISMATCH = 1
 HELLO_AUTH_FAILED = 2
 HELLO_BAD_REQUEST = 3
+HELLO_NOT_SAME_HOST = 5  # the connector chose a same-host transport and did not prove it shares the host
 SOCKET_CONTROL = 1
 SOCKET_DATA = 2
 
@@ -51,7 +52,11 @@ DESC_KEY = 48
 def transport_unusable(name: str, **options) -> str:
     """'' when an endpoint made with `options` offers transport `name`, else why it does not."""
     import tether
-    with tether.Endpoint(**options) as ep:
+    try:
+        ep = tether.Endpoint(**options)
+    except tether.Unavailable as e:  # asked for by name (transport=) and unusable: creation says why
+        return str(e)
+    with ep:
         return ep.transports().get(name, f"this build has no {name} transport")
 
 
@@ -259,8 +264,24 @@ def wait_until(pred, timeout: float, interval: float = 0.01) -> bool:
     return bool(pred())
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def fd_count(pid: str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def thread_count() -> int:
@@ -270,16 +291,16 @@ def thread_count() -> int:
 # --------------------------------------------------------------------------- raw sockets
 
 
-def client_hello(version: int = 3, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
+def client_hello(version: int = 4, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
                  has_token: int = 0, magic: int = WIRE_MAGIC, name: bytes = b"raw", host_id: bytes = bytes(32),
-                 transports: int = 0) -> bytes:
-    """A ClientHello (165 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
+                 transports: int = 0, max_notify: int = 1 << 20) -> bytes:
+    """A ClientHello (169 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
     nonce 16, session u64, lane u32, lanes u32, peer timeout ms u32, host id 32, name 64, chunk bytes u64,
-    transports u8 (bits: tcp 1, ipc 2, fabric 4, netplugin 8; 0 = any). `host_id`: the listener's
-    (host_id_of(its metadata)) to pose as a same-host peer."""
-    msg = struct.pack("<IHBB16s16sQIII32s64sQB", magic, version, kind, has_token, os.urandom(16),
+    transports u8 (bits: tcp 1, ipc 2, fabric 4, netplugin 8; 0 = any), max notification u32.
+    `host_id`: the listener's (host_id_of(its metadata)) to pose as a same-host peer."""
+    msg = struct.pack("<IHBB16s16sQIII32s64sQBI", magic, version, kind, has_token, os.urandom(16),
                       os.urandom(16), int.from_bytes(os.urandom(8), "little"), lane, lanes, 10000, host_id,
-                      name.ljust(64, b"\0")[:64], 0, transports)
+                      name.ljust(64, b"\0")[:64], 0, transports, max_notify)
     assert len(msg) == CLIENT_HELLO_SIZE
     return msg
 
@@ -309,10 +330,28 @@ def read_server_hello(s: socket.socket) -> dict:
     return h
 
 
-def client_proof(transport: bytes = b"tcp", lanes: int = 1, proof: bytes = bytes(32)) -> bytes:
+def server_hello(host_id: bytes, offers: dict, version: int = 4, name: bytes = b"fake") -> bytes:
+    """A ServerHello (188 bytes) and its transport offers, as a (possibly hostile) listener sends them:
+    magic u32, version u16, status u8, has_token u8, endpoint id 16, nonce 16, proof 32, peer timeout
+    ms u32, host id 32, name 64, offers length u32, chunk bytes u64, max notification u32; then per
+    offer: name length u8, name, length u32, bytes."""
+    raw = b"".join(bytes([len(k)]) + k.encode() + struct.pack("<I", len(v)) + v for k, v in offers.items())
+    msg = struct.pack("<IHBB16s16s32sI32s64sIQI", WIRE_MAGIC, version, 0, 0, os.urandom(16), os.urandom(16),
+                      bytes(32), 10000, host_id, name.ljust(64, b"\0")[:64], len(raw), 0, 1 << 20)
+    assert len(msg) == SERVER_HELLO_SIZE
+    return msg + raw
+
+
+def parse_client_hello(b: bytes) -> dict:
+    """The fields of a ClientHello a test listener needs: session and host id."""
+    session, = struct.unpack_from("<Q", b, 40)
+    return {"magic": struct.unpack_from("<I", b, 0)[0], "session": session, "host_id": b[60:92]}
+
+
+def client_proof(transport: bytes = b"tcp", lanes: int = 1, proof: bytes = bytes(32), offer: bytes = b"") -> bytes:
     """A ClientProof (56 bytes): HMAC 32, chosen transport 16 (control sockets; empty for data
-    sockets), lanes u32, offer length u32 (0: no offer follows)."""
-    return struct.pack("<32s16sII", proof, transport.ljust(16, b"\0"), lanes, 0)
+    sockets), lanes u32, offer length u32, then the connector's offer for that transport."""
+    return struct.pack("<32s16sII", proof, transport.ljust(16, b"\0"), lanes, len(offer)) + offer
 
 
 def recv_exact(s: socket.socket, n: int, timeout: float = 5.0) -> bytes:
@@ -640,6 +679,14 @@ class _Agent:
         return {"notes": [tuple(n) for n in notes], "mismatch": first_mismatch(snapshot, expected),
                 "timed_out": False}
 
+    def cmd_drain_notifications(self):
+        """Takes every notification waiting; returns (length, first 8 bytes) of each, not the data."""
+        return [(len(n.data), n.data[:8]) for n in self.ep.notifications()]
+
+    def cmd_stream_errors(self):
+        """Errors the background stream (cmd_start_stream) met, and how many of its ops completed."""
+        return list(self.bg_state.get("errors", [])), self.bg_state.get("completed", 0)
+
     def cmd_peers(self):
         return [(p.id, p.name, p.connected, p.error) for p in self.ep.peers()]
 
@@ -664,6 +711,7 @@ class _Agent:
                     self.bg_state["errors"].append(repr(e))
                     first.set()
                     return
+                self.bg_state["completed"] = self.bg_state.get("completed", 0) + 1
                 first.set()
 
         th = threading.Thread(target=loop, daemon=True)
@@ -716,6 +764,36 @@ class _Agent:
         become non-dumpable (then no process without CAP_SYS_PTRACE may attach to us)."""
         refuse_cma(dumpable)
         return True
+
+    def cmd_setrlimit_nofile(self, soft):
+        """Lowers this process's open-files limit (the soft one; the hard one stays)."""
+        import resource
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return soft
+
+    def cmd_hold_fds(self, leave=0):
+        """Opens /dev/null until the open-files limit is reached (then closes `leave` of them again):
+        the application itself has used up the descriptors. Returns how many it holds."""
+        held = self.bg_state.setdefault("fds", [])
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        for _ in range(min(leave, len(held))):
+            os.close(held.pop())
+        return len(held)
+
+    def cmd_release_fds(self):
+        for fd in self.bg_state.pop("fds", []):
+            os.close(fd)
+
+    def cmd_stderr_to(self, path):
+        """Sends this process's stderr (fd 2: where tether logs) to a file."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
 
     def cmd_close(self):
         if self.ep is not None:

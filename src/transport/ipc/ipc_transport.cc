@@ -7,10 +7,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -35,10 +37,12 @@ using wire::FrameType;
 namespace ipc {
 
 constexpr uint32_t kHelloMagic = 0x43504954;  // "TIPC"
-constexpr uint16_t kIpcVersion = 4;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
-                                     // 4: host reads copied by the initiator (kReadReq with kCma)
+constexpr uint16_t kIpcVersion = 5;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
+                                     // 4: host reads copied by the initiator (kReadReq with kCma);
+                                     // 5: the connector opens the lanes, to the listener (same host proven)
+constexpr const char* kSocketPrefix = "tether-ipc-";  // every endpoint's lane socket: this and 16 hex digits
 constexpr int kSocketBuffer = 1 << 20;        // frames in flight per lane are bounded by the window
-constexpr int64_t kParkedExpiryMs = 10000;    // lanes nobody claimed (their connect failed)
+constexpr size_t kMaxParked = 1024;            // lane sockets accepted and not yet claimed by a handshake
 
 #pragma pack(push, 1)
 // Every message on a lane after its setup: the tcp frame header, and for requests where the
@@ -58,8 +62,9 @@ struct BatchEntry {
   uint32_t ref;         // kCuda: index of its allocation among the CudaRefs
   uint32_t pad;
 };
-// Lane setup. Stage 1: listener -> connector on every lane (segment fd on lane 0). Stage 2:
-// connector -> listener on lane 0 (its segment fd, its verdict). Stage 3: listener -> connector.
+// Lane setup. Stage 1: connector -> listener on every lane, sent before the connector answers the
+// TCP handshake (segment fd on lane 0). Stage 2: listener -> connector on lane 0 (its segment fd, its
+// verdict). Stage 3: connector -> listener on lane 0 (its verdict).
 struct Hello {
   uint32_t magic;
   uint16_t version;
@@ -69,6 +74,7 @@ struct Hello {
   uint32_t lane, lanes;
   uint64_t cookie_addr;  // 8 bytes at this address in the sender hold `cookie`: the CMA probe
   uint64_t cookie;
+  uint64_t challenge;    // stage 1: the challenge from the listener's offer for this session
 };
 #pragma pack(pop)
 static_assert(sizeof(Frame) == 160);
@@ -78,7 +84,7 @@ constexpr size_t kMaxMsg = sizeof(Frame) + kMaxBatch * (sizeof(BatchEntry) + siz
 constexpr uint8_t kReadDone = 0x40;
 // ... and either way: "the GPU memory in `cuda` was deregistered here, close your mapping of it".
 constexpr uint8_t kRelease = 0x41;
-static_assert(sizeof(Hello) == 40);
+static_assert(sizeof(Hello) == 48);
 
 struct IpcPeer {
   uint64_t session = 0;
@@ -92,7 +98,9 @@ struct IpcPeer {
   std::unique_ptr<ShmMover> shm;
   bool out_cma = false;              // our chunks are described by address
   uint64_t slot_bytes = 0;           // one chunk per core slot in `own`
-  std::atomic<bool> ready{false};    // setup done: lanes may pull and serve
+  std::atomic<bool> ready{false};    // lanes may serve the other side's requests
+  std::atomic<bool> sending{false};  // setup done: lanes may pull and send ours
+  int64_t setup_deadline_ms = 0;     // listener: the connector's stage 3 must come by then
   std::unique_ptr<CudaImports> imports;  // the other side's GPU allocations we opened (kept until the peer goes)
 };
 
@@ -109,6 +117,7 @@ struct Lane {
   std::unique_ptr<uint8_t[]> rx;     // one message (kMaxMsg)
   std::unique_ptr<CudaLane> cuda;    // streams, bounce buffer
   struct Held { uint32_t slot, gen; RegionState* pin; };
+  std::mutex held_mu;                // held: the lane thread changes it; deregister looks for a region in it
   std::vector<Held> held;            // regions pinned for reads the initiator is pulling (until kReadDone)
   RegionState* pins[kMaxBatch];     // a batch's pinned regions (one per run of one descriptor)
   RegionState* dests[kMaxBatch];    // each fragment's region
@@ -159,7 +168,7 @@ bool send_msg(int fd, const void* buf, size_t len, int pass_fd) {
 }
 
 // One message (blocking, or bounded by deadline_ms when >= 0); *got_fd receives a passed fd.
-ssize_t recv_msg(int fd, void* buf, size_t len, int* got_fd, int64_t deadline_ms) {
+ssize_t recv_msg(int fd, void* buf, size_t len, int* got_fd, int64_t deadline_ms, int flags = 0) {
   if (deadline_ms >= 0) {
     pollfd p{fd, POLLIN, 0};
     for (;;) {
@@ -178,7 +187,7 @@ ssize_t recv_msg(int fd, void* buf, size_t len, int* got_fd, int64_t deadline_ms
   m.msg_control = ctl;
   m.msg_controllen = sizeof ctl;
   ssize_t n;
-  do n = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
+  do n = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC | flags);
   while (n < 0 && errno == EINTR);
   if (got_fd) *got_fd = -1;
   for (cmsghdr* c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
@@ -410,6 +419,12 @@ void count_served(core::EndpointImpl* ep, bool read, uint64_t length) {
   (read ? stats.chunks_sent : stats.chunks_received).fetch_add(1, std::memory_order_relaxed);
 }
 
+// A read the initiator copies itself: the region stays pinned until its kReadDone (or the lane ends).
+void hold(Lane& l, const FrameHeader& h, RegionState* pin) {
+  std::lock_guard lock(l.held_mu);  // never contended but by a deregister looking for stalled readers
+  l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+}
+
 // Validates a request exactly as tcp does, moves the bytes, answers. False: the lane must end.
 bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   PeerState& p = *l.peer;
@@ -442,7 +457,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
       stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
       return answer_frame(l, h, Code::kUnavailable);
     }
-    l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+    hold(l, h, pin);
     count_served(ep, true, h.length);
     stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
     return answer_frame(l, h, Code::kOk, uint8_t(Where::kCuda), at, &ref);
@@ -450,7 +465,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   if (c == Code::kOk && type == FrameType::kReadReq && f.where == uint8_t(Where::kCma)) {
     // Our host bytes, read by the initiator itself (one copy, by attach): pinned, as above, until it
     // says it is done.
-    l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+    hold(l, h, pin);
     count_served(ep, true, h.length);
     stats.ipc_cma_chunks.fetch_add(1, std::memory_order_relaxed);
     return answer_frame(l, h, Code::kOk, uint8_t(Where::kCma), reinterpret_cast<uint64_t>(local));
@@ -485,6 +500,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
 
 // kReadDone: the initiator has copied a read out of our GPU region; let go of it.
 bool read_done(Lane& l, const FrameHeader& h) {
+  std::lock_guard lock(l.held_mu);
   for (size_t i = 0; i < l.held.size(); ++i) {
     if (l.held[i].slot != h.slot || l.held[i].gen != h.gen) continue;
     l.held[i].pin->unpin();
@@ -709,34 +725,24 @@ bool valid_hello(const Hello& m, uint8_t stage, uint64_t session) {
   return m.magic == kHelloMagic && m.version == kIpcVersion && m.stage == stage && m.session == session;
 }
 
-// Listener's lane 0: the connector's stage 2 arrives, we probe it and send our verdict.
+// Listener's lane 0: the connector's stage 3 (its verdict: may we describe our chunks by address?).
+// Our lanes serve from the start (attach_listener); we send only from here on.
 bool finish_listener_setup(Lane& l, int host_mode) {
   PeerState& p = *l.peer;
   IpcPeer& ip = *l.ip;
   Hello m{};
-  int fd = -1;
-  ssize_t n = recv_msg(l.fd, &m, sizeof m, &fd, -1);
-  if (n != ssize_t(sizeof m) || !valid_hello(m, 2, ip.session) || fd < 0) {
-    if (fd >= 0) ::close(fd);
-    if (!p.failed()) fail_peer(p, n <= 0 ? Code::kConnectionLost : Code::kProtocolError, "setup failed");
+  const ssize_t n = recv_msg(l.fd, &m, sizeof m, nullptr, ip.setup_deadline_ms);
+  if (n != ssize_t(sizeof m) || !valid_hello(m, 3, ip.session)) {
+    const Code c = n < 0 && errno == ETIMEDOUT ? Code::kTimeout : n <= 0 ? Code::kConnectionLost : Code::kProtocolError;
+    if (!p.failed()) fail_peer(p, c, "setup failed");
     return false;
   }
   std::string why;
-  if (int e = ip.theirs.map(fd)) why = std::string("cannot map the peer's bounce segment: ") + std::strerror(e);
-  else ip.shm = std::make_unique<ShmMover>(ip.theirs);
-  if (why.empty()) probe_other(ip, m, host_mode, &why);
-  if (why.empty()) take_verdict(ip, m.verdict, host_mode, &why);
-  if (!why.empty()) {
+  if (!take_verdict(ip, m.verdict, host_mode, &why)) {
     fail_peer(p, Code::kUnavailable, why);
     return false;
   }
-  Hello r = hello(ip, 3, 0, uint32_t(ip.fds.size()));
-  r.verdict = ip.cma != nullptr;
-  ip.ready.store(true, std::memory_order_seq_cst);  // before the connector may send requests
-  if (!send_msg(l.fd, &r, sizeof r, -1)) {
-    fail_peer(p, Code::kConnectionLost, std::strerror(errno));
-    return false;
-  }
+  ip.sending.store(true, std::memory_order_seq_cst);
   pump_all(ip, p);  // chunks posted while we were setting up
   return true;
 }
@@ -805,8 +811,11 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
       }
     }
   }
-  for (auto& h : l->held) h.pin->unpin();  // reads the initiator never finished: it cannot any more
-  l->held.clear();
+  {
+    std::lock_guard lock(l->held_mu);
+    for (auto& h : l->held) h.pin->unpin();  // reads the initiator never finished: it cannot any more
+    l->held.clear();
+  }
   l->cuda.reset();  // waits for its streams
   p.release_lane(l->index, Code::kConnectionLost);  // after fail(): nothing new can be pulled
   // Let go at once, so a dead peer's sockets and segments go with it; the thread is joined later.
@@ -821,9 +830,8 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
   l->finished.store(true, std::memory_order_release);
 }
 
-// The connector's side of lane matching: lanes of every concurrent connect arrive at one socket;
-// whoever accepts parks each lane under its session for the attach that waits for it.
-struct Accepted {
+// A lane socket a connector opened to us, accepted by the control thread, with its introduction.
+struct Parked {
   int fd;
   Hello hello;
   int seg_fd;
@@ -831,16 +839,73 @@ struct Accepted {
   int64_t at_ms;
 };
 
+void close_parked(Parked& m) {
+  ::close(m.fd);
+  if (m.seg_fd >= 0) ::close(m.seg_fd);
+}
+
 }  // namespace
 
-// Per endpoint: the socket listeners connect their lanes to, and the lanes parked by session.
+// Per endpoint: the socket connectors open their lanes to, and those lanes parked by session until
+// the handshake that names them attaches. Control thread only.
 struct Rendezvous {
   int fd = -1;
   std::string name;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool accepting = false;
-  std::unordered_map<uint64_t, std::vector<Accepted>> parked;
+  uint8_t secret[16];                 // keys the challenge in each offer (never leaves the process)
+  std::vector<Parked> fresh;          // accepted, introduction not read yet
+  std::unordered_map<uint64_t, std::vector<Parked>> parked;
+  size_t count = 0;                   // sockets in fresh and parked: at most kMaxParked
+
+  uint64_t challenge(uint64_t session) const { return crypto::siphash24(secret, &session, sizeof session); }
+
+  // Accepts what connectors opened, parks it by session; drops strangers (another user), garbage,
+  // and whatever no handshake claimed within `expiry_ms`.
+  void drain(int64_t now, int64_t expiry_ms) {
+    for (;;) {
+      const int fd = ::accept4(this->fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) break;
+      ucred cred{};
+      if (count >= kMaxParked || !peer_cred(fd, &cred) || cred.uid != ::geteuid()) {
+        ::close(fd);
+        continue;
+      }
+      fresh.push_back(Parked{fd, {}, -1, cred, now});
+      ++count;
+    }
+    for (size_t i = 0; i < fresh.size();) {  // the introduction follows the connect at once
+      Parked& m = fresh[i];
+      const ssize_t n = recv_msg(m.fd, &m.hello, sizeof m.hello, &m.seg_fd, -1, MSG_DONTWAIT);
+      if (n < 0 && errno == EAGAIN && now - m.at_ms <= expiry_ms) {
+        ++i;
+        continue;
+      }
+      if (n == ssize_t(sizeof m.hello) && m.hello.magic == kHelloMagic && m.hello.version == kIpcVersion &&
+          m.hello.stage == 1) {
+        parked[uint64_t(m.hello.session)].push_back(m);  // packed field: a copy, not a reference
+      } else {
+        close_parked(m);
+        --count;
+      }
+      fresh[i] = fresh.back();
+      fresh.pop_back();
+    }
+    for (auto it = parked.begin(); it != parked.end();) {
+      if (now - it->second.front().at_ms > expiry_ms) {
+        for (auto& m : it->second) close_parked(m);
+        count -= it->second.size();
+        it = parked.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  ~Rendezvous() {
+    for (auto& m : fresh) close_parked(m);
+    for (auto& [session, v] : parked)
+      for (auto& m : v) close_parked(m);
+    if (fd >= 0) ::close(fd);
+  }
 };
 
 }  // namespace ipc
@@ -863,7 +928,8 @@ IpcTransport::IpcTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
   }
   rendezvous_ = std::make_unique<Rendezvous>();
   Rendezvous* rv = rendezvous_.get();
-  rv->name = "tether-ipc-" + hex(crypto::random_u64());
+  rv->name = kSocketPrefix + hex(crypto::random_u64());
+  crypto::random_bytes(rv->secret, sizeof rv->secret);
   rv->fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   sockaddr_un a;
   const socklen_t len = abstract_addr(rv->name, &a);
@@ -873,10 +939,8 @@ IpcTransport::IpcTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
 
 IpcTransport::~IpcTransport() {
   stop();
-  if (!rendezvous_) return;
-  for (auto& [s, v] : rendezvous_->parked)
-    for (auto& m : v) { ::close(m.fd); if (m.seg_fd >= 0) ::close(m.seg_fd); }
-  if (rendezvous_->fd >= 0) ::close(rendezvous_->fd);
+  for (auto& [session, ip] : prepared_)
+    for (int fd : ip->fds) ::close(fd);
 }
 
 Caps IpcTransport::caps() const {
@@ -884,6 +948,7 @@ Caps IpcTransport::caps() const {
   c.host_memory = true;
   c.cuda_memory = gpu::cuda() != nullptr;
   c.same_host_only = true;
+  c.attach_before_answer = true;  // the connector's lanes are here before it answers: attach needs nothing more
   c.batch_fragments = kMaxBatch;
   c.gpu_chunk_bytes = endpoint_->config().ipc_gpu_chunk_bytes;
   return c;
@@ -904,36 +969,166 @@ void IpcTransport::deregister_region(RegionState& region) {
     for (auto& l : lanes_) {
       if (l->index != 0) continue;
       std::lock_guard ll(l->mu);
-      if (l->ip && l->ip->ready.load(std::memory_order_acquire)) peers.push_back(l->ip);
+      if (l->ip && l->ip->ready.load(std::memory_order_acquire)) peers.push_back(l->ip);  // lane 0 is past setup
     }
   }
   // Never blocks: a peer that stopped reading keeps its mapping until it is dropped (peer timeout).
   for (auto& ip : peers) (void)::send(ip->fds[0], &f, sizeof f, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
-// version, session, then the name of this endpoint's lane socket. Stateless: the listener offers
-// it to every connector, and the session in it tells each attach() which lanes are its own.
+namespace {
+// The process is stopped (SIGSTOP, a debugger): it cannot answer until someone continues it.
+bool process_stopped(pid_t pid) {
+  if (pid <= 0) return false;  // another pid namespace: we cannot tell
+  char path[64], buf[512];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return false;
+  buf[n] = 0;
+  const char* paren = std::strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces and parentheses
+  return paren && paren[1] == ' ' && (paren[2] == 'T' || paren[2] == 't');
+}
+}  // namespace
+
+// deregister() is waiting for `region`: readers over ipc copy it themselves and hold it until their
+// kReadDone. One that cannot answer is disconnected, which shuts its lanes: our lane threads unpin
+// what it held, and its own copy, should its process run again, ends in a failed send of kReadDone,
+// so that read fails rather than completing with bytes the application wrote after deregister().
+void IpcTransport::region_stalled(RegionState& region, bool force) {
+  std::vector<std::shared_ptr<PeerState>> cut;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& l : lanes_) {
+      std::shared_ptr<PeerState> peer;
+      pid_t pid = 0;
+      {
+        std::lock_guard ll(l->mu);
+        if (!l->peer || !l->ip) continue;
+        peer = l->peer;
+        pid = l->ip->pid;
+      }
+      bool holds = false;
+      {
+        std::lock_guard hl(l->held_mu);
+        for (auto& h : l->held) holds = holds || h.pin == &region;
+      }
+      if (holds && !peer->failed() && std::find(cut.begin(), cut.end(), peer) == cut.end() &&
+          (force || process_stopped(pid)))
+        cut.push_back(peer);
+    }
+  }
+  for (auto& p : cut)
+    p->fail(Status(Code::kConnectionLost, "peer '" + p->info().name + "' held region " + std::to_string(region.id) +
+                                              " while it was deregistered and did not let go (" +
+                                              (force ? "deregister_timeout_ms" : "its process is stopped") + ")"));
+}
+
+// The listener's offer: version, session, the challenge for that session, then the name of our lane
+// socket. The connector's: version, session, challenge (it has opened its lanes to that socket).
 std::string IpcTransport::offer(uint64_t session) {
   if (!rendezvous_) return {};
-  const std::string& name = rendezvous_->name;
-  std::string out(2 + 8, '\0');
+  const uint64_t challenge = rendezvous_->challenge(session);
+  std::string out(2 + 8 + 8, '\0');
   std::memcpy(out.data(), &kIpcVersion, 2);
   std::memcpy(out.data() + 2, &session, 8);
-  return out + name;
+  std::memcpy(out.data() + 10, &challenge, 8);
+  return out + rendezvous_->name;
 }
 
 namespace {
-bool parse_offer(std::string_view o, uint64_t* session, std::string* name) {
+bool parse_offer(std::string_view o, uint64_t* session, uint64_t* challenge, std::string* name) {
   uint16_t v;
-  if (o.size() < 11 || o.size() > 100) return false;
+  if (o.size() < 18 || o.size() > 120) return false;
   std::memcpy(&v, o.data(), 2);
   std::memcpy(session, o.data() + 2, 8);
-  *name = std::string(o.substr(10));
+  std::memcpy(challenge, o.data() + 10, 8);
+  *name = std::string(o.substr(18));
   return v == kIpcVersion;
 }
 }  // namespace
 
 uint32_t IpcTransport::lanes_for(std::string_view) const { return std::max<uint32_t>(1, endpoint_->config().channels); }
+
+// Connector, before it answers the listener's handshake: opens every lane to the listener's socket and
+// introduces it (stage 1, our segment on lane 0). An abstract unix socket can be reached only from
+// this host's network namespace, so lanes arriving there are what proves to the listener that we share
+// its host; it never connects anywhere itself.
+Result<std::string> IpcTransport::connector_offer(uint64_t session, std::string_view remote_offer) {
+  uint64_t theirs = 0, challenge = 0;
+  std::string name;
+  // Only a tether endpoint's socket: a hostile listener must not point our lanes at another service.
+  if (!rendezvous_ || !parse_offer(remote_offer, &theirs, &challenge, &name) || theirs != session ||
+      name.rfind(kSocketPrefix, 0) != 0)
+    return Status(Code::kProtocolError, "malformed ipc offer");
+  // Our own socket is fine when we are the listener (an endpoint connecting to itself), which only an
+  // offer carrying our challenge for this session shows: anyone else naming it would have us park our
+  // own lanes until they expire.
+  if (name == rendezvous_->name && challenge != rendezvous_->challenge(session))
+    return Status(Code::kProtocolError, "the peer's ipc offer names this endpoint's own ipc socket");
+  const Config& c = endpoint_->config();
+  const uint32_t lanes = lanes_for(remote_offer);
+  auto ip = std::make_shared<IpcPeer>();
+  ip->session = session;
+  ip->cookie = crypto::random_u64() | 1;
+  ip->slot_bytes = c.chunk_bytes;
+  const uint64_t slots = uint64_t(std::max<uint32_t>(1, c.window / lanes)) * lanes;  // as PeerState sizes its slots
+  if (int e = ip->own.create(slots * c.chunk_bytes)) return Status(Code::kUnavailable, std::string("bounce segment: ") + std::strerror(e));
+  std::vector<int> fds;
+  auto cleanup = [&] { for (int fd : fds) ::close(fd); };
+  sockaddr_un a;
+  const socklen_t alen = abstract_addr(name, &a);
+  Status s;
+  for (uint32_t i = 0; i < lanes && s.is_ok(); ++i) {
+    const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) { s = errno_status(Code::kUnavailable, "socket"); break; }
+    fds.push_back(fd);
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), alen) != 0) {  // into its backlog: never blocks
+      s = errno == EAGAIN ? Status(Code::kUnavailable, "the peer's ipc socket accepts no more lanes (its backlog is full)")
+                          : errno_status(Code::kConnectionLost, "connect to the peer's ipc socket");
+      break;
+    }
+    ucred cred{};
+    if (!peer_cred(fd, &cred) || cred.uid != ::geteuid()) { s = Status(Code::kAccessDenied, "the peer's ipc socket belongs to another user"); break; }
+    if (i == 0) ip->pid = cred.pid;
+    else if (cred.pid != ip->pid) { s = Status(Code::kProtocolError, "lanes lead to different processes"); break; }
+    Hello m = hello(*ip, 1, i, lanes);
+    m.challenge = challenge;
+    if (!send_msg(fd, &m, sizeof m, i == 0 ? ip->own.fd() : -1)) { s = errno_status(Code::kConnectionLost, "introducing a lane"); break; }
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // the lane thread blocks in recv()
+  }
+  if (!s.is_ok()) { cleanup(); return s; }
+  ip->fds = fds;
+  {
+    std::lock_guard lock(mu_);
+    if (stopped_) {
+      cleanup();
+      return Status(Code::kCancelled, "endpoint closed");
+    }
+    prepared_[session] = ip;
+  }
+  std::string out(2 + 8 + 8, '\0');
+  std::memcpy(out.data(), &kIpcVersion, 2);
+  std::memcpy(out.data() + 2, &session, 8);
+  std::memcpy(out.data() + 10, &challenge, 8);
+  return out;
+}
+
+void IpcTransport::abandon(uint64_t session) {
+  std::lock_guard lock(mu_);
+  auto it = prepared_.find(session);
+  if (it == prepared_.end()) return;
+  for (int fd : it->second->fds) ::close(fd);
+  prepared_.erase(it);
+}
+
+// Control thread, every tick: lanes of handshakes that never came, or came and failed, are closed.
+void IpcTransport::tick(int64_t now_ms) {
+  if (rendezvous_) rendezvous_->drain(now_ms, endpoint_->config().handshake_timeout_ms);
+}
 
 Status IpcTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>&, std::string_view remote_offer,
                             bool initiator, int64_t deadline) {
@@ -942,7 +1137,7 @@ Status IpcTransport::attach(const std::shared_ptr<PeerState>& peer, const std::v
     if (stopped_) return Status(Code::kCancelled, "endpoint closed");
     reap_finished();
   }
-  return initiator ? attach_connector(peer, remote_offer, deadline) : attach_listener(peer, remote_offer);
+  return initiator ? attach_connector(peer, remote_offer, deadline) : attach_listener(peer, remote_offer, deadline);
 }
 
 namespace {
@@ -957,144 +1152,112 @@ std::shared_ptr<IpcPeer> new_peer(PeerState& p, uint64_t session, uint64_t chunk
 }
 }  // namespace
 
-// Control thread, right after answering the handshake: connect every lane to the connector's
-// socket (never blocks: a full backlog is an error) and introduce it; lane 0's thread finishes.
-Status IpcTransport::attach_listener(const std::shared_ptr<PeerState>& peer, std::string_view remote_offer) {
-  uint64_t session;
+// Control thread, before the handshake is answered: the connector's lanes must be here already (it
+// opened them before answering), from one process of our user, each once, with the challenge we gave
+// that session. Then we probe the connector, answer on lane 0 (stage 2) and serve; the lane-0 thread
+// waits for the connector's verdict (stage 3) before we send. Nothing here blocks.
+Status IpcTransport::attach_listener(const std::shared_ptr<PeerState>& peer, std::string_view remote_offer, int64_t deadline) {
+  uint64_t session = 0, challenge = 0;
   std::string name;
-  if (!parse_offer(remote_offer, &session, &name)) return Status(Code::kProtocolError, "malformed ipc offer");
-  Status s;
-  auto ip = new_peer(*peer, session, endpoint_->config().chunk_bytes, &s);
-  if (!s.is_ok()) return s;
-  const uint32_t lanes = peer->lanes();
-  std::vector<int> fds;
-  auto cleanup = [&] { for (int fd : fds) ::close(fd); };
-  sockaddr_un a;
-  const socklen_t alen = abstract_addr(name, &a);
-  for (uint32_t i = 0; i < lanes; ++i) {
-    int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) { s = errno_status(Code::kUnavailable, "socket"); break; }
-    fds.push_back(fd);
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), alen) != 0) { s = errno_status(Code::kConnectionLost, "connect to the peer's lane socket"); break; }
-    ucred cred{};
-    if (!peer_cred(fd, &cred) || cred.uid != ::geteuid()) { s = Status(Code::kAccessDenied, "the peer's lane socket belongs to another user"); break; }
-    if (i == 0) ip->pid = cred.pid;
-    else if (cred.pid != ip->pid) { s = Status(Code::kProtocolError, "lanes lead to different processes"); break; }
-    Hello m = hello(*ip, 1, i, lanes);
-    if (!send_msg(fd, &m, sizeof m, i == 0 ? ip->own.fd() : -1)) { s = errno_status(Code::kConnectionLost, "introducing a lane"); break; }
-    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // the lane thread blocks in recv()
-  }
-  if (!s.is_ok()) { cleanup(); return s; }
-  ip->fds = fds;
-  peer->lane_fds = fds;  // the peer owns them now: fail() shuts them down, its destructor closes them
-  return start_lanes(peer, ip, true);
-}
-
-// The connecting thread: collect our lanes (parked by session), probe, exchange verdicts.
-Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, std::string_view remote_offer,
-                                      int64_t deadline) {
-  uint64_t session;
-  std::string name;
-  if (!parse_offer(remote_offer, &session, &name)) return Status(Code::kProtocolError, "malformed ipc offer");
   Rendezvous& rv = *rendezvous_;
+  if (!parse_offer(remote_offer, &session, &challenge, &name) || !name.empty())
+    return Status(Code::kProtocolError, "malformed ipc offer");
+  if (challenge != rv.challenge(session)) return Status(Code::kAccessDenied, "the ipc offer does not answer our challenge");
+  rv.drain(sys::now_ms(), endpoint_->config().handshake_timeout_ms);
+  std::vector<Parked> mine;
+  if (auto it = rv.parked.find(session); it != rv.parked.end()) {
+    mine = std::move(it->second);
+    rv.count -= mine.size();
+    rv.parked.erase(it);
+  }
+  auto cleanup = [&] { for (auto& m : mine) close_parked(m); };
   const uint32_t lanes = peer->lanes();
-  std::vector<Accepted> mine;
-  auto cleanup = [&] {
-    for (auto& m : mine) {
-      ::close(m.fd);
-      if (m.seg_fd >= 0) ::close(m.seg_fd);
-    }
-  };
-  Status s;
-  {
-    std::unique_lock lock(rv.mu);
-    for (;;) {
-      if (auto it = rv.parked.find(session); it != rv.parked.end()) {
-        for (auto& m : it->second) mine.push_back(m);
-        rv.parked.erase(it);
-      }
-      if (mine.size() >= lanes) break;
-      const int64_t now = sys::now_ms();
-      if (now >= deadline) { s = Status(Code::kTimeout, "the peer never opened its ipc lanes"); break; }
-      if (rv.accepting) {
-        rv.cv.wait_for(lock, std::chrono::milliseconds(std::min<int64_t>(deadline - now, 20)));
-        continue;
-      }
-      // This thread accepts for everyone for a while.
-      rv.accepting = true;
-      lock.unlock();
-      std::vector<Accepted> got;
-      pollfd pf[2] = {{rv.fd, POLLIN, 0}, {peer->control_fd, POLLRDHUP, 0}};
-      int r = ::poll(pf, 2, int(std::min<int64_t>(deadline - now, 20)));
-      bool gone = r > 0 && (pf[1].revents & (POLLRDHUP | POLLHUP | POLLERR));
-      for (;;) {
-        int fd = ::accept4(rv.fd, nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd < 0) break;
-        Accepted m{fd, {}, -1, {}, sys::now_ms()};
-        // The introduction follows the connect at once; a same-user stranger could stall us, briefly.
-        if (!peer_cred(fd, &m.cred) || m.cred.uid != ::geteuid() ||
-            recv_msg(fd, &m.hello, sizeof m.hello, &m.seg_fd, sys::now_ms() + 1000) != ssize_t(sizeof m.hello) ||
-            m.hello.magic != kHelloMagic || m.hello.version != kIpcVersion || m.hello.stage != 1) {
-          ::close(fd);
-          if (m.seg_fd >= 0) ::close(m.seg_fd);
-          continue;
-        }
-        got.push_back(m);
-      }
-      lock.lock();
-      rv.accepting = false;
-      for (auto& m : got) rv.parked[m.hello.session].push_back(m);
-      for (auto it = rv.parked.begin(); it != rv.parked.end();) {  // lanes of connects that failed
-        if (it->first != session && sys::now_ms() - it->second.front().at_ms > kParkedExpiryMs) {
-          for (auto& m : it->second) { ::close(m.fd); if (m.seg_fd >= 0) ::close(m.seg_fd); }
-          it = rv.parked.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      rv.cv.notify_all();
-      if (gone) { s = Status(Code::kConnectionLost, "the peer closed the connection during ipc setup"); break; }
-    }
+  if (mine.size() != lanes) {
+    cleanup();
+    return Status(Code::kAccessDenied, std::to_string(mine.size()) + " of the connector's " + std::to_string(lanes) +
+                                           " ipc lanes reached this host: it is not on this host, or not this user");
   }
-  if (!s.is_ok()) { cleanup(); return s; }
-  // Every lane once, all from one process; lane 0 carries the listener's bounce segment.
   std::vector<int> fds(lanes, -1);
-  auto ip = new_peer(*peer, session, endpoint_->config().chunk_bytes, &s);
+  const Parked* zero = nullptr;
   for (auto& m : mine) {
-    if (!s.is_ok()) break;
-    if (m.hello.lanes != lanes || m.hello.lane >= lanes || fds[m.hello.lane] >= 0 || m.cred.pid != mine[0].cred.pid ||
-        (m.hello.lane == 0) != (m.seg_fd >= 0))
-      s = Status(Code::kProtocolError, "malformed ipc lanes from the peer");
-    else fds[m.hello.lane] = m.fd;
+    const Hello& h = m.hello;
+    if (h.lanes != lanes || h.lane >= lanes || fds[h.lane] >= 0 || h.challenge != challenge ||
+        m.cred.pid != mine[0].cred.pid || (h.lane == 0) != (m.seg_fd >= 0)) {
+      cleanup();
+      return Status(Code::kProtocolError, "malformed ipc lanes from the peer");
+    }
+    fds[h.lane] = m.fd;
+    if (h.lane == 0) zero = &m;
   }
+  Status s;
+  auto ip = new_peer(*peer, session, endpoint_->config().chunk_bytes, &s);
   if (!s.is_ok()) { cleanup(); return s; }
-  const Accepted* zero = nullptr;
-  for (auto& m : mine) if (m.hello.lane == 0) zero = &m;
   ip->pid = zero->cred.pid;
   ip->fds = fds;
-  for (int fd : fds) ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
-  std::string why;
+  ip->setup_deadline_ms = deadline;
   const int seg_fd = zero->seg_fd;
   for (auto& m : mine) m.seg_fd = -1;  // the segment takes it
+  std::string why;
   if (int e = ip->theirs.map(seg_fd)) why = std::string("cannot map the peer's bounce segment: ") + std::strerror(e);
   else ip->shm = std::make_unique<ShmMover>(ip->theirs);
   if (why.empty()) probe_other(*ip, zero->hello, host_mode_, &why);
   if (!why.empty()) { cleanup(); return Status(Code::kUnavailable, why); }
+  for (int fd : fds) {
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // the lane thread blocks in recv()
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
+  }
   Hello m2 = hello(*ip, 2, 0, lanes);
   m2.verdict = ip->cma != nullptr;
-  Hello m3{};
-  if (!send_msg(fds[0], &m2, sizeof m2, ip->own.fd())) { cleanup(); return Status(Code::kConnectionLost, "ipc setup: the peer is gone"); }
-  const ssize_t got = recv_msg(fds[0], &m3, sizeof m3, nullptr, deadline);
-  if (got != ssize_t(sizeof m3) || !valid_hello(m3, 3, session)) {
+  ip->ready.store(true, std::memory_order_seq_cst);  // before the connector can have our answer
+  if (!send_msg(fds[0], &m2, sizeof m2, ip->own.fd())) { cleanup(); return errno_status(Code::kConnectionLost, "ipc setup"); }
+  peer->lane_fds = fds;  // the peer owns them now: fail() shuts them down, its destructor closes them
+  return start_lanes(peer, ip, true);
+}
+
+// The connecting thread, after the handshake: the listener's answer on lane 0 (stage 2), our probe of
+// it, our verdict (stage 3).
+Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, std::string_view remote_offer,
+                                      int64_t deadline) {
+  uint64_t session = 0, challenge = 0;
+  std::string name;
+  if (!parse_offer(remote_offer, &session, &challenge, &name)) return Status(Code::kProtocolError, "malformed ipc offer");
+  std::shared_ptr<IpcPeer> ip;
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = prepared_.find(session); it != prepared_.end()) {
+      ip = it->second;
+      prepared_.erase(it);
+    }
+  }
+  if (!ip) return Status(Code::kInternal, "ipc lanes were not opened for this connect");
+  auto cleanup = [&] { for (int fd : ip->fds) ::close(fd); };
+  const uint32_t lanes = uint32_t(ip->fds.size());
+  if (lanes != peer->lanes() || uint64_t(peer->slot_count()) * ip->slot_bytes > ip->own.size()) {
+    cleanup();
+    return Status(Code::kInternal, "ipc lanes opened for another shape of peer");
+  }
+  Hello m2{};
+  int seg_fd = -1;
+  const ssize_t got = recv_msg(ip->fds[0], &m2, sizeof m2, &seg_fd, deadline);
+  if (got != ssize_t(sizeof m2) || !valid_hello(m2, 2, session) || seg_fd < 0) {
     const bool late = got < 0 && errno == ETIMEDOUT;  // alive but silent (stopped, overloaded)
+    if (seg_fd >= 0) ::close(seg_fd);
     cleanup();
     return late ? Status(Code::kTimeout, "ipc setup: the peer did not finish it in time")
-                : Status(Code::kConnectionLost, "ipc setup: the peer did not finish it (see its error)");
+                : Status(Code::kConnectionLost, "ipc setup: the peer refused our lanes (see its error)");
   }
-  if (!take_verdict(*ip, m3.verdict, host_mode_, &why)) { cleanup(); return Status(Code::kUnavailable, why); }
+  std::string why;
+  if (int e = ip->theirs.map(seg_fd)) why = std::string("cannot map the peer's bounce segment: ") + std::strerror(e);
+  else ip->shm = std::make_unique<ShmMover>(ip->theirs);
+  if (why.empty()) probe_other(*ip, m2, host_mode_, &why);
+  if (why.empty()) take_verdict(*ip, m2.verdict, host_mode_, &why);
+  if (!why.empty()) { cleanup(); return Status(Code::kUnavailable, why); }
+  Hello m3 = hello(*ip, 3, 0, lanes);
+  m3.verdict = ip->cma != nullptr;
   ip->ready.store(true, std::memory_order_seq_cst);
-  peer->lane_fds = fds;
+  ip->sending.store(true, std::memory_order_seq_cst);
+  if (!send_msg(ip->fds[0], &m3, sizeof m3, -1)) { cleanup(); return Status(Code::kConnectionLost, "ipc setup: the peer is gone"); }
+  peer->lane_fds = ip->fds;
   return start_lanes(peer, ip, false);
 }
 
@@ -1138,7 +1301,7 @@ void IpcTransport::reap_finished() {
 
 void IpcTransport::wake(PeerState* peer, uint64_t, int) {
   auto* ip = static_cast<IpcPeer*>(peer->transport_state.get());
-  if (!ip || !ip->ready.load(std::memory_order_seq_cst)) return;  // setup pumps when it finishes
+  if (!ip || !ip->sending.load(std::memory_order_seq_cst)) return;  // setup pumps when it finishes
   pump_all(*ip, *peer, /*one_round=*/true);
 }
 

@@ -40,9 +40,13 @@ class IpcTransport final : public Transport {
   int priority() const override { return 10; }
   std::string unavailable_reason() const override { return unavailable_; }
   std::string offer(uint64_t session) override;
+  Result<std::string> connector_offer(uint64_t session, std::string_view remote_offer) override;
+  void abandon(uint64_t session) override;
+  void tick(int64_t now_ms) override;
   uint32_t lanes_for(std::string_view remote_offer) const override;
   Status register_region(core::RegionState& region, std::string* desc_ext) override;
   void deregister_region(core::RegionState& region) override;
+  void region_stalled(core::RegionState& region, bool force) override;
   Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
                 std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
   void wake(core::PeerState* peer, uint64_t chunks, int device) override;
@@ -50,7 +54,7 @@ class IpcTransport final : public Transport {
 
  private:
   Status attach_connector(const std::shared_ptr<core::PeerState>& peer, std::string_view remote_offer, int64_t deadline);
-  Status attach_listener(const std::shared_ptr<core::PeerState>& peer, std::string_view remote_offer);
+  Status attach_listener(const std::shared_ptr<core::PeerState>& peer, std::string_view remote_offer, int64_t deadline);
   Status start_lanes(const std::shared_ptr<core::PeerState>& peer, const std::shared_ptr<ipc::IpcPeer>& ip, bool listener);
   void reap_finished();  // joins lane threads that ended (mu_ held)
 
@@ -58,8 +62,10 @@ class IpcTransport final : public Transport {
   std::string unavailable_;
   int host_mode_ = 0;  // 0 auto, 1 cma only, 2 shm only (Config::ipc_host)
 
-  std::unique_ptr<ipc::Rendezvous> rendezvous_;  // where listeners connect our lanes
+  std::unique_ptr<ipc::Rendezvous> rendezvous_;  // where connectors open their lanes to us (control thread)
   std::mutex mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<ipc::IpcPeer>> prepared_;  // session -> our lanes, opened by
+                                                                           // connector_offer(), not yet attached
   bool stopped_ = false;
   std::vector<std::shared_ptr<ipc::Lane>> lanes_;        // every lane thread not yet joined
 };

@@ -1,0 +1,254 @@
+"""The attacks of issue 17, measured (docs/RELIABILITY.md): each runs against a target endpoint in a
+child process while a legitimate peer keeps writing 1 MiB to it, and reports what the target held
+(connections, descriptors, resident memory) before, during and after, and how long the legitimate
+write took alone and under attack. It asserts nothing: it runs the same on a build without the fixes.
+
+    PYTHONPATH=python python3 bench/attacks.py [--only fd,notify,ipc,garbage,stop]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+import tether  # noqa: E402
+from tether_testutil import (  # noqa: E402
+    SERVER_DONE_SIZE, Child, client_hello, client_proof, cpu_seconds, fd_count, host_id_of, rand_bytes, raw_connect,
+    read_server_hello, recv_exact, rss_bytes,
+)
+
+MiB = 1 << 20
+ROWS: list[dict] = []
+
+
+def timed_write(peer, src, desc) -> float:
+    t0 = time.monotonic()
+    try:
+        peer.write(src, desc).wait(30)
+    except tether.TetherError as e:
+        print(f"  legit write failed: {type(e).__name__}: {e}")
+        return float("nan")
+    return time.monotonic() - t0
+
+
+def snapshot(pid: int) -> tuple[int, float]:
+    return fd_count(pid), rss_bytes(pid) / MiB
+
+
+def row(attack, held, before, during, after, alone, under, outcome):
+    ROWS.append(dict(attack=attack, held=held, before=before, during=during, after=after, alone=alone, under=under,
+                     outcome=outcome))
+    print(f"  {attack}: fds {before[0]} -> {during[0]} -> {after[0]}, RSS {before[1]:.0f} -> {during[1]:.0f} -> "
+          f"{after[1]:.0f} MiB, legit write {alone * 1e3:.2f} ms alone / {under * 1e3:.2f} ms under attack; {outcome}")
+
+
+def target(name: str, transport: str = "auto", nofile: int = 0, **kw):
+    c = Child(name)
+    if nofile:
+        c.call("setrlimit_nofile", nofile)
+    info = c.call("endpoint", name=name, transport=transport, **kw)
+    desc = c.call("register", "dst", 1 * MiB)
+    return c, info, desc
+
+
+def legit(info, transport="auto"):
+    me = tether.Endpoint(name="legit", transport=transport, channels=2)
+    peer = me.connect(info["metadata"], timeout=5)
+    src = me.register(rand_bytes(1, 1 * MiB))
+    return me, peer, src
+
+
+def idle(address: str, n: int) -> list:
+    host, port = address.rsplit(":", 1)
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.settimeout(5)
+        s.connect((host, int(port)))
+        out.append(s)
+    return out
+
+
+def attack_fd():
+    """Item 1: a target limited to 128 descriptors; 300 idle TCP connections held against it."""
+    c, info, desc = target("fd-target", "tcp", nofile=128, handshake_timeout=5.0)
+    me, peer, src = legit(info, "tcp")
+    try:
+        alone = min(timed_write(peer, src, desc) for _ in range(3))
+        before = snapshot(c.pid)
+        socks = idle(info["address"], 300)
+        time.sleep(0.5)
+        c0 = cpu_seconds(c.pid)
+        time.sleep(2.0)
+        cpu = cpu_seconds(c.pid) - c0
+        under = timed_write(peer, src, desc)
+        during = snapshot(c.pid)
+        for s in socks:
+            s.close()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        try:
+            other = tether.Endpoint(name="newcomer", transport="tcp")
+            other.connect(info["metadata"], timeout=10)
+            outcome = f"target CPU {cpu:.2f} s per 2 s; a new peer connected {time.monotonic() - t0:.2f} s after"
+            other.close()
+        except tether.TetherError as e:
+            outcome = f"target CPU {cpu:.2f} s per 2 s; a new peer could not connect: {e}"
+        row("300 idle TCP connections, target limited to 128 fds", 300, before, during, snapshot(c.pid), alone, under,
+            outcome)
+    finally:
+        me.close()
+        c.cleanup()
+
+
+def attack_notify():
+    """Item 2: a token-less peer sends 150 x 1 MiB notifications the application does not read."""
+    c, info, desc = target("note-target")
+    me, peer, src = legit(info, "tcp")
+    flood = tether.Endpoint(name="flooder")
+    try:
+        alone = min(timed_write(peer, src, desc) for _ in range(3))
+        fp = flood.connect(info["metadata"], timeout=5)
+        before = snapshot(c.pid)
+        ts = [fp.notify(b"n" * (MiB - 64)) for _ in range(150)]
+        refused = 0
+        for t in ts:
+            try:
+                t.wait(30)
+            except tether.TetherError:
+                refused += 1
+        under = timed_write(peer, src, desc)
+        during = snapshot(c.pid)
+        flood.close()
+        time.sleep(1.0)
+        left = snapshot(c.pid)
+        got = len(c.call("drain_notifications"))
+        time.sleep(0.5)
+        row("150 x 1 MiB unread notifications", 1, before, during, snapshot(c.pid), alone, under,
+            f"{150 - refused} queued, {refused} refused; RSS {left[1]:.0f} MiB after the flooder left, "
+            f"{got} read by the application")
+    finally:
+        me.close()
+        c.cleanup()
+
+
+def forge_ipc(address, host, strip):
+    s = raw_connect(address)
+    s.sendall(client_hello(host_id=host, transports=2))
+    h = read_server_hello(s)
+    if h["status"] != 0 or "ipc" not in h["offers"]:
+        return s, f"hello {h['status']}"
+    offer = h["offers"]["ipc"][:18] if strip else h["offers"]["ipc"]
+    s.sendall(client_proof(b"ipc", lanes=4, offer=offer))
+    done = recv_exact(s, SERVER_DONE_SIZE)
+    return s, (done[0] if done else "closed")
+
+
+def attack_ipc():
+    """Item 3: 200 TCP connectors claim the target's host and pick ipc with an offer naming the
+    target's own ipc socket; the connections are held."""
+    c, info, desc = target("ipc-target")
+    me, peer, src = legit(info)
+    try:
+        alone = min(timed_write(peer, src, desc) for _ in range(3))
+        before = snapshot(c.pid)
+        held, answers = [], {}
+        for i in range(200):
+            s, a = forge_ipc(info["address"], host_id_of(info["metadata"]), strip=bool(i % 2))
+            held.append(s)
+            answers[a] = answers.get(a, 0) + 1
+        time.sleep(0.5)
+        under = timed_write(peer, src, desc)
+        during = snapshot(c.pid)
+        for s in held:
+            s.close()
+        time.sleep(1.0)
+        row(f"200 forged same-host ipc handshakes ({peer.transport} legit peer)", 200, before, during, snapshot(c.pid),
+            alone, under, f"answers (status: count) {answers}")
+    finally:
+        me.close()
+        c.cleanup()
+
+
+def attack_garbage():
+    """The fuzzer's attack in bulk: 1000 connections each sending 4 KiB of random bytes."""
+    c, info, desc = target("garbage-target")
+    me, peer, src = legit(info, "tcp")
+    try:
+        alone = min(timed_write(peer, src, desc) for _ in range(3))
+        before = snapshot(c.pid)
+        rng = np.random.default_rng(7)
+        held = []
+        for i in range(1000):
+            s = raw_connect(info["address"])
+            try:
+                s.sendall((client_hello()[:8] if i % 2 else b"") + rng.bytes(4096))
+            except OSError:
+                pass
+            held.append(s)
+        time.sleep(0.5)
+        under = timed_write(peer, src, desc)
+        during = snapshot(c.pid)
+        for s in held:
+            s.close()
+        time.sleep(1.0)
+        row("1000 connections sending 4 KiB of random bytes", 1000, before, during, snapshot(c.pid), alone, under,
+            f"legit peer connected: {peer.connected}")
+    finally:
+        me.close()
+        c.cleanup()
+
+
+def attack_stop():
+    """Item 6: a peer reading our region over ipc is SIGSTOPped; we deregister the region."""
+    for transport in ("tcp", "ipc"):
+        me = tether.Endpoint(name="target", peer_timeout=3.0, heartbeat=0.2)
+        mine = rand_bytes(6, 64 * MiB)
+        rm = me.register(mine)
+        c = Child("stopped-reader")
+        try:
+            c.call("endpoint", name="stopped-reader", transport=transport, peer_timeout=3.0, heartbeat=0.2)
+            c.call("connect", me.metadata())
+            c.call("register", "dst", 64 * MiB)
+            c.call("start_stream", "read", "dst", rm.descriptor(), 64 * MiB)
+            time.sleep(0.3)
+            os.kill(c.pid, signal.SIGSTOP)
+            time.sleep(0.05)
+            t0 = time.monotonic()
+            done = threading.Event()
+            threading.Thread(target=lambda: (me.deregister(rm), done.set()), daemon=True).start()
+            done.wait(15)
+            took = time.monotonic() - t0
+            os.kill(c.pid, signal.SIGCONT)
+            print(f"  stopped reader over {transport}: deregister took {took * 1e3:.0f} ms")
+            ROWS.append(dict(attack=f"reader SIGSTOPped mid-read over {transport}", deregister_ms=took * 1e3))
+        finally:
+            c.cleanup()
+            me.close()
+
+
+ATTACKS = {"fd": attack_fd, "notify": attack_notify, "ipc": attack_ipc, "garbage": attack_garbage, "stop": attack_stop}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=",".join(ATTACKS), help="comma-separated: " + ",".join(ATTACKS))
+    args = ap.parse_args()
+    print(f"tether {getattr(tether, '__file__', '?')}, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs")
+    for name in args.only.split(","):
+        print(f"{name}:")
+        try:
+            ATTACKS[name]()
+        except Exception as e:  # a build without the fixes may not survive it: say so and go on
+            print(f"  {name}: the attack run failed: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()
