@@ -66,6 +66,9 @@ def run(seconds: int, corpus: Path, extra=()) -> tuple[int, str, dict]:
     last = re.findall(r"#(\d+)\s+\w+\s+cov: (\d+) ft: (\d+) corp: (\d+)", out)
     if last:
         stats.update(zip(("inputs", "cov", "ft", "corpus"), map(int, last[-1])))
+    retried = re.findall(r"harness: \d+ inputs, (\d+) well-formed connects retried", out)
+    if retried:
+        stats["connects_retried"] = int(retried[-1])
     return r.returncode, out, stats
 
 
