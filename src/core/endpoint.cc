@@ -2,6 +2,7 @@
 #include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -266,6 +267,7 @@ std::vector<Notification> EndpointImpl::notifications(int64_t timeout_ms) {
     notes_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return !notes_.empty() || closing_.load(); });
   std::vector<Notification> out(std::make_move_iterator(notes_.begin()), std::make_move_iterator(notes_.end()));
   std::deque<Notification>().swap(notes_);  // its blocks too: a burst must not keep its high-water mark
+  if (notes_bytes_ >= (1u << 20)) trim_due_.store(true, std::memory_order_relaxed);
   notes_bytes_ = 0;
   notes_by_peer_.clear();
   return out;
@@ -1043,6 +1045,11 @@ void EndpointImpl::flush_control(PeerState& peer) {
 void EndpointImpl::tick(const std::vector<std::shared_ptr<PeerState>>& peers) {
   const int64_t now = sys::now_ms();
   last_tick_ms_ = now;
+#ifdef __GLIBC__
+  // Notifications read by now were freed by the caller; glibc keeps freed heap (thread arenas, a raised
+  // mmap threshold) unless asked, so a burst of large ones would stay resident (issue 17 item 2).
+  if (trim_due_.exchange(false, std::memory_order_relaxed)) ::malloc_trim(0);
+#endif
   for (auto& p : peers) {
     if (p->failed()) continue;
     if (now - p->last_heard_ms() > int64_t(config_.peer_timeout_ms)) {

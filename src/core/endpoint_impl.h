@@ -140,6 +140,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   std::condition_variable notes_cv_;
   std::deque<Notification> notes_;
   uint64_t notes_bytes_ = 0;                               // charged against Config::notify_queue_bytes
+  std::atomic<bool> trim_due_{false};                      // a large drain freed heap: the next tick trims it
   std::unordered_map<uint64_t, uint64_t> notes_by_peer_;   // peer id -> bytes charged (notify_queue_peer_bytes)
 };
 
