@@ -88,7 +88,9 @@ def main(variant: str) -> int:
     for key in ("UCX_TLS", "UCX_NET_DEVICES"):
         os.environ.pop(key, None)
     os.environ.update(env)
-    if DEVICE == "gpu" and variant == "tcp":  # UCX needs a CUDA transport to register GPU memory at all
+    if variant == "tcp" and (DEVICE == "gpu" or os.path.exists("/dev/nvidiactl")):
+        # NIXL refuses UCX_TLS=tcp where NVIDIA GPUs are present ("does not enable CUDA memory support");
+        # cuda_copy only adds GPU memory registration: host memory still moves over TCP.
         os.environ["UCX_TLS"] = "tcp,cuda_copy"
     logdir = tempfile.mkdtemp(prefix="nixl-ucx-")
     os.environ.update(UCX_PROTO_INFO="y", UCX_LOG_FILE=os.path.join(logdir, "ucx.%p.log"))
