@@ -135,8 +135,23 @@ Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config)
 
 EndpointImpl::~EndpointImpl() { close(); }
 
+void EndpointImpl::track_connecting(int fd) {
+  std::lock_guard lock(connecting_mu_);
+  connecting_fds_.push_back(fd);
+  if (closing_.load()) ::shutdown(fd, SHUT_RDWR);  // close() ran before we were listed
+}
+
+void EndpointImpl::untrack_connecting(const std::vector<int>& fds) {
+  std::lock_guard lock(connecting_mu_);
+  for (int fd : fds) connecting_fds_.erase(std::remove(connecting_fds_.begin(), connecting_fds_.end(), fd), connecting_fds_.end());
+}
+
 void EndpointImpl::close() {
   if (closing_.exchange(true)) return;
+  {
+    std::lock_guard lock(connecting_mu_);  // listed sockets are open: untracked before they are closed
+    for (int fd : connecting_fds_) ::shutdown(fd, SHUT_RDWR);
+  }
   wake_control();
   if (control_thread_.joinable()) control_thread_.join();
   std::vector<std::shared_ptr<PeerState>> all;
@@ -449,9 +464,19 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   };
 
   std::vector<int> fds;
+  struct Untrack {  // every way out of the handshake below
+    EndpointImpl* ep;
+    std::vector<int>* fds;
+    ~Untrack() { ep->untrack_connecting(*fds); }
+  } untrack{this, &fds};
   auto cleanup = [&] {
+    untrack_connecting(fds);
     for (int fd : fds) ::close(fd);
     if (prepared) prepared->abandon(ch.session);
+  };
+  auto failed = [&](Status s) {  // a handshake that close() cut short says so
+    cleanup();
+    return closing_.load() ? Status(Code::kCancelled, "endpoint closed while connecting") : s;
   };
   uint32_t lanes = 0;  // TCP data sockets to open: known once the control handshake chose tcp
   std::string nic_text;
@@ -476,14 +501,15 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
         pair_bad[i] = 1;
       }
     }
-    if (!fd.is_ok()) { cleanup(); return fd.status(); }
+    if (!fd.is_ok()) return failed(fd.status());
     fds.push_back(fd.value());
+    track_connecting(fd.value());
     crypto::random_bytes(ch.nonce, sizeof ch.nonce);
     ch.kind = uint8_t(lane == 0 ? wire::SocketKind::kControl : wire::SocketKind::kData);
     ch.lane = lane == 0 ? 0 : lane - 1;
     Status s = client_handshake(fd.value(), ch, config_.auth_token, deadline, &sh, lane == 0 ? Chooser(choose) : Chooser(),
                                 lane == 0 ? &nic_text : nullptr);
-    if (!s.is_ok()) { cleanup(); return s; }
+    if (!s.is_ok()) return failed(s);
     if (lane == 0) {
       const std::string peer_ip = sys::remote_addr(fd.value());
       const bool same = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
@@ -516,6 +542,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
   info.chunk_bytes = chunk_for(sh.chunk_bytes);
   info.max_notify = std::min(uint32_t(sh.max_notify), wire::kMaxNotify);  // a copy: no reference to a packed field
   info.transport = chosen->name();
+  untrack_connecting(fds);  // handed to the peer: closed with it, never while listed
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, chosen->lanes_for(remote_offer), chosen);
   peer->control_fd = fds[0];
   peer->lane_fds.assign(fds.begin() + 1, fds.end());

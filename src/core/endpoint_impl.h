@@ -116,6 +116,12 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   uint16_t port_ = 0;
   std::thread control_thread_;
   std::atomic<bool> closing_{false};
+  // Sockets of connect() calls still in their handshake: close() shuts them down so a connect to a
+  // peer that stopped answering ends at once instead of at connect_timeout.
+  std::mutex connecting_mu_;
+  std::vector<int> connecting_fds_;
+  void track_connecting(int fd);
+  void untrack_connecting(const std::vector<int>& fds);
   std::atomic<uint64_t> next_peer_id_{1};
 
   mutable std::mutex peers_mu_;

@@ -556,6 +556,35 @@ def test_connect_to_stopped_process_times_out(endpoints, children):
     os.kill(c.pid, signal.SIGCONT)
 
 
+def test_close_ends_a_connect_under_way_to_a_stopped_process(children):
+    """A connect waiting on a stopped peer's handshake ends as soon as its endpoint closes (the NIXL
+    plugin's engine closes its endpoint, then joins the threads still connecting), not at
+    connect_timeout."""
+    c = children("frozen")
+    info = c.call("endpoint")
+    os.kill(c.pid, signal.SIGSTOP)
+    a = tether.Endpoint(connect_timeout=20)
+    out = {}
+
+    def connect():
+        t0 = time.monotonic()
+        try:
+            a.connect(info["metadata"])
+        except tether.TetherError as e:
+            out["error"] = e
+        out["seconds"] = time.monotonic() - t0
+
+    th = threading.Thread(target=connect)
+    th.start()
+    time.sleep(0.5)
+    a.close()
+    th.join(5)
+    os.kill(c.pid, signal.SIGCONT)
+    assert not th.is_alive(), "connect still waiting after close()"
+    assert isinstance(out.get("error"), tether.Cancelled), out
+    assert out["seconds"] < 2.0, out
+
+
 def test_invalid_configuration():
     for kw in (dict(channels=0), dict(sockets_per_channel=0), dict(channels=16, sockets_per_channel=17),
                dict(chunk_bytes=0), dict(window=0)):
