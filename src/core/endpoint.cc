@@ -1283,6 +1283,13 @@ Status Transfer::wait(int64_t timeout_ms) const {
   const core::PeerState* p = state_->peer.get();
   return state_->wait(timeout_ms, p ? p->spin_us() : 0, p ? p->busy_poll_us() : 0);
 }
+bool Transfer::poll() const {
+  if (state_->is_finished()) return true;
+  const uint32_t lane = state_->lane_hint.load(std::memory_order_relaxed);
+  if (state_->peer && lane != UINT32_MAX && state_->bytes.load(std::memory_order_relaxed) <= (256u << 10))
+    state_->peer->poll(lane);  // large transfers: their lanes' threads are awake anyway
+  return state_->is_finished();
+}
 Status Transfer::status() const { return state_->is_finished() ? state_->final_status() : Status::ok(); }
 void Transfer::cancel() const {
   if (state_->peer) state_->peer->cancel(state_.get());

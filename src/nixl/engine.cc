@@ -378,7 +378,7 @@ nixl_status_t TetherEngine::postXfer(const nixl_xfer_op_t&, const nixl_meta_dlis
 nixl_status_t TetherEngine::checkXfer(nixlBackendReqH* handle) const {
   auto* req = static_cast<Request*>(handle);
   if (!req->posted) return NIXL_ERR_NOT_POSTED;
-  if (!req->transfer.done()) return NIXL_IN_PROG;
+  if (!req->transfer.poll()) return NIXL_IN_PROG;
   const Status s = req->transfer.status();
   if (!s.is_ok() && !req->reported) {
     req->reported = true;
