@@ -109,9 +109,9 @@ class Transfer {
   Transfer() = default;
   explicit Transfer(std::shared_ptr<core::TransferState> s) : state_(std::move(s)) {}
   bool done() const;
-  // done(), after reading this transfer's answer from its lane if one is waiting there (never blocks):
-  // a caller that polls in a loop (NIXL's checkXfer) then sees a small transfer finish without
-  // waiting for a progress thread to wake, as wait() does.
+  // done(), after reading this transfer's answer from its lane if one is waiting there (never blocks;
+  // small transfers, on hosts whose progress threads sleep rather than spin): a caller that polls in a
+  // loop (NIXL's checkXfer) then sees a small transfer finish without waiting for a thread to wake.
   bool poll() const;
   // Waits up to timeout_ms (negative: forever). Returns the transfer's status, or kTimeout
   // if it is still running (it keeps running).
