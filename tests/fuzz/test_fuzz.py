@@ -35,11 +35,27 @@ def _clang() -> str:
     return ""
 
 
+def _drop_stale_cache(cxx: str) -> None:
+    """Removes a CMake cache configured with another compiler or without TETHER_BUILD_FUZZ: CMake deletes
+    such a cache itself on a compiler change and re-runs with defaults, dropping our -D options (the
+    fuzz target then does not exist)."""
+    cache = BUILD / "CMakeCache.txt"
+    if not cache.exists():
+        return
+    text = cache.read_text(errors="replace")
+    compiler = re.search(r"^CMAKE_CXX_COMPILER:\w+=(.*)$", text, re.M)
+    same = compiler is not None and Path(compiler.group(1)).resolve() == Path(cxx).resolve()
+    if not same or "TETHER_BUILD_FUZZ:BOOL=ON" not in text:
+        cache.unlink()
+        shutil.rmtree(BUILD / "CMakeFiles", ignore_errors=True)
+
+
 def build() -> Path:
     """Configures and builds build/fuzz/fuzz_endpoint; returns its path."""
     cxx = _clang()
     if not cxx:
         pytest.skip("no clang++ with libFuzzer (apt-get install clang libclang-rt-dev)")
+    _drop_stale_cache(cxx)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     subprocess.run(["cmake", "-S", str(ROOT), "-B", str(BUILD), *gen, f"-DCMAKE_CXX_COMPILER={cxx}",
                     "-DCMAKE_BUILD_TYPE=Release", "-DTETHER_BUILD_FUZZ=ON", "-DTETHER_BUILD_PYTHON=OFF",
