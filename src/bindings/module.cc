@@ -398,6 +398,7 @@ NB_MODULE(_tether, m) {
             d["lanes"] = lanes;
             d["ipc_cma_chunks"] = s.ipc_cma_chunks;
             d["ipc_shm_chunks"] = s.ipc_shm_chunks;
+            d["ipc_inline_chunks"] = s.ipc_inline_chunks;
             d["ipc_cuda_chunks"] = s.ipc_cuda_chunks;
             d["ipc_cuda_opens"] = s.ipc_cuda_opens;
             return d;

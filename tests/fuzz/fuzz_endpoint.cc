@@ -9,6 +9,9 @@
 //                ServerDone, NIC list): the connector's side of the handshake
 //   5 ipc        messages ({u16 length, bytes} each) on the lane of an ipc peer this harness set up
 //                as a same-host process does (lane to the target's socket, challenge, segment)
+//   6 ring       that peer's message ring (in our segment, src/transport/ipc/ring.h), then a doorbell:
+//                after a 0 byte, {u16 length, bytes} messages as well-formed records; after any other,
+//                a head index (8 bytes) and raw bytes over the ring, what a hostile process can write
 // Markers in the input stand for what the fuzzer cannot know: "tthr-KEY" (8 bytes) becomes the
 // target region's descriptor key, "RID!" its id, "tthr-HST" followed by 24 bytes the host id, and
 // (mode 4) "tthr-SES" the session of the connect being answered, (mode 5) "tthr-ADR" the address of a
@@ -41,6 +44,7 @@
 #include <vector>
 
 #include "core/wire.h"
+#include "transport/ipc/ring.h"
 #include "sys/topology.h"
 #include "tether/endpoint.h"
 
@@ -63,7 +67,8 @@ struct Harness {
   int fake_listener = -1;               // mode 4: where the target connects
   uint16_t fake_port = 0;
   std::vector<uint8_t> ipc_src;         // mode 5: bytes the target may copy from (marker tthr-ADR)
-  int segment = -1;                     // mode 5: our bounce segment (a sealed memfd)
+  int segment = -1;                     // modes 5, 6: our bounce segment (a sealed memfd), our ring at its end
+  uint8_t* ring = nullptr;              // mode 6: that ring, mapped here
   uint64_t cookie = 0x5eed5eed5eed5eedull;  // mode 5: what the target's cross-memory attach probe reads
   int base_fds = 0;
   uint64_t runs = 0;
@@ -247,11 +252,11 @@ bool try_tcp_peer(int fds[2], std::string* why) {
   return true;
 }
 
-// The ipc lane setup message (src/transport/ipc/ipc_transport.cc, Hello; ipc version 5).
+// The ipc lane setup message (src/transport/ipc/ipc_transport.cc, Hello; ipc version 6).
 #pragma pack(push, 1)
 struct IpcHello {
   uint32_t magic = 0x43504954;
-  uint16_t version = 5;
+  uint16_t version = 6;
   uint8_t stage = 1, verdict = 0;
   uint64_t session = 0;
   uint32_t lane = 0, lanes = 1;
@@ -362,6 +367,35 @@ void send_messages(int lane, std::string_view in) {
   }
 }
 
+// Mode 6: our ring (the target reads it from its start for every peer: it is cleared before each
+// connect), filled as the input says, then a doorbell on the lane.
+void fill_ring(int lane, std::string_view in) {
+  if (in.empty()) return;
+  const bool records = in[0] == 0;
+  in.remove_prefix(1);
+  if (records) {
+    transport::ipc::RingWriter w(h->ring);
+    while (in.size() >= 2) {
+      uint16_t n;
+      std::memcpy(&n, in.data(), 2);
+      in.remove_prefix(2);
+      n = uint16_t(std::min<size_t>(n, in.size()));
+      bool bell;
+      if (!w.push(in.data(), n, &bell)) break;
+      in.remove_prefix(n);
+    }
+  } else if (in.size() >= 8) {
+    auto* ctl = reinterpret_cast<transport::ipc::RingControl*>(h->ring);
+    uint64_t head;
+    std::memcpy(&head, in.data(), 8);
+    in.remove_prefix(8);
+    std::memcpy(h->ring + 4096, in.data(), std::min<size_t>(in.size(), transport::ipc::kRingData));
+    ctl->head.store(head);
+  }
+  const char bell = 0;
+  (void)::send(lane, &bell, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
 // The peers this harness made are gone (the legitimate one stays).
 void wait_reaped() {
   const int64_t until = now_ms() + kGoneMs;
@@ -432,9 +466,13 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   h->ipc_src.resize(kRegionBytes);
   for (size_t i = 0; i < kRegionBytes; ++i) h->ipc_src[i] = uint8_t(i * 13 + 5);
   h->segment = ::memfd_create("fuzz-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (h->segment < 0 || ::ftruncate(h->segment, 256 << 10) != 0 ||
+  constexpr uint64_t kSlots = 256 << 10;  // a bounce segment: slots, then one lane's ring
+  if (h->segment < 0 || ::ftruncate(h->segment, kSlots + transport::ipc::kRingBytes) != 0 ||
       ::fcntl(h->segment, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0)
     finding("memfd");
+  void* seg = ::mmap(nullptr, kSlots + transport::ipc::kRingBytes, PROT_READ | PROT_WRITE, MAP_SHARED, h->segment, 0);
+  if (seg == MAP_FAILED) finding("mmap of the segment");
+  h->ring = static_cast<uint8_t*>(seg) + kSlots;
   h->fake_listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -451,16 +489,18 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  const uint8_t mode = data[0] % 6;
+  const uint8_t mode = data[0] % 7;
   const std::string in = substitute(data + 1, size - 1);
   if (mode == 3) {
     decoders(in);
   } else if (mode == 4) {
     hostile_listener(in);
     wait_reaped();
-  } else if (mode == 5) {
+  } else if (mode == 5 || mode == 6) {
+    std::memset(h->ring, 0, 4096);  // indexes from 0: a fresh peer's reader starts there
     auto [control, lane] = connect_with(try_ipc_peer, "ipc");
-    send_messages(lane, in);
+    if (mode == 5) send_messages(lane, in);
+    else fill_ring(lane, in);
     drain_until_closed(lane, 2);
     ::close(lane);
     ::close(control);

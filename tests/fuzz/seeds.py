@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from tether_testutil import client_hello, client_proof, server_hello  # noqa: E402
 
-HANDSHAKE, CONTROL, FRAMES, DECODERS, LISTENER, IPC_LANE = range(6)
+HANDSHAKE, CONTROL, FRAMES, DECODERS, LISTENER, IPC_LANE, IPC_RING = range(7)
 HOST = b"tthr-HST" + b"\0" * 24
 KEY, RID, ADR = b"tthr-KEY", b"RID!", b"tthr-ADR"
 REGION = 64 << 10
@@ -48,7 +48,7 @@ def seeds() -> dict[str, bytes]:
     # 0: a stranger's first bytes
     s["hs_tcp"] = bytes([HANDSHAKE]) + client_hello(transports=TCP) + client_proof(b"tcp", lanes=1)
     s["hs_tcp_two_lanes"] = bytes([HANDSHAKE]) + client_hello(transports=TCP, lanes=2) + client_proof(b"tcp", lanes=2)
-    ipc_offer = struct.pack("<HQQ", 5, 0, 0)
+    ipc_offer = struct.pack("<HQQ", 6, 0, 0)
     s["hs_ipc_claim"] = (bytes([HANDSHAKE]) + client_hello(host_id=HOST, transports=IPC) +
                          client_proof(b"ipc", lanes=1, offer=ipc_offer))
     s["hs_fabric"] = (bytes([HANDSHAKE]) + client_hello(transports=FABRIC) +
@@ -83,7 +83,7 @@ def seeds() -> dict[str, bytes]:
     sh_tcp = server_hello(bytes(32), {"tcp": b""})
     done = struct.pack("<BBH4x", 0, 0, 17) + b"lo 127.0.0.1/8\n"[:17].ljust(17, b"\n")
     s["ls_tcp"] = bytes([LISTENER]) + sh_tcp + done
-    s["ls_ipc"] = (bytes([LISTENER]) + server_hello(HOST, {"ipc": b"\5\0" + b"tthr-SES" + b"\0" * 8 + b"tether-ipc-x"}) +
+    s["ls_ipc"] = (bytes([LISTENER]) + server_hello(HOST, {"ipc": b"\6\0" + b"tthr-SES" + b"\0" * 8 + b"tether-ipc-x"}) +
                    struct.pack("<BBH4x", 0, 0, 0))
     s["ls_refused"] = bytes([LISTENER]) + server_hello(bytes(32), {"tcp": b""}) + struct.pack("<BBH4x", 3, 0, 0)
     s["ls_fabric"] = bytes([LISTENER]) + server_hello(bytes(32), {"fabric": b"\0" * 64, "tcp": b""})
@@ -99,6 +99,12 @@ def seeds() -> dict[str, bytes]:
     s["ipc_release"] = bytes([IPC_LANE]) + messages(ipc_frame(0x41, 0, 0, zero))
     s["ipc_send"] = bytes([IPC_LANE]) + messages(ipc_frame(5, 8, 1, ADR, region=b"\0" * 4))
     s["ipc_ack"] = bytes([IPC_LANE]) + messages(ipc_frame(2, 0, 0, zero))
+    s["ipc_write_inline"] = bytes([IPC_LANE]) + messages(ipc_frame(1, 16, 4, zero, offset=64) + b"i" * 16)
+    # 6: the same peer's message ring: well-formed records, then raw bytes with a head index
+    s["ring_records"] = bytes([IPC_RING, 0]) + messages(ipc_frame(1, 16, 4, zero) + b"r" * 16,
+                                                         ipc_frame(1, 64, 1, ADR, offset=128), ipc_frame(3, 64, 1, zero))
+    record = struct.pack("<II", 176, 0) + ipc_frame(1, 16, 4, zero) + b"q" * 16
+    s["ring_raw"] = bytes([IPC_RING, 1]) + struct.pack("<Q", len(record)) + record
     return s
 
 

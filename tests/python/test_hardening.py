@@ -263,7 +263,8 @@ def test_listener_offer_naming_the_connector_itself_is_refused(endpoints):
     me = endpoints(name="connector")
     s = raw_connect(me.address)
     s.sendall(client_hello(host_id=host_id_of(me.metadata())))
-    own = read_server_hello(s)["offers"]["ipc"][18:]
+    real = read_server_hello(s)["offers"]["ipc"]
+    own, version = real[18:], struct.unpack_from("<H", real)[0]  # the ipc version this build speaks
     s.close()
     cases = [(own, "own ipc socket"), (own, "own ipc socket"), (b"some-other-service", "malformed ipc offer")]
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -279,7 +280,7 @@ def test_listener_offer_naming_the_connector_itself_is_refused(endpoints):
                 return
             with conn:
                 h = parse_client_hello(recv_exact(conn, CLIENT_HELLO_SIZE))
-                offer = struct.pack("<HQQ", 5, h["session"], int.from_bytes(os.urandom(8), "little")) + name
+                offer = struct.pack("<HQQ", version, h["session"], int.from_bytes(os.urandom(8), "little")) + name
                 conn.sendall(server_hello(h["host_id"], {"ipc": offer}))
                 seen.append(recv_exact(conn, 56, timeout=2))  # a proof would mean it went ahead
 

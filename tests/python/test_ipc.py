@@ -144,8 +144,10 @@ def test_automatic_fallback_when_cross_memory_attach_is_refused(children):
     assert b.call("write", "src", da, accepted=True) == ("ok", size)
     assert_bytes_equal(_get(a, "land"), rand_bytes(32, size), "B's write into A")
     a1, b1 = a.call("stats"), b.call("stats")
-    assert b1["ipc_shm_chunks"] - b0["ipc_shm_chunks"] >= 4 and b1["ipc_cma_chunks"] - b0["ipc_cma_chunks"] >= 4
-    assert a1["ipc_cma_chunks"] - a0["ipc_cma_chunks"] >= 4 and a1["ipc_shm_chunks"] == a0["ipc_shm_chunks"]
+    d = {k: (a1[k] - a0[k], b1[k] - b0[k]) for k in ("ipc_cma_chunks", "ipc_shm_chunks", "ipc_inline_chunks")}
+    # 3 MiB + 7 is three full chunks and 7 bytes, which travel in their request message (inline)
+    assert d["ipc_shm_chunks"][1] >= 3 and d["ipc_cma_chunks"][1] >= 4 and d["ipc_inline_chunks"][1] >= 1, d
+    assert d["ipc_cma_chunks"][0] >= 3 and d["ipc_shm_chunks"][0] == 0 and d["ipc_inline_chunks"][0] >= 1, d
     # a read by B: B may not attach to A, so A pushes into B's segment
     b.call("register", "rb", size)
     assert b.call("read", "rb", da, accepted=True) == ("ok", size)

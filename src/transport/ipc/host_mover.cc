@@ -81,6 +81,12 @@ int Segment::map(int fd) {
   return 0;
 }
 
+int InlineMover::pull(uint64_t remote, uint8_t* dst, uint64_t len) {
+  if (remote > len_ || len > len_ - remote) return EPROTO;
+  std::memcpy(dst, bytes_ + remote, len);
+  return 0;
+}
+
 int ShmMover::pull(uint64_t remote, uint8_t* dst, uint64_t len) {
   if (remote > seg_.size() || len > seg_.size() - remote) return ERANGE;
   std::memcpy(dst, seg_.base() + remote, len);

@@ -9,6 +9,7 @@
 #pragma once
 #include <sys/types.h>
 
+#include <cerrno>
 #include <cstdint>
 
 namespace tether::transport::ipc {
@@ -18,7 +19,10 @@ enum class Where : uint8_t {
   kCma = 1,   // addr: a virtual address in the initiator (a read's answer: in the target; its request: 0)
   kShm = 2,   // addr: a byte offset in the initiator's bounce segment
   kCuda = 3,  // addr: a byte offset in the GPU allocation the frame's CudaRef names (cuda_mover.h)
+  kInline = 4,  // a small write's bytes follow the frame in its message; addr: 0
 };
+
+constexpr uint64_t kInlineMax = 8 << 10;  // up to here two memcpys beat one process_vm_readv
 
 class Mover {
  public:
@@ -42,6 +46,18 @@ class CmaMover final : public Mover {
 
  private:
   pid_t pid_;
+};
+
+// The bytes carried in the request message itself (Where::kInline): the lane's receive buffer.
+class InlineMover final : public Mover {
+ public:
+  void set(const uint8_t* bytes, uint64_t len) { bytes_ = bytes; len_ = len; }
+  int pull(uint64_t remote, uint8_t* dst, uint64_t len) override;
+  int push(const uint8_t*, uint64_t, uint64_t) override { return EPROTO; }  // reads never come inline
+
+ private:
+  const uint8_t* bytes_ = nullptr;
+  uint64_t len_ = 0;
 };
 
 // A sealed memfd mapped shared: this side's bounce slots, or the other side's mapped here.

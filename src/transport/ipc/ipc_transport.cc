@@ -24,6 +24,7 @@
 #include "sys/net.h"
 #include "transport/ipc/cuda_mover.h"
 #include "transport/ipc/host_mover.h"
+#include "transport/ipc/ring.h"
 
 namespace tether::transport {
 
@@ -37,9 +38,10 @@ using wire::FrameType;
 namespace ipc {
 
 constexpr uint32_t kHelloMagic = 0x43504954;  // "TIPC"
-constexpr uint16_t kIpcVersion = 5;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
+constexpr uint16_t kIpcVersion = 6;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
                                      // 4: host reads copied by the initiator (kReadReq with kCma);
-                                     // 5: the connector opens the lanes, to the listener (same host proven)
+                                     // 5: the connector opens the lanes, to the listener (same host proven);
+                                     // 6: message rings at the end of each bounce segment (ring.h)
 constexpr const char* kSocketPrefix = "tether-ipc-";  // every endpoint's lane socket: this and 16 hex digits
 constexpr int kSocketBuffer = 1 << 20;        // frames in flight per lane are bounded by the window
 constexpr size_t kMaxParked = 1024;            // lane sockets accepted and not yet claimed by a handshake
@@ -102,6 +104,8 @@ struct IpcPeer {
   std::atomic<bool> sending{false};  // setup done: lanes may pull and send ours
   int64_t setup_deadline_ms = 0;     // listener: the connector's stage 3 must come by then
   std::unique_ptr<CudaImports> imports;  // the other side's GPU allocations we opened (kept until the peer goes)
+  std::vector<std::unique_ptr<RingWriter>> out;  // per lane: our messages, in `own`
+  std::vector<std::unique_ptr<RingReader>> in;   // per lane: theirs, in `theirs`
 };
 
 struct Lane {
@@ -110,6 +114,8 @@ struct Lane {
   std::shared_ptr<IpcPeer> ip;
   uint32_t index = 0;
   int fd = -1;
+  RingReader* ring = nullptr;        // the other side's messages on this lane (IpcPeer::in)
+  InlineMover inline_bytes;          // lane thread: the request being served, when its bytes came in it
   bool setup_first = false;          // listener's lane 0: finish the setup before serving
   std::thread thread;
   std::atomic<bool> finished{false};
@@ -165,6 +171,19 @@ bool send_msg(int fd, const void* buf, size_t len, int pass_fd) {
     if (n < 0 && errno == EINTR) continue;
     return n == ssize_t(len);
   }
+}
+
+// One message on a lane: through its ring where it fits (a doorbell on the socket if the other side
+// sleeps), else over the socket. False (errno set): the lane is gone.
+bool send_lane(IpcPeer& ip, uint32_t lane, const void* buf, size_t len) {
+  bool doorbell = false;
+  if (lane < ip.out.size() && ip.out[lane]->push(buf, len, &doorbell)) {
+    if (!doorbell) return true;
+    const char bell = 0;
+    // EAGAIN: its socket is full, so it has something to read and wakes without us.
+    return ::send(ip.fds[lane], &bell, 1, MSG_NOSIGNAL | MSG_DONTWAIT) == 1 || errno == EAGAIN || errno == EWOULDBLOCK;
+  }
+  return send_msg(ip.fds[lane], buf, len, -1);
 }
 
 // One message (blocking, or bounded by deadline_ms when >= 0); *got_fd receives a passed fd.
@@ -276,7 +295,7 @@ Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   f.addr = nrefs;
   std::memcpy(msg, &f, sizeof f);
   const size_t bytes = sizeof(Frame) + n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef);
-  if (send_msg(ip.fds[lane], msg, bytes, -1)) return Sent::kSent;
+  if (send_lane(ip, lane, msg, bytes)) return Sent::kSent;
   fail_peer(p, Code::kConnectionLost, std::strerror(errno));
   return Sent::kLaneGone;
 }
@@ -297,6 +316,15 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
       return Sent::kRefused;
     }
     f.where = uint8_t(Where::kCuda);
+  } else if (!read && op.length <= kInlineMax) {  // small: the bytes travel in the message
+    thread_local std::unique_ptr<uint8_t[]> msg;
+    if (!msg) msg = std::make_unique<uint8_t[]>(sizeof(Frame) + kInlineMax);
+    f.where = uint8_t(Where::kInline);
+    std::memcpy(msg.get(), &f, sizeof f);
+    if (op.length > 0) std::memcpy(msg.get() + sizeof f, op.payload, op.length);
+    if (send_lane(ip, lane, msg.get(), sizeof f + op.length)) return Sent::kSent;
+    fail_peer(p, Code::kConnectionLost, std::strerror(errno));
+    return Sent::kLaneGone;
   } else if (ip.out_cma && !read) {
     f.where = uint8_t(Where::kCma);
     f.addr = reinterpret_cast<uint64_t>(op.local);
@@ -307,7 +335,7 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
     f.addr = uint64_t(op.hdr.slot) * ip.slot_bytes;
     if (op.length > 0) std::memcpy(ip.own.base() + f.addr, op.payload, op.length);  // slot is ours until answered
   }
-  if (send_msg(ip.fds[lane], &f, sizeof f, -1)) return Sent::kSent;
+  if (send_lane(ip, lane, &f, sizeof f)) return Sent::kSent;
   fail_peer(p, Code::kConnectionLost, std::strerror(errno));
   return Sent::kLaneGone;
 }
@@ -346,10 +374,12 @@ void pump_all(IpcPeer& ip, PeerState& p, bool one_round = false) {
 
 // ---------------------------------------------------------------- target side
 
-Mover* mover_for(IpcPeer& ip, uint8_t where) {
-  return where == uint8_t(Where::kCma) ? static_cast<Mover*>(ip.cma.get())
-       : where == uint8_t(Where::kShm) ? static_cast<Mover*>(ip.shm.get())
-                                       : nullptr;
+Mover* mover_for(Lane& l, uint8_t where) {
+  IpcPeer& ip = *l.ip;
+  return where == uint8_t(Where::kCma)    ? static_cast<Mover*>(ip.cma.get())
+       : where == uint8_t(Where::kShm)    ? static_cast<Mover*>(ip.shm.get())
+       : where == uint8_t(Where::kInline) ? static_cast<Mover*>(&l.inline_bytes)
+                                          : nullptr;
 }
 
 // What moving one piece came to: `code` answers the chunk; `err` (an errno) ends the lane (EPROTO: the
@@ -375,7 +405,7 @@ Moved pull_piece(Lane& l, core::EndpointImpl* ep, uint8_t where, uint64_t addr, 
     stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
     return m;
   }
-  Mover* mv = mover_for(ip, where);
+  Mover* mv = mover_for(l, where);
   if (!mv) return Moved{Code::kOk, EPROTO};
   if (dev < 0) {
     m.err = mv->pull(addr, dst, len);
@@ -387,7 +417,10 @@ Moved pull_piece(Lane& l, core::EndpointImpl* ep, uint8_t where, uint64_t addr, 
       m.code = Code::kInternal;
     if (!m.err) stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
   }
-  if (!m.err) (where == uint8_t(Where::kCma) ? stats.ipc_cma_chunks : stats.ipc_shm_chunks).fetch_add(1, std::memory_order_relaxed);
+  if (!m.err)
+    (where == uint8_t(Where::kCma)    ? stats.ipc_cma_chunks
+     : where == uint8_t(Where::kShm)  ? stats.ipc_shm_chunks
+                                      : stats.ipc_inline_chunks).fetch_add(1, std::memory_order_relaxed);
   return m;
 }
 
@@ -401,7 +434,7 @@ bool answer_frame(Lane& l, const FrameHeader& h, Code c, uint8_t where = 0, uint
   a.where = where;
   a.addr = addr;
   if (ref) a.cuda = *ref;
-  if (send_msg(l.fd, &a, sizeof a, -1)) return true;
+  if (send_lane(*l.ip, l.index, &a, sizeof a)) return true;
   fail_peer(*l.peer, Code::kConnectionLost, std::strerror(errno));
   return false;
 }
@@ -473,7 +506,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   Moved m;
   if (c == Code::kOk && h.length > 0 && local) {
     if (type == FrameType::kReadReq) {  // our host bytes into the initiator's segment
-      Mover* mv = mover_for(ip, f.where);
+      Mover* mv = mover_for(l, f.where);
       if (f.where != uint8_t(Where::kShm) || !mv) m.err = EPROTO;
       else m.err = mv->push(local, f.addr, h.length);
       if (!m.err) stats.ipc_shm_chunks.fetch_add(1, std::memory_order_relaxed);
@@ -646,6 +679,8 @@ bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
       done.hdr.type = kReadDone;
       done.hdr.slot = h.slot;
       done.hdr.gen = h.gen;
+      // Over the socket, not the ring: a send there fails once the target cut us (region_stalled), so
+      // a read it gave up on fails here instead of completing with bytes it no longer guards.
       if (!send_msg(l.fd, &done, sizeof done, -1)) {
         fail_peer(p, Code::kConnectionLost, std::strerror(errno));
         return false;
@@ -678,6 +713,25 @@ bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   if (p.answer(l.index, h.slot, h.gen, status) != Code::kOk) {
     fail_peer(p, Code::kProtocolError, "an answer to no request");
     return false;
+  }
+  return true;
+}
+
+// A bounce segment: the slots, then a message ring per lane (page-aligned, at the end).
+uint64_t segment_bytes(uint64_t slots_bytes, uint32_t lanes) { return ((slots_bytes + 4095) & ~uint64_t(4095)) + lanes * kRingBytes; }
+
+// Our rings at the end of our segment, theirs at the end of theirs (mapped); false when theirs has no room.
+bool make_rings(IpcPeer& ip, uint32_t lanes, std::string* why) {
+  const uint64_t need = uint64_t(lanes) * kRingBytes;
+  if (ip.theirs.size() < need || (ip.theirs.size() - need) % 4096 != 0 || ip.own.size() < need) {
+    *why = "the peer's bounce segment has no room for its message rings";
+    return false;
+  }
+  uint8_t* ours = ip.own.base() + (ip.own.size() - need);
+  uint8_t* other = ip.theirs.base() + (ip.theirs.size() - need);
+  for (uint32_t i = 0; i < lanes; ++i) {
+    ip.out.push_back(std::make_unique<RingWriter>(ours + i * kRingBytes));
+    ip.in.push_back(std::make_unique<RingReader>(other + i * kRingBytes));
   }
   return true;
 }
@@ -747,29 +801,55 @@ bool finish_listener_setup(Lane& l, int host_mode) {
   return true;
 }
 
-// The lane's next message. Within `busy_us` of the last one it polls without sleeping: a request or an
-// answer usually follows soon, and a sleeping thread takes longer to wake than an NVLink copy of a
-// few MiB takes (docs/ARCHITECTURE.md, "Waking up").
+// The lane's next message, from its ring or its socket: its length, 0 when the other side closed the
+// lane, -1 (errno) when the socket failed, kRingBroken when the other side broke the ring's rules.
+// Within `busy_us` of the last message it polls without sleeping: a request or an answer usually
+// follows soon, and a sleeping thread takes longer to wake than an NVLink copy of a few MiB takes
+// (docs/ARCHITECTURE.md, "Waking up"). Doorbells (one byte) only wake it.
 //
 // Polling lanes do not send queued chunks themselves: tried (session 5), it made lone and
 // many-in-flight transfers slower — packing a batch holds the peer's mutex, and lanes that met it
 // slept on it (docs/PERFORMANCE.md, "Session 5").
+constexpr ssize_t kRingBroken = -2;
 ssize_t next_msg(Lane& l, uint32_t busy_us, std::chrono::steady_clock::time_point* last) {
   using Clock = std::chrono::steady_clock;
-  if (busy_us > 0) {
-    const auto until = *last + std::chrono::microseconds(busy_us);
-    do {
-      const ssize_t n = ::recv(l.fd, l.rx.get(), kMaxMsg, MSG_DONTWAIT);
-      if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
-        *last = Clock::now();
-        return n;
-      }
-      sched_yield();  // a runnable thread of ours (or the peer's) gets the core first
-    } while (Clock::now() < until);
+  RingReader& ring = *l.ring;
+  uint8_t* rx = l.rx.get();
+  for (;;) {
+    if (busy_us > 0) {
+      const auto until = *last + std::chrono::microseconds(busy_us);
+      uint32_t spins = 0;
+      do {
+        if (const ssize_t n = ring.pop(rx, kMaxMsg); n != 0) {
+          *last = Clock::now();
+          return n > 0 ? n : kRingBroken;
+        }
+        if ((++spins & 3) == 0) {  // large messages, a closed lane: the socket, every few turns
+          const ssize_t n = ::recv(l.fd, rx, kMaxMsg, MSG_DONTWAIT);
+          if (n == 1) continue;
+          if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+            *last = Clock::now();
+            return n;
+          }
+          sched_yield();  // a runnable thread of ours (or the peer's) gets the core first
+        } else {
+#if defined(__x86_64__)
+          __builtin_ia32_pause();
+#endif
+        }
+      } while (Clock::now() < until);
+    }
+    ring.sleep_begin();
+    if (const ssize_t n = ring.pop(rx, kMaxMsg); n != 0) {
+      ring.sleep_end();
+      *last = Clock::now();
+      return n > 0 ? n : kRingBroken;
+    }
+    const ssize_t n = ::recv(l.fd, rx, kMaxMsg, 0);
+    ring.sleep_end();
+    *last = Clock::now();
+    if (n != 1) return n;
   }
-  const ssize_t n = ::recv(l.fd, l.rx.get(), kMaxMsg, 0);
-  *last = Clock::now();
-  return n;
 }
 
 void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
@@ -779,7 +859,11 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
   if (!l->setup_first || finish_listener_setup(*l, host_mode)) {
     for (;;) {
       ssize_t n = next_msg(*l, busy_us, &last);
-      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && n != kRingBroken && errno == EINTR) continue;
+      if (n == kRingBroken) {
+        fail_peer(p, Code::kProtocolError, "the peer broke its message ring");
+        break;
+      }
       if (n <= 0) {
         fail_peer(p, Code::kConnectionLost, n == 0 ? "the peer closed it" : std::strerror(errno));
         break;
@@ -792,11 +876,14 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
       const bool release = f.hdr.type == kRelease;
       const bool request = type == FrameType::kWrite || type == FrameType::kReadReq || type == FrameType::kSendData;
       const bool answer = type == FrameType::kAck || type == FrameType::kReadResp;
-      if (size_t(n) < sizeof f || (!batch && n != ssize_t(sizeof f)) || (f.hdr.flags & ~wire::kKnownFlags) != 0 ||
+      const bool carried = f.where == uint8_t(Where::kInline) && type != FrameType::kReadReq && request;
+      const uint64_t extra = size_t(n) >= sizeof f ? uint64_t(n) - sizeof f : 0;  // inline bytes
+      if (size_t(n) < sizeof f || (!batch && (extra != (carried ? f.hdr.length : 0) || extra > kInlineMax)) || (f.hdr.flags & ~wire::kKnownFlags) != 0 ||
           (!request && !answer && !batch && !done && !release) || !l->ip->ready.load(std::memory_order_acquire)) {
         fail_peer(p, Code::kProtocolError, "the peer sent a malformed frame");
         break;
       }
+      l->inline_bytes.set(carried ? l->rx.get() + sizeof f : nullptr, carried ? extra : 0);
       if (request) {
         if (!serve(*l, ep, f)) break;
       } else if (batch) {
@@ -1075,7 +1162,7 @@ Result<std::string> IpcTransport::connector_offer(uint64_t session, std::string_
   ip->cookie = crypto::random_u64() | 1;
   ip->slot_bytes = c.chunk_bytes;
   const uint64_t slots = uint64_t(std::max<uint32_t>(1, c.window / lanes)) * lanes;  // as PeerState sizes its slots
-  if (int e = ip->own.create(slots * c.chunk_bytes)) return Status(Code::kUnavailable, std::string("bounce segment: ") + std::strerror(e));
+  if (int e = ip->own.create(segment_bytes(slots * c.chunk_bytes, lanes))) return Status(Code::kUnavailable, std::string("bounce segment: ") + std::strerror(e));
   std::vector<int> fds;
   auto cleanup = [&] { for (int fd : fds) ::close(fd); };
   sockaddr_un a;
@@ -1147,7 +1234,7 @@ std::shared_ptr<IpcPeer> new_peer(PeerState& p, uint64_t session, uint64_t chunk
   ip->cookie = crypto::random_u64() | 1;
   const uint64_t chunk = chunk_bytes;
   ip->slot_bytes = chunk;
-  if (int e = ip->own.create(uint64_t(p.slot_count()) * chunk)) *s = Status(Code::kUnavailable, std::string("bounce segment: ") + std::strerror(e));
+  if (int e = ip->own.create(segment_bytes(uint64_t(p.slot_count()) * chunk, p.lanes()))) *s = Status(Code::kUnavailable, std::string("bounce segment: ") + std::strerror(e));
   return ip;
 }
 }  // namespace
@@ -1200,6 +1287,7 @@ Status IpcTransport::attach_listener(const std::shared_ptr<PeerState>& peer, std
   std::string why;
   if (int e = ip->theirs.map(seg_fd)) why = std::string("cannot map the peer's bounce segment: ") + std::strerror(e);
   else ip->shm = std::make_unique<ShmMover>(ip->theirs);
+  if (why.empty()) make_rings(*ip, lanes, &why);
   if (why.empty()) probe_other(*ip, zero->hello, host_mode_, &why);
   if (!why.empty()) { cleanup(); return Status(Code::kUnavailable, why); }
   for (int fd : fds) {
@@ -1249,6 +1337,7 @@ Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, st
   std::string why;
   if (int e = ip->theirs.map(seg_fd)) why = std::string("cannot map the peer's bounce segment: ") + std::strerror(e);
   else ip->shm = std::make_unique<ShmMover>(ip->theirs);
+  if (why.empty()) make_rings(*ip, lanes, &why);
   if (why.empty()) probe_other(*ip, m2, host_mode_, &why);
   if (why.empty()) take_verdict(*ip, m2.verdict, host_mode_, &why);
   if (!why.empty()) { cleanup(); return Status(Code::kUnavailable, why); }
@@ -1270,6 +1359,7 @@ Status IpcTransport::start_lanes(const std::shared_ptr<PeerState>& peer, const s
     l->index = i;
     l->fd = ip->fds[i];
     l->setup_first = listener && i == 0;
+    l->ring = ip->in[i].get();
     l->rx = std::make_unique<uint8_t[]>(kMaxMsg);
     l->cuda = std::make_unique<CudaLane>();
     l->held.reserve(std::min<uint32_t>(peer->slot_count(), 4096));
