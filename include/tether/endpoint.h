@@ -181,6 +181,10 @@ struct Notification {
 // What a lane or a NIC carried. errors: lanes lost; resends: chunks moved off a lost lane.
 struct LinkStats {
   uint64_t bytes_sent = 0, bytes_received = 0, chunks_sent = 0, chunks_received = 0, errors = 0, resends = 0;
+  // tcp lanes (and their NICs; 0 elsewhere): seconds inside sendmsg / recv, and waiting on GPU staging copies
+  // (from each copy's start until the lane saw it done). Against wall time they show where a lane's
+  // time goes: the kernel's copies, the GPU's, or neither (asleep, waiting for work or a wake-up).
+  double send_s = 0, recv_s = 0, staging_s = 0;
 };
 struct NicStats {
   std::string name;   // interface; "other" for lanes on no known interface

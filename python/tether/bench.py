@@ -344,6 +344,8 @@ def serve(ep: "tether.Endpoint", channel) -> bool:
         buf, region = slots[slot]
         if cmd == "cpu":
             return cpu_seconds()
+        if cmd == "stats":  # the target's counters (`tether bench --stats` shows both sides)
+            return ep.stats()
         if cmd == "poison":
             buf.fill(POISON, args[0])
             return True

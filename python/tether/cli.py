@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "buffers; the table gets each row's fraction of it, the caption its GB/s and CPU-s "
                         "per GB (--transport tcp, --role local)")
     b.add_argument("--nics", metavar="LIST", default=None, help="data NICs in order, e.g. eth1,eth2 (sets TETHER_NICS)")
-    b.add_argument("--stats", action="store_true", help="per-NIC and per-channel counters of the driving endpoint")
+    b.add_argument("--stats", action="store_true", help="per-NIC and per-channel counters of both endpoints (tcp lanes also: seconds in sendmsg, recv and GPU staging copies)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--role", choices=["local", "server", "client"], default=None,
                    help="local: two processes here (default); server/client: one side each on two hosts. "
@@ -230,15 +230,18 @@ def print_whole(table, stderr: bool = False) -> None:
     Console(stderr=stderr, width=m.maximum if width is None else max(width, m.minimum)).print(table)
 
 
-def stats_tables(stats: dict, combo: dict) -> None:
-    """Per-NIC and per-channel (lane) counters: bytes, chunks, lanes lost, chunks resent elsewhere."""
+def stats_tables(stats: dict, combo: dict, side: str = "driving side") -> None:
+    """Per-NIC and per-channel (lane) counters: bytes, chunks, lanes lost, chunks resent elsewhere, and
+    (tcp lanes) milliseconds inside sendmsg / recv and waiting on GPU staging copies, over the run so far."""
     from rich.table import Table
 
-    cols = ("MiB sent", "MiB received", "chunks sent", "chunks received", "errors", "resends")
+    cols = ("MiB sent", "MiB received", "chunks sent", "chunks received", "errors", "resends",
+            "ms in send", "ms in recv", "ms staging")
 
     def nums(x):
         return [f"{x['bytes_sent'] / 2**20:.1f}", f"{x['bytes_received'] / 2**20:.1f}", str(x["chunks_sent"]),
-                str(x["chunks_received"]), str(x["errors"]), str(x["resends"])]
+                str(x["chunks_received"]), str(x["errors"]), str(x["resends"]),
+                f"{x['send_s'] * 1e3:.1f}", f"{x['recv_s'] * 1e3:.1f}", f"{x['staging_s'] * 1e3:.1f}"]
 
     def table(title, text_cols):
         t = Table(title=title)
@@ -248,11 +251,11 @@ def stats_tables(stats: dict, combo: dict) -> None:
             t.add_column(c, justify="right", overflow="fold", min_width=max(len(w) for w in c.split()))
         return t
 
-    t = table(f"per NIC {combo or ''}", ("NIC",))
+    t = table(f"{side}: per NIC {combo or ''}", ("NIC",))
     for n in stats["nics"]:
         t.add_row(n["name"], *nums(n))
     print_whole(t, stderr=True)
-    t = table("per channel (lane)", ("peer", "lane", "local NIC", "local", "remote", "alive"))
+    t = table(f"{side}: per channel (lane)", ("peer", "lane", "local NIC", "local", "remote", "alive"))
     for l in stats["lanes"]:
         t.add_row(l["peer"], str(l["lane"]), l["local_nic"] or "-", l["local_addr"], l["remote_addr"],
                   "yes" if l["alive"] else "[red]no[/red]", *nums(l))
@@ -423,6 +426,7 @@ def bench(args) -> int:
                     combo_rows.append(r)
                 if args.stats:
                     stats_tables(pair.ep.stats(), combo)
+                    stats_tables(pair.ask("stats"), combo, side="target side")
                 lanes = sum(1 for l in pair.ep.stats()["lanes"] if l["peer_id"] == pair.peer.id)
                 shape = (lanes, pair.ep.config.chunk_bytes, pair.ep.config.socket_buffer)
             except Exception as e:

@@ -373,6 +373,9 @@ NB_MODULE(_tether, m) {
               x["chunks_received"] = l.chunks_received;
               x["errors"] = l.errors;
               x["resends"] = l.resends;
+              x["send_s"] = l.send_s;
+              x["recv_s"] = l.recv_s;
+              x["staging_s"] = l.staging_s;
             };
             nb::list nics, lanes;
             for (auto& n : s.nics) {

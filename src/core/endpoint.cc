@@ -1185,7 +1185,8 @@ EndpointStats Endpoint::stats() const {
   o.rejected_requests = s.rejected_requests.load();
   auto link = [](const core::LinkCounters& c) {
     return LinkStats{c.bytes_sent.load(), c.bytes_received.load(), c.chunks_sent.load(), c.chunks_received.load(),
-                     c.errors.load(), c.resends.load()};
+                     c.errors.load(), c.resends.load(), double(c.send_ns.load()) * 1e-9, double(c.recv_ns.load()) * 1e-9,
+                     double(c.staging_ns.load()) * 1e-9};
   };
   const auto& plan = impl_->plan();
   for (size_t i = 0; i <= plan.all.size(); ++i) {

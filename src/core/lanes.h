@@ -3,6 +3,7 @@
 // peers), lane counters in the peer (they outlive a dead lane, so stats show what it did).
 #pragma once
 #include <atomic>
+#include <ctime>
 #include <cstdint>
 #include <string>
 
@@ -12,7 +13,16 @@ struct LinkCounters {
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, chunks_sent{0}, chunks_received{0};
   std::atomic<uint64_t> errors{0};   // lanes lost (socket error, timeout, peer closed it)
   std::atomic<uint64_t> resends{0};  // chunks in flight on a lost lane, moved to a surviving one
+  // tcp lanes (issue 20's breakdown): time inside sendmsg and recv, and from the start of each GPU
+  // staging copy until the lane saw it finished (out of the GPU before a send, into it after a receive).
+  std::atomic<uint64_t> send_ns{0}, recv_ns{0}, staging_ns{0};
 };
+
+inline uint64_t mono_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return uint64_t(t.tv_sec) * 1000000000u + uint64_t(t.tv_nsec);
+}
 
 struct LanePath {
   int nic = -1;                  // index into the endpoint's data NICs; -1: not on one (loopback)
@@ -26,6 +36,10 @@ inline void count_sent(LinkCounters* lane, LinkCounters* nic, uint64_t bytes) {
     c->bytes_sent.fetch_add(bytes, std::memory_order_relaxed);
     c->chunks_sent.fetch_add(1, std::memory_order_relaxed);
   }
+}
+inline void count_time(std::atomic<uint64_t> LinkCounters::*what, LinkCounters* lane, LinkCounters* nic, uint64_t ns) {
+  (lane->*what).fetch_add(ns, std::memory_order_relaxed);
+  (nic->*what).fetch_add(ns, std::memory_order_relaxed);
 }
 inline void count_received(LinkCounters* lane, LinkCounters* nic, uint64_t bytes) {
   for (LinkCounters* c : {lane, nic}) {

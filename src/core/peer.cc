@@ -33,6 +33,18 @@ const char* op_name(OpKind op) {
   return "?";
 }
 
+// A staged GPU read moves each chunk three times in a row (the target copies it out of its GPU, sends
+// it, we copy it into ours): a read of only a few chunks per lane cannot overlap them. Such reads use
+// chunks of total / (8 x lanes), down to 256 KiB; from 8 full chunks per lane on, the full chunk.
+// Device A/B (PERFORMANCE.md, "Chunk size for staged GPU reads"): 4 MiB reads 2.3-2.5 -> 5.4-7.0
+// GB/s, 16 MiB 8.0-8.7 -> 8.8-10.9; writes lost with the same rule (16 MiB 12.1 -> 7.7-10.3), so
+// they keep the full chunk.
+uint64_t pipelined_chunk(uint64_t chunk, uint64_t total, uint32_t lanes) {
+  constexpr uint64_t kFloor = 256 << 10;
+  const uint64_t want = (total / (8 * uint64_t(lanes))) & ~uint64_t((64 << 10) - 1);
+  return std::min(chunk, std::max(want, kFloor));
+}
+
 }  // namespace
 
 int64_t PeerState::now_ms() {
@@ -48,6 +60,7 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
       lanes_(lanes),
       batch_max_(transport ? transport->caps().batch_fragments : 0),
       gpu_chunk_(transport ? transport->caps().gpu_chunk_bytes : 0),
+      staged_gpu_(transport && transport->caps().uses_tcp_lanes && !transport->caps().cuda_memory),
       lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
       last_heard_ms_(now_ms()) {
   slots_.resize(size_t(lane_window_) * lanes_);
@@ -254,11 +267,14 @@ Transfer PeerState::post_notify(std::string data) {
 }
 
 void PeerState::enqueue(TransferState* t) {
-  const uint64_t chunk = info_.chunk_bytes;
   // Where the local bytes live (the first segment's region: a transfer's blocks share one local
   // region in the common case), so a transport can wake the lanes on the NICs nearest them.
   const RegionState* first = t->segments.empty() ? nullptr : t->segments.front().local_region;
   const int device = first && first->kind == MemoryKind::kCuda ? first->device : -1;
+  const RemoteRegion* remote = t->segments.empty() ? nullptr : t->segments.front().remote;
+  uint64_t chunk = info_.chunk_bytes;  // as next_chunk() will cut it (roughly: for how many lanes to wake)
+  if (staged_gpu_ && t->op == OpKind::kRead && (device >= 0 || (remote && remote->kind == MemoryKind::kCuda)))
+    chunk = pipelined_chunk(chunk, t->bytes.load(std::memory_order_relaxed), lanes_);
   uint64_t chunks = 0;
   for (const Segment& s : t->segments) {
     chunks += (s.length + chunk - 1) / chunk;
@@ -347,7 +363,9 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     const Segment& seg = t->segments[t->cur_segment];
     // GPU to GPU (writes, reads): the transport may want bigger chunks (ipc: copy engines over NVLink).
     const bool gpu_both = gpu_chunk_ && device_of(seg) >= 0 && seg.remote && seg.remote->kind == MemoryKind::kCuda;
-    const uint64_t chunk = gpu_both ? gpu_chunk_ : info_.chunk_bytes;
+    uint64_t chunk = gpu_both ? gpu_chunk_ : info_.chunk_bytes;
+    if (staged_gpu_ && t->op == OpKind::kRead && (device_of(seg) >= 0 || (seg.remote && seg.remote->kind == MemoryKind::kCuda)))
+      chunk = pipelined_chunk(chunk, t->bytes.load(std::memory_order_relaxed), lanes_);
     const uint32_t idx = free_slots_.back();
     free_slots_.pop_back();
     Slot& s = slots_[idx];

@@ -184,6 +184,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   const uint32_t lanes_;
   const uint32_t batch_max_;  // the transport's Caps::batch_fragments: most fragments in a kWriteBatch chunk
   const uint64_t gpu_chunk_;  // the transport's chunk size between GPU memory on both ends (0: none)
+  const bool staged_gpu_;     // GPU memory goes through pinned host staging on each side (tcp): reads pipeline smaller chunks
   const uint32_t lane_window_;
   std::atomic<bool> failed_{false};
   std::atomic<int64_t> last_heard_ms_;

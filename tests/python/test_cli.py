@@ -234,10 +234,14 @@ def test_bench_stats_per_nic_and_channel():
     r = run_cli("bench", "--transport", "tcp", "--sizes", "3M", "--iters", "2", "--warmup", "0", "--channels", "2", "--stats", "--quiet")
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stderr + r.stdout
-    assert "per NIC" in out and "per channel (lane)" in out, out[-3000:]
-    # loopback: the two lanes (and so the "lo" row) carried the 2 x 3 MiB writes
-    lo = [line for line in out.splitlines() if line.strip("│ ").startswith("lo ")]
-    assert lo and float(lo[0].split("│")[2]) >= 6.0, out[-3000:]
+    for side in ("driving side", "target side"):
+        assert f"{side}: per NIC" in out and f"{side}: per channel (lane)" in out, out[-3000:]
+    # loopback: the two lanes (and so the "lo" row) carried the 2 x 3 MiB writes, which took time in sendmsg
+    lo = [line.split("│") for line in out.splitlines() if line.strip("│ ").startswith("lo ")]
+    assert len(lo) == 2 and float(lo[0][2]) >= 6.0 and float(lo[1][3]) >= 6.0, out[-3000:]
+    assert float(lo[0][8]) > 0 and float(lo[1][9]) > 0 and float(lo[0][10]) == 0, out[-3000:]  # send, recv; no GPU
+    lanes = [line.split("│") for line in out.splitlines() if line.count("│") == 16 and " lo " in line]
+    assert len(lanes) == 4 and sum(float(x[13]) for x in lanes[:2]) > 0 and sum(float(x[14]) for x in lanes[2:]) > 0, out[-3000:]
 
 
 def test_doctor_shows_threads_and_refuses_bad_nics():

@@ -58,6 +58,7 @@ struct TxItem {
   const core::Piece* pieces = nullptr;
   gpu::StagingSlot* stage = nullptr;    // payload was copied here (pinned); send once the copy is done
   bool staged = false;                  // the copy into `stage` has completed
+  uint64_t stage_ns = 0;                // when that copy started (LinkCounters::staging_ns)
 };
 
 // A frame received into a bounce slot, waiting for its copy to the GPU before it is answered.
@@ -68,6 +69,7 @@ struct GpuRx {
   RegionState* pin = nullptr;
   TransferState* recv = nullptr;
   uint32_t npins = 0;       // a batch's regions, held until its copy is done (in the lane's batch_pins)
+  uint64_t start_ns = 0;    // when its copy to the GPU started
 };
 
 constexpr uint64_t kTableBytes = uint64_t(wire::kMaxFragments) * sizeof(wire::Fragment);
@@ -212,6 +214,7 @@ bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
     return false;
   }
   it.stage = st;
+  it.stage_ns = core::mono_ns();
   it.payload = st->host;
   it.device = -1;
   it.staged = false;
@@ -281,6 +284,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         if (!done.is_ok()) { *error = done.status(); return false; }
         if (!done.value()) break;
         it.staged = true;
+        core::count_time(&core::LinkCounters::staging_ns, l.ctr, l.nic_ctr, core::mono_ns() - it.stage_ns);
       }
       add(&it.hdr, sizeof(FrameHeader));
       if (it.fragments) {
@@ -294,7 +298,9 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = niov;
+    const uint64_t t0 = core::mono_ns();
     ssize_t n = ::sendmsg(l.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    core::count_time(&core::LinkCounters::send_ns, l.ctr, l.nic_ctr, core::mono_ns() - t0);
     if (n < 0) {
       if (errno == EAGAIN || errno == EINTR) break;
       *error = Status(Code::kConnectionLost, "data connection to peer '" + l.peer->info().name + "': " + std::strerror(errno));
@@ -352,6 +358,8 @@ void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
     } else if (!done.value()) {
       return;
     }
+    if (g.start_ns) core::count_time(&core::LinkCounters::staging_ns, l.ctr, l.nic_ctr, core::mono_ns() - g.start_ns);
+    g.start_ns = 0;
     const bool read = static_cast<FrameType>(g.hdr.type) == FrameType::kReadResp;
     if (!read && l.answers.full()) return;  // the ack waits for room
     l.rx_stage->release(g.slot);
@@ -420,7 +428,9 @@ void receive(Lane& l, core::EndpointImpl* ep, uint64_t budget = kRxBudget) {
         // Payload goes straight to its destination; discarded bytes through the buffer.
         void* dst = l.rx_dest ? static_cast<void*>(l.rx_dest) : static_cast<void*>(l.rx.get());
         size_t want = size_t(std::min<uint64_t>(l.rx_left, l.rx_dest ? l.rx_left : kRxBuffer));
+        const uint64_t t0 = core::mono_ns();
         ssize_t r = ::recv(l.fd, dst, want, MSG_DONTWAIT);
+        core::count_time(&core::LinkCounters::recv_ns, l.ctr, l.nic_ctr, core::mono_ns() - t0);
         if (r == 0) { kill_lane(l, Status(Code::kConnectionLost, "peer '" + l.peer->info().name + "' closed a data connection")); return; }
         if (r < 0) {
           if (errno == EAGAIN || errno == EINTR) return;
@@ -465,7 +475,9 @@ void receive(Lane& l, core::EndpointImpl* ep, uint64_t budget = kRxBudget) {
       l.rx_begin = 0;
       l.rx_end = buffered;
     }
+    const uint64_t t0 = core::mono_ns();
     ssize_t r = ::recv(l.fd, l.rx.get() + l.rx_end, kRxBuffer - l.rx_end, MSG_DONTWAIT);
+    core::count_time(&core::LinkCounters::recv_ns, l.ctr, l.nic_ctr, core::mono_ns() - t0);
     if (r == 0) { kill_lane(l, Status(Code::kConnectionLost, "peer '" + l.peer->info().name + "' closed a data connection")); return; }
     if (r < 0) {
       if (errno == EAGAIN || errno == EINTR) return;
@@ -633,6 +645,7 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
     g.pin = l.rx_pin;
     g.recv = l.rx_recv;
     g.npins = l.rx_nfrags;
+    g.start_ns = core::mono_ns();
     l.rx_slot = nullptr;
     l.rx_pin = nullptr;
     l.rx_recv = nullptr;
