@@ -66,6 +66,12 @@ def test_read(pair, lk, rk):
     got = local.get("dst")
     assert_poison(got[:100])
     assert_bytes_equal(got[100:], rand_bytes(42, SIZE))
+    # the lanes' counters: every byte received, and time waiting on staging copies where GPU memory is
+    lanes = local.ep.stats()["lanes"]
+    assert sum(x["bytes_received"] for x in lanes) == SIZE, lanes
+    assert (sum(x["staging_s"] for x in lanes) > 0) == (lk != "host"), lanes
+    theirs = c.call("stats")["lanes"]
+    assert (sum(x["staging_s"] for x in theirs) > 0) == (rk != "host"), theirs
 
 
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])

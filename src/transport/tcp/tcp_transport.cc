@@ -370,6 +370,7 @@ void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
     if (status == 0) {
       stats.bytes_received.fetch_add(g.hdr.length, std::memory_order_relaxed);
       stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+      core::count_received(l.ctr, l.nic_ctr, g.hdr.length);  // the lane's and NIC's too (GPU payloads were missing)
     }
     l.gpu_rx_head = (l.gpu_rx_head + 1) % kStageSlots;
     --l.gpu_rx_count;
