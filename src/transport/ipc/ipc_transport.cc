@@ -679,9 +679,14 @@ bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
       done.hdr.type = kReadDone;
       done.hdr.slot = h.slot;
       done.hdr.gen = h.gen;
-      // Over the socket, not the ring: a send there fails once the target cut us (region_stalled), so
-      // a read it gave up on fails here instead of completing with bytes it no longer guards.
-      if (!send_msg(l.fd, &done, sizeof done, -1)) {
+      // A target whose lane ended (it cut us: region_stalled, or it closed) marked its ring closed
+      // before letting go of the region: then these bytes may be the application's new ones, and the
+      // read fails instead of completing with bytes the target no longer guards.
+      if (l.ring->closed()) {
+        fail_peer(p, Code::kConnectionLost, "the peer let go of the region while we read it");
+        return false;
+      }
+      if (!send_lane(ip, l.index, &done, sizeof done)) {
         fail_peer(p, Code::kConnectionLost, std::strerror(errno));
         return false;
       }
@@ -898,6 +903,7 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
       }
     }
   }
+  if (l->index < l->ip->out.size()) l->ip->out[l->index]->close();  // before the unpins below (take_answer)
   {
     std::lock_guard lock(l->held_mu);
     for (auto& h : l->held) h.pin->unpin();  // reads the initiator never finished: it cannot any more

@@ -26,6 +26,8 @@ struct RingControl {
   alignas(64) std::atomic<uint64_t> head;      // sender: bytes written
   alignas(64) std::atomic<uint64_t> tail;      // receiver: bytes taken
   alignas(64) std::atomic<uint32_t> sleeping;  // receiver: 1 while it sleeps in recv() (wants a doorbell)
+  alignas(64) std::atomic<uint32_t> closed;    // sender: 1 once its lane ended and let go of what it
+                                               // held for the receiver's reads (never back to 0)
 };
 static_assert(sizeof(RingControl) <= 4096);
 
@@ -37,6 +39,9 @@ class RingWriter {
   // index is impossible (the caller sends over the socket instead). *doorbell: the receiver sleeps
   // and must be woken.
   bool push(const void* msg, size_t len, bool* doorbell);
+  // Before the lane lets go of regions pinned for the other side's reads: a read copied out of them
+  // from now on must fail (RingReader::closed), as the memory may already be reused.
+  void close() { ctl_->closed.store(1, std::memory_order_seq_cst); }
 
  private:
   RingControl* ctl_;
@@ -56,6 +61,8 @@ class RingReader {
   // the caller must pop() once more before it blocks (a message may have come just before).
   void sleep_begin();
   void sleep_end();
+  // The sender's lane ended (RingWriter::close): checked after copying a read out of its memory.
+  bool closed() const { return ctl_->closed.load(std::memory_order_seq_cst) != 0; }
 
  private:
   RingControl* ctl_;
