@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# A/B of two builds in one device call: the device's own speed moves by 20 % or more between calls, so a
+# change is judged only against the build without it, measured in the same call, rounds interleaved.
+# Here (the machine you work on):  git diff BASE -- src include python > .device/ab.patch
+# On the device (carry=[".device"]):  bash bench/gpu/ab.sh ROUNDS 'tether bench ...'
+# "new" is this tree; "old" is this tree with .device/ab.patch reversed, installed with pip --target
+# and run first on PYTHONPATH. Logs in $OUT/ab_{new,old}_ROUND.log; the table rows are printed.
+set -u
+ROUNDS=${1:-2}; CMD=$2
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+[ -s .device/ab.patch ] || { echo "no .device/ab.patch: git diff BASE -- src include python > .device/ab.patch"; exit 1; }
+rm -rf /tmp/ab-old /tmp/ab-oldsite && mkdir /tmp/ab-old
+tar --exclude=./.device --exclude=./build -cf - . | tar -xf - -C /tmp/ab-old
+(cd /tmp/ab-old && patch -s -R -p1 < "$OLDPWD/.device/ab.patch" &&
+ python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/ab-oldsite . > "$OUT/build_old.log" 2>&1) &
+python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+wait
+[ -d /tmp/ab-oldsite/tether ] || { echo "old build failed"; tail -20 "$OUT/build_old.log"; exit 1; }
+for r in $(seq 1 "$ROUNDS"); do
+  for v in new old; do
+    if [ $v = old ]; then export PYTHONPATH=/tmp/ab-oldsite${PYTHONPATH:+:$PYTHONPATH}; fi
+    python3 -c "import tether; print('tether from', tether.__file__)" > "$OUT/ab_${v}_$r.log" 2>&1
+    timeout 300 bash -c "$CMD" >> "$OUT/ab_${v}_$r.log" 2>&1
+    echo "== $v round $r rc=$? ($(head -1 "$OUT/ab_${v}_$r.log"))"; grep -a "│ *\(write\|read\|send\)" "$OUT/ab_${v}_$r.log" | cut -c1-120
+    if [ $v = old ]; then export PYTHONPATH=${PYTHONPATH#/tmp/ab-oldsite}; export PYTHONPATH=${PYTHONPATH#:}; fi
+  done
+done
