@@ -266,15 +266,20 @@ Transfer PeerState::post_notify(std::string data) {
   return handle;
 }
 
+uint64_t PeerState::read_chunk(const TransferState& t, int local_device, const RemoteRegion* remote, uint64_t chunk) const {
+  const bool gpu = local_device >= 0 || (remote && remote->kind == MemoryKind::kCuda);
+  if (!staged_gpu_ || t.op != OpKind::kRead || !gpu) return chunk;
+  return pipelined_chunk(chunk, t.bytes.load(std::memory_order_relaxed), lanes_);
+}
+
 void PeerState::enqueue(TransferState* t) {
   // Where the local bytes live (the first segment's region: a transfer's blocks share one local
   // region in the common case), so a transport can wake the lanes on the NICs nearest them.
   const RegionState* first = t->segments.empty() ? nullptr : t->segments.front().local_region;
   const int device = first && first->kind == MemoryKind::kCuda ? first->device : -1;
   const RemoteRegion* remote = t->segments.empty() ? nullptr : t->segments.front().remote;
-  uint64_t chunk = info_.chunk_bytes;  // as next_chunk() will cut it (roughly: for how many lanes to wake)
-  if (staged_gpu_ && t->op == OpKind::kRead && (device >= 0 || (remote && remote->kind == MemoryKind::kCuda)))
-    chunk = pipelined_chunk(chunk, t->bytes.load(std::memory_order_relaxed), lanes_);
+  // As next_chunk() will cut it (roughly: for how many lanes to wake).
+  const uint64_t chunk = read_chunk(*t, device, remote, info_.chunk_bytes);
   uint64_t chunks = 0;
   for (const Segment& s : t->segments) {
     chunks += (s.length + chunk - 1) / chunk;
@@ -363,9 +368,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     const Segment& seg = t->segments[t->cur_segment];
     // GPU to GPU (writes, reads): the transport may want bigger chunks (ipc: copy engines over NVLink).
     const bool gpu_both = gpu_chunk_ && device_of(seg) >= 0 && seg.remote && seg.remote->kind == MemoryKind::kCuda;
-    uint64_t chunk = gpu_both ? gpu_chunk_ : info_.chunk_bytes;
-    if (staged_gpu_ && t->op == OpKind::kRead && (device_of(seg) >= 0 || (seg.remote && seg.remote->kind == MemoryKind::kCuda)))
-      chunk = pipelined_chunk(chunk, t->bytes.load(std::memory_order_relaxed), lanes_);
+    const uint64_t chunk = read_chunk(*t, device_of(seg), seg.remote, gpu_both ? gpu_chunk_ : info_.chunk_bytes);
     const uint32_t idx = free_slots_.back();
     free_slots_.pop_back();
     Slot& s = slots_[idx];

@@ -178,6 +178,8 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   wire::CtsBody match(TransferState* recv, const wire::RtsBody& rts, TransferState** release_now);
   Status chunk_error(const Slot& s, uint8_t status) const;
   Status notify_too_large(size_t bytes) const;
+  // `chunk`, or for a staged GPU read (tcp) a smaller one that pipelines (pipelined_chunk, peer.cc).
+  uint64_t read_chunk(const TransferState& t, int local_device, const RemoteRegion* remote, uint64_t chunk) const;
 
   const std::shared_ptr<EndpointImpl> endpoint_;
   PeerInfo info_;

@@ -25,6 +25,19 @@ std::vector<uint8_t> random_bytes(size_t n) {
   return v;
 }
 
+// n random bytes on `a` (src), and two poisoned buffers: `dst` on `b`, `back` on `a` for reads.
+struct Buffers {
+  std::vector<uint8_t> src, dst, back;
+  Region rs, rb, rd;
+  RemoteRegion d;
+  Buffers(Endpoint& a, Endpoint& b, size_t n) : src(random_bytes(n)), dst(n, 0xA5), back(n, 0x5A) {
+    rs = a.register_memory(src.data(), n).take();
+    rb = a.register_memory(back.data(), n).take();
+    rd = b.register_memory(dst.data(), n).take();
+    d = RemoteRegion::parse(rd.descriptor().value()).take();
+  }
+};
+
 }  // namespace
 
 TEST(Loopback, WriteReadVectoredAndNotify) {
@@ -34,12 +47,10 @@ TEST(Loopback, WriteReadVectoredAndNotify) {
   auto peer = a->connect(b->metadata());
   ASSERT_TRUE(peer.is_ok()) << peer.status().to_string();
   const size_t n = (4 << 20) + 3;
-  auto src = random_bytes(n);
-  std::vector<uint8_t> dst(n, 0xA5), back(n, 0x5A);
-  Region rs = a->register_memory(src.data(), n).take();
-  Region rb = a->register_memory(back.data(), n).take();
-  Region rd = b->register_memory(dst.data(), n).take();
-  RemoteRegion d = RemoteRegion::parse(rd.descriptor().value()).take();
+  Buffers x(*a, *b, n);
+  auto &src = x.src, &dst = x.dst, &back = x.back;
+  const Region &rs = x.rs, &rb = x.rb;
+  const RemoteRegion& d = x.d;
 
   ASSERT_TRUE(peer.value().write(rs, 0, d, 0, n, "done").wait(10000).is_ok());
   EXPECT_EQ(dst, src);
@@ -67,21 +78,16 @@ TEST(Loopback, PollingSmallTransfersToTheEnd) {
   auto a = make(c), b = make(c);
   Peer peer = a->connect(b->metadata()).take();
   const size_t n = 4096 + 5;
-  auto src = random_bytes(n);
-  std::vector<uint8_t> dst(n, 0xA5), back(n, 0x5A);
-  Region rs = a->register_memory(src.data(), n).take();
-  Region rb = a->register_memory(back.data(), n).take();
-  Region rd = b->register_memory(dst.data(), n).take();
-  RemoteRegion d = RemoteRegion::parse(rd.descriptor().value()).take();
+  Buffers x(*a, *b, n);
   for (int i = 0; i < 200; ++i) {
-    Transfer t = i % 2 ? peer.read(rb, 0, d, 0, n) : peer.write(rs, 0, d, 0, n);
+    Transfer t = i % 2 ? peer.read(x.rb, 0, x.d, 0, n) : peer.write(x.rs, 0, x.d, 0, n);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (!t.poll()) ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "poll() never saw the end";
     ASSERT_TRUE(t.status().is_ok()) << t.status().to_string();
     EXPECT_TRUE(t.poll() && t.done());
   }
-  EXPECT_EQ(dst, src);
-  EXPECT_EQ(back, src);
+  EXPECT_EQ(x.dst, x.src);
+  EXPECT_EQ(x.back, x.src);
 }
 
 TEST(Loopback, BlocksScatterGatherEveryByte) {

@@ -355,16 +355,23 @@ std::pair<int, int> connect_with(bool (*attempt)(int[2], std::string*), const ch
   finding(std::string("the target refused a well-formed ") + what + " connect 3 times, the last one quiet: " + why);
 }
 
-// Mode 5: {u16 length, bytes} messages, each one seqpacket message on the lane.
-void send_messages(int lane, std::string_view in) {
+// Modes 5 and 6: the input as {u16 length, bytes} messages (the last one cut to what is left), each
+// handed to `take` until it returns false.
+template <typename Take>
+void each_message(std::string_view in, Take take) {
   while (in.size() >= 2) {
     uint16_t n;
     std::memcpy(&n, in.data(), 2);
     in.remove_prefix(2);
     n = uint16_t(std::min<size_t>(n, in.size()));
-    if (::send(lane, in.data(), n, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) return;
+    if (!take(in.substr(0, n))) return;
     in.remove_prefix(n);
   }
+}
+
+// Mode 5: each message one seqpacket message on the lane.
+void send_messages(int lane, std::string_view in) {
+  each_message(in, [&](std::string_view m) { return ::send(lane, m.data(), m.size(), MSG_NOSIGNAL | MSG_DONTWAIT) >= 0; });
 }
 
 // Mode 6: our ring (the target reads it from its start for every peer: it is cleared before each
@@ -375,15 +382,8 @@ void fill_ring(int lane, std::string_view in) {
   in.remove_prefix(1);
   if (records) {
     transport::ipc::RingWriter w(h->ring);
-    while (in.size() >= 2) {
-      uint16_t n;
-      std::memcpy(&n, in.data(), 2);
-      in.remove_prefix(2);
-      n = uint16_t(std::min<size_t>(n, in.size()));
-      bool bell;
-      if (!w.push(in.data(), n, &bell)) break;
-      in.remove_prefix(n);
-    }
+    bool bell;
+    each_message(in, [&](std::string_view m) { return w.push(m.data(), m.size(), &bell); });
   } else if (in.size() >= 8) {
     auto* ctl = reinterpret_cast<transport::ipc::RingControl*>(h->ring);
     uint64_t head;

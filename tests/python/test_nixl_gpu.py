@@ -62,17 +62,24 @@ def _bytes(agent, name) -> np.ndarray:
     return np.frombuffer(agent.call("get", name, timeout=T), dtype=np.uint8)
 
 
-@pytest.mark.parametrize("size", [4096 + 3, 64 * MiB + 5])
-def test_vram_write_then_read_every_byte(gpair, size):
-    a, b = gpair
-    a.call("alloc", "src", size, seed=11, device=DEV_A)
-    a.call("alloc", "back", size, device=DEV_A)
-    b.call("alloc", "dst", size, device=DEV_B)
+def _write_and_read_back(a, b, size, seed, a_dev, b_dev):
+    """A: "src" (random, seed) and "back" (poison); B: "dst" (poison). Prepped lists "l" (src, back)
+    and "r" (dst); None for a device means host memory (DRAM)."""
+    a.call("alloc", "src", size, seed=seed, device=a_dev)
+    a.call("alloc", "back", size, device=a_dev)
+    b.call("alloc", "dst", size, device=b_dev)
     a.call("register", ["src", "back"])
     b.call("register", ["dst"])
     assert a.call("add_remote", b.call("metadata")) == "B"
-    a.call("prep", "l", "NIXL_INIT_AGENT", np.vstack([_whole(a, "src"), _whole(a, "back")]), "VRAM")
-    a.call("prep", "r", "B", _whole(b, "dst"), "VRAM")
+    mem = lambda dev: "VRAM" if dev else "DRAM"  # noqa: E731
+    a.call("prep", "l", "NIXL_INIT_AGENT", np.vstack([_whole(a, "src"), _whole(a, "back")]), mem(a_dev))
+    a.call("prep", "r", "B", _whole(b, "dst"), mem(b_dev))
+
+
+@pytest.mark.parametrize("size", [4096 + 3, 64 * MiB + 5])
+def test_vram_write_then_read_every_byte(gpair, size):
+    a, b = gpair
+    _write_and_read_back(a, b, size, 11, DEV_A, DEV_B)
     a.call("xfer", "w", "WRITE", "l", [0], "r", [0], notif=b"written")
     assert a.call("run", "w", timeout=T)[0] == "DONE"
     assert b.call("notifs", 1, T) == {"A": [b"written"]}
@@ -168,14 +175,7 @@ def test_dram_to_vram_and_back(spawn):  # noqa: F811
     a.call("create", "A", "TETHER", {"transport": "tcp"})
     b.call("create", "B", "TETHER", {"transport": "tcp"})
     size = 8 * MiB + 1
-    a.call("alloc", "src", size, seed=31)
-    a.call("alloc", "back", size)
-    b.call("alloc", "dst", size, device=DEV_B)
-    a.call("register", ["src", "back"])
-    b.call("register", ["dst"])
-    assert a.call("add_remote", b.call("metadata")) == "B"
-    a.call("prep", "l", "NIXL_INIT_AGENT", np.vstack([_whole(a, "src"), _whole(a, "back")]), "DRAM")
-    a.call("prep", "r", "B", _whole(b, "dst"), "VRAM")
+    _write_and_read_back(a, b, size, 31, None, DEV_B)
     a.call("xfer", "w", "WRITE", "l", [0], "r", [0])
     assert a.call("run", "w", timeout=T)[0] == "DONE"
     assert _bytes(b, "dst").tobytes() == rand_bytes(31, size).tobytes()

@@ -248,14 +248,19 @@ bool gpu_place(const RegionState* region, const uint8_t* ptr, uint64_t len, Cuda
 // What became of a chunk handed to send_chunk.
 enum class Sent { kSent, kRefused, kLaneGone };  // kRefused: answered here, nothing sent
 
+// Any thread may send: each builds its larger messages (batches, inline writes) in its own buffer,
+// made on its first such message.
+uint8_t* message_buffer() {
+  thread_local std::unique_ptr<uint8_t[]> buffer;
+  if (!buffer) buffer = std::make_unique<uint8_t[]>(kMaxMsg);
+  return buffer.get();
+}
+
 // A kWriteBatch: the fragments and where each piece is, in one message; host pieces
 // are staged in the slot's part of the bounce segment when the target cannot reach us by address.
 Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   const uint32_t n = op.fragments;
-  // Any thread may send: each has its own message buffer, made on its first batch.
-  thread_local std::unique_ptr<uint8_t[]> buffer;
-  if (!buffer) buffer = std::make_unique<uint8_t[]>(kMaxMsg);
-  uint8_t* msg = buffer.get();
+  uint8_t* msg = message_buffer();
   auto* ents = reinterpret_cast<BatchEntry*>(msg + sizeof(Frame));
   auto* refs = reinterpret_cast<CudaRef*>(msg + sizeof(Frame) + n * sizeof(BatchEntry));
   Frame f{};
@@ -310,6 +315,8 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   // another's memory, so a peer we gave up on (its answer never came) cannot scribble over memory we
   // have handed back.
   const bool read = op.hdr.type == uint8_t(FrameType::kReadReq);
+  const void* msg = &f;  // what goes: the frame, or (inline) the frame and the bytes
+  size_t bytes = sizeof f;
   if (op.device >= 0 && !read) {  // our GPU bytes: the target opens our allocation and copies
     if (!gpu_place(op.segment ? op.segment->local_region : nullptr, op.payload, op.length, &f.cuda, &f.addr)) {
       refuse(p, lane, op, Code::kUnavailable);
@@ -317,14 +324,12 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
     }
     f.where = uint8_t(Where::kCuda);
   } else if (!read && op.length <= kInlineMax) {  // small: the bytes travel in the message
-    thread_local std::unique_ptr<uint8_t[]> msg;
-    if (!msg) msg = std::make_unique<uint8_t[]>(sizeof(Frame) + kInlineMax);
     f.where = uint8_t(Where::kInline);
-    std::memcpy(msg.get(), &f, sizeof f);
-    if (op.length > 0) std::memcpy(msg.get() + sizeof f, op.payload, op.length);
-    if (send_lane(ip, lane, msg.get(), sizeof f + op.length)) return Sent::kSent;
-    fail_peer(p, Code::kConnectionLost, std::strerror(errno));
-    return Sent::kLaneGone;
+    uint8_t* buf = message_buffer();
+    std::memcpy(buf, &f, sizeof f);
+    if (op.length > 0) std::memcpy(buf + sizeof f, op.payload, op.length);
+    msg = buf;
+    bytes += op.length;
   } else if (ip.out_cma && !read) {
     f.where = uint8_t(Where::kCma);
     f.addr = reinterpret_cast<uint64_t>(op.local);
@@ -335,7 +340,7 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
     f.addr = uint64_t(op.hdr.slot) * ip.slot_bytes;
     if (op.length > 0) std::memcpy(ip.own.base() + f.addr, op.payload, op.length);  // slot is ours until answered
   }
-  if (send_lane(ip, lane, &f, sizeof f)) return Sent::kSent;
+  if (send_lane(ip, lane, msg, bytes)) return Sent::kSent;
   fail_peer(p, Code::kConnectionLost, std::strerror(errno));
   return Sent::kLaneGone;
 }
