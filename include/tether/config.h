@@ -61,6 +61,9 @@ struct Config {
   bool disable_ipc = false;         // TETHER_DISABLE_IPC=1: never offer ipc (same-host peers use tcp)
   std::string ipc_host = "auto";    // TETHER_IPC_HOST: host memory over ipc: auto (cross-memory attach
                                     // where the kernel allows it, else shared memory), cma (only), shm
+  uint64_t ipc_one_sided_bytes = 64 << 10;  // TETHER_IPC_ONE_SIDED_BYTES: writes and reads up to this size of a
+                                            // descriptor the target granted are moved by the initiator
+                                            // itself, no message (docs/ARCHITECTURE.md, "One-sided small ops"); 0 = off
   uint64_t ipc_gpu_chunk_bytes = 256 << 20;  // TETHER_IPC_GPU_CHUNK_BYTES: chunk size over ipc when both ends are
                                             // GPU memory (measured on H200 NVLink: docs/PERFORMANCE.md, ipc)
   // fabric transport (libfabric, loaded at run time)

@@ -206,6 +206,7 @@ struct EndpointStats {
   std::vector<LaneStats> lanes;  // lanes of the peers connected now
   uint64_t ipc_cma_chunks = 0, ipc_shm_chunks = 0;  // chunks this side served as an ipc target, by mover
   uint64_t ipc_inline_chunks = 0;  // ... small writes whose bytes came in the request message
+  uint64_t ipc_one_sided_chunks = 0;  // chunks this side moved itself as an ipc initiator (a grant, no message)
   uint64_t ipc_cuda_chunks = 0;  // chunks whose GPU side this endpoint copied with CUDA over ipc
   uint64_t ipc_cuda_opens = 0;   // CUDA IPC handles of peers' allocations this endpoint opened (cached after)
 };

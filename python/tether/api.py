@@ -23,6 +23,7 @@ _OPTIONS = {
     "nics": "nics", "control_nic": "control_nic", "tx_cpus": "tx_cpus", "rx_cpus": "rx_cpus",
     "pin_threads": "pin_threads",
     "disable_ipc": "disable_ipc", "ipc_host": "ipc_host", "ipc_gpu_chunk_bytes": "ipc_gpu_chunk_bytes",
+    "ipc_one_sided_bytes": "ipc_one_sided_bytes",
     "fabric_library": "fabric_library", "fabric_provider": "fabric_provider",
     "fabric_domains": "fabric_domains", "fabric_rails": "fabric_rails",
     "fabric_delivery_complete": "fabric_delivery_complete", "fabric_busy_poll": "fabric_busy_poll",

@@ -232,6 +232,7 @@ NB_MODULE(_tether, m) {
       .def_rw("sockets_per_channel", &Config::sockets_per_channel)
       .def_rw("chunk_bytes", &Config::chunk_bytes)
       .def_rw("ipc_gpu_chunk_bytes", &Config::ipc_gpu_chunk_bytes)
+      .def_rw("ipc_one_sided_bytes", &Config::ipc_one_sided_bytes)
       .def_rw("window", &Config::window)
       .def_rw("socket_buffer", &Config::socket_buffer)
       .def_rw("connect_timeout_ms", &Config::connect_timeout_ms)
@@ -402,6 +403,7 @@ NB_MODULE(_tether, m) {
             d["ipc_cma_chunks"] = s.ipc_cma_chunks;
             d["ipc_shm_chunks"] = s.ipc_shm_chunks;
             d["ipc_inline_chunks"] = s.ipc_inline_chunks;
+            d["ipc_one_sided_chunks"] = s.ipc_one_sided_chunks;
             d["ipc_cuda_chunks"] = s.ipc_cuda_chunks;
             d["ipc_cuda_opens"] = s.ipc_cuda_opens;
             return d;

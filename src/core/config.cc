@@ -57,6 +57,7 @@ const Option kOptions[] = {
     {"disable_ipc", "TETHER_DISABLE_IPC", &Config::disable_ipc},
     {"ipc_host", "TETHER_IPC_HOST", &Config::ipc_host},
     {"ipc_gpu_chunk_bytes", "TETHER_IPC_GPU_CHUNK_BYTES", &Config::ipc_gpu_chunk_bytes},
+    {"ipc_one_sided_bytes", "TETHER_IPC_ONE_SIDED_BYTES", &Config::ipc_one_sided_bytes},
     {"fabric_library", "TETHER_LIBFABRIC_SO", &Config::fabric_library},
     {"fabric_provider", "TETHER_FABRIC_PROVIDER", &Config::fabric_provider},
     {"fabric_domains", "TETHER_FABRIC_DOMAINS", &Config::fabric_domains},

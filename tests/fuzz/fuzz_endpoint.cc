@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "core/wire.h"
+#include "transport/ipc/one_sided.h"
 #include "transport/ipc/ring.h"
 #include "sys/topology.h"
 #include "tether/endpoint.h"
@@ -252,11 +253,11 @@ bool try_tcp_peer(int fds[2], std::string* why) {
   return true;
 }
 
-// The ipc lane setup message (src/transport/ipc/ipc_transport.cc, Hello; ipc version 6).
+// The ipc lane setup message (src/transport/ipc/ipc_transport.cc, Hello; ipc version 7).
 #pragma pack(push, 1)
 struct IpcHello {
   uint32_t magic = 0x43504954;
-  uint16_t version = 6;
+  uint16_t version = 7;
   uint8_t stage = 1, verdict = 0;
   uint64_t session = 0;
   uint32_t lane = 0, lanes = 1;
@@ -466,13 +467,14 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   h->ipc_src.resize(kRegionBytes);
   for (size_t i = 0; i < kRegionBytes; ++i) h->ipc_src[i] = uint8_t(i * 13 + 5);
   h->segment = ::memfd_create("fuzz-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  constexpr uint64_t kSlots = 256 << 10;  // a bounce segment: slots, then one lane's ring
-  if (h->segment < 0 || ::ftruncate(h->segment, kSlots + transport::ipc::kRingBytes) != 0 ||
+  // A bounce segment: slots, the one-sided pages, then one lane's ring.
+  constexpr uint64_t kSlots = 256 << 10, kBytes = kSlots + transport::ipc::kOneSidedBytes + transport::ipc::kRingBytes;
+  if (h->segment < 0 || ::ftruncate(h->segment, kBytes) != 0 ||
       ::fcntl(h->segment, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0)
     finding("memfd");
-  void* seg = ::mmap(nullptr, kSlots + transport::ipc::kRingBytes, PROT_READ | PROT_WRITE, MAP_SHARED, h->segment, 0);
+  void* seg = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, h->segment, 0);
   if (seg == MAP_FAILED) finding("mmap of the segment");
-  h->ring = static_cast<uint8_t*>(seg) + kSlots;
+  h->ring = static_cast<uint8_t*>(seg) + kSlots + transport::ipc::kOneSidedBytes;
   h->fake_listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;

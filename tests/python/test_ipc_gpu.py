@@ -5,6 +5,8 @@ destinations, every byte; the handle cache (no reopen; a freed and reallocated a
 a deregistered region is refused. Needs CUDA and torch with a GPU; skipped otherwise, saying why.
 With one GPU the GPU0<->GPU1 pairings run GPU0->GPU0 between two processes (CUDA IPC on one device;
 GpuEnv.pairs)."""
+import time
+
 import numpy as np
 import pytest
 
@@ -171,6 +173,59 @@ def test_deregistered_region_refused(pair):
     desc2 = c.call("register", "dst2", 4 * MiB, device=0)
     peer.write(src, desc2).wait(T)
     assert_bytes_equal(_get(c, "dst2"), rand_bytes(48, 4 * MiB))
+
+
+ONE_SIDED_PAIRS = GPU.pairs([("gpu0", "gpu1"), ("gpu1", "gpu0")])
+
+
+@pytest.mark.parametrize("lk,rk", ONE_SIDED_PAIRS, ids=["-".join(p) for p in ONE_SIDED_PAIRS])
+def test_one_sided_small_gpu_ops(pair, lk, rk):
+    """Small writes and reads of a descriptor the target granted are moved by us alone: one CUDA
+    copy into (out of) the target's allocation, no message (test_one_sided.py for host memory)."""
+    local, peer, c = pair
+    size = 1 * MiB
+    desc = c.call("register", "dst", size, device=_dev(rk))
+    data = rand_bytes(50, size)
+    src = local.region("src", lk, size, seed=50)
+    peer.write(src, desc, length=8).wait(T)  # its answer grants the descriptor
+    s0 = local.ep.stats()["ipc_one_sided_chunks"]
+    expect = poisoned(size)
+    expect[:8] = data[:8]
+    rng = np.random.default_rng(50)
+    for n in (1, 8, 4096, 8192, 8193, 64 * 1024):  # up to 8 KiB one-sided (one_sided.h, kOneSidedGpuMax)
+        off = int(rng.integers(0, size - n))
+        peer.write(src, desc, local_offset=off, remote_offset=off, length=n).wait(T)
+        expect[off:off + n] = data[off:off + n]
+    assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == 4
+    assert_bytes_equal(_get(c, "dst"), expect, "one-sided GPU writes")
+    local.region("back", lk, size)
+    back = local.ep.register(local.mem["back"])
+    for n in (8, 8192, 64 * 1024):
+        off = int(rng.integers(0, size - n))
+        peer.read(back, desc, local_offset=off, remote_offset=off, length=n).wait(T)
+        assert_bytes_equal(local.get("back")[off:off + n], expect[off:off + n], f"GPU read of {n}")
+    assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == 6
+
+
+def test_deregister_ends_one_sided_gpu_writes_before_it_returns(pair):
+    """The child writes into our GPU region one-sided without pause; from the moment deregister()
+    returns no byte may land there, and its writes fail instead."""
+    local, peer, c = pair
+    size = 64 * 1024
+    dst = local.region("dst", "gpu0", size)
+    c.call("register", "s", size, fill=("seed", 51), device=GPU.other)
+    assert c.call("start_stream", "write", "s", dst.descriptor(), 4096, accepted=True)
+    deadline = time.monotonic() + 10
+    while c.call("stats")["ipc_one_sided_chunks"] < 200 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert c.call("stats")["ipc_one_sided_chunks"] >= 200
+    local.ep.deregister(dst)
+    local.mem["dst"].fill_(0xEE)
+    torch.cuda.synchronize(0)
+    time.sleep(0.3)
+    assert_poison(local.get("dst"), "a deregistered GPU region while the peer kept writing", value=0xEE)
+    errors, _ = c.call("stream_errors")
+    assert errors, "the child's writes went on succeeding"
 
 
 def test_two_endpoints_of_one_process():

@@ -24,6 +24,7 @@
 #include "sys/net.h"
 #include "transport/ipc/cuda_mover.h"
 #include "transport/ipc/host_mover.h"
+#include "transport/ipc/one_sided.h"
 #include "transport/ipc/ring.h"
 
 namespace tether::transport {
@@ -38,10 +39,11 @@ using wire::FrameType;
 namespace ipc {
 
 constexpr uint32_t kHelloMagic = 0x43504954;  // "TIPC"
-constexpr uint16_t kIpcVersion = 6;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
+constexpr uint16_t kIpcVersion = 7;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
                                      // 4: host reads copied by the initiator (kReadReq with kCma);
                                      // 5: the connector opens the lanes, to the listener (same host proven);
-                                     // 6: message rings at the end of each bounce segment (ring.h)
+                                     // 6: message rings at the end of each bounce segment (ring.h);
+                                     // 7: grants and one-sided small ops (one_sided.h)
 constexpr const char* kSocketPrefix = "tether-ipc-";  // every endpoint's lane socket: this and 16 hex digits
 constexpr int kSocketBuffer = 1 << 20;        // frames in flight per lane are bounded by the window
 constexpr size_t kMaxParked = 1024;            // lane sockets accepted and not yet claimed by a handshake
@@ -51,8 +53,9 @@ constexpr size_t kMaxParked = 1024;            // lane sockets accepted and not 
 // initiator's bytes are. The target trusts addr only as a place in the INITIATOR's memory.
 struct Frame {
   FrameHeader hdr;
-  uint8_t where;    // Where (requests); kNone in answers
-  uint8_t pad[7];
+  uint8_t where;    // Where (requests); kNone in answers, but those granting one-sided access
+  uint8_t grant;    // kWantGrant (requests), kGranted | kGrantReadOnly (answers): one_sided.h
+  uint8_t pad[6];
   uint64_t addr;    // kCma: address in the initiator; kShm: offset in its bounce segment; kCuda: offset in `cuda`
                     // (a kWriteBatch of GPU pieces: the number of CudaRefs at the end of the message)
   CudaRef cuda;     // kCuda: the allocation; in a kReadResp, the TARGET's (the initiator copies, then kReadDone)
@@ -106,6 +109,11 @@ struct IpcPeer {
   std::unique_ptr<CudaImports> imports;  // the other side's GPU allocations we opened (kept until the peer goes)
   std::vector<std::unique_ptr<RingWriter>> out;  // per lane: our messages, in `own`
   std::vector<std::unique_ptr<RingReader>> in;   // per lane: theirs, in `theirs`
+  core::EndpointImpl* ep = nullptr;
+  uint64_t one_sided_max = 0;                    // Config::ipc_one_sided_bytes (0: off)
+  OneSidedPage* os_own = nullptr;                // our liveness table and hazards, in `own`
+  OneSidedPage* os_theirs = nullptr;             // theirs, in `theirs`
+  std::unique_ptr<OneSidedInitiator> os;         // the grants we hold for their regions (one_sided_max > 0)
 };
 
 struct Lane {
@@ -246,7 +254,8 @@ bool gpu_place(const RegionState* region, const uint8_t* ptr, uint64_t len, Cuda
 }
 
 // What became of a chunk handed to send_chunk.
-enum class Sent { kSent, kRefused, kLaneGone };  // kRefused: answered here, nothing sent
+enum class Sent { kSent, kRefused, kMoved, kLaneGone };  // kRefused: answered here, nothing sent;
+                                                         // kMoved: moved by us one-sided, answered here
 
 // Any thread may send: each builds its larger messages (batches, inline writes) in its own buffer,
 // made on its first such message.
@@ -305,11 +314,62 @@ Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   return Sent::kLaneGone;
 }
 
+// A small chunk of a descriptor the target granted us (one_sided.h): we move it ourselves and answer
+// it here. kAsk: no grant (the request asks for one); kNo: it goes as a request (a copy that failed
+// goes too: the target's answer says what is wrong).
+enum class OneSided { kMoved, kAsk, kNo };
+OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+  const FrameHeader& h = op.hdr;
+  const bool read = h.type == uint8_t(FrameType::kReadReq);
+  const bool gpu = op.device >= 0;
+  if (!ip.os || op.fragments > 0 || h.length == 0 || h.length > (gpu ? std::min(ip.one_sided_max, kOneSidedGpuMax) : ip.one_sided_max) ||
+      (!read && h.type != uint8_t(FrameType::kWrite)) || (!gpu && !ip.cma))
+    return OneSided::kNo;
+  Grant g;
+  if (!ip.os->find(h, &g)) return OneSided::kAsk;
+  if (g.gpu != gpu || (g.readonly && !read) || h.offset < h.desc_offset || h.offset - h.desc_offset > h.desc_length ||
+      h.length > h.desc_length - (h.offset - h.desc_offset) || p.failed())
+    return OneSided::kNo;
+  bool gone = false;
+  OneSidedInitiator::Context* c = ip.os->enter(h.region_id, &gone);
+  if (!c) {
+    if (!gone) return OneSided::kNo;
+    ip.os->forget(h.region_id);  // deregistered there (or the peer ends): the request finds out which
+    return OneSided::kAsk;
+  }
+  bool ok;
+  const uint64_t at = g.base + h.offset;
+  if (!gpu) {
+    ok = (read ? ip.cma->pull(at, op.local, h.length) : ip.cma->push(op.payload, at, h.length)) == 0;
+  } else {
+    auto map = ip.imports->get(g.ref, op.device);
+    ok = map.is_ok() && at <= map.value()->size && h.length <= map.value()->size - at;
+    if (ok) {
+      const Mapping& mp = *map.value();
+      if (!c->cuda) c->cuda = std::make_unique<CudaLane>();
+      const uint64_t local = reinterpret_cast<uint64_t>(read ? op.local : op.payload);
+      ok = (read ? c->cuda->copy(mp.device, local, mp.ptr + at, h.length)
+                 : c->cuda->copy(mp.device, mp.ptr + at, local, h.length)).is_ok();
+    }
+  }
+  ip.os->leave(c);
+  if (!ok) return OneSided::kNo;
+  auto& stats = ip.ep->stats();
+  stats.ipc_one_sided_chunks.fetch_add(1, std::memory_order_relaxed);
+  (read ? stats.bytes_received : stats.bytes_sent).fetch_add(h.length, std::memory_order_relaxed);
+  (read ? stats.chunks_received : stats.chunks_sent).fetch_add(1, std::memory_order_relaxed);
+  p.answer(lane, h.slot, h.gen, 0);
+  return OneSided::kMoved;
+}
+
 // Describes (and for shm, stages) a pulled chunk and sends it.
 Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   if (op.fragments > 0) return send_batch(ip, p, lane, op);
+  const OneSided os = one_sided(ip, p, lane, op);
+  if (os == OneSided::kMoved) return Sent::kMoved;
   Frame f{};
   f.hdr = op.hdr;
+  f.grant = os == OneSided::kAsk ? kWantGrant : 0;
   // Reads are copied by us — out of the target's memory by attach where we may attach to it, out of
   // its GPU allocation, or out of our segment where it pushed them: no process ever writes into
   // another's memory, so a peer we gave up on (its answer never came) cannot scribble over memory we
@@ -429,14 +489,25 @@ Moved pull_piece(Lane& l, core::EndpointImpl* ep, uint8_t where, uint64_t addr, 
   return m;
 }
 
-bool answer_frame(Lane& l, const FrameHeader& h, Code c, uint8_t where = 0, uint64_t addr = 0, const CudaRef* ref = nullptr) {
+// `grant` (one_sided.h): where/addr/ref say where the chunk lies here, and the header names its
+// descriptor, which the initiator may move chunks of itself from now on.
+bool answer_frame(Lane& l, const FrameHeader& h, Code c, uint8_t where = 0, uint64_t addr = 0, const CudaRef* ref = nullptr,
+                  uint8_t grant = 0) {
   Frame a{};
   a.hdr.type = uint8_t(h.type == uint8_t(FrameType::kReadReq) ? FrameType::kReadResp : FrameType::kAck);
   a.hdr.status = uint8_t(c);
   a.hdr.slot = h.slot;
   a.hdr.gen = h.gen;
   a.hdr.length = h.length;
+  if (grant) {
+    a.hdr.region_id = h.region_id;
+    a.hdr.key = h.key;
+    a.hdr.desc_offset = h.desc_offset;
+    a.hdr.desc_length = h.desc_length;
+    a.hdr.offset = h.offset;
+  }
   a.where = where;
+  a.grant = grant;
   a.addr = addr;
   if (ref) a.cuda = *ref;
   if (send_lane(*l.ip, l.index, &a, sizeof a)) return true;
@@ -461,6 +532,16 @@ void count_served(core::EndpointImpl* ep, bool read, uint64_t length) {
 void hold(Lane& l, const FrameHeader& h, RegionState* pin) {
   std::lock_guard lock(l.held_mu);  // never contended but by a deregister looking for stalled readers
   l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+}
+
+// Whether this answer may grant one-sided access to the request's descriptor (one_sided.h): the
+// initiator asked, we offer it, it can reach the region (host memory: by attach), and the region
+// got its slot in our liveness table. Called while the region is pinned (deregister revokes after).
+uint8_t grant_for(IpcPeer& ip, const Frame& f, const RegionState& r) {
+  if (!(f.grant & kWantGrant) || !ip.os_own || ip.one_sided_max == 0) return 0;
+  if (r.kind != MemoryKind::kCuda && !ip.out_cma) return 0;
+  if (!mark_live(*ip.os_own, r.id)) return 0;
+  return uint8_t(kGranted | (r.readonly ? kGrantReadOnly : 0));
 }
 
 // Validates a request exactly as tcp does, moves the bytes, answers. False: the lane must end.
@@ -495,18 +576,20 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
       stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
       return answer_frame(l, h, Code::kUnavailable);
     }
+    const uint8_t grant = grant_for(ip, f, *pin);
     hold(l, h, pin);
     count_served(ep, true, h.length);
     stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
-    return answer_frame(l, h, Code::kOk, uint8_t(Where::kCuda), at, &ref);
+    return answer_frame(l, h, Code::kOk, uint8_t(Where::kCuda), at, &ref, grant);
   }
   if (c == Code::kOk && type == FrameType::kReadReq && f.where == uint8_t(Where::kCma)) {
     // Our host bytes, read by the initiator itself (one copy, by attach): pinned, as above, until it
     // says it is done.
+    const uint8_t grant = grant_for(ip, f, *pin);
     hold(l, h, pin);
     count_served(ep, true, h.length);
     stats.ipc_cma_chunks.fetch_add(1, std::memory_order_relaxed);
-    return answer_frame(l, h, Code::kOk, uint8_t(Where::kCma), reinterpret_cast<uint64_t>(local));
+    return answer_frame(l, h, Code::kOk, uint8_t(Where::kCma), reinterpret_cast<uint64_t>(local), nullptr, grant);
   }
   Moved m;
   if (c == Code::kOk && h.length > 0 && local) {
@@ -519,6 +602,19 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
       m = pull_piece(l, ep, f.where, f.addr, &f.cuda, local, device, h.length);
       if (m.code != Code::kOk) c = m.code;
     }
+  }
+  // A write's answer may grant the initiator its next writes of this descriptor (one_sided.h).
+  uint8_t grant = 0, gwhere = 0;
+  uint64_t gaddr = 0;
+  CudaRef gref;
+  if (type == FrameType::kWrite && c == Code::kOk && !m.err && pin && (f.grant & kWantGrant)) {
+    if (device < 0) {
+      gwhere = uint8_t(Where::kCma);
+      gaddr = reinterpret_cast<uint64_t>(local);
+    } else if (gpu_place(pin, local, h.length, &gref, &gaddr)) {
+      gwhere = uint8_t(Where::kCuda);
+    }
+    if (gwhere) grant = grant_for(ip, f, *pin);
   }
   if (pin) pin->unpin();
   if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
@@ -533,6 +629,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   }
   if (m.err) return lane_error(p, m.err);
   if (c == Code::kOk) count_served(ep, type == FrameType::kReadReq, h.length);
+  if (grant) return answer_frame(l, h, c, gwhere, gaddr, gwhere == uint8_t(Where::kCuda) ? &gref : nullptr, grant);
   return answer_frame(l, h, c);
 }
 
@@ -646,6 +743,24 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
   return answer_frame(l, h, c);
 }
 
+// A grant in a successful answer (one_sided.h). What the target says of its own memory can only
+// mislead copies into its own memory, so it is kept as said; one we cannot use is ignored.
+void take_grant(IpcPeer& ip, const Frame& f) {
+  const FrameHeader& h = f.hdr;
+  const bool gpu = f.where == uint8_t(Where::kCuda);
+  if (!ip.os || h.region_id == 0 || f.addr < h.offset || (!gpu && (f.where != uint8_t(Where::kCma) || !ip.cma))) return;
+  Grant g;
+  g.region = h.region_id;
+  g.key = h.key;
+  g.desc_offset = h.desc_offset;
+  g.desc_length = h.desc_length;
+  g.gpu = gpu;
+  g.readonly = (f.grant & kGrantReadOnly) != 0;
+  g.base = f.addr - h.offset;
+  if (gpu) g.ref = f.cuda;
+  ip.os->remember(g);
+}
+
 // An answer to one of our chunks. False: the lane must end.
 bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   PeerState& p = *l.peer;
@@ -720,6 +835,7 @@ bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
     stats.bytes_sent.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
   }
+  if (status == 0 && (f.grant & kGranted)) take_grant(ip, f);
   if (p.answer(l.index, h.slot, h.gen, status) != Code::kOk) {
     fail_peer(p, Code::kProtocolError, "an answer to no request");
     return false;
@@ -727,18 +843,24 @@ bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
   return true;
 }
 
-// A bounce segment: the slots, then a message ring per lane (page-aligned, at the end).
-uint64_t segment_bytes(uint64_t slots_bytes, uint32_t lanes) { return ((slots_bytes + 4095) & ~uint64_t(4095)) + lanes * kRingBytes; }
+// A bounce segment: the slots, the one-sided pages (one_sided.h), then a message ring per lane
+// (page-aligned, at the end).
+uint64_t segment_bytes(uint64_t slots_bytes, uint32_t lanes) {
+  return ((slots_bytes + 4095) & ~uint64_t(4095)) + kOneSidedBytes + lanes * kRingBytes;
+}
 
-// Our rings at the end of our segment, theirs at the end of theirs (mapped); false when theirs has no room.
+// Our rings and one-sided pages at the end of our segment, theirs at the end of theirs (mapped);
+// false when theirs has no room.
 bool make_rings(IpcPeer& ip, uint32_t lanes, std::string* why) {
-  const uint64_t need = uint64_t(lanes) * kRingBytes;
+  const uint64_t need = uint64_t(lanes) * kRingBytes + kOneSidedBytes;
   if (ip.theirs.size() < need || (ip.theirs.size() - need) % 4096 != 0 || ip.own.size() < need) {
     *why = "the peer's bounce segment has no room for its message rings";
     return false;
   }
-  uint8_t* ours = ip.own.base() + (ip.own.size() - need);
-  uint8_t* other = ip.theirs.base() + (ip.theirs.size() - need);
+  ip.os_own = reinterpret_cast<OneSidedPage*>(ip.own.base() + (ip.own.size() - need));
+  ip.os_theirs = reinterpret_cast<OneSidedPage*>(ip.theirs.base() + (ip.theirs.size() - need));
+  uint8_t* ours = ip.own.base() + (ip.own.size() - need) + kOneSidedBytes;
+  uint8_t* other = ip.theirs.base() + (ip.theirs.size() - need) + kOneSidedBytes;
   for (uint32_t i = 0; i < lanes; ++i) {
     ip.out.push_back(std::make_unique<RingWriter>(ours + i * kRingBytes));
     ip.in.push_back(std::make_unique<RingReader>(other + i * kRingBytes));
@@ -909,6 +1031,9 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
     }
   }
   if (l->index < l->ip->out.size()) l->ip->out[l->index]->close();  // before the unpins below (take_answer)
+  // No grant of ours holds for this peer any more, and its one-sided copies under way end before we
+  // let go of anything (one_sided.h).
+  if (IpcPeer& ip = *l->ip; ip.os_own) (void)revoke(*ip.os_own, *ip.os_theirs, 0, ip.pid, ep->config().deregister_timeout_ms);
   {
     std::lock_guard lock(l->held_mu);
     for (auto& h : l->held) h.pin->unpin();  // reads the initiator never finished: it cannot any more
@@ -1055,23 +1180,32 @@ Caps IpcTransport::caps() const {
 // GPU regions are exported once, here: every chunk from or to them names this handle.
 Status IpcTransport::register_region(RegionState& region, std::string*) { return export_region(region); }
 
-// Peers that opened the region's allocation close their mapping (else it would hold the memory until
+// No grant for the region holds any more, and one-sided copies into it end first (one_sided.h); then
+// peers that opened the region's allocation close their mapping (else it would hold the memory until
 // they disconnect: the driver keeps an allocation alive while another process has it open).
 void IpcTransport::deregister_region(RegionState& region) {
-  ipc::Frame f{};
-  if (!ipc::region_ref(region, &f.cuda)) return;
-  f.hdr.type = ipc::kRelease;
-  std::vector<std::shared_ptr<ipc::IpcPeer>> peers;
+  std::vector<std::pair<std::shared_ptr<ipc::IpcPeer>, std::shared_ptr<PeerState>>> peers;
   {
     std::lock_guard lock(mu_);
     for (auto& l : lanes_) {
       if (l->index != 0) continue;
       std::lock_guard ll(l->mu);
-      if (l->ip && l->ip->ready.load(std::memory_order_acquire)) peers.push_back(l->ip);  // lane 0 is past setup
+      if (l->ip && l->ip->ready.load(std::memory_order_acquire)) peers.emplace_back(l->ip, l->peer);  // past setup
     }
   }
+  for (auto& [ip, peer] : peers) {
+    if (!ip->os_own || revoke(*ip->os_own, *ip->os_theirs, region.id, ip->pid, endpoint_->config().deregister_timeout_ms))
+      continue;
+    // Its process stopped in the middle of a copy into the region: that copy can still land when it
+    // runs again (ARCHITECTURE.md, "One-sided small ops"); we stop waiting and drop the peer.
+    peer->fail(Status(Code::kConnectionLost, "peer '" + peer->info().name + "' was copying into region " +
+                                                 std::to_string(region.id) + " while it was deregistered and did not finish"));
+  }
+  ipc::Frame f{};
+  if (!ipc::region_ref(region, &f.cuda)) return;
+  f.hdr.type = ipc::kRelease;
   // Never blocks: a peer that stopped reading keeps its mapping until it is dropped (peer timeout).
-  for (auto& ip : peers) (void)::send(ip->fds[0], &f, sizeof f, MSG_NOSIGNAL | MSG_DONTWAIT);
+  for (auto& [ip, peer] : peers) (void)::send(ip->fds[0], &f, sizeof f, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 namespace {
@@ -1378,6 +1512,9 @@ Status IpcTransport::start_lanes(const std::shared_ptr<PeerState>& peer, const s
     made.push_back(std::move(l));
   }
   ip->imports = std::make_unique<CudaImports>(ip->pid, &endpoint_->stats().ipc_cuda_opens);
+  ip->ep = endpoint_;
+  ip->one_sided_max = endpoint_->config().ipc_one_sided_bytes;
+  if (ip->one_sided_max > 0) ip->os = std::make_unique<OneSidedInitiator>(ip->os_theirs, ip->os_own);
   peer->transport_state = ip;
   std::lock_guard lock(mu_);
   if (stopped_) return Status(Code::kCancelled, "endpoint closed");  // the peer closes the fds

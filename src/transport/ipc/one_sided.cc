@@ -1,0 +1,106 @@
+#include "transport/ipc/one_sided.h"
+
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <thread>
+
+namespace tether::transport::ipc {
+
+namespace {
+
+int64_t steady_ms() {
+  using namespace std::chrono;
+  return duration_cast<milliseconds>(steady_clock::now().time_since_epoch()).count();
+}
+
+bool process_gone(pid_t pid) { return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH; }
+
+bool holds(const OneSidedPage& theirs, uint32_t region) {
+  for (const auto& h : theirs.hazard) {
+    const uint64_t r = h.region.load(std::memory_order_seq_cst);
+    if (r != 0 && (region == 0 || r == region)) return true;
+  }
+  return false;
+}
+
+uint32_t cache_slot(uint32_t region, uint64_t key) { return uint32_t((region * 0x9E3779B1u) ^ (key >> 7)) % kGrantCache; }
+
+}  // namespace
+
+bool mark_live(OneSidedPage& ours, uint32_t region) {
+  uint64_t expect = 0;
+  auto& slot = ours.live[region % kLiveSlots];
+  return slot.compare_exchange_strong(expect, region, std::memory_order_seq_cst) || expect == region;
+}
+
+bool revoke(OneSidedPage& ours, const OneSidedPage& theirs, uint32_t region, pid_t pid, uint32_t timeout_ms) {
+  const int64_t deadline_ms = steady_ms() + timeout_ms;
+  if (region == 0) {
+    ours.closed.store(1, std::memory_order_seq_cst);
+  } else {
+    uint64_t expect = region;
+    ours.live[region % kLiveSlots].compare_exchange_strong(expect, 0, std::memory_order_seq_cst);
+  }
+  // A copy holds its hazard for microseconds; only a process stopped in the middle of one holds it
+  // longer, and its copy would land after it runs again: we wait for it as long as we are allowed.
+  for (uint32_t turn = 0; holds(theirs, region); ++turn) {
+    if (process_gone(pid)) return true;
+    if (steady_ms() >= deadline_ms) return false;
+    if (turn < 64) sched_yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  return true;
+}
+
+bool OneSidedInitiator::find(const wire::FrameHeader& h, Grant* out) const {
+  std::lock_guard lock(mu_);
+  const Grant& g = cache_[cache_slot(h.region_id, h.key)];
+  if (g.region == 0 || g.region != h.region_id || g.key != h.key || g.desc_offset != h.desc_offset ||
+      g.desc_length != h.desc_length)
+    return false;
+  *out = g;
+  return true;
+}
+
+void OneSidedInitiator::remember(const Grant& g) {
+  std::lock_guard lock(mu_);
+  cache_[cache_slot(g.region, g.key)] = g;
+}
+
+void OneSidedInitiator::forget(uint32_t region) {
+  std::lock_guard lock(mu_);
+  for (auto& g : cache_)
+    if (g.region == region) g.region = 0;
+}
+
+OneSidedInitiator::Context* OneSidedInitiator::enter(uint32_t region, bool* gone) {
+  *gone = false;
+  // Threads start their search at different contexts, so two rarely meet on one.
+  static std::atomic<uint32_t> next{0};
+  thread_local uint32_t start = next.fetch_add(1, std::memory_order_relaxed);
+  Context* c = nullptr;
+  for (uint32_t i = 0; i < kHazards && !c; ++i) {
+    Context& k = ctx_[(start + i) % kHazards];
+    if (!k.busy.exchange(true, std::memory_order_acquire)) c = &k;
+  }
+  if (!c) return nullptr;
+  c->index = uint32_t(c - ctx_);
+  ours_->hazard[c->index].region.store(region, std::memory_order_seq_cst);
+  if (target_->closed.load(std::memory_order_seq_cst) == 0 &&
+      target_->live[region % kLiveSlots].load(std::memory_order_seq_cst) == region)
+    return c;
+  *gone = true;
+  leave(c);
+  return nullptr;
+}
+
+void OneSidedInitiator::leave(Context* c) {
+  ours_->hazard[c->index].region.store(0, std::memory_order_seq_cst);
+  c->busy.store(false, std::memory_order_release);
+}
+
+}  // namespace tether::transport::ipc

@@ -1,0 +1,105 @@
+// One-sided small ops between two processes of one host (docs/ARCHITECTURE.md, "One-sided small
+// ops"). A request the target validates and answers costs a round trip between two threads; UCX's
+// cma and cuda_ipc skip it. Here the target still validates each descriptor once: its answer to a
+// request that asked for it carries a GRANT (where that descriptor's bytes lie in its process and a
+// mark in its liveness table), and from then on the initiator moves chunks of that descriptor itself
+// (process_vm_writev/readv into host memory, a CUDA copy into the target's GPU allocation) and
+// answers them locally, without any message.
+//
+// What keeps a one-sided copy from landing in memory the target has let go of is a hazard
+// protocol over shared memory (both pages below live in each side's bounce segment):
+//   initiator: hazard := region id; then read `closed` and live[id % kLiveSlots]; copy only if the
+//              region is still marked there; hazard := 0.
+//   target:    (deregister) live slot := 0, or (peer ends) closed := 1; then wait until no hazard of
+//              that peer names the region (every hazard, when closing).
+// Both sides use sequentially consistent operations, so either the initiator sees the region gone
+// and does not copy, or the target sees the hazard and waits for the copy to end. The wait is
+// bounded by deregister_timeout_ms and ends early when the peer's process is gone.
+#pragma once
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "core/wire.h"
+#include "transport/ipc/cuda_mover.h"
+
+namespace tether::transport::ipc {
+
+constexpr uint32_t kLiveSlots = 504;    // fills the first page after `closed`
+constexpr uint32_t kHazards = 16;       // one-sided copies in flight per peer (one per thread at a time)
+constexpr uint32_t kGrantCache = 64;    // descriptors an initiator remembers grants for, per peer
+// GPU chunks go one-sided only up to here: the copy and its wait take ~11 us on the posting thread
+// whatever the size, so ops posted back to back would run one after another, where as requests the
+// lanes' threads copy them side by side (docs/PERFORMANCE.md, "One-sided small ops").
+constexpr uint64_t kOneSidedGpuMax = 8 << 10;
+
+// Each side's page pair, just before its message rings; the other side maps it.
+struct OneSidedPage {
+  // Written by this side as a target, read by the other:
+  alignas(64) std::atomic<uint32_t> closed;             // 1 once this side honours no grant to the peer
+  alignas(64) std::atomic<uint64_t> live[kLiveSlots];   // region id at [id % kLiveSlots] while granted, else 0
+  // Written by this side as an initiator, read by the other:
+  struct alignas(64) Hazard {
+    std::atomic<uint64_t> region;  // the region a one-sided copy is using now, 0 when none
+  };
+  alignas(4096) Hazard hazard[kHazards];
+};
+constexpr uint64_t kOneSidedBytes = 8192;
+static_assert(sizeof(OneSidedPage) == kOneSidedBytes);
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
+
+// Frame::flags (ipc's own byte in its frame, not the wire header's flags).
+constexpr uint8_t kWantGrant = 1;      // request: answer with a grant for this descriptor if you can
+constexpr uint8_t kGranted = 1;        // answer: where/addr/cuda say where the chunk lies, marked live
+constexpr uint8_t kGrantReadOnly = 2;  // answer: the region is read-only (no one-sided writes)
+
+// What an initiator remembers of a grant: the descriptor it covers and where its region lies there.
+struct Grant {
+  uint32_t region = 0;  // 0: empty
+  uint64_t key = 0, desc_offset = 0, desc_length = 0;
+  bool gpu = false, readonly = false;
+  uint64_t base = 0;    // host: the region's address in the target; GPU: its offset in `ref`
+  CudaRef ref{};
+};
+
+// Target side. Marks `region` live for one-sided access by the peer whose page is `ours`; false
+// when its slot holds another region (that region keeps it; this one stays two-sided).
+bool mark_live(OneSidedPage& ours, uint32_t region);
+// Unmarks `region` (0: closes the page for every region), then waits until the peer's hazards in
+// `theirs` let go of it (0: of everything), at most `timeout_ms` or until process `pid` is gone.
+// False when it gave up waiting.
+bool revoke(OneSidedPage& ours, const OneSidedPage& theirs, uint32_t region, pid_t pid, uint32_t timeout_ms);
+
+// Initiator side, one per peer.
+class OneSidedInitiator {
+ public:
+  // Both pages: the target's (read) and our own (our hazards).
+  OneSidedInitiator(const OneSidedPage* target, OneSidedPage* ours) : target_(target), ours_(ours) {}
+  // The grant covering the chunk `h` describes, if we have one.
+  bool find(const wire::FrameHeader& h, Grant* out) const;
+  void remember(const Grant& g);
+  void forget(uint32_t region);
+
+  // A claimed hazard slot and its CUDA streams: one thread at a time.
+  struct Context {
+    std::atomic<bool> busy{false};
+    uint32_t index = 0;
+    std::unique_ptr<CudaLane> cuda;
+  };
+  // A free context with its hazard naming `region`, if the region is still live for us; nullptr
+  // when none is free or the grant is gone (`*gone` then says which).
+  Context* enter(uint32_t region, bool* gone);
+  void leave(Context* c);
+
+ private:
+  const OneSidedPage* target_;
+  OneSidedPage* ours_;
+  mutable std::mutex mu_;  // the cache; held for a lookup or an update, never across a copy
+  Grant cache_[kGrantCache];
+  Context ctx_[kHazards];
+};
+
+}  // namespace tether::transport::ipc
