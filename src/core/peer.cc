@@ -59,6 +59,7 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
       info_(std::move(info)),
       lanes_(lanes),
       batch_max_(transport ? transport->caps().batch_fragments : 0),
+      batch_reads_(transport && transport->caps().batch_reads),
       gpu_chunk_(transport ? transport->caps().gpu_chunk_bytes : 0),
       staged_gpu_(transport && transport->caps().uses_tcp_lanes && !transport->caps().cuda_memory),
       lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
@@ -313,6 +314,7 @@ namespace {
 int32_t device_of(const Segment& g) {
   return g.local_region && g.local_region->kind == MemoryKind::kCuda ? g.local_region->device : -1;
 }
+bool remote_gpu(const Segment& g) { return g.remote && g.remote->kind == MemoryKind::kCuda; }
 }  // namespace
 
 uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk) {
@@ -323,8 +325,10 @@ uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk) {
   const int32_t dev = device_of(first);
   size_t end = t->cur_segment + 1;
   uint64_t total = rest;
+  // A read batch keeps to one kind of remote memory: the chunk size was chosen for the first one's.
+  const bool read = t->op == OpKind::kRead;
   while (end < segs.size() && end - t->cur_segment < batch_max_ && total + segs[end].length <= chunk &&
-         device_of(segs[end]) == dev)
+         device_of(segs[end]) == dev && (!read || remote_gpu(segs[end]) == remote_gpu(first)))
     total += segs[end++].length;
   const uint32_t n = uint32_t(end - t->cur_segment);
   if (n < 2) return 0;
@@ -389,13 +393,15 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     op->segment_offset = t->cur_offset;
     op->device = s.device;
     op->local = s.local;
-    const uint32_t n = t->op == OpKind::kWrite && batch_max_ >= 2 ? pack_batch(t, s, chunk) : 0;
-    if (n >= 2) {  // many small writes: one frame, one answer
-      h.type = static_cast<uint8_t>(wire::FrameType::kWriteBatch);
+    const bool batches = t->op == OpKind::kWrite || (t->op == OpKind::kRead && batch_reads_);
+    const uint32_t n = batches && batch_max_ >= 2 ? pack_batch(t, s, chunk) : 0;
+    if (n >= 2) {  // many small writes (reads): one frame, one answer
+      const bool write = t->op == OpKind::kWrite;
+      h.type = static_cast<uint8_t>(write ? wire::FrameType::kWriteBatch : wire::FrameType::kReadBatch);
       h.region_id = n;
       h.length = s.length;
       op->payload = nullptr;
-      op->length = s.length;
+      op->length = write ? s.length : 0;
       op->fragments = n;
       op->frags = s.frags.get();
       op->pieces = s.pieces.get();
@@ -473,13 +479,27 @@ Code PeerState::answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t statu
   return Code::kOk;
 }
 
+Code PeerState::read_batch(uint32_t lane, uint32_t slot, uint32_t gen, uint32_t n, const wire::Fragment** frags,
+                           const Piece** pieces, int* device) {
+  std::lock_guard lock(mu_);
+  if (slot >= slots_.size()) return Code::kProtocolError;
+  const Slot& s = slots_[slot];
+  if (!s.used || s.gen != gen || s.lane != lane || !s.transfer || s.transfer->op != OpKind::kRead ||
+      s.op.fragments != n || n == 0)
+    return Code::kProtocolError;
+  *frags = s.frags.get();
+  *pieces = s.pieces.get();
+  *device = s.device;
+  return Code::kOk;
+}
+
 Code PeerState::read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest,
                                  int* device) {
   std::lock_guard lock(mu_);
   if (slot >= slots_.size()) return Code::kProtocolError;
   Slot& s = slots_[slot];
   if (!s.used || s.gen != gen || s.lane != lane || s.length != length || !s.transfer ||
-      s.transfer->op != OpKind::kRead)
+      s.transfer->op != OpKind::kRead || s.op.fragments != 0)
     return Code::kProtocolError;
   *dest = s.local;
   *device = s.device;

@@ -26,13 +26,14 @@ class EndpointImpl;
 
 // Local source bytes of one fragment of a batched chunk.
 struct Piece {
-  const uint8_t* data = nullptr;
+  uint8_t* data = nullptr;  // a write's source, a read's destination
   uint64_t length = 0;
   const RegionState* region = nullptr;  // the local region it lies in
 };
 
 // What a lane puts on the wire next: a header and, for writes and sends, the local payload.
-// A kWriteBatch chunk instead carries `fragments` small writes: frags[i] describes where piece i goes.
+// A kWriteBatch chunk instead carries `fragments` small writes: frags[i] describes where piece i goes;
+// a kReadBatch chunk (Caps::batch_reads) `fragments` small reads: piece i is where frags[i] lands.
 struct ChunkOp {
   wire::FrameHeader hdr;
   const uint8_t* payload = nullptr;
@@ -40,7 +41,7 @@ struct ChunkOp {
   uint8_t* local = nullptr;          // the chunk's local bytes (a read's destination)
   const Segment* segment = nullptr;  // local region, remote descriptor (transport extensions)
   uint64_t segment_offset = 0;       // where in the segment this chunk starts
-  uint32_t fragments = 0;            // kWriteBatch only
+  uint32_t fragments = 0;            // kWriteBatch and kReadBatch only
   const wire::Fragment* frags = nullptr;
   const Piece* pieces = nullptr;
   int32_t device = -1;               // GPU of the local bytes (all pieces share it), -1 for host memory
@@ -98,6 +99,9 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   }
   // A target answered chunk (slot, gen). kProtocolError if the answer names no chunk of this lane.
   Code answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t status);
+  // The pieces of kReadBatch chunk (slot, gen): `n` fragments, where each lands, on GPU `device` (-1: host).
+  Code read_batch(uint32_t lane, uint32_t slot, uint32_t gen, uint32_t n, const wire::Fragment** frags,
+                  const Piece** pieces, int* device);
   // Where a kReadResp payload of `length` bytes goes.
   // `device` is the GPU the bytes go to, or -1 for host memory.
   Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest, int* device);
@@ -168,7 +172,8 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
     std::unique_ptr<wire::Fragment[]> frags;  // a batched chunk's fragments (allocated once, on first batch)
     std::unique_ptr<Piece[]> pieces;
   };
-  // Packs whole small segments of a write after the cursor into one kWriteBatch chunk (mu_ held).
+  // Packs whole small segments of a write (or, batch_reads_, a read) after the cursor into one batch
+  // chunk (mu_ held).
   uint32_t pack_batch(TransferState* t, Slot& s, uint64_t chunk);
 
   Transfer start(std::shared_ptr<TransferState> t);  // registers the keepalive
@@ -185,6 +190,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   PeerInfo info_;
   const uint32_t lanes_;
   const uint32_t batch_max_;  // the transport's Caps::batch_fragments: most fragments in a kWriteBatch chunk
+  const bool batch_reads_;    // the transport's Caps::batch_reads
   const uint64_t gpu_chunk_;  // the transport's chunk size between GPU memory on both ends (0: none)
   const bool staged_gpu_;     // GPU memory goes through pinned host staging on each side (tcp): reads pipeline smaller chunks
   const uint32_t lane_window_;

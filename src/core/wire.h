@@ -86,6 +86,8 @@ enum class FrameType : uint8_t {
   kSendData = 5,   // sender -> receiver, into a matched recv (region_id = recv token); answered by kAck
   kWriteBatch = 6, // many small writes in one chunk: region_id = fragment count, length = payload bytes;
                    // `count` Fragments follow the header, then the payloads in that order; one kAck
+  kReadBatch = 7,  // many small reads in one chunk (only transports with Caps::batch_reads: ipc, whose
+                   // frame says how; a tcp lane refuses it as a frame of unknown type)
 };
 
 // One small write inside a kWriteBatch frame; checked like a kWrite header.

@@ -36,6 +36,7 @@ struct Caps {
   bool attach_before_answer = false;
   uint32_t batch_fragments = 0; // most fragments in one kWriteBatch chunk (many small writes in one
                                 // frame, one answer); 0: no batches
+  bool batch_reads = false;     // small reads are batched too, as kReadBatch chunks (ipc)
   uint64_t gpu_chunk_bytes = 0; // chunk size when both ends of a write/read are GPU memory (0: the peer's chunk_bytes)
 };
 

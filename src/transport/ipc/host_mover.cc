@@ -41,6 +41,16 @@ int CmaMover::push(const uint8_t* src, uint64_t remote, uint64_t len) {
   return cma_copy<true>(pid_, const_cast<uint8_t*>(src), remote, len);
 }
 
+int CmaMover::pull_many(const iovec* local, const iovec* remote, uint32_t n, uint64_t total) {
+  const ssize_t got = ::process_vm_readv(pid_, local, n, remote, n, 0);
+  if (got >= 0 && uint64_t(got) == total) return 0;
+  if (got < 0 && errno != EINTR && errno != EFAULT) return errno;
+  for (uint32_t i = 0; i < n; ++i)  // cut short: piece by piece, which says where it fails
+    if (int e = pull(reinterpret_cast<uint64_t>(remote[i].iov_base), static_cast<uint8_t*>(local[i].iov_base), local[i].iov_len))
+      return e;
+  return 0;
+}
+
 int CmaMover::probe(uint64_t addr, uint64_t expect) {
   if (pid_ <= 0) return ESRCH;  // not visible from our pid namespace
   uint64_t got = 0;

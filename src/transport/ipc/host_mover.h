@@ -8,6 +8,7 @@
 // (cuda_mover.h, Where::kCuda).
 #pragma once
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #include <cerrno>
 #include <cstdint>
@@ -40,6 +41,8 @@ class CmaMover final : public Mover {
   explicit CmaMover(pid_t pid) : pid_(pid) {}
   int pull(uint64_t remote, uint8_t* dst, uint64_t len) override;
   int push(const uint8_t* src, uint64_t remote, uint64_t len) override;
+  // `n` (at most IOV_MAX) pieces of `total` bytes in one system call where the kernel copies them all.
+  int pull_many(const iovec* local, const iovec* remote, uint32_t n, uint64_t total);
   // Reads 8 bytes at `addr` in the other process, checks them against `expect` and writes them
   // back: 0 when both work, else the errno (EPERM: ptrace rules, a non-dumpable peer, seccomp...).
   int probe(uint64_t addr, uint64_t expect);

@@ -89,6 +89,10 @@ constexpr size_t kMaxMsg = sizeof(Frame) + kMaxBatch * (sizeof(BatchEntry) + siz
 constexpr uint8_t kReadDone = 0x40;
 // ... and either way: "the GPU memory in `cuda` was deregistered here, close your mapping of it".
 constexpr uint8_t kRelease = 0x41;
+// target -> initiator: the answer to a kReadBatch. Frame (status; region_id = n, addr = CudaRefs), then
+// on success n BatchEntry (the fragment as asked, `addr` and `ref` where it lies, `pad` its Where:
+// kCuda, kCma = an address in the target, kShm = an offset in the initiator's segment), then the CudaRefs.
+constexpr uint8_t kReadBatchAnswer = 0x42;
 static_assert(sizeof(Hello) == 48);
 
 struct IpcPeer {
@@ -137,6 +141,7 @@ struct Lane {
   RegionState* dests[kMaxBatch];    // each fragment's region
   std::shared_ptr<Mapping> maps[kMaxBatch];
   uint64_t triples[3 * kMaxBatch];
+  iovec local_iov[kMaxBatch], remote_iov[kMaxBatch];  // a read batch's host pieces read by attach
 };
 
 namespace {
@@ -362,18 +367,41 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
   return OneSided::kMoved;
 }
 
+// A kReadBatch: the fragments, and whether the target may answer with addresses we read by attach
+// (kCma: our pieces are host memory and we may attach to it) or must push its host bytes into our
+// slot (kShm, from `addr`; `hdr.key`: the slot's size). GPU bytes are always answered as CudaRefs.
+Sent send_read_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+  const uint32_t n = op.fragments;
+  uint8_t* msg = message_buffer();
+  Frame f{};
+  f.hdr = op.hdr;
+  f.hdr.key = ip.slot_bytes;
+  f.where = uint8_t(op.device < 0 && ip.cma ? Where::kCma : Where::kShm);
+  f.addr = uint64_t(op.hdr.slot) * ip.slot_bytes;
+  std::memcpy(msg, &f, sizeof f);
+  for (uint32_t i = 0; i < n; ++i) {
+    BatchEntry e{};
+    e.frag = op.frags[i];
+    std::memcpy(msg + sizeof f + i * sizeof e, &e, sizeof e);
+  }
+  if (send_lane(ip, lane, msg, sizeof f + n * sizeof(BatchEntry))) return Sent::kSent;
+  fail_peer(p, Code::kConnectionLost, std::strerror(errno));
+  return Sent::kLaneGone;
+}
+
 // Describes (and for shm, stages) a pulled chunk and sends it.
 Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
-  if (op.fragments > 0) return send_batch(ip, p, lane, op);
+  if (op.fragments > 0)
+    return op.hdr.type == uint8_t(FrameType::kReadBatch) ? send_read_batch(ip, p, lane, op) : send_batch(ip, p, lane, op);
   const OneSided os = one_sided(ip, p, lane, op);
   if (os == OneSided::kMoved) return Sent::kMoved;
   Frame f{};
   f.hdr = op.hdr;
   f.grant = os == OneSided::kAsk ? kWantGrant : 0;
   // Reads are copied by us — out of the target's memory by attach where we may attach to it, out of
-  // its GPU allocation, or out of our segment where it pushed them: no process ever writes into
-  // another's memory, so a peer we gave up on (its answer never came) cannot scribble over memory we
-  // have handed back.
+  // its GPU allocation, or out of our segment where it pushed them: no target ever writes into our
+  // memory, so a peer we gave up on (its answer never came) cannot scribble over memory we have
+  // handed back.
   const bool read = op.hdr.type == uint8_t(FrameType::kReadReq);
   const void* msg = &f;  // what goes: the frame, or (inline) the frame and the bytes
   size_t bytes = sizeof f;
@@ -636,14 +664,127 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
 // kReadDone: the initiator has copied a read out of our GPU region; let go of it.
 bool read_done(Lane& l, const FrameHeader& h) {
   std::lock_guard lock(l.held_mu);
-  for (size_t i = 0; i < l.held.size(); ++i) {
-    if (l.held[i].slot != h.slot || l.held[i].gen != h.gen) continue;
+  bool found = false;  // a read batch holds one pin per run of fragments, all under its (slot, gen)
+  for (size_t i = 0; i < l.held.size();) {
+    if (l.held[i].slot != h.slot || l.held[i].gen != h.gen) {
+      ++i;
+      continue;
+    }
     l.held[i].pin->unpin();
     l.held[i] = l.held.back();
     l.held.pop_back();
-    return true;
+    found = true;
   }
+  if (found) return true;
   fail_peer(*l.peer, Code::kProtocolError, "read done for no read");
+  return false;
+}
+
+// A kReadBatch: every fragment is checked and pinned first; the answer says where each lies — in our
+// GPU allocation (kCuda) or at our address (kCma: the initiator reads both itself, and the pins stay
+// until its kReadDone), or pushed into the initiator's slot (kShm: done here, nothing stays pinned).
+// False: the lane must end.
+bool serve_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t bytes) {
+  PeerState& p = *l.peer;
+  IpcPeer& ip = *l.ip;
+  Frame f;
+  std::memcpy(&f, msg, sizeof f);
+  const FrameHeader& h = f.hdr;
+  const uint32_t n = h.region_id;
+  if (n < 1 || n > kMaxBatch || bytes != sizeof(Frame) + n * sizeof(BatchEntry) ||
+      (f.where != uint8_t(Where::kCma) && f.where != uint8_t(Where::kShm))) {
+    fail_peer(p, Code::kProtocolError, "a malformed read batch");
+    return false;
+  }
+  auto& stats = ep->stats();
+  uint8_t* out = message_buffer();
+  auto* ents = reinterpret_cast<BatchEntry*>(out + sizeof(Frame));
+  auto* refs = reinterpret_cast<CudaRef*>(out + sizeof(Frame) + n * sizeof(BatchEntry));
+  Code c = Code::kOk;
+  uint32_t pinned = 0, nrefs = 0;
+  uint64_t total = 0, pushed = 0;
+  bool held = false;
+  wire::Fragment run{};
+  for (uint32_t i = 0; i < n && c == Code::kOk; ++i) {
+    BatchEntry e;
+    std::memcpy(&e, msg + sizeof(Frame) + i * sizeof e, sizeof e);
+    const wire::Fragment fr = e.frag;
+    if (pinned > 0 && fr.region_id == run.region_id && fr.key == run.key && fr.desc_offset == run.desc_offset &&
+        fr.desc_length == run.desc_length) {  // as serve_batch: the run's descriptor is checked and pinned
+      if (fr.offset < fr.desc_offset || !core::in_bounds(fr.offset - fr.desc_offset, fr.length, fr.desc_length))
+        c = Code::kOutOfRange;
+    } else if ((c = ep->registry().resolve(fr.region_id, fr.key, fr.desc_offset, fr.desc_length, fr.offset, fr.length,
+                                           false, &l.pins[pinned])) == Code::kOk) {
+      ++pinned;
+      run = fr;
+    }
+    if (c != Code::kOk) break;
+    RegionState* r = l.pins[pinned - 1];
+    uint8_t* at = r->base + fr.offset;
+    BatchEntry a{};
+    a.frag = fr;
+    if (r->kind == MemoryKind::kCuda) {
+      CudaRef ref;
+      if (!gpu_place(r, at, fr.length, &ref, &a.addr)) {
+        c = Code::kUnavailable;
+        break;
+      }
+      uint32_t k = 0;
+      while (k < nrefs && (refs[k].base != ref.base || refs[k].size != ref.size)) ++k;
+      if (k == nrefs) refs[nrefs++] = ref;
+      a.ref = k;
+      a.pad = uint32_t(Where::kCuda);
+      held = true;
+    } else if (f.where == uint8_t(Where::kCma)) {
+      a.addr = reinterpret_cast<uint64_t>(at);
+      a.pad = uint32_t(Where::kCma);
+      held = true;
+    } else {  // into the initiator's slot, one piece after another
+      if (fr.length > h.key || pushed > h.key - fr.length) {
+        fail_peer(p, Code::kProtocolError, "a read batch larger than its slot");
+        for (uint32_t j = 0; j < pinned; ++j) l.pins[j]->unpin();
+        return false;
+      }
+      a.addr = f.addr + pushed;
+      if (int e = ip.shm->push(at, a.addr, fr.length)) {
+        for (uint32_t j = 0; j < pinned; ++j) l.pins[j]->unpin();
+        return lane_error(p, e);
+      }
+      pushed += fr.length;
+      a.pad = uint32_t(Where::kShm);
+    }
+    ents[i] = a;
+    total += fr.length;
+  }
+  if (c == Code::kOk && total != h.length) {
+    for (uint32_t j = 0; j < pinned; ++j) l.pins[j]->unpin();
+    fail_peer(p, Code::kProtocolError, "a read batch whose fragments do not add up");
+    return false;
+  }
+  Frame a{};
+  a.hdr.type = kReadBatchAnswer;
+  a.hdr.status = uint8_t(c);
+  a.hdr.slot = h.slot;
+  a.hdr.gen = h.gen;
+  a.hdr.length = h.length;
+  size_t len = sizeof a;
+  if (c == Code::kOk) {
+    a.hdr.region_id = n;
+    a.addr = nrefs;
+    len += n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef);
+    count_served(ep, true, h.length);
+  } else {
+    stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (c == Code::kOk && held) {
+    std::lock_guard lock(l.held_mu);  // until its kReadDone (or the lane ends)
+    for (uint32_t j = 0; j < pinned; ++j) l.held.push_back(Lane::Held{h.slot, h.gen, l.pins[j]});
+  } else {
+    for (uint32_t j = 0; j < pinned; ++j) l.pins[j]->unpin();
+  }
+  std::memcpy(out, &a, sizeof a);
+  if (send_lane(ip, l.index, out, len)) return true;
+  fail_peer(p, Code::kConnectionLost, std::strerror(errno));
   return false;
 }
 
@@ -759,6 +900,120 @@ void take_grant(IpcPeer& ip, const Frame& f) {
   g.base = f.addr - h.offset;
   if (gpu) g.ref = f.cuda;
   ip.os->remember(g);
+}
+
+// The answer to one of our kReadBatch chunks: checked against what we asked (the slot's fragments),
+// then every piece copied — GPU pieces by one copy over the mapped allocations, host pieces by attach
+// or out of our slot — and, where the target holds its regions for us, kReadDone. False: the lane must end.
+bool take_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t bytes) {
+  PeerState& p = *l.peer;
+  IpcPeer& ip = *l.ip;
+  Frame f;
+  std::memcpy(&f, msg, sizeof f);
+  const FrameHeader& h = f.hdr;
+  auto bad = [&](const char* why) {
+    fail_peer(p, Code::kProtocolError, why);
+    return false;
+  };
+  uint8_t status = h.status;
+  if (status != 0) {
+    if (bytes != sizeof f) return bad("a malformed read batch answer");
+    if (p.answer(l.index, h.slot, h.gen, status) != Code::kOk) return bad("an answer to no request");
+    return true;
+  }
+  const uint32_t n = h.region_id;
+  const uint64_t nrefs = f.addr;
+  const wire::Fragment* frags = nullptr;
+  const core::Piece* pieces = nullptr;
+  int device = -1;
+  if (n < 1 || n > kMaxBatch || nrefs > n || bytes != sizeof f + n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef) ||
+      p.read_batch(l.index, h.slot, h.gen, n, &frags, &pieces, &device) != Code::kOk)
+    return bad("a read batch answer to no read batch");
+  auto entry = [&](uint32_t i) {
+    BatchEntry e;
+    std::memcpy(&e, msg + sizeof f + i * sizeof e, sizeof e);
+    return e;
+  };
+  const uint64_t slot_at = uint64_t(h.slot) * ip.slot_bytes;
+  bool held = false;  // the target holds its regions for us until kReadDone, whatever becomes of our copy
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t w = entry(i).pad;
+    held = held || w == uint32_t(Where::kCuda) || w == uint32_t(Where::kCma);
+  }
+  uint32_t k = 0, v = 0;  // GPU pieces as copy triples; host pieces by attach as iovecs
+  uint64_t by_attach = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const BatchEntry e = entry(i);
+    const core::Piece& pc = pieces[i];
+    if (e.frag.length != pc.length || e.frag.region_id != frags[i].region_id || e.frag.offset != frags[i].offset)
+      return bad("a read batch answer for other fragments");
+    if (e.pad == uint32_t(Where::kCuda)) {
+      if (e.ref >= nrefs) return bad("a read batch answer naming no allocation");
+      if (!l.maps[e.ref]) {
+        CudaRef r;
+        std::memcpy(&r, msg + sizeof f + n * sizeof(BatchEntry) + e.ref * sizeof r, sizeof r);
+        auto m = ip.imports->get(r, device);
+        if (!m.is_ok()) {
+          status = uint8_t(Code::kUnavailable);
+          break;
+        }
+        l.maps[e.ref] = m.take();
+      }
+      const Mapping& mp = *l.maps[e.ref];
+      if (e.addr > mp.size || pc.length > mp.size - e.addr) return bad("read data outside the allocation it names");
+      l.triples[3 * k + 0] = mp.ptr + e.addr;
+      l.triples[3 * k + 1] = reinterpret_cast<uint64_t>(pc.data);
+      l.triples[3 * k + 2] = pc.length;
+      ++k;
+    } else if (e.pad == uint32_t(Where::kCma)) {
+      if (device >= 0 || !ip.cma) return bad("a read batch answered by address that was not asked so");
+      l.local_iov[v] = iovec{pc.data, pc.length};
+      l.remote_iov[v++] = iovec{reinterpret_cast<void*>(e.addr), pc.length};
+      by_attach += pc.length;
+    } else if (e.pad == uint32_t(Where::kShm)) {
+      if (e.addr < slot_at || e.addr - slot_at > ip.slot_bytes || pc.length > ip.slot_bytes - (e.addr - slot_at))
+        return bad("read batch data outside our slot");
+      if (device < 0) std::memcpy(pc.data, ip.own.base() + e.addr, pc.length);
+      else if (!l.cuda->copy(device, reinterpret_cast<uint64_t>(pc.data), reinterpret_cast<uint64_t>(ip.own.base() + e.addr), pc.length).is_ok())
+        status = uint8_t(Code::kInternal);
+    } else {
+      return bad("a malformed read batch answer");
+    }
+  }
+  if (status == 0 && v > 0)
+    if (int err = ip.cma->pull_many(l.local_iov, l.remote_iov, v, by_attach)) return lane_error(p, err);
+  auto& stats = ep->stats();
+  if (status == 0 && k > 0) {
+    // One launch when the pieces land in GPU memory of the GPU the mappings live on, else one
+    // async copy each (into host memory); either way one wait.
+    const int dev = l.maps[0] ? l.maps[0]->device : device;
+    bool one_kernel = device >= 0 && device == dev && gpu::copy_kernel(dev).is_ok();
+    for (uint64_t j = 0; j < nrefs; ++j) one_kernel = one_kernel && l.maps[j] && l.maps[j]->device == dev;
+    if (l.cuda->copy_many(dev, l.triples, k, one_kernel).is_ok()) stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
+    else status = uint8_t(Code::kInternal);
+  }
+  for (uint64_t j = 0; j < nrefs; ++j) l.maps[j].reset();
+  if (held) {
+    // As for one read: the target must still guard what we copied (ring not closed), then let go.
+    if (l.ring->closed()) {
+      fail_peer(p, Code::kConnectionLost, "the peer let go of the regions while we read them");
+      return false;
+    }
+    Frame done{};
+    done.hdr.type = kReadDone;
+    done.hdr.slot = h.slot;
+    done.hdr.gen = h.gen;
+    if (!send_lane(ip, l.index, &done, sizeof done)) {
+      fail_peer(p, Code::kConnectionLost, std::strerror(errno));
+      return false;
+    }
+  }
+  if (status == 0) {
+    stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+    stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (p.answer(l.index, h.slot, h.gen, status) != Code::kOk) return bad("an answer to no request");
+  return true;
 }
 
 // An answer to one of our chunks. False: the lane must end.
@@ -1004,14 +1259,17 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
       if (size_t(n) >= sizeof f) std::memcpy(&f, l->rx.get(), sizeof f);
       const auto type = static_cast<FrameType>(f.hdr.type);
       const bool batch = type == FrameType::kWriteBatch;
+      const bool read_batch = type == FrameType::kReadBatch;
+      const bool read_batch_answer = f.hdr.type == kReadBatchAnswer;
       const bool done = f.hdr.type == kReadDone;
       const bool release = f.hdr.type == kRelease;
       const bool request = type == FrameType::kWrite || type == FrameType::kReadReq || type == FrameType::kSendData;
       const bool answer = type == FrameType::kAck || type == FrameType::kReadResp;
       const bool carried = f.where == uint8_t(Where::kInline) && type != FrameType::kReadReq && request;
       const uint64_t extra = size_t(n) >= sizeof f ? uint64_t(n) - sizeof f : 0;  // inline bytes
-      if (size_t(n) < sizeof f || (!batch && (extra != (carried ? f.hdr.length : 0) || extra > kInlineMax)) || (f.hdr.flags & ~wire::kKnownFlags) != 0 ||
-          (!request && !answer && !batch && !done && !release) || !l->ip->ready.load(std::memory_order_acquire)) {
+      const bool listed = batch || read_batch || read_batch_answer;  // their entries follow the frame
+      if (size_t(n) < sizeof f || (!listed && (extra != (carried ? f.hdr.length : 0) || extra > kInlineMax)) || (f.hdr.flags & ~wire::kKnownFlags) != 0 ||
+          (!request && !answer && !listed && !done && !release) || !l->ip->ready.load(std::memory_order_acquire)) {
         fail_peer(p, Code::kProtocolError, "the peer sent a malformed frame");
         break;
       }
@@ -1020,6 +1278,11 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
         if (!serve(*l, ep, f)) break;
       } else if (batch) {
         if (!serve_batch(*l, ep, l->rx.get(), size_t(n))) break;
+      } else if (read_batch) {
+        if (!serve_read_batch(*l, ep, l->rx.get(), size_t(n))) break;
+      } else if (read_batch_answer) {
+        if (!take_read_batch(*l, ep, l->rx.get(), size_t(n))) break;
+        pump_lane(*l->ip, p, l->index);  // the answer freed room in this lane's window
       } else if (done) {
         if (!read_done(*l, f.hdr)) break;
       } else if (release) {
@@ -1173,6 +1436,7 @@ Caps IpcTransport::caps() const {
   c.same_host_only = true;
   c.attach_before_answer = true;  // the connector's lanes are here before it answers: attach needs nothing more
   c.batch_fragments = kMaxBatch;
+  c.batch_reads = true;
   c.gpu_chunk_bytes = endpoint_->config().ipc_gpu_chunk_bytes;
   return c;
 }

@@ -268,6 +268,7 @@ bool NetLane::on_header(RxPosted& r) {
       r.expect = h.length;
       return true;
     case FrameType::kWriteBatch:  // never sent to us: Caps::batch_fragments is 0
+    case FrameType::kReadBatch:   // nor this: Caps::batch_reads is false
       break;
   }
   return protocol_error("a frame of unknown type");

@@ -573,6 +573,8 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
       if (l.rx_left == 0) payload_done(l, ep);
       return true;
     }
+    case FrameType::kReadBatch:  // never sent over tcp: Caps::batch_reads is false
+      break;
   }
   return protocol_error("a frame of unknown type");
 }

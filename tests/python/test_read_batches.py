@@ -1,0 +1,91 @@
+"""Reads of many small blocks over ipc go as read batches (kReadBatch): one request for up to 1,024
+fragments, every fragment checked and pinned by the target, one answer saying where each lies, the
+initiator copying them all (by attach in one system call, or out of its slot where the target pushed
+them). Two real processes; random data, poisoned destinations, every byte. GPU pairings: the
+vectored tests of test_ipc_gpu.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tether
+from tether_testutil import DESC_KEY, assert_bytes_equal, assert_poison, get_u64, poisoned, rand_bytes, set_u64, wait_error
+
+T = 20.0
+
+
+@pytest.fixture
+def pulled(children):
+    """(me, peer, child): `me` reads from a child endpoint over ipc."""
+    made = []
+
+    def make(env=None):
+        c = children("read-batch-target", env=env)
+        info = c.call("endpoint", name="T")
+        me = tether.Endpoint(name="I")
+        made.append(me)
+        peer = me.connect(info["metadata"], timeout=10)
+        assert peer.transport == "ipc"
+        return me, peer, c
+
+    yield make
+    for me in made:
+        me.close()
+
+
+@pytest.mark.parametrize("host", ["auto", "shm"], ids=["by-attach", "pushed"])
+@pytest.mark.parametrize("blocks,bs", [(512, 4096), (300, 1000), (2, 7)])
+def test_scattered_reads_come_in_batches(pulled, host, blocks, bs):
+    me, peer, c = pulled(env={"TETHER_IPC_HOST": host} if host == "shm" else None)
+    n = blocks * bs
+    desc = c.call("register", "src", n + 100, fill=("seed", 60))
+    data = rand_bytes(60, n + 100)
+    dst = poisoned(2 * n)
+    rd = me.register(dst)
+    rng = np.random.default_rng(blocks)
+    remote = (rng.permutation(blocks) * bs + 50).astype(np.uint64)
+    local = (np.arange(blocks) * 2 * bs).astype(np.uint64)  # a gap after every block: must stay poison
+    sent0 = c.call("stats")["chunks_sent"]
+    peer.readv_blocks(rd, desc, local, remote, bs).wait(T)
+    batches = c.call("stats")["chunks_sent"] - sent0
+    assert batches == -(-blocks // min(1024, (1 << 20) // bs)), batches  # one answer per batch, not per block
+    for i in range(blocks):
+        got = dst[int(local[i]):int(local[i]) + bs]
+        assert_bytes_equal(got, data[int(remote[i]):int(remote[i]) + bs], f"block {i}")
+        assert_poison(dst[int(local[i]) + bs:int(local[i]) + 2 * bs], f"the gap after block {i}")
+    # the target held its region only until we were done: deregistering does not wait
+    c.call("deregister", "src", timeout=5)
+
+
+def test_one_bad_fragment_refuses_the_whole_batch(pulled):
+    me, peer, c = pulled()
+    good = c.call("register", "a", 64 * 1024, fill=("seed", 61))
+    other = c.call("register", "b", 64 * 1024, fill=("seed", 62))
+    bad = set_u64(other, DESC_KEY, get_u64(other, DESC_KEY) ^ 1)
+    dst = poisoned(32 * 1024)
+    rd = me.register(dst)
+    entries = [(rd, i * 1024, good if i != 9 else bad, i * 1024, 1024) for i in range(32)]
+    e = wait_error(peer.readv(entries))
+    assert isinstance(e, tether.AccessDenied), repr(e)
+    assert_poison(dst, "the destination of a refused batch")
+    # the same blocks with the right key: every byte, and the link lives on
+    entries[9] = (rd, 9 * 1024, other, 9 * 1024, 1024)
+    peer.readv(entries).wait(T)
+    a, b = rand_bytes(61, 64 * 1024), rand_bytes(62, 64 * 1024)
+    for i in range(32):
+        want = (b if i == 9 else a)[i * 1024:(i + 1) * 1024]
+        assert_bytes_equal(dst[i * 1024:(i + 1) * 1024], want, f"block {i}")
+
+
+def test_blocks_from_several_regions_in_one_read(pulled):
+    me, peer, c = pulled()
+    descs = [c.call("register", f"r{k}", 40_000, fill=("seed", 70 + k)) for k in range(3)]
+    dst = poisoned(3 * 40_000)
+    rd = me.register(dst)
+    entries = [(rd, k * 40_000 + i * 4000, descs[k], 40_000 - (i + 1) * 4000, 4000) for i in range(10) for k in range(3)]
+    peer.readv(entries).wait(T)
+    for k in range(3):
+        src = rand_bytes(70 + k, 40_000)
+        for i in range(10):
+            at = k * 40_000 + i * 4000
+            assert_bytes_equal(dst[at:at + 4000], src[40_000 - (i + 1) * 4000:40_000 - i * 4000], f"region {k} block {i}")
