@@ -788,6 +788,13 @@ bool serve_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_
   return false;
 }
 
+// Every fragment of the batch being served lands in host memory (l.dests).
+bool host_only(const Lane& l, uint32_t n) {
+  for (uint32_t i = 0; i < n; ++i)
+    if (l.dests[i]->kind == MemoryKind::kCuda) return false;
+  return true;
+}
+
 // A kWriteBatch: every fragment is checked and pinned before any byte lands; GPU pieces into GPU
 // memory of one device go in one copy-kernel launch over peer pointers. False: the lane must end.
 bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t bytes) {
@@ -867,6 +874,15 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
       else c = Code::kInternal;
     }
     for (uint32_t j = 0; j < k; ++j) l.maps[j].reset();
+  } else if (c == Code::kOk && !err && f.where == uint8_t(Where::kCma) && ip.cma && host_only(l, n)) {
+    // Host pieces into host memory by attach: one process_vm_readv for the batch.
+    for (uint32_t i = 0; i < n; ++i) {
+      const BatchEntry e = entry(i);
+      l.local_iov[i] = iovec{l.dests[i]->base + e.frag.offset, e.frag.length};
+      l.remote_iov[i] = iovec{reinterpret_cast<void*>(e.addr), e.frag.length};
+    }
+    err = ip.cma->pull_many(l.local_iov, l.remote_iov, n, total);
+    if (!err) stats.ipc_cma_chunks.fetch_add(1, std::memory_order_relaxed);
   } else if (c == Code::kOk && !err) {
     for (uint32_t i = 0; i < n && c == Code::kOk && !err; ++i) {
       const BatchEntry e = entry(i);
