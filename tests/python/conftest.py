@@ -102,6 +102,26 @@ def children():
         c.cleanup()
 
 
+@pytest.fixture
+def ipc_target(children):
+    """Factory: ipc_target(env=None, **endpoint_options) -> (me, peer, child): an endpoint here ("I")
+    connected over ipc to a child process's endpoint ("T"), which the test drives as the target."""
+    made = []
+
+    def make(env=None, **ep):
+        c = children("ipc-target", env=env)
+        info = c.call("endpoint", name="T")
+        me = tether.Endpoint(name="I", **ep)
+        made.append(me)
+        peer = me.connect(info["metadata"], timeout=10)
+        assert peer.transport == "ipc"
+        return me, peer, c
+
+    yield make
+    for me in made:
+        me.close()
+
+
 @pytest.fixture(scope="session")
 def big_random():
     """64 MiB of random bytes (seed 64), shared by the large-transfer tests (read-only use)."""

@@ -21,31 +21,12 @@ KiB = 1 << 10
 MAX = 64 * KiB  # the default ipc_one_sided_bytes
 
 
-@pytest.fixture
-def target(children):
-    """(me, peer, child): `me` connected over ipc to a child endpoint that serves as the target."""
-    made = []
-
-    def make(env=None, **ep):
-        c = children("one-sided-target", env=env)
-        info = c.call("endpoint", name="T")
-        me = tether.Endpoint(name="I", **ep)
-        made.append(me)
-        peer = me.connect(info["metadata"], timeout=10)
-        assert peer.transport == "ipc"
-        return me, peer, c
-
-    yield make
-    for me in made:
-        me.close()
-
-
 def _one_sided(ep) -> int:
     return ep.stats()["ipc_one_sided_chunks"]
 
 
-def test_writes_and_reads_go_one_sided_after_the_first(target):
-    me, peer, c = target()
+def test_writes_and_reads_go_one_sided_after_the_first(ipc_target):
+    me, peer, c = ipc_target()
     size = 1 * MiB
     desc = c.call("register", "dst", size)
     src = rand_bytes(1, size)
@@ -80,8 +61,8 @@ def test_writes_and_reads_go_one_sided_after_the_first(target):
     assert_bytes_equal(np.frombuffer(c.call("get", "dst"), np.uint8), expect, "after the large write")
 
 
-def test_a_sub_range_descriptor_is_granted_only_its_range(target):
-    me, peer, c = target()
+def test_a_sub_range_descriptor_is_granted_only_its_range(ipc_target):
+    me, peer, c = ipc_target()
     c.call("register", "dst", 64 * KiB)
     desc = c.call("descriptor", "dst", 1000, 5000)
     src = rand_bytes(2, 64 * KiB)
@@ -100,8 +81,8 @@ def test_a_sub_range_descriptor_is_granted_only_its_range(target):
     assert_poison(got[6000:], "after the descriptor")
 
 
-def test_a_wrong_key_never_rides_a_grant(target):
-    me, peer, c = target()
+def test_a_wrong_key_never_rides_a_grant(ipc_target):
+    me, peer, c = ipc_target()
     desc = c.call("register", "dst", 64 * KiB)
     src = rand_bytes(3, 64 * KiB)
     rs = me.register(src)
@@ -117,8 +98,8 @@ def test_a_wrong_key_never_rides_a_grant(target):
     assert_poison(got[16:], "the rest, after writes with a wrong key")
 
 
-def test_read_only_region_is_read_one_sided_and_never_written(target):
-    me, peer, c = target()
+def test_read_only_region_is_read_one_sided_and_never_written(ipc_target):
+    me, peer, c = ipc_target()
     desc = c.call("register", "ro", 64 * KiB, fill=("seed", 4), readonly=True)
     back = poisoned(64 * KiB)
     rb = me.register(back)
@@ -159,9 +140,9 @@ def test_deregister_ends_one_sided_writes_before_it_returns(children):
 
 
 @pytest.mark.parametrize("side", ["initiator", "target"])
-def test_either_side_can_turn_it_off(target, side):
+def test_either_side_can_turn_it_off(ipc_target, side):
     off = {"TETHER_IPC_ONE_SIDED_BYTES": "0"}
-    me, peer, c = target(env=off) if side == "target" else target(ipc_one_sided_bytes=0)
+    me, peer, c = ipc_target(env=off) if side == "target" else ipc_target(ipc_one_sided_bytes=0)
     desc = c.call("register", "dst", 64 * KiB)
     src = rand_bytes(7, 64 * KiB)
     rs = me.register(src)
@@ -173,8 +154,8 @@ def test_either_side_can_turn_it_off(target, side):
     assert_poison(got[500:], "the rest")
 
 
-def test_shared_memory_only_never_attaches(target):
-    me, peer, c = target(env={"TETHER_IPC_HOST": "shm"})
+def test_shared_memory_only_never_attaches(ipc_target):
+    me, peer, c = ipc_target(env={"TETHER_IPC_HOST": "shm"})
     desc = c.call("register", "dst", 64 * KiB)
     rs = me.register(rand_bytes(8, 64 * KiB))
     for _ in range(3):
@@ -182,8 +163,8 @@ def test_shared_memory_only_never_attaches(target):
     assert _one_sided(me) == 0  # the target would not let us reach it by address
 
 
-def test_notification_follows_one_sided_data(target):
-    me, peer, c = target()
+def test_notification_follows_one_sided_data(ipc_target):
+    me, peer, c = ipc_target()
     desc = c.call("register", "dst", 64 * KiB)
     src = rand_bytes(9, 64 * KiB)
     rs = me.register(src)
@@ -197,8 +178,8 @@ def test_notification_follows_one_sided_data(target):
     assert _one_sided(me) == 5
 
 
-def test_a_killed_target_fails_writes_without_a_hang(target):
-    me, peer, c = target()
+def test_a_killed_target_fails_writes_without_a_hang(ipc_target):
+    me, peer, c = ipc_target()
     desc = c.call("register", "dst", 64 * KiB)
     rs = me.register(rand_bytes(10, 64 * KiB))
     peer.write(rs, desc, length=64).wait(T)

@@ -14,29 +14,10 @@ from tether_testutil import DESC_KEY, assert_bytes_equal, assert_poison, get_u64
 T = 20.0
 
 
-@pytest.fixture
-def pulled(children):
-    """(me, peer, child): `me` reads from a child endpoint over ipc."""
-    made = []
-
-    def make(env=None):
-        c = children("read-batch-target", env=env)
-        info = c.call("endpoint", name="T")
-        me = tether.Endpoint(name="I")
-        made.append(me)
-        peer = me.connect(info["metadata"], timeout=10)
-        assert peer.transport == "ipc"
-        return me, peer, c
-
-    yield make
-    for me in made:
-        me.close()
-
-
 @pytest.mark.parametrize("host", ["auto", "shm"], ids=["by-attach", "pushed"])
 @pytest.mark.parametrize("blocks,bs", [(512, 4096), (300, 1000), (2, 7)])
-def test_scattered_reads_come_in_batches(pulled, host, blocks, bs):
-    me, peer, c = pulled(env={"TETHER_IPC_HOST": host} if host == "shm" else None)
+def test_scattered_reads_come_in_batches(ipc_target, host, blocks, bs):
+    me, peer, c = ipc_target(env={"TETHER_IPC_HOST": host} if host == "shm" else None)
     n = blocks * bs
     desc = c.call("register", "src", n + 100, fill=("seed", 60))
     data = rand_bytes(60, n + 100)
@@ -57,8 +38,8 @@ def test_scattered_reads_come_in_batches(pulled, host, blocks, bs):
     c.call("deregister", "src", timeout=5)
 
 
-def test_one_bad_fragment_refuses_the_whole_batch(pulled):
-    me, peer, c = pulled()
+def test_one_bad_fragment_refuses_the_whole_batch(ipc_target):
+    me, peer, c = ipc_target()
     good = c.call("register", "a", 64 * 1024, fill=("seed", 61))
     other = c.call("register", "b", 64 * 1024, fill=("seed", 62))
     bad = set_u64(other, DESC_KEY, get_u64(other, DESC_KEY) ^ 1)
@@ -77,8 +58,8 @@ def test_one_bad_fragment_refuses_the_whole_batch(pulled):
         assert_bytes_equal(dst[i * 1024:(i + 1) * 1024], want, f"block {i}")
 
 
-def test_blocks_from_several_regions_in_one_read(pulled):
-    me, peer, c = pulled()
+def test_blocks_from_several_regions_in_one_read(ipc_target):
+    me, peer, c = ipc_target()
     descs = [c.call("register", f"r{k}", 40_000, fill=("seed", 70 + k)) for k in range(3)]
     dst = poisoned(3 * 40_000)
     rd = me.register(dst)

@@ -270,6 +270,21 @@ uint8_t* message_buffer() {
   return buffer.get();
 }
 
+// Where `r` is among the batch message's `*nrefs` CudaRefs, added if new (VMM spans may share a base).
+uint32_t ref_slot(CudaRef* refs, uint32_t* nrefs, const CudaRef& r) {
+  uint32_t k = 0;
+  while (k < *nrefs && (refs[k].base != r.base || refs[k].size != r.size)) ++k;
+  if (k == *nrefs) refs[(*nrefs)++] = r;
+  return k;
+}
+
+// Entry i of a batch message (kWriteBatch, kReadBatch, or a read batch's answer): after the Frame.
+BatchEntry batch_entry(const uint8_t* msg, uint32_t i) {
+  BatchEntry e;
+  std::memcpy(&e, msg + sizeof(Frame) + i * sizeof e, sizeof e);
+  return e;
+}
+
 // A kWriteBatch: the fragments and where each piece is, in one message; host pieces
 // are staged in the slot's part of the bounce segment when the target cannot reach us by address.
 Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
@@ -296,9 +311,7 @@ Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
           refuse(p, lane, op, Code::kUnavailable);
           return Sent::kRefused;
         }
-        k = 0;
-        while (k < nrefs && (refs[k].base != r.base || refs[k].size != r.size)) ++k;  // VMM spans may share a base
-        if (k == nrefs) refs[nrefs++] = r;
+        k = ref_slot(refs, &nrefs, r);
         last = pc.region;
       }
       e.ref = k;
@@ -680,6 +693,30 @@ bool read_done(Lane& l, const FrameHeader& h) {
   return false;
 }
 
+// A batch's fragment, checked as a kWrite (kReadReq) header would be: the first of a run naming one
+// descriptor through the registry, which pins its region into l.pins[(*pinned)++]; the rest of the run
+// by its bounds only (a lookup, a keyed hash and a shared pin per fragment cost more than the copy of
+// 16 KiB). On kOk the fragment's region is l.pins[*pinned - 1].
+Code pin_fragment(Lane& l, core::EndpointImpl* ep, const wire::Fragment& fr, bool write, uint32_t* pinned,
+                  wire::Fragment* run) {
+  if (*pinned > 0 && fr.region_id == run->region_id && fr.key == run->key && fr.desc_offset == run->desc_offset &&
+      fr.desc_length == run->desc_length)
+    return fr.offset < fr.desc_offset || !core::in_bounds(fr.offset - fr.desc_offset, fr.length, fr.desc_length)
+               ? Code::kOutOfRange
+               : Code::kOk;
+  const Code c = ep->registry().resolve(fr.region_id, fr.key, fr.desc_offset, fr.desc_length, fr.offset, fr.length,
+                                        write, &l.pins[*pinned]);
+  if (c == Code::kOk) {
+    ++*pinned;
+    *run = fr;
+  }
+  return c;
+}
+
+void unpin(Lane& l, uint32_t pinned) {
+  for (uint32_t j = 0; j < pinned; ++j) l.pins[j]->unpin();
+}
+
 // A kReadBatch: every fragment is checked and pinned first; the answer says where each lies — in our
 // GPU allocation (kCuda) or at our address (kCma: the initiator reads both itself, and the pins stay
 // until its kReadDone), or pushed into the initiator's slot (kShm: done here, nothing stays pinned).
@@ -705,20 +742,9 @@ bool serve_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_
   uint64_t total = 0, pushed = 0;
   bool held = false;
   wire::Fragment run{};
-  for (uint32_t i = 0; i < n && c == Code::kOk; ++i) {
-    BatchEntry e;
-    std::memcpy(&e, msg + sizeof(Frame) + i * sizeof e, sizeof e);
-    const wire::Fragment fr = e.frag;
-    if (pinned > 0 && fr.region_id == run.region_id && fr.key == run.key && fr.desc_offset == run.desc_offset &&
-        fr.desc_length == run.desc_length) {  // as serve_batch: the run's descriptor is checked and pinned
-      if (fr.offset < fr.desc_offset || !core::in_bounds(fr.offset - fr.desc_offset, fr.length, fr.desc_length))
-        c = Code::kOutOfRange;
-    } else if ((c = ep->registry().resolve(fr.region_id, fr.key, fr.desc_offset, fr.desc_length, fr.offset, fr.length,
-                                           false, &l.pins[pinned])) == Code::kOk) {
-      ++pinned;
-      run = fr;
-    }
-    if (c != Code::kOk) break;
+  for (uint32_t i = 0; i < n; ++i) {
+    const wire::Fragment fr = batch_entry(msg, i).frag;
+    if ((c = pin_fragment(l, ep, fr, false, &pinned, &run)) != Code::kOk) break;
     RegionState* r = l.pins[pinned - 1];
     uint8_t* at = r->base + fr.offset;
     BatchEntry a{};
@@ -729,10 +755,7 @@ bool serve_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_
         c = Code::kUnavailable;
         break;
       }
-      uint32_t k = 0;
-      while (k < nrefs && (refs[k].base != ref.base || refs[k].size != ref.size)) ++k;
-      if (k == nrefs) refs[nrefs++] = ref;
-      a.ref = k;
+      a.ref = ref_slot(refs, &nrefs, ref);
       a.pad = uint32_t(Where::kCuda);
       held = true;
     } else if (f.where == uint8_t(Where::kCma)) {
@@ -741,13 +764,13 @@ bool serve_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_
       held = true;
     } else {  // into the initiator's slot, one piece after another
       if (fr.length > h.key || pushed > h.key - fr.length) {
+        unpin(l, pinned);
         fail_peer(p, Code::kProtocolError, "a read batch larger than its slot");
-        for (uint32_t j = 0; j < pinned; ++j) l.pins[j]->unpin();
         return false;
       }
       a.addr = f.addr + pushed;
       if (int e = ip.shm->push(at, a.addr, fr.length)) {
-        for (uint32_t j = 0; j < pinned; ++j) l.pins[j]->unpin();
+        unpin(l, pinned);
         return lane_error(p, e);
       }
       pushed += fr.length;
@@ -757,7 +780,7 @@ bool serve_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_
     total += fr.length;
   }
   if (c == Code::kOk && total != h.length) {
-    for (uint32_t j = 0; j < pinned; ++j) l.pins[j]->unpin();
+    unpin(l, pinned);
     fail_peer(p, Code::kProtocolError, "a read batch whose fragments do not add up");
     return false;
   }
@@ -780,7 +803,7 @@ bool serve_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_
     std::lock_guard lock(l.held_mu);  // until its kReadDone (or the lane ends)
     for (uint32_t j = 0; j < pinned; ++j) l.held.push_back(Lane::Held{h.slot, h.gen, l.pins[j]});
   } else {
-    for (uint32_t j = 0; j < pinned; ++j) l.pins[j]->unpin();
+    unpin(l, pinned);
   }
   std::memcpy(out, &a, sizeof a);
   if (send_lane(ip, l.index, out, len)) return true;
@@ -811,11 +834,7 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
     fail_peer(p, Code::kProtocolError, "a malformed batch");
     return false;
   }
-  auto entry = [&](uint32_t i) {
-    BatchEntry e;
-    std::memcpy(&e, msg + sizeof(Frame) + i * sizeof(BatchEntry), sizeof e);
-    return e;
-  };
+  auto entry = [&](uint32_t i) { return batch_entry(msg, i); };
   auto ref_at = [&](uint32_t k) {
     CudaRef r;
     std::memcpy(&r, msg + sizeof(Frame) + n * sizeof(BatchEntry) + k * sizeof(CudaRef), sizeof r);
@@ -828,21 +847,7 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
   wire::Fragment run{};
   for (uint32_t i = 0; i < n; ++i) {
     const wire::Fragment fr = entry(i).frag;
-    if (pinned > 0 && fr.region_id == run.region_id && fr.key == run.key && fr.desc_offset == run.desc_offset &&
-        fr.desc_length == run.desc_length) {
-      // The descriptor is checked and its region pinned: the rest of the run needs its bounds only
-      // (a lookup, a keyed hash and a shared pin per fragment cost more than the copy of 16 KiB).
-      if (fr.offset < fr.desc_offset || !core::in_bounds(fr.offset - fr.desc_offset, fr.length, fr.desc_length)) {
-        c = Code::kOutOfRange;
-        break;
-      }
-    } else {
-      c = ep->registry().resolve(fr.region_id, fr.key, fr.desc_offset, fr.desc_length, fr.offset, fr.length, true,
-                                 &l.pins[pinned]);
-      if (c != Code::kOk) break;
-      ++pinned;
-      run = fr;
-    }
+    if ((c = pin_fragment(l, ep, fr, true, &pinned, &run)) != Code::kOk) break;
     l.dests[i] = l.pins[pinned - 1];
     total += fr.length;
   }
@@ -893,7 +898,7 @@ bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t byt
       err = m.err;
     }
   }
-  for (uint32_t i = 0; i < pinned; ++i) l.pins[i]->unpin();
+  unpin(l, pinned);
   if (err) return lane_error(p, err);
   if (c != Code::kOk) stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
   else count_served(ep, false, h.length);
@@ -945,11 +950,7 @@ bool take_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t
   if (n < 1 || n > kMaxBatch || nrefs > n || bytes != sizeof f + n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef) ||
       p.read_batch(l.index, h.slot, h.gen, n, &frags, &pieces, &device) != Code::kOk)
     return bad("a read batch answer to no read batch");
-  auto entry = [&](uint32_t i) {
-    BatchEntry e;
-    std::memcpy(&e, msg + sizeof f + i * sizeof e, sizeof e);
-    return e;
-  };
+  auto entry = [&](uint32_t i) { return batch_entry(msg, i); };
   const uint64_t slot_at = uint64_t(h.slot) * ip.slot_bytes;
   bool held = false;  // the target holds its regions for us until kReadDone, whatever becomes of our copy
   for (uint32_t i = 0; i < n; ++i) {

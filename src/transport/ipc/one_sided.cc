@@ -88,7 +88,6 @@ OneSidedInitiator::Context* OneSidedInitiator::enter(uint32_t region, bool* gone
     if (!k.busy.exchange(true, std::memory_order_acquire)) c = &k;
   }
   if (!c) return nullptr;
-  c->index = uint32_t(c - ctx_);
   ours_->hazard[c->index].region.store(region, std::memory_order_seq_cst);
   if (target_->closed.load(std::memory_order_seq_cst) == 0 &&
       target_->live[region % kLiveSlots].load(std::memory_order_seq_cst) == region)

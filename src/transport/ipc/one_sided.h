@@ -77,7 +77,9 @@ bool revoke(OneSidedPage& ours, const OneSidedPage& theirs, uint32_t region, pid
 class OneSidedInitiator {
  public:
   // Both pages: the target's (read) and our own (our hazards).
-  OneSidedInitiator(const OneSidedPage* target, OneSidedPage* ours) : target_(target), ours_(ours) {}
+  OneSidedInitiator(const OneSidedPage* target, OneSidedPage* ours) : target_(target), ours_(ours) {
+    for (uint32_t i = 0; i < kHazards; ++i) ctx_[i].index = i;
+  }
   // The grant covering the chunk `h` describes, if we have one.
   bool find(const wire::FrameHeader& h, Grant* out) const;
   void remember(const Grant& g);
