@@ -14,6 +14,7 @@
 
 #include "core/crypto.h"
 #include "core/endpoint_impl.h"
+#include "core/trace.h"
 #include "sys/net.h"
 #include "transport/registry.h"
 
@@ -175,6 +176,7 @@ void EndpointImpl::close() {
   sys::close_fd(epoll_fd_);
   sys::close_fd(event_fd_);
   notes_cv_.notify_all();
+  trace::flush();  // TETHER_TRACE: this process's events so far
 }
 
 std::string EndpointImpl::address() const {

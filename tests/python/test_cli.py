@@ -251,3 +251,31 @@ def test_doctor_shows_threads_and_refuses_bad_nics():
     env = dict(ENV, TETHER_NICS="no-such-nic7")
     r = subprocess.run([sys.executable, "-m", "tether", "doctor"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "no-such-nic7" in r.stdout, r.stdout[-2000:]
+
+
+def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path):
+    """TETHER_TRACE (src/core/trace.h): both bench processes write their events; every chunk of a tcp
+    write is pulled and sent by the initiator, landed by the target and answered; the report pairs them."""
+    prefix = str(tmp_path / "tr")
+    env = dict(ENV, TETHER_TRACE=prefix)
+    r = subprocess.run([sys.executable, "-m", "tether", "bench", "--quiet", "--transport", "tcp", "--sizes", "2M",
+                        "--chunk-bytes", "512K", "--iters", "4", "--warmup", "1", "--check"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = sorted(tmp_path.glob("tr.*.tsv"))
+    assert len(files) == 2, files
+    events = []
+    for f in files:
+        rows = [line.split("\t") for line in f.read_text().splitlines() if not line.startswith(("#", "ns\t"))]
+        events.append({(e, int(t), int(s), int(g)) for _, e, _, t, s, g in rows})
+    init, target = (events[0], events[1]) if any(e[0] == "post" for e in events[0]) else (events[1], events[0])
+    writes = {(s, g) for e, t, s, g in init if e == "sent" and t == 1}
+    assert len(writes) >= 4  # 2 MiB in 512 KiB chunks, several transfers
+    for s, g in writes:
+        assert ("pulled", 1, s, g) in init and ("answered", 2, s, g) in init
+        assert ("header", 1, s, g) in target and ("landed", 1, s, g) in target and ("sent", 2, s, g) in target
+    report = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "tools",
+                                                          "trace_report.py"), prefix],
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert "T:landed/write" in report.stdout and "chunk, first event to last" in report.stdout

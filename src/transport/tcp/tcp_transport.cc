@@ -16,6 +16,7 @@
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"
+#include "core/trace.h"
 #include "gpu/staging.h"
 #include "transport/frame_target.h"
 
@@ -25,6 +26,7 @@ using core::ChunkOp;
 using core::PeerState;
 using core::RegionState;
 using core::TransferState;
+namespace trace = core::trace;
 using wire::FrameHeader;
 using wire::FrameType;
 
@@ -238,6 +240,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       TxItem taken;
       l.answers.pop(&taken);  // `a` is the (possibly staged) copy we queue
       l.queue(a);
+      trace::mark(trace::Event::kPulled, l.index, a.hdr.type, a.hdr.slot, a.hdr.gen);
     }
     // Pull only when what this socket holds has (almost) drained: faster sockets pull more. What the
     // kernel still queues counts too, or a slow link would swallow a socket buffer's worth of chunks
@@ -261,6 +264,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         return false;
       }
       l.queue(it);
+      trace::mark(trace::Event::kPulled, l.index, it.hdr.type, it.hdr.slot, it.hdr.gen);
     }
     if (l.tx_count == 0 || budget == 0) break;
 
@@ -284,6 +288,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         if (!done.is_ok()) { *error = done.status(); return false; }
         if (!done.value()) break;
         it.staged = true;
+        trace::mark(trace::Event::kStaged, l.index, it.hdr.type, it.hdr.slot, it.hdr.gen);
         core::count_time(&core::LinkCounters::staging_ns, l.ctr, l.nic_ctr, core::mono_ns() - it.stage_ns);
       }
       add(&it.hdr, sizeof(FrameHeader));
@@ -316,6 +321,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       l.tx_head_sent += take;
       sent -= take;
       if (l.tx_head_sent == total) {
+        trace::mark(trace::Event::kSent, l.index, it.hdr.type, it.hdr.slot, it.hdr.gen);
         if (it.length > 0) {
           stats.bytes_sent.fetch_add(it.hdr.length, std::memory_order_relaxed);
           stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
@@ -358,7 +364,10 @@ void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
     } else if (!done.value()) {
       return;
     }
-    if (g.start_ns) core::count_time(&core::LinkCounters::staging_ns, l.ctr, l.nic_ctr, core::mono_ns() - g.start_ns);
+    if (g.start_ns) {
+      core::count_time(&core::LinkCounters::staging_ns, l.ctr, l.nic_ctr, core::mono_ns() - g.start_ns);
+      trace::mark(trace::Event::kUnpacked, l.index, g.hdr.type, g.hdr.slot, g.hdr.gen);
+    }
     g.start_ns = 0;
     const bool read = static_cast<FrameType>(g.hdr.type) == FrameType::kReadResp;
     if (!read && l.answers.full()) return;  // the ack waits for room
@@ -375,6 +384,7 @@ void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
     l.gpu_rx_head = (l.gpu_rx_head + 1) % kStageSlots;
     --l.gpu_rx_count;
     if (read) {
+      trace::mark(trace::Event::kAnswered, l.index, g.hdr.type, g.hdr.slot, g.hdr.gen);
       if (l.peer->answer(l.index, g.hdr.slot, g.hdr.gen, status) != Code::kOk)
         kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' answered no request"));
     } else {
@@ -497,6 +507,7 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
     return false;
   };
   if (h.flags & ~wire::kKnownFlags) return protocol_error("a malformed frame");
+  trace::mark(trace::Event::kHeader, l.index, h.type, h.slot, h.gen);
   const auto type = static_cast<FrameType>(h.type);
   const bool needs_answer = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kReadReq;
   if (needs_answer && l.answers.full()) {
@@ -553,6 +564,7 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
       return true;
     }
     case FrameType::kAck: {
+      trace::mark(trace::Event::kAnswered, l.index, h.type, h.slot, h.gen);
       if (l.peer->answer(l.index, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
       return true;
     }
@@ -637,6 +649,7 @@ bool on_batch(Lane& l, core::EndpointImpl* ep) {
 
 void payload_done(Lane& l, core::EndpointImpl* ep) {
   const FrameHeader& h = l.rx_hdr;
+  trace::mark(trace::Event::kLanded, l.index, h.type, h.slot, h.gen);
   l.rx_state = RxState::kHeader;
   l.rx_dest = nullptr;
   if (l.rx_slot) {  // in a bounce slot: copy it to the GPU; answer when that copy has finished
@@ -676,6 +689,7 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
   auto& stats = ep->stats();
   const auto type = static_cast<FrameType>(h.type);
   if (type == FrameType::kReadResp) {
+    trace::mark(trace::Event::kAnswered, l.index, h.type, h.slot, h.gen);
     stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
     core::count_received(l.ctr, l.nic_ctr, h.length);
@@ -812,6 +826,7 @@ void ProgressThread::run() {
     const bool spinning = busy.count() > 0 && Clock::now() - last_event < busy;
     int n = ::epoll_wait(epfd_, events, 64, hinted || spinning ? 0 : 1000);
     sleeping_.store(false, std::memory_order_relaxed);
+    if (n > 0 && !hinted && !spinning) trace::mark(trace::Event::kWake, index_, 0, uint32_t(n));
     if (n > 0) last_event = Clock::now();
     else if (spinning && !hinted) sched_yield();
     for (int i = 0; i < n; ++i) {
@@ -971,6 +986,7 @@ Status TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::v
 }
 
 void TcpTransport::wake(PeerState* peer, uint64_t chunks, int) {
+  trace::mark(trace::Event::kPost, 0, 0, uint32_t(chunks));
   auto* state = static_cast<TcpPeerLanes*>(peer->transport_state.get());
   if (chunks <= 1 && state && !state->lanes.empty()) {
     // A one-chunk transfer is sent by the posting thread itself when a lane's tx is free: that

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Where a transfer's time goes, from TETHER_TRACE files (src/core/trace.h).
+
+    TETHER_TRACE=/tmp/tr tether bench --transport tcp --device gpu --sizes 4M --mode write
+    python3 bench/tools/trace_report.py /tmp/tr
+
+Every chunk is one (slot, gen) pair on both sides: the initiator pulls and sends it, the target reads
+its header and lands it, and the answer (ack or read response) goes back. The events of one chunk,
+from both processes, are put in time order; each step between two consecutive events is one row
+(percentiles over all chunks). The process that posted transfers is the initiator ("I"), the other
+the target ("T"). Steps that include a GPU copy are pulled→staged (out of the GPU) and
+landed→unpacked (into it); header→… and …→answered include wake-ups of a sleeping thread.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import sys
+
+TYPES = {1: "write", 2: "ack", 3: "readreq", 4: "readresp", 5: "senddata", 6: "batch", 7: "readbatch"}
+
+
+def load(prefix: str):
+    procs = {}
+    for path in sorted(glob.glob(prefix + ".*.tsv")):
+        rows = []
+        with open(path) as f:
+            for line in f:
+                if line.startswith("#") or line.startswith("ns\t"):
+                    continue
+                ns, event, lane, typ, slot, gen = line.rstrip("\n").split("\t")
+                rows.append((int(ns), event, int(lane), int(typ), int(slot), int(gen)))
+        procs[path] = rows
+    return procs
+
+
+def pct(values, q):
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("prefix", help="the TETHER_TRACE prefix the run used")
+    ap.add_argument("--skip", type=float, default=0.0, help="ignore chunks in the first SKIP seconds (warm-up)")
+    ap.add_argument("--last", type=int, default=0, help="only the chunks of the last N transfers posted")
+    ap.add_argument("--slowest", type=int, default=3, help="print the event sequence of the N slowest chunks")
+    a = ap.parse_args()
+    procs = load(a.prefix)
+    if not procs:
+        print(f"no {a.prefix}.*.tsv files", file=sys.stderr)
+        return 1
+    side = {p: ("I" if any(r[1] == "post" for r in rows) else "T") for p, rows in procs.items()}
+    t0 = min(r[0] for rows in procs.values() for r in rows)
+    posts = sorted(r[0] for rows in procs.values() for r in rows if r[1] == "post")
+    since = posts[-a.last] if a.last and len(posts) >= a.last else 0
+    chunks = collections.defaultdict(list)
+    for p, rows in procs.items():
+        for ns, event, lane, typ, slot, gen in rows:
+            if event in ("post", "wake"):
+                continue
+            if ns - t0 < a.skip * 1e9 or ns < since:
+                continue
+            chunks[(slot, gen)].append((ns, f"{side[p]}:{event}/{TYPES.get(typ, typ)}", lane))
+    steps = collections.defaultdict(list)
+    totals = []
+    for key, evs in chunks.items():
+        evs.sort()
+        if len(evs) < 2:
+            continue
+        totals.append((evs[-1][0] - evs[0][0], key))
+        for (t1, e1, _), (t2, e2, _) in zip(evs, evs[1:]):
+            steps[f"{e1} → {e2}"].append((t2 - t1) / 1e3)
+    print(f"{len(chunks)} chunks from {len(procs)} processes ({', '.join(f'{side[p]}={p}' for p in procs)})")
+    print(f"{'step':58} {'n':>6} {'p50 µs':>9} {'p90 µs':>9} {'max µs':>9} {'mean µs':>9}")
+    for name, v in sorted(steps.items(), key=lambda kv: -sum(kv[1])):
+        if len(v) < max(3, len(chunks) // 50):
+            continue
+        print(f"{name:58} {len(v):6d} {pct(v, .5):9.1f} {pct(v, .9):9.1f} {max(v):9.1f} {sum(v) / len(v):9.1f}")
+    if totals:
+        t = [x / 1e3 for x, _ in totals]
+        print(f"{'chunk, first event to last':58} {len(t):6d} {pct(t, .5):9.1f} {pct(t, .9):9.1f} {max(t):9.1f} {sum(t) / len(t):9.1f}")
+    for p, rows in procs.items():
+        wakes = collections.Counter(r[2] for r in rows if r[1] == "wake")
+        posts = sum(1 for r in rows if r[1] == "post")
+        print(f"{side[p]}: {posts} posts, sleeping wake-ups per progress thread {dict(sorted(wakes.items()))}")
+    for total, key in sorted(totals, reverse=True)[: a.slowest]:
+        evs = chunks[key]
+        print(f"slowest chunk slot {key[0]} gen {key[1]}: {total / 1e3:.1f} µs")
+        for ns, e, lane in evs:
+            print(f"   {(ns - evs[0][0]) / 1e3:10.1f} µs  {e:24} lane {lane}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
