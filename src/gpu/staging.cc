@@ -71,27 +71,41 @@ StagingRing::~StagingRing() {
       if (d.stream) a->cuStreamDestroy(d.stream);
       if (d.scratch) a->cuMemFree(d.scratch);
     }
-    if (s.host) a->cuMemFreeHost(s.host);
   }
+  if (block_) a->cuMemFreeHost(block_);
+}
+
+Status StagingRing::prepare(int device) {
+  if (!block_) {
+    std::string why;
+    const CudaApi* a = cuda(&why);
+    if (!a) return Status(Code::kUnavailable, why);
+    if (Status st = use_device(device); !st.is_ok()) return st;  // pinned allocations need a context
+    const uint64_t stride = (capacity_ + 4095) & ~uint64_t(4095);
+    void* p = nullptr;
+    if (Status st = cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&p, stride * slots_.size(), kHostAllocPortable | kHostAllocDeviceMap));
+        !st.is_ok())
+      return st;
+    block_ = static_cast<uint8_t*>(p);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      StagingSlot& s = slots_[i];
+      s.table = std::make_unique<uint64_t[]>(size_t(max_fragments_) * 3);
+      s.host = block_ + i * stride;
+      s.capacity = capacity_;
+      s.per_device.resize(size_t(device_count()));
+    }
+  }
+  for (StagingSlot& s : slots_)
+    if (Status st = ready(s, device); !st.is_ok()) return st;
+  return Status::ok();
 }
 
 Result<StagingSlot*> StagingRing::acquire(int device) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     StagingSlot& s = slots_[(next_ + i) % slots_.size()];
     if (s.busy) continue;
-    if (!s.host) {  // first use: the only allocation a slot ever makes on the host
-      std::string why;
-      const CudaApi* a = cuda(&why);
-      if (!a) return Status(Code::kUnavailable, why);
-      if (Status st = use_device(device); !st.is_ok()) return st;  // pinned allocations need a context
-      void* p = nullptr;
-      if (Status st = cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&p, capacity_, kHostAllocPortable | kHostAllocDeviceMap)); !st.is_ok())
-        return st;
-      s.table = std::make_unique<uint64_t[]>(size_t(max_fragments_) * 3);
-      s.host = static_cast<uint8_t*>(p);
-      s.capacity = capacity_;
-      s.per_device.resize(size_t(device_count()));
-    }
+    if (!block_)
+      if (Status st = prepare(device); !st.is_ok()) return st;
     next_ = uint32_t((next_ + i + 1) % slots_.size());
     s.busy = true;
     return &s;

@@ -1,7 +1,9 @@
 // Staging: pinned host bounce buffers for transports that cannot touch GPU memory, and the copies
 // in and out of them. A lane owns one StagingRing for sending and one for receiving; a slot is
 // reused only after the copy out of (or into) it has completed — its CUDA event says so (the seeds'
-// irecv_consumed rule). Nothing here allocates after a slot's first use on a device.
+// irecv_consumed rule). A ring's pinned memory is one allocation, made by prepare() (a lane does
+// that before its first GPU chunk where it can: pinning costs about a millisecond per MiB) or else at
+// the first acquire; nothing here allocates after that, except each slot's stream on a new device.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -46,12 +48,15 @@ struct StagingSlot {
 
 class StagingRing {
  public:
-  // `slots` buffers of `capacity` bytes, allocated on first use; fragments per chunk at most `max_fragments`.
+  // `slots` buffers of `capacity` bytes, allocated by prepare(); fragments per chunk at most `max_fragments`.
   StagingRing(uint32_t slots, uint64_t capacity, uint32_t max_fragments);
   ~StagingRing();
   StagingRing(const StagingRing&) = delete;
   StagingRing& operator=(const StagingRing&) = delete;
 
+  // Pins every slot's buffer (one allocation) and gives each slot a stream and event on `device`.
+  // Idempotent; acquire() calls it, so calling it ahead only moves the cost out of the first transfer.
+  Status prepare(int device);
   // A free slot for a copy on `device`, or null when every slot is busy (retry once one is released).
   Result<StagingSlot*> acquire(int device);
   // Copies GPU fragments (ptr = GPU source) into `slot` (device `device`), asynchronously.
@@ -80,6 +85,7 @@ class StagingRing {
   uint32_t max_fragments_;
   uint64_t capacity_;
   std::vector<StagingSlot> slots_;
+  uint8_t* block_ = nullptr;  // every slot's buffer, one pinned allocation
   uint32_t next_ = 0;
 };
 

@@ -187,10 +187,39 @@ struct TcpPeerLanes {
 
 namespace {
 
-// Starts copying a GPU payload into a pinned tx slot. False without an error: no slot is free yet.
-bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
+// A lane's staging rings, made on first need. A tx slot holds a batch's fragment table too.
+gpu::StagingRing& tx_ring(Lane& l, core::EndpointImpl* ep) {
   if (!l.tx_stage)
     l.tx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes + kTableBytes, wire::kMaxFragments);
+  return *l.tx_stage;
+}
+gpu::StagingRing& rx_ring(Lane& l, core::EndpointImpl* ep) {
+  if (!l.rx_stage) l.rx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes, wire::kMaxFragments);
+  return *l.rx_stage;
+}
+
+// Pins a lane's staging for the GPUs in `gpus` (a bit per device) before its first GPU chunk, which
+// would otherwise pay for it (issue 20: ≈ 1 ms per MiB pinned, several ms on the first transfers).
+// Skips a side another thread holds; that side prepares lazily. A failure here is met again, and
+// reported, by the first transfer that needs the ring.
+void prepare_staging(Lane& l, core::EndpointImpl* ep, uint64_t gpus) {
+  auto each = [&](gpu::StagingRing& ring) {
+    for (int d = 0; d < 64; ++d)
+      if (gpus >> d & 1) (void)ring.prepare(d);
+  };
+  if (l.try_own()) {
+    each(tx_ring(l, ep));
+    l.disown();
+  }
+  if (l.try_own_rx()) {
+    each(rx_ring(l, ep));
+    l.disown_rx();
+  }
+}
+
+// Starts copying a GPU payload into a pinned tx slot. False without an error: no slot is free yet.
+bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
+  tx_ring(l, ep);
   auto slot = l.tx_stage->acquire(it.device);
   if (!slot.is_ok()) { *error = slot.status(); return false; }
   if (!slot.value()) return false;
@@ -409,8 +438,7 @@ bool land_in_bounce(Lane& l, core::EndpointImpl* ep, int device, uint8_t* final)
     kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a frame longer than the agreed chunk size"));
     return false;
   }
-  if (!l.rx_stage) l.rx_stage = std::make_unique<gpu::StagingRing>(kStageSlots, ep->config().chunk_bytes, wire::kMaxFragments);
-  auto slot = l.rx_stage->acquire(device);
+  auto slot = rx_ring(l, ep).acquire(device);
   if (!slot.is_ok() || !slot.value()) {
     kill_lane(l, slot.is_ok() ? Status(Code::kInternal, "staging: no free slot after checking for one") : slot.status());
     return false;
@@ -749,6 +777,11 @@ class ProgressThread {
     work_hint_.store(true, std::memory_order_seq_cst);
     if (sleeping_.load(std::memory_order_seq_cst)) kick();
   }
+  // GPUs whose memory is registered (a bit per device): this thread's lanes prepare staging for them.
+  void want_gpus(uint64_t gpus) {
+    want_gpus_.store(gpus, std::memory_order_relaxed);
+    wake();
+  }
   void stop() {
     if (stop_.exchange(true)) return;
     kick();
@@ -777,6 +810,8 @@ class ProgressThread {
   std::atomic<bool> started_{false};
   std::atomic<bool> sleeping_{false};
   std::atomic<bool> work_hint_{false};
+  std::atomic<uint64_t> want_gpus_{0};
+  uint64_t prepared_gpus_ = 0;  // what this thread's lanes were prepared for
   std::mutex mu_;
   std::vector<std::shared_ptr<Lane>> incoming_;
   std::vector<std::shared_ptr<Lane>> lanes_;  // owned by this thread only
@@ -806,6 +841,7 @@ void ProgressThread::take_incoming() {
     ev.data.ptr = l.get();
     l->epoll_events = ev.events;
     ::epoll_ctl(epfd_, EPOLL_CTL_ADD, l->fd, &ev);
+    if (prepared_gpus_) prepare_staging(*l, ep_, prepared_gpus_);
     lanes_.push_back(std::move(l));
   }
 }
@@ -840,6 +876,11 @@ void ProgressThread::run() {
       }
       if (!l->dead.load(std::memory_order_relaxed) && (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP | EPOLLRDHUP)))
         do_rx(*l);
+    }
+    if (const uint64_t want = want_gpus_.load(std::memory_order_relaxed); want != prepared_gpus_) {
+      for (auto& l : lanes_)
+        if (!l->dead.load(std::memory_order_relaxed)) prepare_staging(*l, ep_, want & ~prepared_gpus_);
+      prepared_gpus_ = want;
     }
     for (auto& l : lanes_) {
       if (l->dead.load(std::memory_order_relaxed)) continue;
@@ -950,6 +991,15 @@ Caps TcpTransport::caps() const {
   c.uses_tcp_lanes = true;
   c.batch_fragments = wire::kMaxFragments;
   return c;
+}
+
+Status TcpTransport::register_region(core::RegionState& region, std::string*) {
+  if (region.kind != MemoryKind::kCuda || region.device < 0 || region.device >= 64) return Status::ok();
+  const uint64_t bit = uint64_t(1) << region.device;
+  const uint64_t before = gpus_.fetch_or(bit, std::memory_order_relaxed);
+  if (!(before & bit))
+    for (auto& t : threads_) t->want_gpus(before | bit);
+  return Status::ok();
 }
 
 uint32_t TcpTransport::lanes_for(std::string_view) const {

@@ -29,6 +29,8 @@ class TcpTransport final : public Transport {
   uint32_t lanes_for(std::string_view remote_offer) const override;
   Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
                 std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
+  // GPU memory registered: lanes prepare their staging for that GPU ahead of its first transfer.
+  Status register_region(core::RegionState& region, std::string* desc_ext) override;
   void wake(core::PeerState* peer, uint64_t chunks, int device) override;
   void poll(core::PeerState* peer, uint32_t lane) override;
   void stop() override;
@@ -38,6 +40,7 @@ class TcpTransport final : public Transport {
   std::vector<std::unique_ptr<ProgressThread>> threads_;
   std::atomic<bool> stopped_{false};
   std::atomic<uint32_t> next_wake_{0};
+  std::atomic<uint64_t> gpus_{0};  // devices whose memory was registered (a bit each)
 };
 
 }  // namespace tether::transport
