@@ -21,7 +21,7 @@ for r in $(seq 1 "$ROUNDS"); do
     if [ $v = old ]; then export PYTHONPATH=/tmp/ab-oldsite${PYTHONPATH:+:$PYTHONPATH}; fi
     python3 -c "import tether; print('tether from', tether.__file__)" > "$OUT/ab_${v}_$r.log" 2>&1
     timeout 300 bash -c "$CMD" >> "$OUT/ab_${v}_$r.log" 2>&1
-    echo "== $v round $r rc=$? ($(head -1 "$OUT/ab_${v}_$r.log"))"; grep -a "│ *\(write\|read\|send\)" "$OUT/ab_${v}_$r.log" | cut -c1-120
+    echo "== $v round $r rc=$? ($(head -1 "$OUT/ab_${v}_$r.log"))"; grep -a "│ *\(write\|read\|send\)\|^-- " "$OUT/ab_${v}_$r.log" | cut -c1-120
     if [ $v = old ]; then export PYTHONPATH=${PYTHONPATH#/tmp/ab-oldsite}; export PYTHONPATH=${PYTHONPATH#:}; fi
   done
 done

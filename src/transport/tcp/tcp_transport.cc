@@ -136,6 +136,7 @@ struct Lane {
   size_t tx_head = 0, tx_count = 0;
   uint64_t tx_head_sent = 0;   // bytes of the head item (header + payload) already sent
   uint64_t tx_unsent = 0;      // bytes queued and not yet sent
+  uint32_t tx_unstaged = 0;    // queued items whose copy out of the GPU has not finished
 
   // rx: progress thread only
   std::unique_ptr<uint8_t[]> rx = std::make_unique<uint8_t[]>(kRxBuffer);
@@ -249,6 +250,7 @@ bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
   it.payload = st->host;
   it.device = -1;
   it.staged = false;
+  ++l.tx_unstaged;
   l.gpu_inflight.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
@@ -278,8 +280,11 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     // (The kernel holds at most the lane's unanswered chunks, so ask it only when those are many.)
     const uint64_t limit = kLaneQueueChunks * chunk;
     const uint64_t queued = l.peer->has_work() && l.peer->lane_bytes(l.index) >= limit ? kernel_queued(l.fd) : 0;
-    while (l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && (!l.tx_stage || l.tx_stage->has_free()) &&
-           l.peer->next_chunk(l.index, &op)) {
+    // A lane stages one chunk at a time: all lanes' copies share the GPU's copy engines, so at the
+    // start of a transfer each lane's first chunk is out sooner (and on the wire sooner) when second
+    // chunks wait; later ones are copied while the one before is sent (issue 20, PERFORMANCE.md).
+    while (l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && l.tx_unstaged == 0 &&
+           (!l.tx_stage || l.tx_stage->has_free()) && l.peer->next_chunk(l.index, &op)) {
       TxItem it{op.hdr, op.payload, op.length, nullptr};
       it.device = op.payload || op.fragments ? op.device : -1;
       if (op.fragments) {
@@ -317,6 +322,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         if (!done.is_ok()) { *error = done.status(); return false; }
         if (!done.value()) break;
         it.staged = true;
+        --l.tx_unstaged;
         trace::mark(trace::Event::kStaged, l.index, it.hdr.type, it.hdr.slot, it.hdr.gen);
         core::count_time(&core::LinkCounters::staging_ns, l.ctr, l.nic_ctr, core::mono_ns() - it.stage_ns);
       }
