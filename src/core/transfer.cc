@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "core/peer.h"
+#include "sys/cpu.h"
 
 namespace tether::core {
 
@@ -73,9 +74,7 @@ Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_u
         if (peer && lane != UINT32_MAX) {
           peer->poll(lane);
         } else {
-#if defined(__x86_64__)
-          __builtin_ia32_pause();
-#endif
+          sys::cpu_relax();
         }
       }
     }

@@ -192,11 +192,16 @@ def test_one_sided_small_gpu_ops(pair, lk, rk):
     expect = poisoned(size)
     expect[:8] = data[:8]
     rng = np.random.default_rng(50)
-    for n in (1, 8, 4096, 8192, 8193, 64 * 1024):  # up to 8 KiB one-sided (one_sided.h, kOneSidedGpuMax)
+    # Up to ipc_one_sided_bytes (64 KiB) where a completer thread finishes the copies (busy polling on);
+    # else up to 8 KiB, waited for by the poster (one_sided.h, kOneSidedGpuMax).
+    gpu_max = 64 * 1024 if tether._tether.Config.from_env().busy_poll_us > 0 else 8192
+    sizes = (1, 8, 4096, 8192, 8193, 64 * 1024, 64 * 1024 + 1)
+    for n in sizes:
         off = int(rng.integers(0, size - n))
         peer.write(src, desc, local_offset=off, remote_offset=off, length=n).wait(T)
         expect[off:off + n] = data[off:off + n]
-    assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == 4
+    writes = sum(n <= gpu_max for n in sizes)
+    assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == writes
     assert_bytes_equal(_get(c, "dst"), expect, "one-sided GPU writes")
     local.region("back", lk, size)
     back = local.ep.register(local.mem["back"])
@@ -204,17 +209,51 @@ def test_one_sided_small_gpu_ops(pair, lk, rk):
         off = int(rng.integers(0, size - n))
         peer.read(back, desc, local_offset=off, remote_offset=off, length=n).wait(T)
         assert_bytes_equal(local.get("back")[off:off + n], expect[off:off + n], f"GPU read of {n}")
-    assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == 6
+    assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == writes + sum(n <= gpu_max for n in (8, 8192, 64 * 1024))
 
 
-def test_deregister_ends_one_sided_gpu_writes_before_it_returns(pair):
+def test_one_sided_gpu_ops_in_flight_together(pair):
+    """Many one-sided GPU writes and reads posted before any is waited for (the completer finishes
+    them, one_sided.h): every byte lands, each op is answered once, and the stats count them."""
+    local, peer, c = pair
+    size = 4 * MiB
+    desc = c.call("register", "dst", size, device=GPU.other)
+    data = rand_bytes(52, size)
+    src = local.region("src", "gpu0", size, seed=52)
+    peer.write(src, desc, length=8).wait(T)  # the grant
+    s0 = local.ep.stats()["ipc_one_sided_chunks"]
+    n, block = 48, 64 * 1024  # 48 x 64 KiB at scattered offsets, all in flight
+    offs = [i * (size // n) for i in range(n)]
+    ops = [peer.write(src, desc, local_offset=o, remote_offset=o, length=block) for o in offs]
+    for op in ops:
+        op.wait(T)
+    expect = poisoned(size)
+    expect[:8] = data[:8]
+    for o in offs:
+        expect[o:o + block] = data[o:o + block]
+    assert_bytes_equal(_get(c, "dst"), expect, "one-sided GPU writes in flight together")
+    local.region("back", "gpu0", size)
+    back = local.ep.register(local.mem["back"])
+    ops = [peer.read(back, desc, local_offset=o, remote_offset=o, length=block) for o in offs]
+    for op in ops:
+        op.wait(T)
+    got = local.get("back")
+    for o in offs:
+        assert_bytes_equal(got[o:o + block], expect[o:o + block], f"GPU read at {o}")
+    if tether._tether.Config.from_env().busy_poll_us > 0:
+        assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == 2 * n
+
+
+@pytest.mark.parametrize("block", [4096, 64 * 1024], ids=["waited-by-poster", "completer"])
+def test_deregister_ends_one_sided_gpu_writes_before_it_returns(pair, block):
     """The child writes into our GPU region one-sided without pause; from the moment deregister()
-    returns no byte may land there, and its writes fail instead."""
+    returns no byte may land there, and its writes fail instead. 64 KiB copies are finished by the
+    child's completer thread (busy polling on), so their hazard outlives the posting call."""
     local, peer, c = pair
     size = 64 * 1024
     dst = local.region("dst", "gpu0", size)
     c.call("register", "s", size, fill=("seed", 51), device=GPU.other)
-    assert c.call("start_stream", "write", "s", dst.descriptor(), 4096, accepted=True)
+    assert c.call("start_stream", "write", "s", dst.descriptor(), block, accepted=True)
     deadline = time.monotonic() + 10
     while c.call("stats")["ipc_one_sided_chunks"] < 200 and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -14,6 +14,7 @@ namespace tether::transport::ipc {
 using gpu::CudaApi;
 using gpu::CUdeviceptr;
 using gpu::cuda_error;
+using gpu::kCudaNotReady;
 using gpu::kCudaSuccess;
 
 namespace {
@@ -200,6 +201,22 @@ Status CudaLane::copy(int device, CUdeviceptr dst, CUdeviceptr src, uint64_t len
   if (len == 0) return Status::ok();
   TETHER_CUDA_TRY("cuMemcpyAsync", gpu::cuda()->cuMemcpyAsync(dst, src, len, d.value()->stream));
   return finish(*d.value(), "ipc copy");
+}
+
+Status CudaLane::start(int device, CUdeviceptr dst, CUdeviceptr src, uint64_t len) {
+  auto d = ready(device);
+  if (!d.is_ok()) return d.status();
+  const CudaApi* a = gpu::cuda();
+  if (len > 0) TETHER_CUDA_TRY("cuMemcpyAsync", a->cuMemcpyAsync(dst, src, len, d.value()->stream));
+  TETHER_CUDA_TRY("cuEventRecord", a->cuEventRecord(d.value()->event, d.value()->stream));
+  return Status::ok();
+}
+
+Result<bool> CudaLane::done(int device) {
+  const gpu::CUresult r = gpu::cuda()->cuEventQuery(devs_[size_t(device)].event);
+  if (r == kCudaNotReady) return false;
+  if (r != kCudaSuccess) return Status(Code::kInternal, cuda_error("cuEventQuery", r));
+  return true;
 }
 
 Status CudaLane::copy_many(int device, const uint64_t* triples, uint32_t n, bool kernel) {

@@ -21,6 +21,7 @@
 #include "core/peer.h"
 #include "core/region.h"
 #include "gpu/copy_kernel.h"
+#include "sys/cpu.h"
 #include "sys/net.h"
 #include "transport/ipc/cuda_mover.h"
 #include "transport/ipc/host_mover.h"
@@ -118,6 +119,7 @@ struct IpcPeer {
   OneSidedPage* os_own = nullptr;                // our liveness table and hazards, in `own`
   OneSidedPage* os_theirs = nullptr;             // theirs, in `theirs`
   std::unique_ptr<OneSidedInitiator> os;         // the grants we hold for their regions (one_sided_max > 0)
+  GpuCompleter* completer = nullptr;             // the transport's (null: busy polling off)
 };
 
 struct Lane {
@@ -332,6 +334,21 @@ Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   return Sent::kLaneGone;
 }
 
+void count_one_sided(IpcPeer& ip, bool read, uint64_t length) {
+  auto& stats = ip.ep->stats();
+  stats.ipc_one_sided_chunks.fetch_add(1, std::memory_order_relaxed);
+  (read ? stats.bytes_received : stats.bytes_sent).fetch_add(length, std::memory_order_relaxed);
+  (read ? stats.chunks_received : stats.chunks_sent).fetch_add(1, std::memory_order_relaxed);
+}
+
+// A one-sided GPU copy the completer saw finish (or fail: the chunk fails, as no copy can be undone).
+void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
+  auto& ip = *static_cast<IpcPeer*>(q.owner.get());
+  auto& p = *static_cast<PeerState*>(q.peer.get());
+  if (ok) count_one_sided(ip, q.read, q.length);
+  p.answer(q.lane, q.slot, q.gen, ok ? 0 : uint8_t(Code::kInternal));
+}
+
 // A small chunk of a descriptor the target granted us (one_sided.h): we move it ourselves and answer
 // it here. kAsk: no grant (the request asks for one); kNo: it goes as a request (a copy that failed
 // goes too: the target's answer says what is wrong).
@@ -340,7 +357,8 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
   const FrameHeader& h = op.hdr;
   const bool read = h.type == uint8_t(FrameType::kReadReq);
   const bool gpu = op.device >= 0;
-  if (!ip.os || op.fragments > 0 || h.length == 0 || h.length > (gpu ? std::min(ip.one_sided_max, kOneSidedGpuMax) : ip.one_sided_max) ||
+  const uint64_t gpu_max = ip.completer ? ip.one_sided_max : std::min(ip.one_sided_max, kOneSidedGpuMax);
+  if (!ip.os || op.fragments > 0 || h.length == 0 || h.length > (gpu ? gpu_max : ip.one_sided_max) ||
       (!read && h.type != uint8_t(FrameType::kWrite)) || (!gpu && !ip.cma))
     return OneSided::kNo;
   Grant g;
@@ -364,18 +382,42 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
     ok = map.is_ok() && at <= map.value()->size && h.length <= map.value()->size - at;
     if (ok) {
       const Mapping& mp = *map.value();
-      if (!c->cuda) c->cuda = std::make_unique<CudaLane>();
+      if (!c->cuda) c->cuda = std::make_unique<CudaLane>();  // once per context
       const uint64_t local = reinterpret_cast<uint64_t>(read ? op.local : op.payload);
-      ok = (read ? c->cuda->copy(mp.device, local, mp.ptr + at, h.length)
-                 : c->cuda->copy(mp.device, mp.ptr + at, local, h.length)).is_ok();
+      const uint64_t dst = read ? local : mp.ptr + at, src = read ? mp.ptr + at : local;
+      if (h.length > kOneSidedGpuMax) {  // the completer waits for it; the poster goes on (one_sided.h)
+        ok = c->cuda->start(mp.device, dst, src, h.length).is_ok();
+        if (ok) {
+          GpuCompleter::Pending q;
+          q.owner = p.transport_state;
+          q.os = ip.os.get();
+          q.ctx = c;
+          q.device = mp.device;
+          q.finish = finish_one_sided;
+          q.peer = p.shared_from_this();
+          q.lane = lane;
+          q.slot = h.slot;
+          q.gen = h.gen;
+          q.length = h.length;
+          q.read = read;
+          if (ip.completer->push(std::move(q))) return OneSided::kMoved;  // it leaves the hazard
+          for (;;) {  // the completer is full: wait here
+            auto d = c->cuda->done(mp.device);
+            if (!d.is_ok() || d.value()) {
+              ok = d.is_ok();
+              break;
+            }
+            sys::cpu_relax();
+          }
+        }
+      } else {
+        ok = c->cuda->copy(mp.device, dst, src, h.length).is_ok();
+      }
     }
   }
   ip.os->leave(c);
   if (!ok) return OneSided::kNo;
-  auto& stats = ip.ep->stats();
-  stats.ipc_one_sided_chunks.fetch_add(1, std::memory_order_relaxed);
-  (read ? stats.bytes_received : stats.bytes_sent).fetch_add(h.length, std::memory_order_relaxed);
-  (read ? stats.chunks_received : stats.chunks_sent).fetch_add(1, std::memory_order_relaxed);
+  count_one_sided(ip, read, h.length);
   p.answer(lane, h.slot, h.gen, 0);
   return OneSided::kMoved;
 }
@@ -1237,9 +1279,7 @@ ssize_t next_msg(Lane& l, uint32_t busy_us, std::chrono::steady_clock::time_poin
           }
           sched_yield();  // a runnable thread of ours (or the peer's) gets the core first
         } else {
-#if defined(__x86_64__)
-          __builtin_ia32_pause();
-#endif
+          sys::cpu_relax();
         }
       } while (Clock::now() < until);
     }
@@ -1430,6 +1470,7 @@ IpcTransport::IpcTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
     return;
   }
   rendezvous_ = std::make_unique<Rendezvous>();
+  if (c.busy_poll_us > 0) completer_ = std::make_unique<GpuCompleter>(c.busy_poll_us);  // its thread starts at first use
   Rendezvous* rv = rendezvous_.get();
   rv->name = kSocketPrefix + hex(crypto::random_u64());
   crypto::random_bytes(rv->secret, sizeof rv->secret);
@@ -1796,6 +1837,7 @@ Status IpcTransport::start_lanes(const std::shared_ptr<PeerState>& peer, const s
   ip->ep = endpoint_;
   ip->one_sided_max = endpoint_->config().ipc_one_sided_bytes;
   if (ip->one_sided_max > 0) ip->os = std::make_unique<OneSidedInitiator>(ip->os_theirs, ip->os_own);
+  ip->completer = completer_.get();
   peer->transport_state = ip;
   std::lock_guard lock(mu_);
   if (stopped_) return Status(Code::kCancelled, "endpoint closed");  // the peer closes the fds
@@ -1842,6 +1884,7 @@ void IpcTransport::stop() {
   }
   for (auto& l : all)
     if (l->thread.joinable()) l->thread.join();
+  if (completer_) completer_->stop();  // one-sided copies still running finish and are answered
 }
 
 }  // namespace tether::transport

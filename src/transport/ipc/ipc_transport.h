@@ -30,6 +30,7 @@ namespace ipc {
 struct Lane;
 struct IpcPeer;
 struct Rendezvous;
+class GpuCompleter;
 }  // namespace ipc
 
 class IpcTransport final : public Transport {
@@ -64,6 +65,7 @@ class IpcTransport final : public Transport {
   int host_mode_ = 0;  // 0 auto, 1 cma only, 2 shm only (Config::ipc_host)
 
   std::unique_ptr<ipc::Rendezvous> rendezvous_;  // where connectors open their lanes to us (control thread)
+  std::unique_ptr<ipc::GpuCompleter> completer_;  // one-sided GPU copies finished off the posting thread
   std::mutex mu_;
   std::unordered_map<uint64_t, std::shared_ptr<ipc::IpcPeer>> prepared_;  // session -> our lanes, opened by
                                                                            // connector_offer(), not yet attached

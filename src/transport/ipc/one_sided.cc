@@ -8,6 +8,8 @@
 #include <chrono>
 #include <thread>
 
+#include "sys/cpu.h"
+
 namespace tether::transport::ipc {
 
 namespace {
@@ -100,6 +102,70 @@ OneSidedInitiator::Context* OneSidedInitiator::enter(uint32_t region, bool* gone
 void OneSidedInitiator::leave(Context* c) {
   ours_->hazard[c->index].region.store(0, std::memory_order_seq_cst);
   c->busy.store(false, std::memory_order_release);
+}
+
+bool GpuCompleter::push(Pending&& p) {
+  bool wake = false;
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_.load(std::memory_order_relaxed) || outstanding_.load(std::memory_order_relaxed) >= kMax) return false;
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    outstanding_.fetch_add(1, std::memory_order_relaxed);
+    queue_[queued_++] = std::move(p);
+    queued_hint_.store(queued_, std::memory_order_release);
+    wake = sleeping_;
+  }
+  if (wake) cv_.notify_one();
+  return true;
+}
+
+void GpuCompleter::stop() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_.load(std::memory_order_relaxed)) return;
+    stopping_.store(true, std::memory_order_release);
+  }
+  cv_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+void GpuCompleter::run() {
+  using Clock = std::chrono::steady_clock;
+  Pending flight[kMax];  // copies in flight, this thread's (no more than outstanding_ <= kMax)
+  uint32_t n = 0;
+  auto idle_since = Clock::now();
+  for (;;) {
+    if (queued_hint_.load(std::memory_order_acquire) > 0 || (n == 0 && stopping_.load(std::memory_order_acquire))) {
+      std::lock_guard lock(mu_);
+      for (uint32_t i = 0; i < queued_; ++i) flight[n++] = std::move(queue_[i]);
+      queued_ = 0;
+      queued_hint_.store(0, std::memory_order_relaxed);
+      if (n == 0 && stopping_.load(std::memory_order_relaxed)) return;
+    }
+    if (n == 0 && Clock::now() - idle_since >= std::chrono::microseconds(busy_us_)) {
+      std::unique_lock lock(mu_);
+      sleeping_ = true;
+      cv_.wait(lock, [&] { return queued_ > 0 || stopping_.load(std::memory_order_relaxed); });
+      sleeping_ = false;
+      idle_since = Clock::now();
+      continue;
+    }
+    for (uint32_t i = 0; i < n;) {
+      Pending& p = flight[i];
+      auto done = p.ctx->cuda->done(p.device);
+      if (done.is_ok() && !done.value()) {
+        ++i;
+        continue;
+      }
+      p.os->leave(p.ctx);  // the copy touches the target's memory no more
+      p.finish(p, done.is_ok());
+      if (i != n - 1) p = std::move(flight[n - 1]);
+      flight[--n] = Pending{};
+      outstanding_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    if (n == 0) idle_since = Clock::now();
+    sys::cpu_relax();
+  }
 }
 
 }  // namespace tether::transport::ipc

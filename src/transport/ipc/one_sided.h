@@ -19,9 +19,11 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "core/wire.h"
 #include "transport/ipc/cuda_mover.h"
@@ -31,9 +33,10 @@ namespace tether::transport::ipc {
 constexpr uint32_t kLiveSlots = 504;    // fills the first page after `closed`
 constexpr uint32_t kHazards = 16;       // one-sided copies in flight per peer (one per thread at a time)
 constexpr uint32_t kGrantCache = 64;    // descriptors an initiator remembers grants for, per peer
-// GPU chunks go one-sided only up to here: the copy and its wait take ~11 us on the posting thread
-// whatever the size, so ops posted back to back would run one after another, where as requests the
-// lanes' threads copy them side by side (docs/PERFORMANCE.md, "One-sided small ops").
+// GPU chunks go one-sided only up to here when the posting thread waits for the copy itself (no
+// GpuCompleter: busy polling off): the copy and its wait take ~11 us whatever the size, so ops posted
+// back to back would run one after another, where as requests the lanes' threads copy them side by
+// side (docs/PERFORMANCE.md, "One-sided small ops").
 constexpr uint64_t kOneSidedGpuMax = 8 << 10;
 
 // Each side's page pair, just before its message rings; the other side maps it.
@@ -102,6 +105,47 @@ class OneSidedInitiator {
   mutable std::mutex mu_;  // the cache; held for a lookup or an update, never across a copy
   Grant cache_[kGrantCache];
   Context ctx_[kHazards];
+};
+
+// Finishes one-sided GPU copies off the posting thread: the poster starts the copy and hands it
+// here; one thread per ipc transport polls the copies' events, lets go of each hazard and answers the
+// chunk, so ops posted back to back copy side by side (docs/PERFORMANCE.md, "Asynchronous one-sided
+// GPU copies"). It polls while copies are in flight and for `busy_us` after the last, then sleeps.
+class GpuCompleter {
+ public:
+  struct Pending {
+    std::shared_ptr<void> owner;  // keeps the initiator (and so the context) alive until finished
+    OneSidedInitiator* os = nullptr;
+    OneSidedInitiator::Context* ctx = nullptr;
+    int device = -1;
+    void (*finish)(Pending&, bool ok) = nullptr;  // answers the chunk, on the completer's thread
+    std::shared_ptr<void> peer;                   // what `finish` answers (a core::PeerState)
+    uint32_t lane = 0, slot = 0, gen = 0;
+    uint64_t length = 0;
+    bool read = false;
+  };
+  explicit GpuCompleter(uint32_t busy_us) : busy_us_(busy_us) {}
+  ~GpuCompleter() { stop(); }
+  GpuCompleter(const GpuCompleter&) = delete;
+  GpuCompleter& operator=(const GpuCompleter&) = delete;
+  // False when it is full or stopped: the caller then waits for the copy itself.
+  bool push(Pending&& p);
+  // Finishes every copy handed over (waiting for it), then ends the thread.
+  void stop();
+
+ private:
+  static constexpr uint32_t kMax = 256;
+  void run();
+  const uint32_t busy_us_;
+  std::mutex mu_;  // the queue; held for a push or a take, never across a CUDA call
+  std::condition_variable cv_;
+  Pending queue_[kMax];
+  uint32_t queued_ = 0;
+  std::atomic<uint32_t> queued_hint_{0};   // queued_, read without the lock while polling
+  std::atomic<uint32_t> outstanding_{0};   // handed over and not yet finished (at most kMax)
+  std::atomic<bool> stopping_{false};      // written under mu_
+  bool sleeping_ = false;
+  std::thread thread_;  // started by the first push
 };
 
 }  // namespace tether::transport::ipc

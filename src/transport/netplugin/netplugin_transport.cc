@@ -13,6 +13,7 @@
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"
+#include "sys/cpu.h"
 #include "sys/net.h"
 #include "transport/netplugin/bindings.h"
 
@@ -38,11 +39,7 @@ bool parse_offer(std::string_view bytes, OfferHeader* h) {
          bytes.size() == sizeof(OfferHeader) + size_t(h->lanes) * netabi::kHandleMaxSize;
 }
 
-inline void cpu_relax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#endif
-}
+using sys::cpu_relax;
 
 }  // namespace
 

@@ -18,6 +18,7 @@
 #include "core/region.h"
 #include "core/trace.h"
 #include "gpu/staging.h"
+#include "sys/cpu.h"
 #include "transport/frame_target.h"
 
 namespace tether::transport {
@@ -79,11 +80,7 @@ constexpr uint64_t kTableBytes = uint64_t(wire::kMaxFragments) * sizeof(wire::Fr
 
 enum class RxState { kHeader, kPayload, kDiscard };
 
-inline void cpu_relax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#endif
-}
+using sys::cpu_relax;
 
 // Single producer (the lane's rx, on its progress thread), single consumer (whoever owns tx).
 class AnswerRing {
