@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import signal
 import sys
 
 TYPES = {1: "write", 2: "ack", 3: "readreq", 4: "readresp", 5: "senddata", 6: "batch", 7: "readbatch"}
@@ -41,6 +42,7 @@ def pct(values, q):
 
 
 def main() -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # piped into head: stop quietly
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prefix", help="the TETHER_TRACE prefix the run used")
     ap.add_argument("--skip", type=float, default=0.0, help="ignore chunks in the first SKIP seconds (warm-up)")

@@ -13,6 +13,7 @@
 
 #include "core/peer.h"
 #include "core/region.h"
+#include "core/trace.h"
 #include "core/wire.h"
 #include "sys/topology.h"
 #include "tether/endpoint.h"
@@ -55,7 +56,10 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
 
   // Called by peers and transports.
   // `device`: GPU of the chunks' local bytes, -1 host memory (transports rank their NICs by it).
-  void wake_lanes(PeerState* peer, uint64_t chunks, int device = -1) { peer->transport->wake(peer, chunks, device); }
+  void wake_lanes(PeerState* peer, uint64_t chunks, int device = -1) {
+    trace::mark(trace::Event::kPost, 0, 0, uint32_t(chunks));
+    peer->transport->wake(peer, chunks, device);
+  }
   void poll_lane(PeerState* peer, uint32_t lane) { peer->transport->poll(peer, lane); }
   // Registers with the registry, then with every usable transport (descriptor extensions).
   Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);

@@ -279,3 +279,26 @@ def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path
                             capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr
     assert "T:landed/write" in report.stdout and "chunk, first event to last" in report.stdout
+
+
+def test_trace_follows_ipc_requests_too(tmp_path):
+    """ipc lanes mark their steps as well: the initiator pulls, sends and takes each answer; the target
+    reads the request and sends its answer; small writes answered one-sided are marked answered at once."""
+    prefix = str(tmp_path / "ti")
+    env = dict(ENV, TETHER_TRACE=prefix)
+    r = subprocess.run([sys.executable, "-m", "tether", "bench", "--quiet", "--transport", "ipc", "--sizes", "1M",
+                        "--iters", "4", "--warmup", "1", "--check"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = sorted(tmp_path.glob("ti.*.tsv"))
+    assert len(files) == 2, files
+    events = []
+    for f in files:
+        rows = [line.split("\t") for line in f.read_text().splitlines() if not line.startswith(("#", "ns\t"))]
+        events.append({(e, int(t), int(s), int(g)) for _, e, _, t, s, g in rows})
+    init, target = (events[0], events[1]) if any(e[0] == "post" for e in events[0]) else (events[1], events[0])
+    writes = {(s, g) for e, t, s, g in init if e == "sent" and t == 1}
+    assert len(writes) >= 4
+    for s, g in writes:
+        assert ("pulled", 1, s, g) in init and ("answered", 2, s, g) in init
+        assert ("header", 1, s, g) in target and ("sent", 2, s, g) in target

@@ -20,6 +20,7 @@
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"
+#include "core/trace.h"
 #include "gpu/copy_kernel.h"
 #include "sys/cpu.h"
 #include "sys/net.h"
@@ -346,6 +347,7 @@ void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
   auto& ip = *static_cast<IpcPeer*>(q.owner.get());
   auto& p = *static_cast<PeerState*>(q.peer.get());
   if (ok) count_one_sided(ip, q.read, q.length);
+  core::trace::mark(core::trace::Event::kAnswered, q.lane, uint8_t(q.read ? FrameType::kReadReq : FrameType::kWrite), q.slot, q.gen);
   p.answer(q.lane, q.slot, q.gen, ok ? 0 : uint8_t(Code::kInternal));
 }
 
@@ -418,6 +420,7 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
   ip.os->leave(c);
   if (!ok) return OneSided::kNo;
   count_one_sided(ip, read, h.length);
+  core::trace::mark(core::trace::Event::kAnswered, lane, h.type, h.slot, h.gen);  // type: the request's
   p.answer(lane, h.slot, h.gen, 0);
   return OneSided::kMoved;
 }
@@ -446,6 +449,7 @@ Sent send_read_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op
 
 // Describes (and for shm, stages) a pulled chunk and sends it.
 Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+  core::trace::mark(core::trace::Event::kPulled, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
   if (op.fragments > 0)
     return op.hdr.type == uint8_t(FrameType::kReadBatch) ? send_read_batch(ip, p, lane, op) : send_batch(ip, p, lane, op);
   const OneSided os = one_sided(ip, p, lane, op);
@@ -483,7 +487,10 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
     f.addr = uint64_t(op.hdr.slot) * ip.slot_bytes;
     if (op.length > 0) std::memcpy(ip.own.base() + f.addr, op.payload, op.length);  // slot is ours until answered
   }
-  if (send_lane(ip, lane, msg, bytes)) return Sent::kSent;
+  if (send_lane(ip, lane, msg, bytes)) {
+    core::trace::mark(core::trace::Event::kSent, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
+    return Sent::kSent;
+  }
   fail_peer(p, Code::kConnectionLost, std::strerror(errno));
   return Sent::kLaneGone;
 }
@@ -593,7 +600,10 @@ bool answer_frame(Lane& l, const FrameHeader& h, Code c, uint8_t where = 0, uint
   a.grant = grant;
   a.addr = addr;
   if (ref) a.cuda = *ref;
-  if (send_lane(*l.ip, l.index, &a, sizeof a)) return true;
+  if (send_lane(*l.ip, l.index, &a, sizeof a)) {
+    core::trace::mark(core::trace::Event::kSent, l.index, a.hdr.type, a.hdr.slot, a.hdr.gen);
+    return true;
+  }
   fail_peer(*l.peer, Code::kConnectionLost, std::strerror(errno));
   return false;
 }
@@ -1331,6 +1341,8 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
         break;
       }
       l->inline_bytes.set(carried ? l->rx.get() + sizeof f : nullptr, carried ? extra : 0);
+      core::trace::mark(answer ? core::trace::Event::kAnswered : core::trace::Event::kHeader, l->index, f.hdr.type,
+                        f.hdr.slot, f.hdr.gen);
       if (request) {
         if (!serve(*l, ep, f)) break;
       } else if (batch) {

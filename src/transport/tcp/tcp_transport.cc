@@ -1039,7 +1039,6 @@ Status TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::v
 }
 
 void TcpTransport::wake(PeerState* peer, uint64_t chunks, int) {
-  trace::mark(trace::Event::kPost, 0, 0, uint32_t(chunks));
   auto* state = static_cast<TcpPeerLanes*>(peer->transport_state.get());
   if (chunks <= 1 && state && !state->lanes.empty()) {
     // A one-chunk transfer is sent by the posting thread itself when a lane's tx is free: that
