@@ -1,8 +1,8 @@
-// A per-frame event trace, for finding where a transfer's time goes (issue 20: staging copies,
-// socket calls, wake-ups; tcp and ipc lanes mark their steps). Off unless TETHER_TRACE names a file prefix; then each process records
-// events into a preallocated buffer (no allocation, no lock, no I/O on the path) and writes
-// <prefix>.<pid>.tsv when an endpoint closes. CLOCK_MONOTONIC is shared by the processes of a host,
-// so both sides' files merge into one timeline (bench/tools/trace_report.py).
+// A per-frame event trace, for finding where a transfer's time goes (issue 20: staging copies, socket
+// calls, wake-ups; tcp and ipc lanes mark their steps). Off unless TETHER_TRACE names a file prefix;
+// then each process records events into a preallocated buffer (no allocation, no lock, no I/O on the
+// path) and writes <prefix>.<pid>.tsv when an endpoint closes. CLOCK_MONOTONIC is shared by the
+// processes of a host, so both sides' files merge into one timeline (bench/tools/trace_report.py).
 #pragma once
 #include <cstdint>
 

@@ -253,14 +253,12 @@ def test_doctor_shows_threads_and_refuses_bad_nics():
     assert r.returncode == 0 and "no-such-nic7" in r.stdout, r.stdout[-2000:]
 
 
-def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path):
-    """TETHER_TRACE (src/core/trace.h): both bench processes write their events; every chunk of a tcp
-    write is pulled and sent by the initiator, landed by the target and answered; the report pairs them."""
+def _traced_bench(tmp_path, *args):
+    """Runs `tether bench --quiet ARGS` with TETHER_TRACE; (prefix, initiator's events, target's events),
+    each a set of (event, frame type, slot, gen)."""
     prefix = str(tmp_path / "tr")
-    env = dict(ENV, TETHER_TRACE=prefix)
-    r = subprocess.run([sys.executable, "-m", "tether", "bench", "--quiet", "--transport", "tcp", "--sizes", "2M",
-                        "--chunk-bytes", "512K", "--iters", "4", "--warmup", "1", "--check"],
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "tether", "bench", "--quiet", *args], env=dict(ENV, TETHER_TRACE=prefix),
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     files = sorted(tmp_path.glob("tr.*.tsv"))
     assert len(files) == 2, files
@@ -269,6 +267,14 @@ def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path
         rows = [line.split("\t") for line in f.read_text().splitlines() if not line.startswith(("#", "ns\t"))]
         events.append({(e, int(t), int(s), int(g)) for _, e, _, t, s, g in rows})
     init, target = (events[0], events[1]) if any(e[0] == "post" for e in events[0]) else (events[1], events[0])
+    return prefix, init, target
+
+
+def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path):
+    """TETHER_TRACE (src/core/trace.h): both bench processes write their events; every chunk of a tcp
+    write is pulled and sent by the initiator, landed by the target and answered; the report pairs them."""
+    prefix, init, target = _traced_bench(tmp_path, "--transport", "tcp", "--sizes", "2M", "--chunk-bytes", "512K",
+                                         "--iters", "4", "--warmup", "1", "--check")
     writes = {(s, g) for e, t, s, g in init if e == "sent" and t == 1}
     assert len(writes) >= 4  # 2 MiB in 512 KiB chunks, several transfers
     for s, g in writes:
@@ -283,20 +289,9 @@ def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path
 
 def test_trace_follows_ipc_requests_too(tmp_path):
     """ipc lanes mark their steps as well: the initiator pulls, sends and takes each answer; the target
-    reads the request and sends its answer; small writes answered one-sided are marked answered at once."""
-    prefix = str(tmp_path / "ti")
-    env = dict(ENV, TETHER_TRACE=prefix)
-    r = subprocess.run([sys.executable, "-m", "tether", "bench", "--quiet", "--transport", "ipc", "--sizes", "1M",
-                        "--iters", "4", "--warmup", "1", "--check"],
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    files = sorted(tmp_path.glob("ti.*.tsv"))
-    assert len(files) == 2, files
-    events = []
-    for f in files:
-        rows = [line.split("\t") for line in f.read_text().splitlines() if not line.startswith(("#", "ns\t"))]
-        events.append({(e, int(t), int(s), int(g)) for _, e, _, t, s, g in rows})
-    init, target = (events[0], events[1]) if any(e[0] == "post" for e in events[0]) else (events[1], events[0])
+    reads the request and sends its answer."""
+    _, init, target = _traced_bench(tmp_path, "--transport", "ipc", "--sizes", "1M", "--iters", "4", "--warmup", "1",
+                                    "--check")
     writes = {(s, g) for e, t, s, g in init if e == "sent" and t == 1}
     assert len(writes) >= 4
     for s, g in writes:

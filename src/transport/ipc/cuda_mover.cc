@@ -196,11 +196,8 @@ Status CudaLane::finish(Dev& d, const char* what) {
 }
 
 Status CudaLane::copy(int device, CUdeviceptr dst, CUdeviceptr src, uint64_t len) {
-  auto d = ready(device);
-  if (!d.is_ok()) return d.status();
-  if (len == 0) return Status::ok();
-  TETHER_CUDA_TRY("cuMemcpyAsync", gpu::cuda()->cuMemcpyAsync(dst, src, len, d.value()->stream));
-  return finish(*d.value(), "ipc copy");
+  if (Status s = start(device, dst, src, len); !s.is_ok()) return s;
+  return wait(device);
 }
 
 Status CudaLane::start(int device, CUdeviceptr dst, CUdeviceptr src, uint64_t len) {
@@ -217,6 +214,11 @@ Result<bool> CudaLane::done(int device) {
   if (r == kCudaNotReady) return false;
   if (r != kCudaSuccess) return Status(Code::kInternal, cuda_error("cuEventQuery", r));
   return true;
+}
+
+Status CudaLane::wait(int device) {
+  const gpu::CUresult r = gpu::cuda()->cuEventSynchronize(devs_[size_t(device)].event);
+  return r == kCudaSuccess ? Status::ok() : Status(Code::kInternal, "ipc copy: " + cuda_error("cuEventSynchronize", r));
 }
 
 Status CudaLane::copy_many(int device, const uint64_t* triples, uint32_t n, bool kernel) {

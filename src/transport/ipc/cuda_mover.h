@@ -100,9 +100,11 @@ class CudaLane {
   ~CudaLane();
   // Copies `len` bytes (unified addresses: any direction) on `device`'s stream and waits for them.
   Status copy(int device, gpu::CUdeviceptr dst, gpu::CUdeviceptr src, uint64_t len);
-  // The same copy, not waited for: done() says when it has finished (one at a time per device).
+  // The same copy, not waited for: done() says when it has finished, wait() waits for it (one copy in
+  // flight per device).
   Status start(int device, gpu::CUdeviceptr dst, gpu::CUdeviceptr src, uint64_t len);
   Result<bool> done(int device);
+  Status wait(int device);
   // `n` (src, dst, len) triples: one kernel launch when `kernel`, else one async copy each; waits.
   Status copy_many(int device, const uint64_t* triples, uint32_t n, bool kernel);
   // Pinned host memory of at least `bytes` (allocated on first use, grown rarely).

@@ -35,6 +35,7 @@ using core::ChunkOp;
 using core::PeerState;
 using core::RegionState;
 using core::TransferState;
+namespace trace = core::trace;
 using wire::FrameHeader;
 using wire::FrameType;
 
@@ -344,10 +345,11 @@ void count_one_sided(IpcPeer& ip, bool read, uint64_t length) {
 
 // A one-sided GPU copy the completer saw finish (or fail: the chunk fails, as no copy can be undone).
 void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
-  auto& ip = *static_cast<IpcPeer*>(q.owner.get());
   auto& p = *static_cast<PeerState*>(q.peer.get());
+  auto& ip = *static_cast<IpcPeer*>(p.transport_state.get());  // set once at attach, never reset
   if (ok) count_one_sided(ip, q.read, q.length);
-  core::trace::mark(core::trace::Event::kAnswered, q.lane, uint8_t(q.read ? FrameType::kReadReq : FrameType::kWrite), q.slot, q.gen);
+  const auto type = uint8_t(q.read ? FrameType::kReadReq : FrameType::kWrite);
+  trace::mark(trace::Event::kAnswered, q.lane, type, q.slot, q.gen);
   p.answer(q.lane, q.slot, q.gen, ok ? 0 : uint8_t(Code::kInternal));
 }
 
@@ -391,7 +393,6 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
         ok = c->cuda->start(mp.device, dst, src, h.length).is_ok();
         if (ok) {
           GpuCompleter::Pending q;
-          q.owner = p.transport_state;
           q.os = ip.os.get();
           q.ctx = c;
           q.device = mp.device;
@@ -403,14 +404,7 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
           q.length = h.length;
           q.read = read;
           if (ip.completer->push(std::move(q))) return OneSided::kMoved;  // it leaves the hazard
-          for (;;) {  // the completer is full: wait here
-            auto d = c->cuda->done(mp.device);
-            if (!d.is_ok() || d.value()) {
-              ok = d.is_ok();
-              break;
-            }
-            sys::cpu_relax();
-          }
+          ok = c->cuda->wait(mp.device).is_ok();  // the completer is full: wait here
         }
       } else {
         ok = c->cuda->copy(mp.device, dst, src, h.length).is_ok();
@@ -420,7 +414,7 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
   ip.os->leave(c);
   if (!ok) return OneSided::kNo;
   count_one_sided(ip, read, h.length);
-  core::trace::mark(core::trace::Event::kAnswered, lane, h.type, h.slot, h.gen);  // type: the request's
+  trace::mark(trace::Event::kAnswered, lane, h.type, h.slot, h.gen);  // type: the request's
   p.answer(lane, h.slot, h.gen, 0);
   return OneSided::kMoved;
 }
@@ -449,7 +443,7 @@ Sent send_read_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op
 
 // Describes (and for shm, stages) a pulled chunk and sends it.
 Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
-  core::trace::mark(core::trace::Event::kPulled, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
+  trace::mark(trace::Event::kPulled, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
   if (op.fragments > 0)
     return op.hdr.type == uint8_t(FrameType::kReadBatch) ? send_read_batch(ip, p, lane, op) : send_batch(ip, p, lane, op);
   const OneSided os = one_sided(ip, p, lane, op);
@@ -488,7 +482,7 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
     if (op.length > 0) std::memcpy(ip.own.base() + f.addr, op.payload, op.length);  // slot is ours until answered
   }
   if (send_lane(ip, lane, msg, bytes)) {
-    core::trace::mark(core::trace::Event::kSent, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
+    trace::mark(trace::Event::kSent, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
     return Sent::kSent;
   }
   fail_peer(p, Code::kConnectionLost, std::strerror(errno));
@@ -601,7 +595,7 @@ bool answer_frame(Lane& l, const FrameHeader& h, Code c, uint8_t where = 0, uint
   a.addr = addr;
   if (ref) a.cuda = *ref;
   if (send_lane(*l.ip, l.index, &a, sizeof a)) {
-    core::trace::mark(core::trace::Event::kSent, l.index, a.hdr.type, a.hdr.slot, a.hdr.gen);
+    trace::mark(trace::Event::kSent, l.index, a.hdr.type, a.hdr.slot, a.hdr.gen);
     return true;
   }
   fail_peer(*l.peer, Code::kConnectionLost, std::strerror(errno));
@@ -1341,8 +1335,8 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
         break;
       }
       l->inline_bytes.set(carried ? l->rx.get() + sizeof f : nullptr, carried ? extra : 0);
-      core::trace::mark(answer ? core::trace::Event::kAnswered : core::trace::Event::kHeader, l->index, f.hdr.type,
-                        f.hdr.slot, f.hdr.gen);
+      const auto step = answer ? trace::Event::kAnswered : trace::Event::kHeader;
+      trace::mark(step, l->index, f.hdr.type, f.hdr.slot, f.hdr.gen);
       if (request) {
         if (!serve(*l, ep, f)) break;
       } else if (batch) {

@@ -114,12 +114,11 @@ class OneSidedInitiator {
 class GpuCompleter {
  public:
   struct Pending {
-    std::shared_ptr<void> owner;  // keeps the initiator (and so the context) alive until finished
+    std::shared_ptr<void> peer;  // what `finish` answers (a core::PeerState); keeps `os` alive through it
     OneSidedInitiator* os = nullptr;
     OneSidedInitiator::Context* ctx = nullptr;
     int device = -1;
     void (*finish)(Pending&, bool ok) = nullptr;  // answers the chunk, on the completer's thread
-    std::shared_ptr<void> peer;                   // what `finish` answers (a core::PeerState)
     uint32_t lane = 0, slot = 0, gen = 0;
     uint64_t length = 0;
     bool read = false;
