@@ -46,6 +46,13 @@ WORKLOADS = [
     Workload("64 KiB write, 8 in flight", 64 << 10, 1, 5000, 200, 8),
     Workload("8 B write", 8, 1, 20000, 1000, 0),
 ]
+# run.py --workloads: only these (names, comma-separated)
+if os.environ.get("PEERS_WORKLOADS"):
+    _names = os.environ["PEERS_WORKLOADS"].split(";")
+    _unknown = set(_names) - {w.name for w in WORKLOADS}
+    if _unknown:
+        raise SystemExit(f"unknown workloads {sorted(_unknown)}; known: {[w.name for w in WORKLOADS]}")
+    WORKLOADS = [w for w in WORKLOADS if w.name in _names]
 
 
 def layout(w: Workload, rng: np.random.Generator) -> list[tuple[int, int, int]]:

@@ -89,8 +89,12 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", choices=["iperf3"] + [d[0] for d in DRIVERS], help="run only these")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                     help="cpu: host memory (default); gpu: GPU 0's memory on both sides (two processes)")
+    ap.add_argument("--workloads", help="only these workloads, by name, separated by ';' "
+                    "(e.g. '64 KiB write;8 B write')")
     args = ap.parse_args()
     os.environ["PEERS_DEVICE"] = args.device
+    if args.workloads:
+        os.environ["PEERS_WORKLOADS"] = args.workloads
     console = Console(width=None if sys.stdout.isatty() else 150)
     log = Console(stderr=True)
     wanted = set(args.only or ["iperf3"] + [d[0] for d in DRIVERS])
