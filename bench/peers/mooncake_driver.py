@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from common import (CAPACITY, POISON, WORKLOADS, checked_write, emit, layout, measure, quiet_stdout, serve,
+from common import (CAPACITY, POISON, WORKLOADS, alloc, checked_write, emit, layout, measure, quiet_stdout, serve,
                     start_target)
 
 SYSTEM = "Mooncake TE (tcp)"
@@ -29,7 +29,7 @@ def _engine():
 def target(conn) -> None:
     try:
         te = _engine()
-        buf = np.full(CAPACITY, POISON, dtype=np.uint8)
+        buf = alloc(CAPACITY, POISON)
         rc = te.register_memory(buf.ctypes.data, buf.nbytes)
         if rc != 0:
             raise RuntimeError(f"register_memory returned {rc}")
@@ -56,7 +56,7 @@ def main() -> int:
     try:
         proc, conn, peer, raddr = start_target(target, "engine")
         te = _engine()
-        src = np.zeros(CAPACITY, dtype=np.uint8)
+        src = alloc(CAPACITY)
         _ok(te.register_memory(src.ctypes.data, src.nbytes), "register_memory")
     except Exception as e:
         emit(SYSTEM, "not run", note=f"start failed: {type(e).__name__}: {e}")

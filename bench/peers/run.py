@@ -83,12 +83,41 @@ def fmt_us(v) -> str:
     return "" if v is None else f"{v:.1f}" if v < 1000 else f"{v:,.0f}"
 
 
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (system, workload): the median of each figure over the rounds, `each` the rounds'
+    own p50 (µs) for latency rows or GB/s for the rest, in round order; verified only if every round was."""
+    import statistics
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["system"], r["workload"]), []).append(r)
+    merged = []
+    for (system, workload), rs in groups.items():
+        m = {"system": system, "workload": workload, "rounds": len(rs),
+             "verified": None if all(r["verified"] is None for r in rs) else all(r["verified"] is True for r in rs)}
+        for k in ("gbps", "p50_us", "p99_us"):
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            if vals:
+                m[k] = statistics.median(vals)
+                m[k + "_each"] = vals
+        latency = workload.startswith("8 B") or (workload.startswith("64 KiB write") and "flight" not in workload)
+        m["each"] = ([fmt_us(r.get("p50_us")) for r in rs] if latency else
+                     [f"{r['gbps']:.2f}" if r.get("gbps") is not None else "-" for r in rs])
+        notes = sorted({r["note"] for r in rs if r.get("note")})
+        if notes:
+            m["note"] = "; ".join(notes)
+        merged.append(m)
+    return merged
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the rows and the machine's details here")
     ap.add_argument("--only", nargs="+", choices=["iperf3"] + [d[0] for d in DRIVERS], help="run only these")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                     help="cpu: host memory (default); gpu: GPU 0's memory on both sides (two processes)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the drivers this many times, interleaved; rows show the median (and each round's "
+                         "p50, or GB/s for bulk rows), for machines whose figures swing between runs")
     ap.add_argument("--workloads", help="only these workloads, by name, separated by ';' "
                     "(e.g. '64 KiB write;8 B write')")
     args = ap.parse_args()
@@ -105,16 +134,22 @@ def main() -> int:
     if "iperf3" in wanted:
         log.log("iperf3")
         rows.append(iperf3_row())
-    for name, script, dargs, system in DRIVERS:
-        if name in wanted:
-            log.log(name)
-            rows.extend(run_driver(script, dargs, system, log))
+    for r in range(args.rounds):
+        for name, script, dargs, system in DRIVERS:
+            if name in wanted:
+                log.log(name + (f" (round {r + 1} of {args.rounds})" if args.rounds > 1 else ""))
+                rows.extend(run_driver(script, dargs, system, log))
+    if args.rounds > 1:
+        rows = merge_rounds(rows)
 
     memory = "host memory" if args.device == "cpu" else "GPU 0's memory both sides"
     table = Table(title=f"tether vs peers: two processes on one host, {memory}, TCP loopback unless the "
                         f"system says otherwise — {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, "
                         f"{time.time() - t0:.0f} s")
-    for col in ("system", "workload", "GB/s", "p50 µs", "p99 µs", "verified"):
+    cols = ["system", "workload", "GB/s", "p50 µs", "p99 µs", "verified"]
+    if args.rounds > 1:
+        cols.append("each round")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("system", "workload") else "right")
     for i, r in enumerate(rows):
         workload = r["workload"] + (f": {r['note']}" if r.get("note") else "")
@@ -123,8 +158,10 @@ def main() -> int:
         verified = {None: "-", True: "ok", False: "FAILED"}[r["verified"]]
         first = i == 0 or rows[i - 1]["system"] != r["system"]
         last = i == len(rows) - 1 or rows[i + 1]["system"] != r["system"]
-        table.add_row(r["system"] if first else "", workload, gbps, fmt_us(r.get("p50_us")),
-                      fmt_us(r.get("p99_us")), verified, end_section=last)
+        cells = [r["system"] if first else "", workload, gbps, fmt_us(r.get("p50_us")), fmt_us(r.get("p99_us")), verified]
+        if args.rounds > 1:
+            cells.append(" / ".join(r.get("each", [])))
+        table.add_row(*cells, end_section=last)
     console.print(table)
     if args.json:
         versions = {}
