@@ -14,6 +14,7 @@ landed→unpacked (into it); header→… and …→answered include wake-ups of
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import signal
@@ -83,6 +84,19 @@ def main() -> int:
     if totals:
         t = [x / 1e3 for x, _ in totals]
         print(f"{'chunk, first event to last':58} {len(t):6d} {pct(t, .5):9.1f} {pct(t, .9):9.1f} {max(t):9.1f} {sum(t) / len(t):9.1f}")
+    # Ops posted one at a time: what lies outside the chunk steps, before (post → its first step: the
+    # post's own work) and after (the last step → the next post: the wait noticing, the application).
+    before, after = [], []
+    for evs in chunks.values():
+        i = bisect.bisect_right(posts, evs[0][0])
+        if i > 0 and posts[i - 1] >= since:
+            before.append((evs[0][0] - posts[i - 1]) / 1e3)
+        j = bisect.bisect_right(posts, evs[-1][0])
+        if j < len(posts):
+            after.append((posts[j] - evs[-1][0]) / 1e3)
+    for name, v in (("post → its chunk's first step", before), ("chunk's last step → next post", after)):
+        if v:
+            print(f"{name:58} {len(v):6d} {pct(v, .5):9.1f} {pct(v, .9):9.1f} {max(v):9.1f} {sum(v) / len(v):9.1f}")
     for p, rows in procs.items():
         wakes = collections.Counter(r[2] for r in rows if r[1] == "wake")
         posts = sum(1 for r in rows if r[1] == "post")

@@ -42,6 +42,7 @@ constexpr uint64_t kTxBudget = 16ull << 20;
 constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: it wants its answer
 constexpr uint32_t kStageSlots = 8;          // pinned bounce slots per lane and direction (GPU memory)
 
+constexpr uint64_t kSpinAfterBytes = 64 << 10;  // a progress loop that moved less is "small traffic"
 constexpr uint64_t kLaneQueueChunks = 2;      // chunks a lane's socket may hold (ours + the kernel's)
 
 // Bytes in the socket's send queue (unsent or unacknowledged).
@@ -126,6 +127,7 @@ struct Lane {
   std::atomic<bool> dead{false};
   std::atomic<bool> tx_owned{false};
   std::atomic<bool> tx_backlog{false};  // unsent bytes wait for EPOLLOUT
+  std::atomic<uint64_t> io_bytes{0};    // bytes through its socket, both ways (busy polling's "bulk")
   AnswerRing answers;
 
   // tx: owner only
@@ -344,6 +346,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       return false;
     }
     uint64_t sent = uint64_t(n);
+    l.io_bytes.fetch_add(sent, std::memory_order_relaxed);
     budget -= std::min(budget, sent);
     l.tx_unsent -= sent;
     while (sent > 0) {
@@ -480,6 +483,7 @@ void receive(Lane& l, core::EndpointImpl* ep, uint64_t budget = kRxBudget) {
           return;
         }
         n = size_t(r);
+        l.io_bytes.fetch_add(n, std::memory_order_relaxed);
         l.rx_begin = l.rx_end = 0;
       }
       if (l.rx_dest) l.rx_dest += n;
@@ -527,6 +531,7 @@ void receive(Lane& l, core::EndpointImpl* ep, uint64_t budget = kRxBudget) {
       return;
     }
     l.rx_end += size_t(r);
+    l.io_bytes.fetch_add(uint64_t(r), std::memory_order_relaxed);
   }
 }
 
@@ -804,6 +809,7 @@ class ProgressThread {
   void do_rx(Lane& l);
   void do_tx(Lane& l);
   void retire(Lane& l);
+  uint64_t moved() const;  // bytes through this thread's lanes' sockets so far
 
   core::EndpointImpl* ep_;
   const uint32_t index_;
@@ -819,6 +825,12 @@ class ProgressThread {
   std::vector<std::shared_ptr<Lane>> incoming_;
   std::vector<std::shared_ptr<Lane>> lanes_;  // owned by this thread only
 };
+
+uint64_t ProgressThread::moved() const {
+  uint64_t b = 0;
+  for (auto& l : lanes_) b += l->io_bytes.load(std::memory_order_relaxed);
+  return b;
+}
 
 void ProgressThread::update_events(Lane& l) {
   uint32_t ev = EPOLLRDHUP;
@@ -853,9 +865,10 @@ void ProgressThread::run() {
   ep_->pin_progress_thread(index_);
   started_.store(true, std::memory_order_release);
   epoll_event events[64];
-  // Within busy_poll_us of the last event the thread polls instead of sleeping: a request or an answer
-  // usually follows soon, and waking a sleeping thread costs more than a small transfer
-  // (docs/ARCHITECTURE.md, "Waking up"; 0 on small machines, where the other side needs the core).
+  // Within busy_poll_us of the last event of small traffic or of staged GPU copies the thread polls
+  // instead of sleeping: a request or an answer usually follows soon, and waking a sleeping thread
+  // costs more than a small transfer (docs/ARCHITECTURE.md, "Waking up"; 0 on small machines, where
+  // the other side needs the core).
   using Clock = std::chrono::steady_clock;
   const auto busy = std::chrono::microseconds(ep_->config().busy_poll_us);
   auto last_event = Clock::now() - busy;
@@ -866,8 +879,8 @@ void ProgressThread::run() {
     int n = ::epoll_wait(epfd_, events, 64, hinted || spinning ? 0 : 1000);
     sleeping_.store(false, std::memory_order_relaxed);
     if (n > 0 && !hinted && !spinning) trace::mark(trace::Event::kWake, index_, 0, uint32_t(n));
-    if (n > 0) last_event = Clock::now();
-    else if (spinning && !hinted) sched_yield();
+    const uint64_t moved_before = busy.count() > 0 ? moved() : 0;
+    if (n == 0 && spinning && !hinted) sched_yield();
     for (int i = 0; i < n; ++i) {
       auto* l = static_cast<Lane*>(events[i].data.ptr);
       if (!l) {
@@ -885,6 +898,7 @@ void ProgressThread::run() {
         if (!l->dead.load(std::memory_order_relaxed)) prepare_staging(*l, ep_, want & ~prepared_gpus_);
       prepared_gpus_ = want;
     }
+    bool staging = false;  // a lane has staged GPU copies in flight
     for (auto& l : lanes_) {
       if (l->dead.load(std::memory_order_relaxed)) continue;
       if (l->peer->failed()) {
@@ -893,6 +907,7 @@ void ProgressThread::run() {
       }
       do_tx(*l);
       if (l->gpu_inflight.load(std::memory_order_relaxed) > 0) {  // GPU copies in flight: poll them
+        staging = true;
         if (l->try_own_rx()) {
           if (l->gpu_rx_count > 0) complete_gpu_rx(*l, ep_);
           l->disown_rx();
@@ -910,6 +925,19 @@ void ProgressThread::run() {
       }
       if (l->rx_paused.load(std::memory_order_relaxed) && !l->answers.full()) work_hint_.store(true, std::memory_order_relaxed);
       if (!l->dead.load(std::memory_order_relaxed)) update_events(*l);
+    }
+    if (staging) {
+      // Staged GPU chunks keep it spinning: each chunk's next step (its copy done, the next chunk
+      // to stage or to land) follows within microseconds, and a sleeping thread's wake-up there cost
+      // staged transfers 10-20 % (PERFORMANCE.md, session 9).
+      last_event = Clock::now();
+    } else if (n > 0 && busy.count() > 0) {
+      // Otherwise only small traffic does: a host bulk flow's next event comes soon from its own
+      // socket (data in, room to send), and a lane with unsent bytes is woken by EPOLLOUT; spinning
+      // through them cost 10-20 % more CPU per GB with no gain (PERFORMANCE.md, session 9).
+      bool backlog = false;
+      for (auto& l : lanes_) backlog |= l->tx_backlog.load(std::memory_order_relaxed);
+      if (moved() - moved_before < kSpinAfterBytes && !backlog) last_event = Clock::now();
     }
     for (size_t i = 0; i < lanes_.size();) {
       if (lanes_[i]->dead.load(std::memory_order_relaxed)) {
