@@ -61,7 +61,7 @@ def main() -> int:
     chunks = collections.defaultdict(list)
     for p, rows in procs.items():
         for ns, event, lane, typ, slot, gen in rows:
-            if event in ("post", "wake"):
+            if event in ("post", "wake", "waited"):
                 continue
             if ns - t0 < a.skip * 1e9 or ns < since:
                 continue
@@ -85,16 +85,24 @@ def main() -> int:
         t = [x / 1e3 for x, _ in totals]
         print(f"{'chunk, first event to last':58} {len(t):6d} {pct(t, .5):9.1f} {pct(t, .9):9.1f} {max(t):9.1f} {sum(t) / len(t):9.1f}")
     # Ops posted one at a time: what lies outside the chunk steps, before (post → its first step: the
-    # post's own work) and after (the last step → the next post: the wait noticing, the application).
-    before, after = [], []
+    # post's own work) and after (the last step → wait() returning → the next post: the application).
+    waits = sorted(r[0] for rows in procs.values() for r in rows if r[1] == "waited")
+    before, to_wait, after = [], [], []
     for evs in chunks.values():
         i = bisect.bisect_right(posts, evs[0][0])
         if i > 0 and posts[i - 1] >= since:
             before.append((evs[0][0] - posts[i - 1]) / 1e3)
         j = bisect.bisect_right(posts, evs[-1][0])
-        if j < len(posts):
-            after.append((posts[j] - evs[-1][0]) / 1e3)
-    for name, v in (("post → its chunk's first step", before), ("chunk's last step → next post", after)):
+        nxt = posts[j] if j < len(posts) else None
+        k = bisect.bisect_right(waits, evs[-1][0])
+        if k < len(waits) and (nxt is None or waits[k] < nxt):
+            to_wait.append((waits[k] - evs[-1][0]) / 1e3)
+            if nxt is not None:
+                after.append((nxt - waits[k]) / 1e3)
+        elif nxt is not None:
+            after.append((nxt - evs[-1][0]) / 1e3)
+    for name, v in (("post → its chunk's first step", before), ("chunk's last step → wait() returns", to_wait),
+                    ("wait() returns (else the last step) → next post", after)):
         if v:
             print(f"{name:58} {len(v):6d} {pct(v, .5):9.1f} {pct(v, .9):9.1f} {max(v):9.1f} {sum(v) / len(v):9.1f}")
     for p, rows in procs.items():

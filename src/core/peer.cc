@@ -349,6 +349,10 @@ uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk) {
 }
 
 bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
+  // Nothing queued: answered without the lock. Spinning progress threads (busy_poll_us) ask on every
+  // turn, and taking mu_ each time made posters wait for it (tcp: 3-7 us per small op on 16 cores). A
+  // chunk queued just after this check is followed by the poster's wake().
+  if (!has_work()) return false;
   TransferState* drained = nullptr;
   {
     std::lock_guard lock(mu_);

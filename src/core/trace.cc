@@ -36,7 +36,7 @@ struct Buffer {
   }
 };
 
-const char* const kNames[] = {"post", "wake", "pulled", "staged", "sent", "header", "landed", "unpacked", "answered"};
+const char* const kNames[] = {"post", "wake", "pulled", "staged", "sent", "header", "landed", "unpacked", "answered", "waited"};
 
 }  // namespace
 

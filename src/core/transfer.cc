@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "core/peer.h"
+#include "core/trace.h"
 #include "sys/cpu.h"
 
 namespace tether::core {
@@ -91,8 +92,10 @@ Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_u
     }
     waiters_.fetch_sub(1);
     if (!finished_.load()) return Status(Code::kTimeout, "transfer still running after " + std::to_string(timeout_ms) + " ms");
+    trace::mark(trace::Event::kWaited, 0);
     return final_;
   }
+  trace::mark(trace::Event::kWaited, 0);
   return final_status();
 }
 

@@ -285,6 +285,10 @@ def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path
                             capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr
     assert "T:landed/write" in report.stdout and "chunk, first event to last" in report.stdout
+    # Each wait() that returned a finished transfer is marked (the bench waits on every op), so the
+    # report splits the time outside the chunk steps: the post's own work, then the application's.
+    assert any(e[0] == "waited" for e in init) and not any(e[0] == "waited" for e in target)
+    assert "post → its chunk's first step" in report.stdout and "chunk's last step → wait() returns" in report.stdout
 
 
 def test_trace_follows_ipc_requests_too(tmp_path):

@@ -263,6 +263,8 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
   for (;;) {
     TxItem a;
     while (l.tx_count < kTxRing && l.answers.peek(&a)) {
+      if (a.device >= 0 && l.tx_stage && !l.tx_stage->has_free()) break;  // no free slot: the answer waits
+      trace::mark(trace::Event::kPulled, l.index, a.hdr.type, a.hdr.slot, a.hdr.gen);  // before staging
       if (a.device >= 0 && !stage_tx(l, ep, a, error)) {
         if (!error->is_ok()) return false;
         break;  // no free slot: the answer waits in the ring
@@ -270,7 +272,6 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       TxItem taken;
       l.answers.pop(&taken);  // `a` is the (possibly staged) copy we queue
       l.queue(a);
-      trace::mark(trace::Event::kPulled, l.index, a.hdr.type, a.hdr.slot, a.hdr.gen);
     }
     // Pull only when what this socket holds has (almost) drained: faster sockets pull more. What the
     // kernel still queues counts too, or a slow link would swallow a socket buffer's worth of chunks
@@ -292,12 +293,12 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         it.pieces = op.pieces;
         it.length = uint64_t(op.fragments) * sizeof(wire::Fragment) + op.length;
       }
+      trace::mark(trace::Event::kPulled, l.index, it.hdr.type, it.hdr.slot, it.hdr.gen);  // before staging
       if (it.device >= 0 && !stage_tx(l, ep, it, error)) {
         if (error->is_ok()) *error = Status(Code::kInternal, "staging: no free slot after checking for one");
         return false;
       }
       l.queue(it);
-      trace::mark(trace::Event::kPulled, l.index, it.hdr.type, it.hdr.slot, it.hdr.gen);
     }
     if (l.tx_count == 0 || budget == 0) break;
 
