@@ -68,10 +68,11 @@ StagingRing::~StagingRing() {
         a->cuEventSynchronize(d.event);  // nothing may still be copying into memory freed below
         a->cuEventDestroy(d.event);
       }
-      if (d.stream) a->cuStreamDestroy(d.stream);
       if (d.scratch) a->cuMemFree(d.scratch);
     }
   }
+  for (CUstream st : streams_)
+    if (st) a->cuStreamDestroy(st);
   if (block_) a->cuMemFreeHost(block_);
 }
 
@@ -120,8 +121,11 @@ Status StagingRing::ready(StagingSlot& s, int device) {
   const CudaApi* a = cuda();
   auto& d = s.per_device[size_t(device)];
   if (!d.stream) {
-    TETHER_CUDA_TRY("cuStreamCreate", a->cuStreamCreate(&d.stream, kStreamNonBlocking));
+    if (streams_.size() <= size_t(device)) streams_.resize(size_t(device) + 1, nullptr);
+    if (!streams_[size_t(device)])
+      TETHER_CUDA_TRY("cuStreamCreate", a->cuStreamCreate(&streams_[size_t(device)], kStreamNonBlocking));
     TETHER_CUDA_TRY("cuEventCreate", a->cuEventCreate(&d.event, kEventDisableTiming));
+    d.stream = streams_[size_t(device)];
   }
   return Status::ok();
 }

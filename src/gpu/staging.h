@@ -3,7 +3,8 @@
 // reused only after the copy out of (or into) it has completed — its CUDA event says so (the seeds'
 // irecv_consumed rule). A ring's pinned memory is one allocation, made by prepare() (a lane does
 // that before its first GPU chunk where it can: pinning costs about a millisecond per MiB) or else at
-// the first acquire; nothing here allocates after that, except each slot's stream on a new device.
+// the first acquire; nothing here allocates after that, except the ring's stream and the slots'
+// events on a new device.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -54,7 +55,8 @@ class StagingRing {
   StagingRing(const StagingRing&) = delete;
   StagingRing& operator=(const StagingRing&) = delete;
 
-  // Pins every slot's buffer (one allocation) and gives each slot a stream and event on `device`.
+  // Pins every slot's buffer (one allocation) and readies the ring's stream and each slot's event on
+  // `device`.
   // Idempotent; acquire() calls it, so calling it ahead only moves the cost out of the first transfer.
   Status prepare(int device);
   // A free slot for a copy on `device`, or null when every slot is busy (retry once one is released).
@@ -87,6 +89,9 @@ class StagingRing {
   std::vector<StagingSlot> slots_;
   uint8_t* block_ = nullptr;  // every slot's buffer, one pinned allocation
   uint32_t next_ = 0;
+  // One stream per device for the whole ring: a lane's copies run in the order it issued them, so its
+  // first chunk is done first instead of sharing the copy engine with the lane's later ones.
+  std::vector<CUstream> streams_;
 };
 
 }  // namespace tether::gpu
