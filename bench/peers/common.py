@@ -110,7 +110,12 @@ def serve(conn, buf: np.ndarray) -> None:
         if cmd == "exit":
             return
         if cmd == "poison":
-            buf.fill(POISON) if isinstance(buf, np.ndarray) else buf.fill_(POISON)
+            if isinstance(buf, np.ndarray):
+                buf.fill(POISON)
+            else:  # fill_ only queues a kernel: done before the initiator's write may land
+                import torch
+                buf.fill_(POISON)
+                torch.cuda.synchronize()
             conn.send(True)
         elif cmd == "digest":  # [(offset, length), ...] in remote-offset order
             h = hashlib.blake2b(digest_size=16)

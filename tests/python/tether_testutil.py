@@ -387,6 +387,22 @@ def raw_connect(address: str, timeout: float = 5.0) -> socket.socket:
 # --------------------------------------------------------------------------- child process
 
 
+def wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Until every thread of `pid` is stopped (SIGSTOP is delivered to each thread as it next leaves the
+    kernel: one busy in a system call can still answer a chunk or two right after kill() returns)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            states = [open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                      for t in os.listdir(f"/proc/{pid}/task")]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return  # gone, or a thread exited while we looked: nothing left to wait for
+        if all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} not stopped {timeout} s after SIGSTOP")
+
+
 class ChildError(AssertionError):
     pass
 
@@ -436,7 +452,9 @@ class Child:
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
-                pass
+                return
+            if sig == signal.SIGSTOP:
+                wait_stopped(self.pid)
 
     def cleanup(self) -> None:
         if self.proc.is_alive():
