@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -55,7 +56,15 @@ def target(conn) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}", 0))
         os._exit(0)
     serve(conn, buf)
-    os._exit(0)  # nixl-cu13 1.5.1 segfaults in its exit-time teardown, even for an idle agent
+    _exit()
+
+
+def _exit() -> None:
+    """os._exit: nixl-cu13 1.5.1 segfaults in its exit-time teardown, even for an idle agent. With
+    TETHER_TRACE, first a control tick's wait, so the plugin's trace file has every event."""
+    if os.environ.get("TETHER_TRACE"):
+        time.sleep(0.3)
+    os._exit(0)
 
 
 def put_paths(logdir: str) -> str:
@@ -164,7 +173,7 @@ def main(variant: str) -> int:
         proc.kill()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # see target(): skip the teardown that crashes
+    _exit()
 
 
 VARIANT = os.environ.get("PEERS_NIXL_VARIANT", VARIANT)

@@ -31,7 +31,10 @@ def load(prefix: str):
             for line in f:
                 if line.startswith("#") or line.startswith("ns\t"):
                     continue
-                ns, event, lane, typ, slot, gen = line.rstrip("\n").split("\t")
+                fields = line.rstrip("\n").split("\t")
+                if len(fields) != 6:  # a process that exited mid-flush (os._exit) leaves its last line cut
+                    continue
+                ns, event, lane, typ, slot, gen = fields
                 rows.append((int(ns), event, int(lane), int(typ), int(slot), int(gen)))
         procs[path] = rows
     return procs

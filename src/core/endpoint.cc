@@ -1074,6 +1074,7 @@ void EndpointImpl::flush_control(PeerState& peer) {
 void EndpointImpl::tick(const std::vector<std::shared_ptr<PeerState>>& peers) {
   const int64_t now = sys::now_ms();
   last_tick_ms_ = now;
+  trace::flush();  // TETHER_TRACE only: what was recorded since the last tick
 #ifdef __GLIBC__
   // Notifications read by now were freed by the caller; glibc keeps freed heap (thread arenas, a raised
   // mmap threshold) unless asked, so a burst of large ones would stay resident (issue 17 item 2).

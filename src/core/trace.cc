@@ -27,6 +27,8 @@ struct Buffer {
   std::unique_ptr<Record[]> records;
   std::atomic<uint64_t> next{0};
   std::mutex flush_mu;
+  FILE* file = nullptr;  // opened by the first flush; each flush appends what was recorded since
+  uint64_t flushed = 0;  // records written to it so far
   Buffer() {
     const char* p = std::getenv("TETHER_TRACE");
     if (!p || !*p) return;
@@ -46,26 +48,38 @@ static Buffer g_buffer;  // after g_on: initialised in order within this file
 void record(Event e, uint32_t lane, uint8_t type, uint32_t slot, uint32_t gen) {
   const uint64_t i = g_buffer.next.fetch_add(1, std::memory_order_relaxed);
   if (i >= kCapacity) return;
-  g_buffer.records[i] = Record{mono_ns(), slot, gen, lane, uint8_t(e), type};
+  Record& r = g_buffer.records[i];
+  r.slot = slot;
+  r.gen = gen;
+  r.lane = lane;
+  r.event = uint8_t(e);
+  r.type = type;
+  std::atomic_ref<uint64_t>(r.ns).store(mono_ns(), std::memory_order_release);  // last: the record is whole
 }
 
 void flush() {
   if (!g_on) return;
   std::lock_guard lock(g_buffer.flush_mu);
-  const std::string path = g_buffer.prefix + "." + std::to_string(::getpid()) + ".tsv";
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (!f) return;
-  const uint64_t total = g_buffer.next.load(std::memory_order_relaxed);
-  const uint64_t n = total < kCapacity ? total : kCapacity;
-  std::fprintf(f, "# pid %d, %llu events, %llu dropped\nns\tevent\tlane\ttype\tslot\tgen\n", int(::getpid()),
-               (unsigned long long)total, (unsigned long long)(total - n));
-  for (uint64_t i = 0; i < n; ++i) {
-    const Record& r = g_buffer.records[i];
-    if (r.ns == 0) continue;  // claimed but not yet written by its thread
-    std::fprintf(f, "%llu\t%s\t%u\t%u\t%u\t%u\n", (unsigned long long)r.ns, kNames[r.event], r.lane, unsigned(r.type),
-                 r.slot, r.gen);
+  Buffer& b = g_buffer;
+  if (!b.file) {
+    const std::string path = b.prefix + "." + std::to_string(::getpid()) + ".tsv";
+    b.file = std::fopen(path.c_str(), "w");
+    if (!b.file) return;
+    std::fprintf(b.file, "# pid %d\nns\tevent\tlane\ttype\tslot\tgen\n", int(::getpid()));
   }
-  std::fclose(f);
+  const uint64_t total = b.next.load(std::memory_order_acquire);
+  const uint64_t n = total < kCapacity ? total : kCapacity;
+  uint64_t i = b.flushed;
+  for (; i < n; ++i) {
+    const Record& r = b.records[i];
+    const uint64_t ns = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(r.ns)).load(std::memory_order_acquire);
+    if (ns == 0) break;  // claimed but not yet written by its thread: the next flush takes it
+    std::fprintf(b.file, "%llu\t%s\t%u\t%u\t%u\t%u\n", (unsigned long long)ns, kNames[r.event], r.lane,
+                 unsigned(r.type), r.slot, r.gen);
+  }
+  b.flushed = i;
+  if (total > kCapacity) std::fprintf(b.file, "# %llu events dropped so far\n", (unsigned long long)(total - kCapacity));
+  std::fflush(b.file);
 }
 
 }  // namespace tether::core::trace

@@ -1,8 +1,10 @@
 // A per-frame event trace, for finding where a transfer's time goes (issue 20: staging copies, socket
 // calls, wake-ups; tcp and ipc lanes mark their steps). Off unless TETHER_TRACE names a file prefix;
 // then each process records events into a preallocated buffer (no allocation, no lock, no I/O on the
-// path) and writes <prefix>.<pid>.tsv when an endpoint closes. CLOCK_MONOTONIC is shared by the
-// processes of a host, so both sides' files merge into one timeline (bench/tools/trace_report.py).
+// path), and the control thread appends them to <prefix>.<pid>.tsv every tick (≤ 200 ms) and when an
+// endpoint closes: a process that never closes its endpoint (os._exit, NIXL's examples) loses only its
+// last tick. CLOCK_MONOTONIC is shared by the processes of a host, so both sides' files merge into one
+// timeline (bench/tools/trace_report.py).
 #pragma once
 #include <cstdint>
 
@@ -23,7 +25,7 @@ enum class Event : uint8_t {
 
 extern bool g_on;  // set once, before any endpoint exists
 void record(Event e, uint32_t lane, uint8_t type, uint32_t slot, uint32_t gen);
-void flush();  // writes what was recorded so far (called by EndpointImpl::close)
+void flush();  // appends what was recorded since the last flush (control ticks, EndpointImpl::close)
 
 inline void mark(Event e, uint32_t lane, uint8_t type = 0, uint32_t slot = 0, uint32_t gen = 0) {
   if (__builtin_expect(g_on, false)) record(e, lane, type, slot, gen);

@@ -291,6 +291,25 @@ def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path
     assert "post → its chunk's first step" in report.stdout and "chunk's last step → wait() returns" in report.stdout
 
 
+def test_trace_reaches_its_file_without_the_endpoint_closing(tmp_path):
+    """A process that never closes its endpoint (os._exit, as NIXL's examples and our NIXL driver end)
+    still leaves its events: the control thread appends them every tick."""
+    prefix = str(tmp_path / "tr")
+    code = ("import os, time, numpy as np, tether\n"
+            "a = tether.Endpoint(transport='tcp'); b = tether.Endpoint(transport='tcp')\n"
+            "dst = b.register(np.zeros(1 << 20, np.uint8)); src = a.register(np.ones(1 << 20, np.uint8))\n"
+            "a.connect(b.metadata(), timeout=10).write(src, dst.descriptor()).wait(10)\n"
+            "time.sleep(0.5)\n"
+            "os._exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(ENV, TETHER_TRACE=prefix), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = list(tmp_path.glob("tr.*.tsv"))
+    assert len(files) == 1, files
+    events = [line.split("\t")[1] for line in files[0].read_text().splitlines() if line[:1].isdigit()]
+    assert "post" in events and "answered" in events and "landed" in events, events
+
+
 def test_trace_follows_ipc_requests_too(tmp_path):
     """ipc lanes mark their steps as well: the initiator pulls, sends and takes each answer; the target
     reads the request and sends its answer."""
