@@ -374,7 +374,7 @@ def test_stopped_reader_does_not_block_deregister(endpoints, children, transport
     accepted = me.peers()[0]
     assert accepted.transport == transport
     time.sleep(0.2)
-    os.kill(c.pid, signal.SIGSTOP)
+    c.kill(signal.SIGSTOP)  # returns once every thread is stopped
     try:
         time.sleep(0.05)
         t0 = time.monotonic()

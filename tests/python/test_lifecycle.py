@@ -548,7 +548,7 @@ def test_connect_to_stopped_process_times_out(endpoints, children):
     a = endpoints()
     c = children("frozen")
     info = c.call("endpoint")
-    os.kill(c.pid, signal.SIGSTOP)
+    c.kill(signal.SIGSTOP)  # returns once every thread is stopped
     t0 = time.monotonic()
     with pytest.raises(tether.TransferTimeout):
         a.connect(info["metadata"], timeout=0.5)
@@ -562,7 +562,7 @@ def test_close_ends_a_connect_under_way_to_a_stopped_process(children):
     connect_timeout."""
     c = children("frozen")
     info = c.call("endpoint")
-    os.kill(c.pid, signal.SIGSTOP)
+    c.kill(signal.SIGSTOP)  # returns once every thread is stopped
     a = tether.Endpoint(connect_timeout=20)
     out = {}
 

@@ -671,7 +671,7 @@ def test_stopped_peer_times_out(endpoints, children, transport):
     # idle for longer than peer_timeout: heartbeats keep a live peer connected
     time.sleep(1.6)
     assert peer.connected, f"a live, idle peer was dropped: {peer.error}"
-    os.kill(c.pid, signal.SIGSTOP)
+    c.kill(signal.SIGSTOP)  # returns once every thread is stopped
     t_stop = time.monotonic()
     ts = [peer.write(src, desc) for _ in range(10)] + [peer.read(me.register(poisoned(64 * MiB)), desc)]
     outs, _ = _wait_all(ts, 6.0)
@@ -731,7 +731,7 @@ def test_stopped_initiator_cannot_pin_our_region(endpoints, children):
     assert c.call("start_stream", "write", "src", rm.descriptor(), 64 * MiB) is True
     assert wait_until(lambda: len(me.peers()) == 1, 5)
     accepted = me.peers()[0]
-    os.kill(c.pid, signal.SIGSTOP)
+    c.kill(signal.SIGSTOP)  # returns once every thread is stopped
     t0 = time.monotonic()
     done = threading.Event()
     th = threading.Thread(target=lambda: (me.deregister(rm), done.set()), daemon=True)
