@@ -404,3 +404,25 @@ def test_bench_ceiling_beside_tether(tmp_path):
     assert f"{x['gbps'] / c['gbps']:.2f}" in cells(r.stdout)
     r = run_cli("bench", "--ceiling", "--sizes", "4K")  # auto: ipc between two local processes
     assert r.returncode == 2 and "--transport tcp" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_nixl_src_set_later_wins_over_the_cached_value(tmp_path):
+    """pip reuses its build folder, so TETHER_NIXL_SRC given to a later `pip install .` must win over
+    what an earlier configure cached (it did not: the reinstall silently built no NIXL plugin)."""
+    import shutil
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake not installed")
+    headers = os.path.join(ROOT, "..", "shared", "third_party", "nixl")
+    if not os.path.exists(os.path.join(headers, "src", "api", "cpp", "backend", "backend_plugin.h")):
+        pytest.skip("NIXL's backend headers (../shared/third_party/nixl) are not beside this tree")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    configure = ["cmake", ROOT, *gen, "-DTETHER_BUILD_PYTHON=OFF", "-DTETHER_BUILD_TESTS=OFF"]
+
+    def run(nixl_src: str) -> str:
+        r = subprocess.run(configure, cwd=tmp_path, env=dict(os.environ, TETHER_NIXL_SRC=nixl_src),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return r.stdout
+
+    assert "NIXL plugin not built" in run(str(tmp_path / "no-nixl-here"))
+    assert "NIXL plugin built against the NIXL headers in " + os.path.abspath(headers) in run(os.path.abspath(headers))
