@@ -69,8 +69,8 @@ def alloc(n: int, fill: int = 0):
     if DEVICE == "gpu":
         import torch
         return torch.full((n,), fill, dtype=torch.uint8, device="cuda:0")
-    raw = np.empty(n + (2 << 20), dtype=np.uint8)  # from a 2 MiB boundary: see tether.bench.huge_aligned
-    buf = raw[-raw.ctypes.data % (2 << 20):][:n]
+    from tether.bench import huge_aligned  # from a 2 MiB boundary, as tether bench's own buffers
+    buf = huge_aligned(n)
     buf.fill(fill)
     return buf
 
