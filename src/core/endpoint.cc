@@ -1291,13 +1291,15 @@ Status Transfer::wait(int64_t timeout_ms) const {
 }
 bool Transfer::poll() const {
   if (state_->is_finished()) return true;
+  core::PeerState* p = state_->peer.get();
+  if (!p) return false;
+  p->help();  // one-sided GPU copies: the caller finishes them itself (Transport::help)
   const uint32_t lane = state_->lane_hint.load(std::memory_order_relaxed);
   // Only where progress threads sleep (busy_poll_us 0): where they spin they read the answer as soon,
   // and a caller polling beside them halved 64 KiB x 8-in-flight through NIXL on 16 cores (3.9 -> 2.0 GB/s).
   // Large transfers: their lanes' threads are awake anyway.
-  const core::PeerState* p = state_->peer.get();
-  if (p && p->busy_poll_us() == 0 && lane != UINT32_MAX && state_->bytes.load(std::memory_order_relaxed) <= (256u << 10))
-    state_->peer->poll(lane);
+  if (p->busy_poll_us() == 0 && lane != UINT32_MAX && state_->bytes.load(std::memory_order_relaxed) <= (256u << 10))
+    p->poll(lane);
   return state_->is_finished();
 }
 Status Transfer::status() const { return state_->is_finished() ? state_->final_status() : Status::ok(); }

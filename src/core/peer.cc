@@ -95,6 +95,10 @@ void PeerState::poll(uint32_t lane) {
   if (!failed()) endpoint_->poll_lane(this, lane);
 }
 
+void PeerState::help() {
+  if (!failed()) transport->help(this);
+}
+
 PeerState::~PeerState() {
   // Closed only here, once no thread can still hold the numbers (see TcpTransport retire()).
   if (control_fd >= 0) ::close(control_fd);

@@ -80,6 +80,8 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   uint32_t quietest_lane() const;
   // Reads `lane` from the calling thread if nobody else is (a waiter fetching its own answer).
   void poll(uint32_t lane);
+  // Finishes from the calling thread, a waiter, work another thread would hand back (Transport::help).
+  void help();
   bool failed() const { return failed_.load(std::memory_order_acquire); }
   Status error() const;
 

@@ -120,13 +120,10 @@ Status StagingRing::ready(StagingSlot& s, int device) {
   if (Status st = use_device(device); !st.is_ok()) return st;
   const CudaApi* a = cuda();
   auto& d = s.per_device[size_t(device)];
-  if (!d.stream) {
-    if (streams_.size() <= size_t(device)) streams_.resize(size_t(device) + 1, nullptr);
-    if (!streams_[size_t(device)])
-      TETHER_CUDA_TRY("cuStreamCreate", a->cuStreamCreate(&streams_[size_t(device)], kStreamNonBlocking));
-    TETHER_CUDA_TRY("cuEventCreate", a->cuEventCreate(&d.event, kEventDisableTiming));
-    d.stream = streams_[size_t(device)];
-  }
+  if (streams_.size() <= size_t(device)) streams_.resize(size_t(device) + 1, nullptr);
+  if (!streams_[size_t(device)])
+    TETHER_CUDA_TRY("cuStreamCreate", a->cuStreamCreate(&streams_[size_t(device)], kStreamNonBlocking));
+  if (!d.event) TETHER_CUDA_TRY("cuEventCreate", a->cuEventCreate(&d.event, kEventDisableTiming));
   return Status::ok();
 }
 
@@ -135,6 +132,7 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
   if (Status st = ready(s, device); !st.is_ok()) return st;
   const CudaApi* a = cuda();
   auto& d = s.per_device[size_t(device)];
+  const CUstream stream = streams_[size_t(device)];
   s.device = device;
   auto host_at = [&](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(s.host + f.offset); };
   auto ptr = [](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(f.ptr); };
@@ -147,7 +145,7 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
       table[3 * i + 1] = to_slot ? host_at(frags[i]) : ptr(frags[i]);
       table[3 * i + 2] = frags[i].length;
     }
-    if (Status st = launch_copy(device, d.stream, table, n); !st.is_ok()) return st;
+    if (Status st = launch_copy(device, stream, table, n); !st.is_ok()) return st;
   } else if (mode == Unpack::kKernel && n > 1) {
     if (Status st = copy_kernel(device); !st.is_ok()) return st;
     if (!d.scratch)
@@ -164,14 +162,14 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
     }
     if (!to_slot) {
       if (Status st = cuda_check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(d.scratch + begin, reinterpret_cast<CUdeviceptr>(s.host + begin),
-                                                                           extent - begin, d.stream));
+                                                                           extent - begin, stream));
           !st.is_ok())
         return st;
     }
-    if (Status st = launch_copy(device, d.stream, table, n); !st.is_ok()) return st;
+    if (Status st = launch_copy(device, stream, table, n); !st.is_ok()) return st;
     if (to_slot) {
       if (Status st = cuda_check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), d.scratch + begin,
-                                                                            extent - begin, d.stream));
+                                                                            extent - begin, stream));
           !st.is_ok())
         return st;
     }
@@ -180,11 +178,11 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
       const CUdeviceptr dst = to_slot ? host_at(frags[i]) : ptr(frags[i]);
       const CUdeviceptr src = to_slot ? ptr(frags[i]) : host_at(frags[i]);
       const CUresult r = mode == Unpack::kHost ? a->cuMemcpy(dst, src, frags[i].length)
-                                               : a->cuMemcpyAsync(dst, src, frags[i].length, d.stream);
+                                               : a->cuMemcpyAsync(dst, src, frags[i].length, stream);
       TETHER_CUDA_TRY(mode == Unpack::kHost ? "cuMemcpy" : "cuMemcpyAsync", r);
     }
   }
-  return cuda_check("cuEventRecord", a->cuEventRecord(d.event, d.stream));
+  return cuda_check("cuEventRecord", a->cuEventRecord(d.event, stream));
 }
 
 Status StagingRing::pack(StagingSlot* slot, int device, const Fragment* frags, uint32_t n, Unpack mode) {

@@ -39,8 +39,7 @@ struct StagingSlot {
   int device = -1;             // device of the copy in flight
   bool busy = false;           // a copy is in flight or the bytes are still needed
   struct PerDevice {
-    CUstream stream = nullptr;
-    CUevent event = nullptr;
+    CUevent event = nullptr;   // set once the slot is ready on this device (the copies run on the ring's stream)
     CUdeviceptr scratch = 0;   // device copy of the chunk (kernel mode, scratch staging), `capacity` bytes
   };
   std::vector<PerDevice> per_device;

@@ -92,6 +92,10 @@ class Transport {
   // Called by a thread spinning on a small transfer: progress lane `lane` of `peer` from the calling
   // thread if no other thread is doing so (saves waking a progress thread for the answer).
   virtual void poll(core::PeerState* peer, uint32_t lane) { (void)peer; (void)lane; }
+  // Called by a thread waiting for a transfer of `peer` (wait()'s spin, a caller polling done()):
+  // finish from the calling thread what would otherwise finish on another thread and be handed back
+  // (ipc: one-sided GPU copies), so a lone op stays on one core. Never blocks; cheap when idle.
+  virtual void help(core::PeerState* peer) { (void)peer; }
   // Stops every progress thread; lanes answer what they had in flight with kCancelled.
   virtual void stop() = 0;
 };

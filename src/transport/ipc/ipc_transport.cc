@@ -1866,6 +1866,10 @@ void IpcTransport::reap_finished() {
   }
 }
 
+void IpcTransport::help(PeerState*) {
+  if (completer_) completer_->help();
+}
+
 void IpcTransport::wake(PeerState* peer, uint64_t, int) {
   auto* ip = static_cast<IpcPeer*>(peer->transport_state.get());
   if (!ip || !ip->sending.load(std::memory_order_seq_cst)) return;  // setup pumps when it finishes

@@ -52,6 +52,7 @@ class IpcTransport final : public Transport {
   Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
                 std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
   void wake(core::PeerState* peer, uint64_t chunks, int device) override;
+  void help(core::PeerState* peer) override;
   void stop() override;
 
  private:

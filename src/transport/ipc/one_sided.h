@@ -108,9 +108,11 @@ class OneSidedInitiator {
 };
 
 // Finishes one-sided GPU copies off the posting thread: the poster starts the copy and hands it
-// here; one thread per ipc transport polls the copies' events, lets go of each hazard and answers the
-// chunk, so ops posted back to back copy side by side (docs/PERFORMANCE.md, "Asynchronous one-sided
-// GPU copies"). It polls while copies are in flight and for `busy_us` after the last, then sleeps.
+// here; whoever polls the copies' events lets go of each hazard and answers the chunk, so ops posted
+// back to back copy side by side (docs/PERFORMANCE.md, "Asynchronous one-sided GPU copies"). A thread
+// waiting for a lone op polls its copy itself (help()), as UCX's progress does, so the op starts,
+// finishes and is answered on one core; the completer's own thread polls the rest (ops in flight), for
+// `busy_us` after the last copy, then sleeps.
 class GpuCompleter {
  public:
   struct Pending {
@@ -118,7 +120,7 @@ class GpuCompleter {
     OneSidedInitiator* os = nullptr;
     OneSidedInitiator::Context* ctx = nullptr;
     int device = -1;
-    void (*finish)(Pending&, bool ok) = nullptr;  // answers the chunk, on the completer's thread
+    void (*finish)(Pending&, bool ok) = nullptr;  // answers the chunk, on the thread that saw it end
     uint32_t lane = 0, slot = 0, gen = 0;
     uint64_t length = 0;
     bool read = false;
@@ -129,12 +131,17 @@ class GpuCompleter {
   GpuCompleter& operator=(const GpuCompleter&) = delete;
   // False when it is full or stopped: the caller then waits for the copy itself.
   bool push(Pending&& p);
+  // From a thread waiting for a transfer: polls a lone copy in flight and answers it once it ended.
+  // Never blocks (returns at once when another thread is polling); lock-free when none is in flight.
+  void help();
   // Finishes every copy handed over (waiting for it), then ends the thread.
   void stop();
 
  private:
   static constexpr uint32_t kMax = 256;
   void run();
+  // Takes what was pushed and polls every copy in flight once; false when another thread is at it.
+  bool poll_once();
   const uint32_t busy_us_;
   std::mutex mu_;  // the queue; held for a push or a take, never across a CUDA call
   std::condition_variable cv_;
@@ -143,6 +150,10 @@ class GpuCompleter {
   std::atomic<uint32_t> queued_hint_{0};   // queued_, read without the lock while polling
   std::atomic<uint32_t> outstanding_{0};   // handed over and not yet finished (at most kMax)
   std::atomic<bool> stopping_{false};      // written under mu_
+  std::atomic<bool> polling_{false};       // held by the one thread polling `flight_`
+  std::atomic<int64_t> helped_ns_{0};      // when a waiting thread last polled (steady clock)
+  Pending flight_[kMax];                   // copies in flight: only the holder of polling_ touches them
+  uint32_t flying_ = 0;
   bool sleeping_ = false;
   std::thread thread_;  // started by the first push
 };
