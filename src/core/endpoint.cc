@@ -1295,11 +1295,11 @@ bool Transfer::poll() const {
   if (!p) return false;
   p->help();  // one-sided GPU copies: the caller finishes them itself (Transport::help)
   const uint32_t lane = state_->lane_hint.load(std::memory_order_relaxed);
-  // Only where progress threads sleep (busy_poll_us 0): where they spin they read the answer as soon,
-  // and a caller polling beside them halved 64 KiB x 8-in-flight through NIXL on 16 cores (3.9 -> 2.0 GB/s).
-  // Large transfers: their lanes' threads are awake anyway.
-  if (p->busy_poll_us() == 0 && lane != UINT32_MAX && state_->bytes.load(std::memory_order_relaxed) <= (256u << 10))
-    p->poll(lane);
+  // A small transfer's answer is read by the caller where no other thread is reading that lane, even
+  // where progress threads spin: a host tcp op's threads may sleep (the spin rule), and NIXL's checkXfer
+  // then waited for a wake-up that tether's own wait() never does (64 KiB: 1.1-1.2 x wait()'s latency,
+  // now 0.9; PERFORMANCE.md, session 11). Large transfers: their lanes' threads are awake anyway.
+  if (lane != UINT32_MAX && state_->bytes.load(std::memory_order_relaxed) <= (256u << 10)) p->poll(lane);
   return state_->is_finished();
 }
 Status Transfer::status() const { return state_->is_finished() ? state_->final_status() : Status::ok(); }
