@@ -109,9 +109,11 @@ class Transfer {
   Transfer() = default;
   explicit Transfer(std::shared_ptr<core::TransferState> s) : state_(std::move(s)) {}
   bool done() const;
-  // done(), after reading this transfer's answer from its lane if one is waiting there (never blocks;
-  // small transfers, on hosts whose progress threads sleep rather than spin): a caller that polls in a
-  // loop (NIXL's checkXfer) then sees a small transfer finish without waiting for a thread to wake.
+  // done(), after doing from the calling thread what finishes this transfer soonest (never blocks): a
+  // small transfer's answer is read from its lane if one is waiting there (where progress threads spin:
+  // only when nothing else is in flight on the peer), and a lone one-sided GPU copy over ipc is polled
+  // here. A caller that polls in a loop (NIXL's checkXfer) then sees a small transfer finish without
+  // waiting for another thread to wake or to hand it over.
   bool poll() const;
   // Waits up to timeout_ms (negative: forever). Returns the transfer's status, or kTimeout
   // if it is still running (it keeps running).

@@ -1295,11 +1295,16 @@ bool Transfer::poll() const {
   if (!p) return false;
   p->help();  // one-sided GPU copies: the caller finishes them itself (Transport::help)
   const uint32_t lane = state_->lane_hint.load(std::memory_order_relaxed);
-  // A small transfer's answer is read by the caller where no other thread is reading that lane, even
-  // where progress threads spin: a host tcp op's threads may sleep (the spin rule), and NIXL's checkXfer
-  // then waited for a wake-up that tether's own wait() never does (64 KiB: 1.1-1.2 x wait()'s latency,
-  // now 0.9; PERFORMANCE.md, session 11). Large transfers: their lanes' threads are awake anyway.
-  if (lane != UINT32_MAX && state_->bytes.load(std::memory_order_relaxed) <= (256u << 10)) p->poll(lane);
+  // A small transfer's answer is read by the caller where no other thread is reading that lane. Where
+  // progress threads spin, only for a lone transfer (nothing else in flight or queued on the peer):
+  // NIXL's checkXfer then waited for a tcp thread tether's own wait() never waits for (64 KiB: 1.1-1.2 x
+  // wait()'s latency, 0.9-1.0 with this), but a caller polling beside threads busy with other transfers
+  // halved 64 KiB x 8 in flight (4.17 -> 2.20 GB/s; PERFORMANCE.md, session 11). Large transfers: their
+  // lanes' threads are awake anyway.
+  const uint64_t bytes = state_->bytes.load(std::memory_order_relaxed);
+  if (lane != UINT32_MAX && bytes <= (256u << 10) &&
+      (p->busy_poll_us() == 0 || (!p->has_work() && p->unanswered_bytes() <= bytes)))
+    p->poll(lane);
   return state_->is_finished();
 }
 Status Transfer::status() const { return state_->is_finished() ? state_->final_status() : Status::ok(); }
