@@ -52,6 +52,9 @@ def main() -> int:
     ap.add_argument("--skip", type=float, default=0.0, help="ignore chunks in the first SKIP seconds (warm-up)")
     ap.add_argument("--last", type=int, default=0, help="only the chunks of the last N transfers posted")
     ap.add_argument("--slowest", type=int, default=3, help="print the event sequence of the N slowest chunks")
+    ap.add_argument("--lanes", type=int, default=0,
+                    help="for each of the last N transfers (post to wait() returning): per lane, when it first sent, "
+                         "how many chunks it pulled, and when the target last sent on it (the lanes' balance)")
     a = ap.parse_args()
     procs = load(a.prefix)
     if not procs:
@@ -112,12 +115,46 @@ def main() -> int:
         wakes = collections.Counter(r[2] for r in rows if r[1] == "wake")
         posts = sum(1 for r in rows if r[1] == "post")
         print(f"{side[p]}: {posts} posts, sleeping wake-ups per progress thread {dict(sorted(wakes.items()))}")
+    if a.lanes:
+        lane_balance(procs, side, a.lanes)
     for total, key in sorted(totals, reverse=True)[: a.slowest]:
         evs = chunks[key]
         print(f"slowest chunk slot {key[0]} gen {key[1]}: {total / 1e3:.1f} µs")
         for ns, e, lane in evs:
             print(f"   {(ns - evs[0][0]) / 1e3:10.1f} µs  {e:24} lane {lane}")
     return 0
+
+
+def lane_balance(procs, side, n: int) -> None:
+    """One line per transfer, µs from its post: a transfer ends with its slowest lane, so a lane that
+    starts late or pulls few chunks while others pull many shows here (a 16 MiB GPU read, session 11)."""
+    init = [rows for p, rows in procs.items() if side[p] == "I"]
+    target = [r for p, rows in procs.items() if side[p] == "T" for r in rows]
+    if not init:
+        return
+    rows = init[0]
+    posts = [r[0] for r in rows if r[1] == "post"]
+    waits = [r[0] for r in rows if r[1] == "waited"]
+    lanes = sorted({r[2] for r in rows if r[1] == "pulled"})
+    print(f"lanes of the last {n} transfers (µs from the post): first sent | chunks pulled | target's last sent, "
+          f"lanes {lanes[0] if lanes else 0}..{lanes[-1] if lanes else 0}")
+    for t0 in posts[-n:]:
+        k = bisect.bisect_left(waits, t0)
+        if k == len(waits):
+            continue
+        t1 = waits[k]
+        first, count, last = {}, collections.Counter(), {}
+        for ns, event, lane, *_ in rows:
+            if t0 <= ns <= t1 and event == "sent":
+                first.setdefault(lane, (ns - t0) / 1e3)
+            if t0 <= ns <= t1 and event == "pulled":
+                count[lane] += 1
+        for ns, event, lane, *_ in target:
+            if t0 <= ns <= t1 and event == "sent":
+                last[lane] = (ns - t0) / 1e3
+        cells = lambda d, f: " ".join(f(d[x]) if x in d else "-" for x in lanes)  # noqa: E731
+        print(f"{(t1 - t0) / 1e3:8.0f} µs | {cells(first, lambda v: f'{v:.0f}')} | "
+              f"{' '.join(str(count[x]) for x in lanes)} | {cells(last, lambda v: f'{v:.0f}')}")
 
 
 if __name__ == "__main__":

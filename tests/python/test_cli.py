@@ -289,6 +289,15 @@ def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path
     # report splits the time outside the chunk steps: the post's own work, then the application's.
     assert any(e[0] == "waited" for e in init) and not any(e[0] == "waited" for e in target)
     assert "post → its chunk's first step" in report.stdout and "chunk's last step → wait() returns" in report.stdout
+    # --lanes: one line per transfer with every lane's chunk count; 2 MiB in 512 KiB chunks is 4 per transfer.
+    lanes = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "tools",
+                                                         "trace_report.py"), prefix, "--lanes", "3"],
+                           capture_output=True, text=True, timeout=60)
+    assert lanes.returncode == 0, lanes.stderr
+    rows = [line for line in lanes.stdout.splitlines() if line.strip().endswith(tuple("0123456789-")) and " µs | " in line]
+    assert len(rows) == 3, lanes.stdout
+    for row in rows:
+        assert sum(int(c) for c in row.split(" | ")[2].split()) == 4, row
 
 
 def test_trace_reaches_its_file_without_the_endpoint_closing(tmp_path):
