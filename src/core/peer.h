@@ -125,7 +125,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   LinkCounters& lane_counters(uint32_t lane) { return lane_counters_[lane]; }
   // Payload bytes of the chunks `lane` holds unanswered (a lock-free hint for the transport).
   uint64_t lane_bytes(uint32_t lane) const { return lane_bytes_[lane].load(std::memory_order_relaxed); }
-  // Payload bytes of every lane's unanswered chunks, and whether chunks wait to be pulled (lock-free hints).
+  // Payload bytes of every lane's unanswered chunks (a lock-free hint: the sum of lane_bytes).
   uint64_t unanswered_bytes() const {
     uint64_t sum = 0;
     for (uint32_t i = 0; i < lanes_; ++i) sum += lane_bytes(i);
