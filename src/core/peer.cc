@@ -61,6 +61,7 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
       batch_max_(transport ? transport->caps().batch_fragments : 0),
       batch_reads_(transport && transport->caps().batch_reads),
       gpu_chunk_(transport ? transport->caps().gpu_chunk_bytes : 0),
+      read_depth_(transport ? transport->caps().read_depth : 0),
       staged_gpu_(transport && transport->caps().uses_tcp_lanes && !transport->caps().cuda_memory),
       lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
       last_heard_ms_(now_ms()) {
@@ -377,6 +378,12 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     }
     TransferState* t = queue_head_.load(std::memory_order_relaxed);
     if (!t || free_slots_.empty()) return false;
+    // A read request costs its lane nothing to send, so without this the first lanes to run took their
+    // whole windows of large chunks and the rest of the transfer waited on them (Caps::read_depth; in
+    // bytes, so small reads still fill the window: a round trip each, they need the depth).
+    if (read_depth_ && t->op == OpKind::kRead &&
+        lane_bytes_[lane].load(std::memory_order_relaxed) >= uint64_t(read_depth_) * info_.chunk_bytes)
+      return false;
     const Segment& seg = t->segments[t->cur_segment];
     // GPU to GPU (writes, reads): the transport may want bigger chunks (ipc: copy engines over NVLink).
     const bool gpu_both = gpu_chunk_ && device_of(seg) >= 0 && seg.remote && seg.remote->kind == MemoryKind::kCuda;

@@ -200,6 +200,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   const uint32_t batch_max_;  // the transport's Caps::batch_fragments: most fragments in a kWriteBatch chunk
   const bool batch_reads_;    // the transport's Caps::batch_reads
   const uint64_t gpu_chunk_;  // the transport's chunk size between GPU memory on both ends (0: none)
+  const uint32_t read_depth_; // the transport's Caps::read_depth (0: reads fill the lane's window)
   const bool staged_gpu_;     // GPU memory goes through pinned host staging on each side (tcp): reads pipeline smaller chunks
   const uint32_t lane_window_;
   std::atomic<bool> failed_{false};

@@ -972,6 +972,34 @@ def test_batch_with_one_refused_fragment_writes_nothing_of_it():
         assert_bytes_equal(good[:1024], src[:1024])
 
 
+def test_a_large_read_spreads_over_the_lanes(endpoints):
+    """A read request costs its lane nothing to send, so a lane that filled its window at once took a
+    transfer's chunks from lanes that ran later (a 16 MiB read went over 2 of 4 lanes). Reads are paced
+    like writes now (tcp's Caps::read_depth: two chunks' bytes requested per lane): a read of half the
+    peer's window in chunks spreads over more than two of four lanes, and every byte arrives."""
+    opts = dict(transport="tcp", channels=4, chunk_bytes=1 << 20, window=128)  # 32 chunks a lane
+    a, b = endpoints(name="ra", **opts), endpoints(name="rb", **opts)
+    peer = a.connect(b.metadata(), timeout=5)
+    n = 64 << 20
+    src, dst = rand_bytes(91, n), poisoned(n)
+    desc, rd = b.register(src).descriptor(), a.register(dst)
+
+    def received():
+        return [l["chunks_received"] for l in sorted(a.stats()["lanes"], key=lambda l: l["lane"])]
+
+    used = []  # lanes that carried part of each read
+    for _ in range(3):
+        before = received()
+        peer.read(rd, desc).wait(T)
+        per_lane = [x - y for x, y in zip(received(), before)]
+        assert sum(per_lane) == 64, per_lane
+        used.append(sum(1 for c in per_lane if c > 0))
+    # Faster lanes still take more, and a lane whose thread runs late may carry little; filling windows
+    # at once put every read on exactly two lanes (32 + 32).
+    assert max(used) >= 3, used
+    assert_bytes_equal(dst, src)
+
+
 def test_lone_transfers_keep_to_the_quietest_lane(endpoints):
     """A transfer starts on the lane with the fewest chunks in flight, the lowest on ties: lone writes
     all take lane 0, whose threads on both sides are still awake from the last one (on the GPU host a

@@ -1022,6 +1022,10 @@ Caps TcpTransport::caps() const {
   c.host_memory = true;
   c.uses_tcp_lanes = true;
   c.batch_fragments = wire::kMaxFragments;
+  // Reads are paced like writes (kLaneQueueChunks chunks' bytes per socket): a lane asks for more only
+  // as answers come in, so a transfer's chunks spread over every lane and faster lanes still take more.
+  // Filling the window at once left a 16 MiB host read on 2 of its 4 lanes (PERFORMANCE.md, session 11).
+  c.read_depth = uint32_t(kLaneQueueChunks);
   return c;
 }
 
