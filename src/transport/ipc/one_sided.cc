@@ -8,6 +8,7 @@
 #include <chrono>
 #include <thread>
 
+#include "core/lanes.h"
 #include "sys/cpu.h"
 
 namespace tether::transport::ipc {
@@ -129,8 +130,8 @@ void GpuCompleter::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-bool GpuCompleter::poll_once() {
-  if (polling_.exchange(true, std::memory_order_acquire)) return false;
+void GpuCompleter::poll_once() {
+  if (polling_.exchange(true, std::memory_order_acquire)) return;
   if (queued_hint_.load(std::memory_order_acquire) > 0) {
     std::lock_guard lock(mu_);
     for (uint32_t i = 0; i < queued_; ++i) flight_[flying_++] = std::move(queue_[i]);
@@ -151,47 +152,43 @@ bool GpuCompleter::poll_once() {
     outstanding_.fetch_sub(1, std::memory_order_release);
   }
   polling_.store(false, std::memory_order_release);
-  return true;
 }
 
 namespace {
-int64_t steady_ns() {
-  using namespace std::chrono;
-  return duration_cast<nanoseconds>(steady_clock::now().time_since_epoch()).count();
-}
 // The completer's thread leaves the copies to a waiting thread that polled this recently, and naps
 // meanwhile: spinning beside it would take a core (or its hyperthread) from the thread doing the work.
-constexpr int64_t kHelperQuietNs = 20'000;
+constexpr uint64_t kHelperQuietNs = 20'000;
 }  // namespace
 
 void GpuCompleter::help() {
   // Only a lone copy: with more in flight the completer's thread polls them all (a caller's loop over
   // eight handles polling eight events each turn cost NIXL's 8-in-flight row 16 % in two rounds of three).
   if (outstanding_.load(std::memory_order_acquire) != 1) return;
-  helped_ns_.store(steady_ns(), std::memory_order_relaxed);
+  helped_ns_.store(core::mono_ns(), std::memory_order_relaxed);
   poll_once();
 }
 
 void GpuCompleter::run() {
-  using Clock = std::chrono::steady_clock;
-  auto idle_since = Clock::now();
+  const uint64_t busy_ns = uint64_t(busy_us_) * 1000;
+  uint64_t idle_since = core::mono_ns();
   for (;;) {
     const bool stopping = stopping_.load(std::memory_order_acquire);
     if (stopping && outstanding_.load(std::memory_order_acquire) == 0) return;
-    if (!stopping && steady_ns() - helped_ns_.load(std::memory_order_relaxed) < kHelperQuietNs) {
+    const uint64_t now = core::mono_ns();
+    if (!stopping && now - helped_ns_.load(std::memory_order_relaxed) < kHelperQuietNs) {
       std::this_thread::sleep_for(std::chrono::nanoseconds(kHelperQuietNs));
-      idle_since = Clock::now();
+      idle_since = core::mono_ns();
       continue;
     }
     poll_once();
     if (outstanding_.load(std::memory_order_acquire) > 0) {
-      idle_since = Clock::now();
-    } else if (!stopping && Clock::now() - idle_since >= std::chrono::microseconds(busy_us_)) {
+      idle_since = now;
+    } else if (!stopping && now - idle_since >= busy_ns) {
       std::unique_lock lock(mu_);
       sleeping_ = true;
       cv_.wait(lock, [&] { return queued_ > 0 || stopping_.load(std::memory_order_relaxed); });
       sleeping_ = false;
-      idle_since = Clock::now();
+      idle_since = core::mono_ns();
       continue;
     }
     sys::cpu_relax();

@@ -140,8 +140,8 @@ class GpuCompleter {
  private:
   static constexpr uint32_t kMax = 256;
   void run();
-  // Takes what was pushed and polls every copy in flight once; false when another thread is at it.
-  bool poll_once();
+  // Takes what was pushed and polls every copy in flight once; returns at once when another thread is at it.
+  void poll_once();
   const uint32_t busy_us_;
   std::mutex mu_;  // the queue; held for a push or a take, never across a CUDA call
   std::condition_variable cv_;
@@ -151,7 +151,7 @@ class GpuCompleter {
   std::atomic<uint32_t> outstanding_{0};   // handed over and not yet finished (at most kMax)
   std::atomic<bool> stopping_{false};      // written under mu_
   std::atomic<bool> polling_{false};       // held by the one thread polling `flight_`
-  std::atomic<int64_t> helped_ns_{0};      // when a waiting thread last polled (steady clock)
+  std::atomic<uint64_t> helped_ns_{0};     // when a waiting thread last polled (core::mono_ns)
   Pending flight_[kMax];                   // copies in flight: only the holder of polling_ touches them
   uint32_t flying_ = 0;
   bool sleeping_ = false;
