@@ -32,10 +32,11 @@ def load(prefix: str):
                 if line.startswith("#") or line.startswith("ns\t"):
                     continue
                 fields = line.rstrip("\n").split("\t")
-                if len(fields) != 6:  # a process that exited mid-flush (os._exit) leaves its last line cut
+                if len(fields) not in (6, 7):  # a process that exited mid-flush (os._exit) leaves its last line cut
                     continue
-                ns, event, lane, typ, slot, gen = fields
-                rows.append((int(ns), event, int(lane), int(typ), int(slot), int(gen)))
+                ns, event, lane, typ, slot, gen = fields[:6]
+                cpu = int(fields[6]) if len(fields) == 7 else -1  # older traces have no cpu column
+                rows.append((int(ns), event, int(lane), int(typ), int(slot), int(gen), cpu))
         procs[path] = rows
     return procs
 
@@ -66,7 +67,7 @@ def main() -> int:
     since = posts[-a.last] if a.last and len(posts) >= a.last else 0
     chunks = collections.defaultdict(list)
     for p, rows in procs.items():
-        for ns, event, lane, typ, slot, gen in rows:
+        for ns, event, lane, typ, slot, gen, _cpu in rows:
             if event in ("post", "wake", "waited"):
                 continue
             if ns - t0 < a.skip * 1e9 or ns < since:
@@ -136,7 +137,8 @@ def lane_balance(procs, side, n: int) -> None:
     posts = [r[0] for r in rows if r[1] == "post"]
     waits = [r[0] for r in rows if r[1] == "waited"]
     lanes = sorted({r[2] for r in rows if r[1] == "pulled"})
-    print(f"lanes of the last {n} transfers (µs from the post): first sent | chunks pulled | target's last sent, "
+    print(f"lanes of the last {n} transfers (µs from the post): first sent | chunks pulled | target's last sent "
+          f"| each lane's CPUs, initiator/target | CPUs more than one thread used (side, lane), "
           f"lanes {lanes[0] if lanes else 0}..{lanes[-1] if lanes else 0}")
     for t0 in posts[-n:]:
         k = bisect.bisect_left(waits, t0)
@@ -152,9 +154,27 @@ def lane_balance(procs, side, n: int) -> None:
         for ns, event, lane, *_ in target:
             if t0 <= ns <= t1 and event == "sent":
                 last[lane] = (ns - t0) / 1e3
+        # Where each lane's threads ran (initiator/target CPU of its events), and the CPUs that more
+        # than one thread used within the transfer: a lane thread that lost its core to another spinner.
+        cpus, users = {}, collections.defaultdict(set)
+        for who, evs in (("I", rows), ("T", target)):
+            for ns, event, lane, *_, cpu in evs:
+                if not (t0 <= ns <= t1) or cpu < 0 or event == "post":
+                    continue
+                if event == "waited":
+                    users[cpu].add((who, "waiter"))
+                    continue
+                cpus.setdefault(lane, {}).setdefault(who, set()).add(cpu)
+                users[cpu].add((who, lane))
         cells = lambda d, f: " ".join(f(d[x]) if x in d else "-" for x in lanes)  # noqa: E731
-        print(f"{(t1 - t0) / 1e3:8.0f} µs | {cells(first, lambda v: f'{v:.0f}')} | "
-              f"{' '.join(str(count[x]) for x in lanes)} | {cells(last, lambda v: f'{v:.0f}')}")
+        line = (f"{(t1 - t0) / 1e3:8.0f} µs | {cells(first, lambda v: f'{v:.0f}')} | "
+                f"{' '.join(str(count[x]) for x in lanes)} | {cells(last, lambda v: f'{v:.0f}')}")
+        if cpus:
+            where = lambda x: "/".join(",".join(map(str, sorted(cpus[x].get(w, ())))) or "-" for w in "IT")  # noqa: E731
+            shared = {c: sorted(f"{w}{x}" for w, x in u) for c, u in users.items() if len(u) > 1}
+            line += f" | cpus I/T {' '.join(where(x) if x in cpus else '-' for x in lanes)}"
+            line += " | shared " + (" ".join(f"{c}:{'+'.join(shared[c])}" for c in sorted(shared)) or "none")
+        print(line)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #include "core/trace.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -18,6 +19,7 @@ struct Record {
   uint64_t ns;
   uint32_t slot, gen, lane;
   uint8_t event, type;
+  int16_t cpu;  // where the thread ran (sched_getcpu, a vDSO read): shows threads sharing a core
 };
 
 constexpr uint64_t kCapacity = 1u << 21;  // events kept per process (48 MiB); later ones are counted, not kept
@@ -54,6 +56,7 @@ void record(Event e, uint32_t lane, uint8_t type, uint32_t slot, uint32_t gen) {
   r.lane = lane;
   r.event = uint8_t(e);
   r.type = type;
+  r.cpu = int16_t(::sched_getcpu());
   std::atomic_ref<uint64_t>(r.ns).store(mono_ns(), std::memory_order_release);  // last: the record is whole
 }
 
@@ -65,7 +68,7 @@ void flush() {
     const std::string path = b.prefix + "." + std::to_string(::getpid()) + ".tsv";
     b.file = std::fopen(path.c_str(), "w");
     if (!b.file) return;
-    std::fprintf(b.file, "# pid %d\nns\tevent\tlane\ttype\tslot\tgen\n", int(::getpid()));
+    std::fprintf(b.file, "# pid %d\nns\tevent\tlane\ttype\tslot\tgen\tcpu\n", int(::getpid()));
   }
   const uint64_t total = b.next.load(std::memory_order_acquire);
   const uint64_t n = total < kCapacity ? total : kCapacity;
@@ -74,8 +77,8 @@ void flush() {
     const Record& r = b.records[i];
     const uint64_t ns = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(r.ns)).load(std::memory_order_acquire);
     if (ns == 0) break;  // claimed but not yet written by its thread: the next flush takes it
-    std::fprintf(b.file, "%llu\t%s\t%u\t%u\t%u\t%u\n", (unsigned long long)ns, kNames[r.event], r.lane,
-                 unsigned(r.type), r.slot, r.gen);
+    std::fprintf(b.file, "%llu\t%s\t%u\t%u\t%u\t%u\t%d\n", (unsigned long long)ns, kNames[r.event], r.lane,
+                 unsigned(r.type), r.slot, r.gen, int(r.cpu));
   }
   b.flushed = i;
   if (total > kCapacity) std::fprintf(b.file, "# %llu events dropped so far\n", (unsigned long long)(total - kCapacity));

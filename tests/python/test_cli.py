@@ -265,7 +265,8 @@ def _traced_bench(tmp_path, *args):
     events = []
     for f in files:
         rows = [line.split("\t") for line in f.read_text().splitlines() if not line.startswith(("#", "ns\t"))]
-        events.append({(e, int(t), int(s), int(g)) for _, e, _, t, s, g in rows})
+        assert all(len(r) == 7 and int(r[6]) >= 0 for r in rows)  # the last column: the CPU the thread ran on
+        events.append({(e, int(t), int(s), int(g)) for _, e, _, t, s, g, _cpu in rows})
     init, target = (events[0], events[1]) if any(e[0] == "post" for e in events[0]) else (events[1], events[0])
     return prefix, init, target
 
@@ -294,10 +295,13 @@ def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path
                                                          "trace_report.py"), prefix, "--lanes", "3"],
                            capture_output=True, text=True, timeout=60)
     assert lanes.returncode == 0, lanes.stderr
-    rows = [line for line in lanes.stdout.splitlines() if line.strip().endswith(tuple("0123456789-")) and " µs | " in line]
+    rows = [line for line in lanes.stdout.splitlines() if " µs | " in line and "| cpus I/T " in line]
     assert len(rows) == 3, lanes.stdout
     for row in rows:
         assert sum(int(c) for c in row.split(" | ")[2].split()) == 4, row
+        # each lane that carried a chunk: the CPUs its threads ran on, initiator/target ("-": none seen)
+        cells = row.split(" | cpus I/T ")[1].split(" | shared ")[0].split()
+        assert any(c != "-" and all(part.replace(",", "").isdigit() for part in c.split("/")) for c in cells), row
 
 
 def test_trace_reaches_its_file_without_the_endpoint_closing(tmp_path):
