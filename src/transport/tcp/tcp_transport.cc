@@ -811,6 +811,7 @@ class ProgressThread {
   void do_tx(Lane& l);
   void retire(Lane& l);
   uint64_t moved() const;  // bytes through this thread's lanes' sockets so far
+  uint32_t copies_in_flight() const;  // staged GPU copies of this thread's lanes not yet seen finished
 
   core::EndpointImpl* ep_;
   const uint32_t index_;
@@ -831,6 +832,12 @@ uint64_t ProgressThread::moved() const {
   uint64_t b = 0;
   for (auto& l : lanes_) b += l->io_bytes.load(std::memory_order_relaxed);
   return b;
+}
+
+uint32_t ProgressThread::copies_in_flight() const {
+  uint32_t n = 0;
+  for (auto& l : lanes_) n += l->gpu_inflight.load(std::memory_order_relaxed);
+  return n;
 }
 
 void ProgressThread::update_events(Lane& l) {
@@ -880,7 +887,8 @@ void ProgressThread::run() {
     int n = ::epoll_wait(epfd_, events, 64, hinted || spinning ? 0 : 1000);
     sleeping_.store(false, std::memory_order_relaxed);
     if (n > 0 && !hinted && !spinning) trace::mark(trace::Event::kWake, index_, 0, uint32_t(n));
-    const uint64_t moved_before = busy.count() > 0 ? moved() : 0;
+    const uint64_t moved_before = moved();
+    const uint32_t copies_before = copies_in_flight();
     if (n == 0 && spinning && !hinted) sched_yield();
     for (int i = 0; i < n; ++i) {
       auto* l = static_cast<Lane*>(events[i].data.ptr);
@@ -932,6 +940,10 @@ void ProgressThread::run() {
       // to stage or to land) follows within microseconds, and a sleeping thread's wake-up there cost
       // staged transfers 10-20 % (PERFORMANCE.md, session 9).
       last_event = Clock::now();
+      // A turn that only polled the GPU (no socket event, no byte moved, no copy started or finished)
+      // lets another runnable thread on this core go first: 16 lanes' threads polling copies share
+      // 16 cores with the kernel's TCP work (PERFORMANCE.md, session 12).
+      if (n == 0 && moved() == moved_before && copies_in_flight() == copies_before) sched_yield();
     } else if (n > 0 && busy.count() > 0) {
       // Otherwise only small traffic does: a host bulk flow's next event comes soon from its own
       // socket (data in, room to send), and a lane with unsent bytes is woken by EPOLLOUT; spinning
