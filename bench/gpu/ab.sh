@@ -4,7 +4,8 @@
 # Here (the machine you work on):  git diff BASE -- src include python > .device/ab.patch
 # On the device (carry=[".device"]):  bash bench/gpu/ab.sh ROUNDS 'tether bench ...'
 # "new" is this tree; "old" is this tree with .device/ab.patch reversed, installed with pip --target
-# and run first on PYTHONPATH. Logs in $OUT/ab_{new,old}_ROUND.log; the table rows are printed.
+# and run first on PYTHONPATH. Logs in $OUT/ab_{new,old}_ROUND.log; the table rows are printed, then
+# per row the medians, their ratio and the rounds the new build won (ab_table.py).
 set -u
 ROUNDS=${1:-2}; CMD=$2
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,3 +26,4 @@ for r in $(seq 1 "$ROUNDS"); do
     if [ $v = old ]; then export PYTHONPATH=${PYTHONPATH#/tmp/ab-oldsite}; export PYTHONPATH=${PYTHONPATH#:}; fi
   done
 done
+python3 "$(dirname "$0")/ab_table.py" "$OUT"

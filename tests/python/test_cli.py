@@ -304,6 +304,32 @@ def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path
         assert any(c != "-" and all(part.replace(",", "").isdigit() for part in c.split("/")) for c in cells), row
 
 
+def test_ab_table_pairs_each_row_over_the_rounds(tmp_path):
+    """bench/gpu/ab_table.py (an A/B's verdict) reads real `tether bench` tables. Two runs' logs are
+    crossed (round 1: run A new, run B old; round 2: B new, A old), so every row's medians are equal
+    (ratio 1.00) and the new build won exactly one round of two; a row printed twice in one log is kept
+    as its own row."""
+    outs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-m", "tether", "bench", "--quiet", "--transport", "tcp", "--sizes", "64K,1M",
+                            "--mode", "write,read", "--iters", "20"], env=ENV, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        outs.append(r.stdout)
+    for name, text in (("ab_new_1", outs[0] * 2), ("ab_old_1", outs[1] * 2), ("ab_new_2", outs[1] * 2),
+                       ("ab_old_2", outs[0] * 2)):
+        (tmp_path / f"{name}.log").write_text(text)
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu", "ab_table.py")
+    t = subprocess.run([sys.executable, tool, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert t.returncode == 0, t.stderr
+    rows = [line for line in t.stdout.splitlines() if " won " in line and " = " in line]
+    assert len(rows) == 8, t.stdout  # write/read x 64 KiB/1 MiB, each twice
+    assert sum("(#2)" in row for row in rows) == 4, t.stdout
+    for row in rows:
+        assert " = 1.00 " in row, row
+        won = row.split(" won ")[1]
+        assert won in ("1 of 2", "0 of 2"), row  # 0 only where both runs printed the same GB/s
+
+
 def test_trace_reaches_its_file_without_the_endpoint_closing(tmp_path):
     """A process that never closes its endpoint (os._exit, as NIXL's examples and our NIXL driver end)
     still leaves its events: the control thread appends them every tick."""
