@@ -264,6 +264,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     TxItem a;
     while (l.tx_count < kTxRing && l.answers.peek(&a)) {
       if (a.device >= 0 && l.tx_stage && !l.tx_stage->has_free()) break;  // no free slot: the answer waits
+      if (a.device >= 0 && l.tx_unstaged > 0) break;  // one copy out of the GPU at a time, as for chunks below
       trace::mark(trace::Event::kPulled, l.index, a.hdr.type, a.hdr.slot, a.hdr.gen);  // before staging
       if (a.device >= 0 && !stage_tx(l, ep, a, error)) {
         if (!error->is_ok()) return false;
