@@ -509,15 +509,19 @@ Code PeerState::read_batch(uint32_t lane, uint32_t slot, uint32_t gen, uint32_t 
 }
 
 Code PeerState::read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest,
-                                 int* device) {
+                                 int* device, const Piece** pieces, uint32_t* npieces) {
   std::lock_guard lock(mu_);
   if (slot >= slots_.size()) return Code::kProtocolError;
   Slot& s = slots_[slot];
   if (!s.used || s.gen != gen || s.lane != lane || s.length != length || !s.transfer ||
-      s.transfer->op != OpKind::kRead || s.op.fragments != 0)
+      s.transfer->op != OpKind::kRead || (s.op.fragments != 0 && !pieces))
     return Code::kProtocolError;
-  *dest = s.local;
+  *dest = s.op.fragments ? nullptr : s.local;
   *device = s.device;
+  if (pieces) {
+    *pieces = s.op.fragments ? s.pieces.get() : nullptr;
+    *npieces = s.op.fragments;
+  }
   return Code::kOk;
 }
 

@@ -105,8 +105,10 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   Code read_batch(uint32_t lane, uint32_t slot, uint32_t gen, uint32_t n, const wire::Fragment** frags,
                   const Piece** pieces, int* device);
   // Where a kReadResp payload of `length` bytes goes.
-  // `device` is the GPU the bytes go to, or -1 for host memory.
-  Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest, int* device);
+  // `device` is the GPU the bytes go to, or -1 for host memory. A kReadBatch chunk's answer (tcp) lands
+  // in its `npieces` pieces, in order: given `pieces`, such a chunk is named there (and *dest is null).
+  Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest, int* device,
+                        const Piece** pieces = nullptr, uint32_t* npieces = nullptr);
   // Target side of kSendData: where the bytes go inside the matched recv `token` (`unit`: the sender's
   // chunk size, `flags`: the frame's). kOk with *dest null: a resent chunk already placed; discard it.
   Code resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint64_t unit, uint16_t flags,

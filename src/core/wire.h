@@ -16,7 +16,8 @@
 namespace tether::wire {
 
 constexpr uint32_t kMagic = 0x52485454;  // "TTHR"
-constexpr uint16_t kVersion = 4;  // 3: ClientHello::transports; 4: max_notify in both hellos, NotifyAckBody
+constexpr uint16_t kVersion = 5;  // 3: ClientHello::transports; 4: max_notify in both hellos, NotifyAckBody;
+                                  // 5: tcp carries kReadBatch
 
 // ---- handshake (every socket, control or data) ----
 // A transport's bit in ClientHello::transports (0 for a name not listed).
@@ -86,8 +87,10 @@ enum class FrameType : uint8_t {
   kSendData = 5,   // sender -> receiver, into a matched recv (region_id = recv token); answered by kAck
   kWriteBatch = 6, // many small writes in one chunk: region_id = fragment count, length = payload bytes;
                    // `count` Fragments follow the header, then the payloads in that order; one kAck
-  kReadBatch = 7,  // many small reads in one chunk (only transports with Caps::batch_reads: ipc, whose
-                   // frame says how; a tcp lane refuses it as a frame of unknown type)
+  kReadBatch = 7,  // many small reads in one chunk (transports with Caps::batch_reads). tcp: as kWriteBatch,
+                   // region_id = fragment count, length = bytes asked, the Fragments follow, no payload;
+                   // answered by one kReadResp carrying the fragments' bytes in table order (ipc: its
+                   // own frame)
 };
 
 // One small write inside a kWriteBatch frame; checked like a kWrite header.
@@ -98,7 +101,7 @@ struct Fragment {
   uint64_t offset;     // absolute offset in the target region
   uint64_t length;
 };
-constexpr uint32_t kMaxFragments = 128;  // per kWriteBatch frame
+constexpr uint32_t kMaxFragments = 128;  // per kWriteBatch (tcp: and kReadBatch) frame
 // A chunk sent again on another lane after its first lane died. The target treats a resent kSendData
 // for a message it already completed as done (its first copy was placed; only the answer was lost).
 constexpr uint16_t kFlagResent = 1;

@@ -103,23 +103,30 @@ def children():
 
 
 @pytest.fixture
-def ipc_target(children):
-    """Factory: ipc_target(env=None, **endpoint_options) -> (me, peer, child): an endpoint here ("I")
-    connected over ipc to a child process's endpoint ("T"), which the test drives as the target."""
+def target(children):
+    """Factory: target(transport, env=None, **endpoint_options) -> (me, peer, child): an endpoint here
+    ("I") connected over `transport` to a child process's endpoint ("T"), which the test drives as the
+    target."""
     made = []
 
-    def make(env=None, **ep):
-        c = children("ipc-target", env=env)
+    def make(transport, env=None, **ep):
+        c = children(f"{transport}-target", env=env)
         info = c.call("endpoint", name="T")
-        me = tether.Endpoint(name="I", **ep)
+        me = tether.Endpoint(name="I", transport=transport, **ep)
         made.append(me)
         peer = me.connect(info["metadata"], timeout=10)
-        assert peer.transport == "ipc"
+        assert peer.transport == transport
         return me, peer, c
 
     yield make
     for me in made:
         me.close()
+
+
+@pytest.fixture
+def ipc_target(target):
+    """Factory: ipc_target(env=None, **endpoint_options) -> (me, peer, child) over ipc (see `target`)."""
+    return lambda env=None, **ep: target("ipc", env, **ep)
 
 
 @pytest.fixture(scope="session")

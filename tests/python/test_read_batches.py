@@ -1,8 +1,9 @@
-"""Reads of many small blocks over ipc go as read batches (kReadBatch): one request for up to 1,024
-fragments, every fragment checked and pinned by the target, one answer saying where each lies, the
-initiator copying them all (by attach in one system call, or out of its slot where the target pushed
-them). Two real processes; random data, poisoned destinations, every byte. GPU pairings: the
-vectored tests of test_ipc_gpu.py."""
+"""Reads of many small blocks go as read batches (kReadBatch): one request for many fragments, every
+fragment checked and pinned by the target, one answer. Over ipc (up to 1,024 fragments) the answer says
+where each lies and the initiator copies them all (by attach in one system call, or out of its slot where
+the target pushed them); over tcp (up to 128) the answer carries the fragments' bytes in order and the
+initiator lands each in its place. Two real processes; random data, poisoned destinations, every byte.
+GPU pairings: the vectored tests of test_ipc_gpu.py and test_gpu.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,12 +13,15 @@ import tether
 from tether_testutil import DESC_KEY, assert_bytes_equal, assert_poison, get_u64, poisoned, rand_bytes, set_u64, wait_error
 
 T = 20.0
+MAX_FRAGMENTS = {"ipc": 1024, "tcp": 128}  # per batch (ipc kMaxBatch, wire::kMaxFragments)
+TRANSPORTS = ["ipc", "tcp"]
 
 
-@pytest.mark.parametrize("host", ["auto", "shm"], ids=["by-attach", "pushed"])
+@pytest.mark.parametrize("transport,host", [("ipc", "auto"), ("ipc", "shm"), ("tcp", None)],
+                         ids=["ipc-by-attach", "ipc-pushed", "tcp"])
 @pytest.mark.parametrize("blocks,bs", [(512, 4096), (300, 1000), (2, 7)])
-def test_scattered_reads_come_in_batches(ipc_target, host, blocks, bs):
-    me, peer, c = ipc_target(env={"TETHER_IPC_HOST": host} if host == "shm" else None)
+def test_scattered_reads_come_in_batches(target, transport, host, blocks, bs):
+    me, peer, c = target(transport, env={"TETHER_IPC_HOST": host} if host == "shm" else None)
     n = blocks * bs
     desc = c.call("register", "src", n + 100, fill=("seed", 60))
     data = rand_bytes(60, n + 100)
@@ -29,7 +33,8 @@ def test_scattered_reads_come_in_batches(ipc_target, host, blocks, bs):
     sent0 = c.call("stats")["chunks_sent"]
     peer.readv_blocks(rd, desc, local, remote, bs).wait(T)
     batches = c.call("stats")["chunks_sent"] - sent0
-    assert batches == -(-blocks // min(1024, (1 << 20) // bs)), batches  # one answer per batch, not per block
+    per_batch = min(MAX_FRAGMENTS[transport], (1 << 20) // bs)
+    assert batches == -(-blocks // per_batch), batches  # one answer per batch, not per block
     for i in range(blocks):
         got = dst[int(local[i]):int(local[i]) + bs]
         assert_bytes_equal(got, data[int(remote[i]):int(remote[i]) + bs], f"block {i}")
@@ -38,8 +43,9 @@ def test_scattered_reads_come_in_batches(ipc_target, host, blocks, bs):
     c.call("deregister", "src", timeout=5)
 
 
-def test_one_bad_fragment_refuses_the_whole_batch(ipc_target):
-    me, peer, c = ipc_target()
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_one_bad_fragment_refuses_the_whole_batch(target, transport):
+    me, peer, c = target(transport)
     good = c.call("register", "a", 64 * 1024, fill=("seed", 61))
     other = c.call("register", "b", 64 * 1024, fill=("seed", 62))
     bad = set_u64(other, DESC_KEY, get_u64(other, DESC_KEY) ^ 1)
@@ -58,8 +64,9 @@ def test_one_bad_fragment_refuses_the_whole_batch(ipc_target):
         assert_bytes_equal(dst[i * 1024:(i + 1) * 1024], want, f"block {i}")
 
 
-def test_blocks_from_several_regions_in_one_read(ipc_target):
-    me, peer, c = ipc_target()
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_blocks_from_several_regions_in_one_read(target, transport):
+    me, peer, c = target(transport)
     descs = [c.call("register", f"r{k}", 40_000, fill=("seed", 70 + k)) for k in range(3)]
     dst = poisoned(3 * 40_000)
     rd = me.register(dst)
@@ -70,3 +77,37 @@ def test_blocks_from_several_regions_in_one_read(ipc_target):
         for i in range(10):
             at = k * 40_000 + i * 4000
             assert_bytes_equal(dst[at:at + 4000], src[40_000 - (i + 1) * 4000:40_000 - i * 4000], f"region {k} block {i}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_deregistered_region_refuses_the_batch_and_the_link_lives(target, transport):
+    me, peer, c = target(transport)
+    keep = c.call("register", "keep", 64 * 1024, fill=("seed", 80))
+    gone = c.call("register", "gone", 64 * 1024, fill=("seed", 81))
+    c.call("deregister", "gone", timeout=5)
+    dst = poisoned(64 * 1024)
+    rd = me.register(dst)
+    entries = [(rd, i * 2048, gone if i == 20 else keep, i * 2048, 2048) for i in range(32)]
+    e = wait_error(peer.readv(entries))
+    assert isinstance(e, tether.RegionNotFound), repr(e)
+    assert_poison(dst, "the destination of a refused batch")
+    del entries[20]
+    peer.readv(entries).wait(T)
+    src = rand_bytes(80, 64 * 1024)
+    for i in [i for i in range(32) if i != 20]:
+        assert_bytes_equal(dst[i * 2048:(i + 1) * 2048], src[i * 2048:(i + 1) * 2048], f"block {i}")
+    assert_poison(dst[20 * 2048:21 * 2048], "the block left out")
+
+
+def test_tcp_many_batches_in_flight_on_one_lane(target):
+    """More read batches asked at once than a tcp lane keeps answers for (kReadAnswers): the target
+    stops reading until answers have gone out, and every byte still arrives."""
+    me, peer, c = target("tcp", channels=1, window=256)
+    n, bs = 20_000, 64
+    desc = c.call("register", "src", n * bs, fill=("seed", 82))
+    dst = poisoned(n * bs)
+    rd = me.register(dst)
+    order = np.random.default_rng(82).permutation(n).astype(np.uint64)
+    peer.readv_blocks(rd, desc, np.arange(n, dtype=np.uint64) * bs, order * bs, bs).wait(T)
+    src = rand_bytes(82, n * bs).reshape(n, bs)
+    assert_bytes_equal(dst.reshape(n, bs), src[order.astype(np.int64)], "blocks")

@@ -19,7 +19,7 @@ from tether_testutil import (
     CLIENT_HELLO_SIZE, DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, HELLO_AUTH_FAILED,
     HELLO_BAD_REQUEST, HELLO_VERSION_MISMATCH, MiB, SERVER_DONE_SIZE, SERVER_HELLO_SIZE, SOCKET_DATA,
     client_proof, read_server_hello,
-    WIRE_MAGIC, assert_bytes_equal, assert_poison, client_hello, get_u64, outcome, parse_server_hello,
+    WIRE_MAGIC, WIRE_VERSION, assert_bytes_equal, assert_poison, client_hello, get_u64, outcome, parse_server_hello,
     poisoned, rand_bytes, raw_connect, recv_exact, recv_until_closed, set_u32, set_u64, wait_error,
     wait_until,
 )
@@ -433,7 +433,7 @@ def test_version_mismatch_hello_gets_reply_then_close(endpoints):
         assert len(reply) == SERVER_HELLO_SIZE, f"short reply: {len(reply)} bytes"
         h = parse_server_hello(reply)
         assert h["magic"] == WIRE_MAGIC
-        assert h["version"] == tether.WIRE_VERSION == 4
+        assert h["version"] == tether.WIRE_VERSION == WIRE_VERSION
         assert h["status"] == HELLO_VERSION_MISMATCH
         assert h["name"] == "vm-server"
         assert recv_until_closed(s, timeout=5) == b"", "no bytes may follow the refusal"
@@ -517,6 +517,56 @@ def test_garbage_after_handshake_drops_only_that_peer(endpoints, where):
     src = rand_bytes(19, 1000)
     good.write(good_client.register(src), server.register(dst).descriptor()).wait(T)
     assert_bytes_equal(dst, src)
+
+
+FRAME = struct.Struct("<BBHIIIQQQQQ")  # wire::FrameHeader: type, status, flags, slot, gen, region_id, key,
+                                       # desc_offset, desc_length, offset, length
+FRAGMENT = struct.Struct("<IIQQQQQ")   # wire::Fragment: region_id, reserved, key, desc_offset, desc_length, offset, length
+READ_BATCH, READ_RESP = 7, 4
+
+
+def _fragment(desc: bytes, offset: int, length: int, key_xor: int = 0) -> bytes:
+    region = struct.unpack_from("<I", desc, DESC_REGION_ID)[0]
+    return FRAGMENT.pack(region, 0, get_u64(desc, DESC_KEY) ^ key_xor, get_u64(desc, DESC_OFFSET),
+                         get_u64(desc, DESC_LENGTH), offset, length)
+
+
+def _ask(s: socket.socket, slot: int, frags: list, length: int) -> tuple:
+    """Sends a kReadBatch on a raw data socket; returns the answer's header fields and payload."""
+    s.sendall(FRAME.pack(READ_BATCH, 0, 0, slot, 1, len(frags), 0, 0, 0, 0, length) + b"".join(frags))
+    h = FRAME.unpack(recv_exact(s, FRAME.size))
+    return h, recv_exact(s, h[10]) if h[1] == 0 and h[10] else b""
+
+
+def test_read_batch_on_a_raw_data_socket_is_checked(endpoints):
+    """tcp's kReadBatch from a hand-made peer: answered fragment by fragment in table order; a wrong
+    key or an empty fragment refuses the batch with its status and no bytes; a table that does not add
+    up drops that peer only."""
+    server = endpoints(name="server")
+    src = rand_bytes(83, 8192)
+    desc = server.register(src).descriptor()
+    socks = _raw_peer(server.address, lanes=1)
+    try:
+        assert wait_until(lambda: len(server.peers()) == 1, 5)
+        data = socks[1]
+        h, got = _ask(data, 3, [_fragment(desc, 4096, 100), _fragment(desc, 7, 50)], 150)
+        assert (h[0], h[1], h[3], h[4], h[10]) == (READ_RESP, 0, 3, 1, 150), h
+        assert_bytes_equal(np.frombuffer(got, np.uint8), np.concatenate([src[4096:4196], src[7:57]]))
+        h, got = _ask(data, 4, [_fragment(desc, 0, 10), _fragment(desc, 10, 10, key_xor=1)], 20)
+        assert (h[0], h[1], h[3], got) == (READ_RESP, 3, 4, b""), h  # Code::kAccessDenied
+        h, got = _ask(data, 5, [_fragment(desc, 0, 10), _fragment(desc, 10, 0)], 10)
+        assert (h[0], h[1], h[3], got) == (READ_RESP, 1, 5, b""), h  # Code::kInvalidArgument
+        data.sendall(FRAME.pack(READ_BATCH, 0, 0, 6, 1, 2, 0, 0, 0, 0, 99) + _fragment(desc, 0, 10) + _fragment(desc, 10, 10))
+        for s in socks:
+            try:
+                recv_until_closed(s, timeout=5)
+            except socket.timeout:
+                pytest.fail("server kept the peer whose read batch did not add up")
+        assert wait_until(lambda: server.peers() == [], 5), server.peers()
+    finally:
+        for s in socks:
+            s.close()
+    _still_serves(server, lambda: endpoints())
 
 
 # --------------------------------------------------------------------------- authentication

@@ -27,6 +27,7 @@ MiB = 1 << 20
 
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
+WIRE_VERSION = 5                   # wire::kVersion
 CLIENT_HELLO_SIZE = 169
 SERVER_HELLO_SIZE = 188  # then offers_length bytes of transport offers (control sockets)
 CLIENT_PROOF_SIZE = 56
@@ -291,7 +292,7 @@ def thread_count() -> int:
 # --------------------------------------------------------------------------- raw sockets
 
 
-def client_hello(version: int = 4, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
+def client_hello(version: int = WIRE_VERSION, kind: int = SOCKET_CONTROL, lanes: int = 1, lane: int = 0,
                  has_token: int = 0, magic: int = WIRE_MAGIC, name: bytes = b"raw", host_id: bytes = bytes(32),
                  transports: int = 0, max_notify: int = 1 << 20) -> bytes:
     """A ClientHello (169 bytes): magic u32, version u16, kind u8, has_token u8, endpoint id 16,
@@ -330,7 +331,7 @@ def read_server_hello(s: socket.socket) -> dict:
     return h
 
 
-def server_hello(host_id: bytes, offers: dict, version: int = 4, name: bytes = b"fake") -> bytes:
+def server_hello(host_id: bytes, offers: dict, version: int = WIRE_VERSION, name: bytes = b"fake") -> bytes:
     """A ServerHello (188 bytes) and its transport offers, as a (possibly hostile) listener sends them:
     magic u32, version u16, status u8, has_token u8, endpoint id 16, nonce 16, proof 32, peer timeout
     ms u32, host id 32, name 64, offers length u32, chunk bytes u64, max notification u32; then per

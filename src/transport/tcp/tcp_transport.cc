@@ -42,6 +42,7 @@ constexpr uint64_t kTxBudget = 16ull << 20;
 constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: it wants its answer
 constexpr uint32_t kStageSlots = 8;          // pinned bounce slots per lane and direction (GPU memory)
 
+constexpr uint32_t kReadAnswers = 64;        // kReadBatch answers a lane holds at once (then it stops reading)
 constexpr uint64_t kSpinAfterBytes = 64 << 10;  // a progress loop that moved less is "small traffic"
 constexpr uint64_t kLaneQueueChunks = 2;      // chunks a lane's socket may hold (ours + the kernel's)
 
@@ -51,15 +52,31 @@ inline uint64_t kernel_queued(int fd) {
   return ::ioctl(fd, SIOCOUTQ, &q) == 0 && q > 0 ? uint64_t(q) : 0;
 }
 
+// A kReadBatch being answered: its fragments' places, and their regions pinned until the answer is sent.
+// The rx owner takes one (it grows the lane's set), the tx owner lets it go.
+struct ReadAnswer {
+  std::atomic<bool> busy{false};
+  uint32_t n = 0;
+  core::Piece pieces[wire::kMaxFragments];
+  RegionState* pins[wire::kMaxFragments];
+  void release() {
+    for (uint32_t i = 0; i < n; ++i) pins[i]->unpin();
+    n = 0;
+    busy.store(false, std::memory_order_release);
+  }
+};
+
 struct TxItem {
   FrameHeader hdr;
   const uint8_t* payload;
   uint64_t length;
   RegionState* pin;  // read responses keep their region pinned until sent
   int32_t device = -1;                  // payload is in this GPU's memory: stage it before sending
-  uint32_t fragments = 0;               // kWriteBatch from host memory: the table, then the pieces
-  const wire::Fragment* frags = nullptr;
+  uint32_t fragments = 0;               // kWriteBatch from host memory: the table, then the pieces;
+  const wire::Fragment* frags = nullptr;  // a kReadBatch's answer: the pieces only (frags null)
   const core::Piece* pieces = nullptr;
+  ReadAnswer* batch = nullptr;          // a kReadBatch's answer: released once sent
+  bool mixed = false;                   // its pieces span host memory and GPUs, or several GPUs
   gpu::StagingSlot* stage = nullptr;    // payload was copied here (pinned); send once the copy is done
   bool staged = false;                  // the copy into `stage` has completed
   uint64_t stage_ns = 0;                // when that copy started (LinkCounters::staging_ns)
@@ -168,6 +185,7 @@ struct Lane {
   gpu::Fragment rx_unpack[wire::kMaxFragments];
   GpuRx gpu_rx[kStageSlots];
   uint32_t gpu_rx_head = 0, gpu_rx_count = 0;
+  std::vector<std::unique_ptr<ReadAnswer>> read_answers;  // grown by the rx owner, up to kReadAnswers
   std::atomic<uint32_t> gpu_inflight{0};  // staged copies in flight: the progress thread polls, not sleeps
 
   bool try_own() { return !tx_owned.exchange(true, std::memory_order_acquire); }
@@ -227,9 +245,9 @@ bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
   gpu::Fragment one{0, const_cast<uint8_t*>(it.payload), it.length};
   const gpu::Fragment* frags = &one;
   uint32_t n = 1;
-  if (it.fragments) {  // a batch: the slot holds the fragment table, then every piece gathered
-    const uint64_t table = uint64_t(it.fragments) * sizeof(wire::Fragment);
-    std::memcpy(st->host, it.frags, table);
+  if (it.fragments) {  // a batch: the slot holds the fragment table (writes), then every piece gathered
+    const uint64_t table = it.frags ? uint64_t(it.fragments) * sizeof(wire::Fragment) : 0;
+    if (table) std::memcpy(st->host, it.frags, table);
     uint64_t at = table;
     for (uint32_t i = 0; i < it.fragments; ++i) {
       l.tx_gather[i] = gpu::Fragment{at, const_cast<uint8_t*>(it.pieces[i].data), it.pieces[i].length};
@@ -239,7 +257,7 @@ bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
     n = it.fragments;
     it.fragments = 0;  // from here on it is one contiguous payload
   }
-  if (Status s = l.tx_stage->pack(st, it.device, frags, n, ep->unpack_mode()); !s.is_ok()) {
+  if (Status s = l.tx_stage->pack(st, it.device, frags, n, it.mixed ? gpu::Unpack::kD2D : ep->unpack_mode()); !s.is_ok()) {
     l.tx_stage->release(st);
     *error = s;
     return false;
@@ -288,7 +306,11 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
            (!l.tx_stage || l.tx_stage->has_free()) && l.peer->next_chunk(l.index, &op)) {
       TxItem it{op.hdr, op.payload, op.length, nullptr};
       it.device = op.payload || op.fragments ? op.device : -1;
-      if (op.fragments) {
+      if (static_cast<FrameType>(op.hdr.type) == FrameType::kReadBatch) {  // a request: header and table
+        it.payload = reinterpret_cast<const uint8_t*>(op.frags);
+        it.length = uint64_t(op.fragments) * sizeof(wire::Fragment);
+        it.device = -1;
+      } else if (op.fragments) {
         it.fragments = op.fragments;
         it.frags = op.frags;
         it.pieces = op.pieces;
@@ -329,7 +351,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       }
       add(&it.hdr, sizeof(FrameHeader));
       if (it.fragments) {
-        add(it.frags, uint64_t(it.fragments) * sizeof(wire::Fragment));
+        if (it.frags) add(it.frags, uint64_t(it.fragments) * sizeof(wire::Fragment));
         for (uint32_t k = 0; k < it.fragments; ++k) add(it.pieces[k].data, it.pieces[k].length);
       } else if (it.length > 0) {
         add(it.payload, it.length);
@@ -359,12 +381,13 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       sent -= take;
       if (l.tx_head_sent == total) {
         trace::mark(trace::Event::kSent, l.index, it.hdr.type, it.hdr.slot, it.hdr.gen);
-        if (it.length > 0) {
+        if (it.length > 0 && static_cast<FrameType>(it.hdr.type) != FrameType::kReadBatch) {  // data, not a request's table
           stats.bytes_sent.fetch_add(it.hdr.length, std::memory_order_relaxed);
           stats.chunks_sent.fetch_add(1, std::memory_order_relaxed);
           core::count_sent(l.ctr, l.nic_ctr, it.length);
         }
         if (it.pin) it.pin->unpin();
+        if (it.batch) it.batch->release();
         if (it.stage) {
           l.tx_stage->release(it.stage);
           l.gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
@@ -387,6 +410,7 @@ void kill_lane(Lane& l, Status why) {
 
 bool on_header(Lane& l, core::EndpointImpl* ep);
 bool on_batch(Lane& l, core::EndpointImpl* ep);
+bool on_read_batch(Lane& l, core::EndpointImpl* ep);
 void payload_done(Lane& l, core::EndpointImpl* ep);
 
 // Answers, in order, the frames whose copy from a bounce slot to the GPU has finished. Caller owns rx.
@@ -504,7 +528,8 @@ void receive(Lane& l, core::EndpointImpl* ep, uint64_t budget = kRxBudget) {
     if (buffered >= sizeof(FrameHeader)) {
       std::memcpy(&l.rx_hdr, l.rx.get() + l.rx_begin, sizeof(FrameHeader));
       size_t need = sizeof(FrameHeader);
-      if (static_cast<FrameType>(l.rx_hdr.type) == FrameType::kWriteBatch) {
+      const auto type = static_cast<FrameType>(l.rx_hdr.type);
+      if (type == FrameType::kWriteBatch || type == FrameType::kReadBatch) {
         if (l.rx_hdr.region_id < 2 || l.rx_hdr.region_id > wire::kMaxFragments) {
           kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a malformed batch"));
           return;
@@ -547,7 +572,8 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
   if (h.flags & ~wire::kKnownFlags) return protocol_error("a malformed frame");
   trace::mark(trace::Event::kHeader, l.index, h.type, h.slot, h.gen);
   const auto type = static_cast<FrameType>(h.type);
-  const bool needs_answer = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kReadReq;
+  const bool needs_answer = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kReadReq ||
+                            type == FrameType::kReadBatch;
   if (needs_answer && l.answers.full()) {
     l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once answers have drained
     return false;
@@ -613,20 +639,73 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
       }
       uint8_t* dest = nullptr;
       int device = -1;
-      if (l.peer->read_destination(l.index, h.slot, h.gen, h.length, &dest, &device) != Code::kOk)
+      const core::Piece* pieces = nullptr;
+      uint32_t npieces = 0;
+      if (l.peer->read_destination(l.index, h.slot, h.gen, h.length, &dest, &device, &pieces, &npieces) != Code::kOk)
         return protocol_error("read data for no read");
       l.rx_dest = dest;
       l.rx_left = h.length;
       l.rx_status = 0;
       l.rx_state = RxState::kPayload;
+      if (npieces > 0) {  // a kReadBatch's answer: its pieces in order (they are never empty: see PeerState)
+        for (uint32_t i = 0; i < npieces; ++i) {
+          l.rx_frag_dest[i] = pieces[i].data;
+          l.rx_frag_len[i] = pieces[i].length;
+          l.rx_frag_pin[i] = nullptr;  // the transfer holds its own regions
+        }
+        l.rx_nfrags = npieces;
+        l.rx_frag = 0;
+        l.rx_mixed = false;  // a read batch's pieces share one device (PeerState::pack_batch)
+        if (device >= 0) return land_in_bounce(l, ep, device, nullptr);  // all of it, then one unpack
+        l.rx_dest = l.rx_frag_dest[0];
+        l.rx_left = l.rx_frag_len[0];
+        return true;
+      }
       if (device >= 0 && h.length > 0 && !land_in_bounce(l, ep, device, dest)) return false;
       if (l.rx_left == 0) payload_done(l, ep);
       return true;
     }
-    case FrameType::kReadBatch:  // never sent over tcp: Caps::batch_reads is false
-      break;
+    case FrameType::kReadBatch: return on_read_batch(l, ep);
   }
   return protocol_error("a frame of unknown type");
+}
+
+// A batch's fragments, checked and pinned (pin_batch).
+struct BatchPlaces {
+  Code code = Code::kOk;
+  int32_t gpu = -1;    // the first GPU among the places (-1: all in host memory)
+  bool mixed = false;  // they span host memory and GPUs, or several GPUs
+  uint64_t sum = 0;    // their bytes
+};
+
+// Checks every fragment of a batch's table (region, key, bounds, for `write` access; a fragment is never
+// empty) and pins its region: place i is at[i], len[i] bytes, in pins[i]. On a refusal nothing stays pinned.
+BatchPlaces pin_batch(core::EndpointImpl* ep, const uint8_t* table, uint32_t n, bool write, RegionState** pins,
+                      uint8_t** at, uint64_t* len) {
+  BatchPlaces b;
+  int32_t first = -2;  // device of the first place (-1 host)
+  for (uint32_t i = 0; i < n; ++i) {
+    wire::Fragment f;
+    std::memcpy(&f, table + size_t(i) * sizeof f, sizeof f);
+    RegionState* pin = nullptr;
+    b.code = f.reserved != 0 || f.length == 0
+                 ? Code::kInvalidArgument
+                 : ep->registry().resolve(f.region_id, f.key, f.desc_offset, f.desc_length, f.offset, f.length, write, &pin);
+    if (b.code != Code::kOk) {
+      for (uint32_t k = 0; k < i; ++k) pins[k]->unpin();
+      ep->stats().rejected_requests.fetch_add(1, std::memory_order_relaxed);
+      return b;
+    }
+    pins[i] = pin;
+    at[i] = pin->base + f.offset;
+    len[i] = f.length;
+    b.sum += f.length;
+    const int32_t d = pin->kind == MemoryKind::kCuda ? pin->device : -1;
+    b.mixed |= first != -2 && d != first;
+    if (first == -2) first = d;
+    if (b.gpu < 0) b.gpu = d;
+  }
+  return b;
 }
 
 // A kWriteBatch header and its table (both in the rx buffer): every fragment is checked and pinned
@@ -635,29 +714,11 @@ bool on_batch(Lane& l, core::EndpointImpl* ep) {
   const FrameHeader& h = l.rx_hdr;
   const uint32_t n = h.region_id;
   const uint8_t* table = l.rx.get() + l.rx_begin + sizeof(FrameHeader);
-  Code c = Code::kOk;
-  uint32_t pinned = 0;
-  int32_t first = -2, gpu = -1;  // device of the first piece (-1 host), and the first GPU seen
-  bool mixed = false;
-  uint64_t sum = 0;
-  for (; pinned < n; ++pinned) {
-    wire::Fragment f;
-    std::memcpy(&f, table + size_t(pinned) * sizeof f, sizeof f);
-    RegionState* pin = nullptr;
-    c = f.reserved != 0 ? Code::kInvalidArgument
-                        : ep->registry().resolve(f.region_id, f.key, f.desc_offset, f.desc_length, f.offset, f.length, true, &pin);
-    if (c != Code::kOk) break;
-    l.rx_frag_pin[pinned] = pin;
-    l.rx_frag_dest[pinned] = pin->base + f.offset;
-    l.rx_frag_len[pinned] = f.length;
-    sum += f.length;
-    const int32_t d = pin->kind == MemoryKind::kCuda ? pin->device : -1;
-    mixed |= first != -2 && d != first;
-    if (first == -2) first = d;
-    if (gpu < 0) gpu = d;
-  }
-  if (c == Code::kOk && sum != h.length) {
-    for (uint32_t i = 0; i < pinned; ++i) l.rx_frag_pin[i]->unpin();
+  const BatchPlaces b = pin_batch(ep, table, n, true, l.rx_frag_pin, l.rx_frag_dest, l.rx_frag_len);
+  const Code c = b.code;
+  const int32_t gpu = b.gpu;
+  if (c == Code::kOk && b.sum != h.length) {
+    for (uint32_t i = 0; i < n; ++i) l.rx_frag_pin[i]->unpin();
     kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a batch whose table does not add up"));
     return false;
   }
@@ -665,8 +726,6 @@ bool on_batch(Lane& l, core::EndpointImpl* ep) {
   l.rx_recv = nullptr;
   l.rx_left = h.length;
   if (c != Code::kOk) {
-    for (uint32_t i = 0; i < pinned; ++i) l.rx_frag_pin[i]->unpin();
-    ep->stats().rejected_requests.fetch_add(1, std::memory_order_relaxed);
     l.rx_status = static_cast<uint8_t>(c);
     l.rx_dest = nullptr;
     l.rx_nfrags = 0;
@@ -676,12 +735,72 @@ bool on_batch(Lane& l, core::EndpointImpl* ep) {
   l.rx_status = 0;
   l.rx_nfrags = n;
   l.rx_frag = 0;
-  l.rx_mixed = mixed;
+  l.rx_mixed = b.mixed;
   l.rx_state = RxState::kPayload;
   if (gpu >= 0)  // some piece goes to a GPU: the whole payload lands in a bounce slot first
     return land_in_bounce(l, ep, gpu, nullptr);
   l.rx_dest = l.rx_frag_dest[0];
   l.rx_left = l.rx_frag_len[0];
+  return true;
+}
+
+// A free ReadAnswer of the lane's, or null when kReadAnswers are all waiting to be sent. Caller owns rx.
+ReadAnswer* take_read_answer(Lane& l) {
+  for (auto& a : l.read_answers)
+    if (!a->busy.load(std::memory_order_acquire)) {
+      a->busy.store(true, std::memory_order_relaxed);
+      return a.get();
+    }
+  if (l.read_answers.size() >= kReadAnswers) return nullptr;
+  l.read_answers.push_back(std::make_unique<ReadAnswer>());
+  l.read_answers.back()->busy.store(true, std::memory_order_relaxed);
+  return l.read_answers.back().get();
+}
+
+// A kReadBatch header and its table (in the rx buffer): every fragment is checked and pinned, and one
+// kReadResp carries their bytes back in table order (gathered from GPU memory into a staging slot by the
+// tx owner). One refused fragment refuses the whole batch: the answer then carries only its status.
+bool on_read_batch(Lane& l, core::EndpointImpl* ep) {
+  const FrameHeader& h = l.rx_hdr;
+  if (h.length > ep->config().chunk_bytes) {
+    kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a read batch longer than the agreed chunk size"));
+    return false;
+  }
+  ReadAnswer* a = take_read_answer(l);
+  if (!a) {
+    l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once answers have gone out
+    return false;
+  }
+  const uint32_t n = h.region_id;
+  const uint8_t* table = l.rx.get() + l.rx_begin + sizeof(FrameHeader);
+  uint8_t* at[wire::kMaxFragments];
+  uint64_t len[wire::kMaxFragments];
+  const BatchPlaces b = pin_batch(ep, table, n, false, a->pins, at, len);
+  if (b.code == Code::kOk && b.sum != h.length) {
+    for (uint32_t i = 0; i < n; ++i) a->pins[i]->unpin();
+    a->release();
+    kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a read batch whose table does not add up"));
+    return false;
+  }
+  TxItem it{};
+  it.hdr.type = static_cast<uint8_t>(FrameType::kReadResp);
+  it.hdr.status = static_cast<uint8_t>(b.code);
+  it.hdr.slot = h.slot;
+  it.hdr.gen = h.gen;
+  if (b.code != Code::kOk) {
+    a->release();
+  } else {
+    a->n = n;
+    for (uint32_t i = 0; i < n; ++i) a->pieces[i] = core::Piece{at[i], len[i], a->pins[i]};
+    it.hdr.length = h.length;
+    it.length = h.length;
+    it.fragments = n;
+    it.pieces = a->pieces;
+    it.batch = a;
+    it.device = b.gpu;  // GPU memory among them: the tx owner gathers them into a staging slot
+    it.mixed = b.mixed;
+  }
+  l.answers.push(it);
   return true;
 }
 
@@ -698,7 +817,8 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
     g.status = l.rx_status;
     g.pin = l.rx_pin;
     g.recv = l.rx_recv;
-    g.npins = l.rx_nfrags;
+    const bool answer = static_cast<FrameType>(h.type) == FrameType::kReadResp;
+    g.npins = answer ? 0 : l.rx_nfrags;  // a read's pieces are the transfer's, not pinned here
     g.start_ns = core::mono_ns();
     l.rx_slot = nullptr;
     l.rx_pin = nullptr;
@@ -727,6 +847,7 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
   auto& stats = ep->stats();
   const auto type = static_cast<FrameType>(h.type);
   if (type == FrameType::kReadResp) {
+    l.rx_nfrags = 0;
     trace::mark(trace::Event::kAnswered, l.index, h.type, h.slot, h.gen);
     stats.bytes_received.fetch_add(h.length, std::memory_order_relaxed);
     stats.chunks_received.fetch_add(1, std::memory_order_relaxed);
@@ -989,7 +1110,8 @@ void ProgressThread::retire(Lane& l) {
     l.peer->abandon_send_data(l.rx_recv);
     l.rx_recv = nullptr;
   }
-  for (uint32_t i = 0; i < l.rx_nfrags; ++i) l.rx_frag_pin[i]->unpin();  // a batch cut short
+  for (uint32_t i = 0; i < l.rx_nfrags; ++i)  // a batch cut short (a read's answer pins nothing here)
+    if (l.rx_frag_pin[i]) l.rx_frag_pin[i]->unpin();
   l.rx_nfrags = 0;
   for (; l.gpu_rx_count > 0; --l.gpu_rx_count, l.gpu_rx_head = (l.gpu_rx_head + 1) % kStageSlots) {
     GpuRx& g = l.gpu_rx[l.gpu_rx_head];
@@ -1003,11 +1125,14 @@ void ProgressThread::retire(Lane& l) {
   for (size_t i = 0; i < l.tx_count; ++i) {
     TxItem& it = l.tx[(l.tx_head + i) % kTxRing];
     if (it.pin) it.pin->unpin();
+    if (it.batch) it.batch->release();
   }
   l.tx_count = 0;
   TxItem a;
-  while (l.answers.pop(&a))
+  while (l.answers.pop(&a)) {
     if (a.pin) a.pin->unpin();
+    if (a.batch) a.batch->release();
+  }
   l.peer->release_lane(l.index, Code::kConnectionLost);
   // tx stays owned: the lane is dead. The fd is closed with the PeerState, so its number is not
   // reused while other threads may still shut it down.
@@ -1039,6 +1164,9 @@ Caps TcpTransport::caps() const {
   // as answers come in, so a transfer's chunks spread over every lane and faster lanes still take more.
   // Filling the window at once left a 16 MiB host read on 2 of its 4 lanes (PERFORMANCE.md, session 11).
   c.read_depth = uint32_t(kLaneQueueChunks);
+  // Small reads travel as kReadBatch chunks: one request and one answer for up to kMaxFragments blocks
+  // (a KV pull of 4,096 × 16 KiB blocks from GPU memory was 4,096 round trips and copies otherwise).
+  c.batch_reads = true;
   return c;
 }
 
