@@ -69,6 +69,10 @@ def seeds() -> dict[str, bytes]:
     s["fr_send"] = bytes([FRAMES]) + frame(5, 8, region=b"\0" * 4, key=struct.pack("<Q", 1 << 20)) + b"y" * 8
     s["fr_batch"] = (bytes([FRAMES]) + frame(6, 24, region=struct.pack("<I", 2)) + fragment(0, 16) +
                      fragment(1000, 8) + b"z" * 24)
+    s["fr_read_batch"] = (bytes([FRAMES]) + frame(7, 24, region=struct.pack("<I", 2)) + fragment(0, 16) +
+                          fragment(1000, 8))
+    s["fr_read_batch_bad"] = (bytes([FRAMES]) + frame(7, 99, region=struct.pack("<I", 3)) + fragment(0, 16) +
+                              fragment(1000, 0) + fragment(70000, 8))
     s["fr_ack"] = bytes([FRAMES]) + frame(2, 0)
     s["fr_resent"] = bytes([FRAMES]) + frame(1, 4, flags=1) + b"abcd"
     s["fr_two"] = bytes([FRAMES]) + frame(1, 4) + b"abcd" + frame(3, 4, offset=4)
