@@ -4,8 +4,9 @@
 # Here (the machine you work on):  git diff BASE -- src include python > .device/ab.patch
 # On the device (carry=[".device"]):  bash bench/gpu/ab.sh ROUNDS 'tether bench ...'
 # "new" is this tree; "old" is this tree with .device/ab.patch reversed, installed with pip --target
-# and run first on PYTHONPATH. Logs in $OUT/ab_{new,old}_ROUND.log; the table rows are printed, then
-# per row the medians, their ratio and the rounds the new build won (ab_table.py).
+# and run first on PYTHONPATH. The builds take turns going first. Logs in $OUT/ab_{new,old}_ROUND.log;
+# the table rows are printed, then per row the medians, their ratio and the rounds the new build won
+# (ab_table.py).
 set -u
 ROUNDS=${1:-2}; CMD=$2
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,7 +19,10 @@ python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1 || { ta
 wait
 [ -d /tmp/ab-oldsite/tether ] || { echo "old build failed"; tail -20 "$OUT/build_old.log"; exit 1; }
 for r in $(seq 1 "$ROUNDS"); do
-  for v in new old; do
+  # Odd rounds run the new build first, even rounds the old: whichever runs second in a round has been
+  # a few % faster on the GPU host (PERFORMANCE.md, session 13), so a fixed order biases the verdict.
+  order="new old"; [ $((r % 2)) = 0 ] && order="old new"
+  for v in $order; do
     if [ $v = old ]; then export PYTHONPATH=/tmp/ab-oldsite${PYTHONPATH:+:$PYTHONPATH}; fi
     python3 -c "import tether; print('tether from', tether.__file__)" > "$OUT/ab_${v}_$r.log" 2>&1
     timeout 300 bash -c "$CMD" >> "$OUT/ab_${v}_$r.log" 2>&1
