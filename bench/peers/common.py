@@ -31,6 +31,7 @@ class Workload:
     iters: int
     warmup: int
     depth: int     # 0: one op at a time; N: up to N ops in flight
+    mode: str = "write"  # "read": the initiator pulls the target's blocks into its own buffer
 
 
 # The iteration counts of bench/compare_tcp.py (so tether's rows match docs/PERFORMANCE.md); the
@@ -42,6 +43,8 @@ WORKLOADS = [
     # The KV-cache shapes published for NIXL: one DeepSeek-R1 request's pages (351 MB), small pages.
     Workload("298 x 1.15 MB writev (KV)", 1179648, 298, 5, 1, 0),
     Workload("4096 x 16 KiB writev (KV)", 16 << 10, 4096, 10, 2, 0),
+    # The decode side's pull of those pages (vLLM's NixlConnector READs the prefill worker's KV blocks).
+    Workload("4096 x 16 KiB readv (KV pull)", 16 << 10, 4096, 10, 2, 0, "read"),
     Workload("64 KiB write", 64 << 10, 1, 5000, 200, 0),
     Workload("64 KiB write, 8 in flight", 64 << 10, 1, 5000, 200, 8),
     Workload("8 B write", 8, 1, 20000, 1000, 0),
@@ -93,6 +96,15 @@ def _fill_random(buf, lo: int, n: int, rng) -> None:
         torch.cuda.synchronize()
 
 
+def _fill_value(buf, lo: int, n: int, value: int) -> None:
+    if isinstance(buf, np.ndarray):
+        buf[lo:lo + n] = value
+    else:
+        import torch
+        buf[lo:lo + n].fill_(value)
+        torch.cuda.synchronize()
+
+
 def _span(buf, lo: int, n: int):
     return memoryview(buf[lo:lo + n]) if isinstance(buf, np.ndarray) else buf[lo:lo + n].cpu().numpy().data
 
@@ -116,6 +128,11 @@ def serve(conn, buf: np.ndarray) -> None:
                 import torch
                 buf.fill_(POISON)
                 torch.cuda.synchronize()
+            conn.send(True)
+        elif cmd == "randomize":  # [(offset, length), ...], seed: random bytes there (what a read fetches)
+            rng = np.random.default_rng(args[1])
+            for off, n in args[0]:
+                _fill_random(buf, off, n, rng)
             conn.send(True)
         elif cmd == "digest":  # [(offset, length), ...] in remote-offset order
             h = hashlib.blake2b(digest_size=16)
@@ -145,6 +162,25 @@ def checked_write(conn, src, blocks, write_once: Callable[[], None], rng) -> boo
     for _, lo, n in spans:
         h.update(_span(src, lo, n))
     return ask(conn, "digest", [(ro, n) for ro, _, n in spans]) == h.digest()
+
+
+def checked_read(conn, dst, blocks, read_once: Callable[[], None], rng) -> bool:
+    """Random bytes in the target's blocks, our destinations poisoned, one read, then our spans' hash
+    (in the target's order) against the target's hash of its own."""
+    for lo, _, n in blocks:
+        _fill_value(dst, lo, n, POISON)
+    spans = sorted((ro, lo, n) for lo, ro, n in blocks)
+    ask(conn, "randomize", [(ro, n) for ro, _, n in spans], int(rng.integers(1 << 31)))
+    read_once()
+    h = hashlib.blake2b(digest_size=16)
+    for _, lo, n in spans:
+        h.update(_span(dst, lo, n))
+    return ask(conn, "digest", [(ro, n) for ro, _, n in spans]) == h.digest()
+
+
+def checked(w: Workload, conn, buf, blocks, once: Callable[[], None], rng) -> bool:
+    """checked_write or checked_read, as the workload's mode says."""
+    return (checked_read if w.mode == "read" else checked_write)(conn, buf, blocks, once, rng)
 
 
 def measure(w: Workload, post: Callable[[int], object], wait: Callable[[object], None]) -> dict:

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from common import (CAPACITY, POISON, WORKLOADS, alloc, checked_write, emit, layout, measure, quiet_stdout, serve,
+from common import (CAPACITY, POISON, WORKLOADS, alloc, checked, emit, layout, measure, quiet_stdout, serve,
                     start_target)
 
 SYSTEM = "Mooncake TE (tcp)"
@@ -71,7 +71,13 @@ def main() -> int:
         local = [base + lo for lo, _, _ in blocks]
         remote = [raddr + ro for _, ro, _ in blocks]
         lens = [n for _, _, n in blocks]
-        if w.depth:
+        if w.mode == "read":
+            if w.depth or w.blocks == 1:
+                emit(SYSTEM, w.name, note="only batched reads are driven for Mooncake")
+                continue
+            post = lambda i: _ok(te.batch_transfer_sync_read(peer, local, remote, lens), "batch_transfer_sync_read")
+            wait = lambda h: None
+        elif w.depth:
             def post(i):
                 bid = te.transfer_submit_write(peer, local[0], remote[0], lens[0])
                 if bid < 0:
@@ -91,7 +97,7 @@ def main() -> int:
             post = lambda i: _ok(te.transfer_sync_write(peer, local[0], remote[0], lens[0]), "transfer_sync_write")
             wait = lambda h: None
         try:
-            ok = checked_write(conn, src, blocks, lambda: wait(post(0)), rng)
+            ok = checked(w, conn, src, blocks, lambda: wait(post(0)), rng)
             emit(SYSTEM, w.name, ok, **measure(w, post, wait))
         except Exception as e:
             emit(SYSTEM, w.name, note=f"{type(e).__name__}: {e}")

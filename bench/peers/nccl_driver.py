@@ -56,6 +56,8 @@ def rank_main(rank: int, port: int, results) -> None:
     layout_rng = np.random.default_rng(1234)  # same seed on both ranks: same block layout
     data_rng = torch.Generator(device="cuda").manual_seed(rank)
     for w in WORKLOADS:
+        if w.mode != "write":
+            continue  # no one-sided reads: main() says so
         try:
             blocks = layout(w, layout_rng)
             if rank == 0:
@@ -118,6 +120,9 @@ def main() -> int:
     got: dict[str, dict[int, tuple]] = {}
     try:
         for w in WORKLOADS:
+            if w.mode != "write":
+                emit(SYSTEM, w.name, note="send/recv only: a pull is the other rank's send (the write rows)")
+                continue
             while len(got.get(w.name, {})) < 2:
                 rank, name, digest, r, err = results.get(timeout=RESULT_TIMEOUT)
                 got.setdefault(name, {})[rank] = (digest, r, err)

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from common import (CAPACITY, DEVICE, POISON, WORKLOADS, address, alloc, checked_write, emit, layout, measure, mem_type,
+from common import (CAPACITY, DEVICE, POISON, WORKLOADS, address, alloc, checked, emit, layout, measure, mem_type,
                     quiet_stdout, serve, start_target)
 
 # variant: (backend, its parameters, environment)
@@ -140,7 +140,8 @@ def main(variant: str) -> int:
             blocks = layout(w, rng)
             local = agent.get_xfer_descs([(base + lo, n, 0) for lo, _, n in blocks], mem)
             remote = agent.get_xfer_descs([(raddr + ro, n, 0) for _, ro, n in blocks], mem)
-            handles = [agent.initialize_xfer("WRITE", local, remote, remote_name) for _ in range(max(1, w.depth))]
+            op = "READ" if w.mode == "read" else "WRITE"
+            handles = [agent.initialize_xfer(op, local, remote, remote_name) for _ in range(max(1, w.depth))]
 
             def post(i):
                 h = handles[i % len(handles)]  # measure() has waited for op i - depth already
@@ -157,7 +158,7 @@ def main(variant: str) -> int:
                 if s != "DONE":
                     raise RuntimeError(f"check_xfer_state returned {s}")
 
-            ok = checked_write(conn, src, blocks, lambda: wait(post(0)), rng)
+            ok = checked(w, conn, src, blocks, lambda: wait(post(0)), rng)
             if not named:  # the first write has made UCX choose (and report) its put transport
                 path = put_paths(logdir)
                 system += f" ({path}{'' if 'tcp' in path else ', not TCP'})"

@@ -26,7 +26,7 @@ def main(transport: str) -> int:
     try:
         for w in WORKLOADS:
             def case(check: bool, iters: int, warmup: int):
-                return B.Case(mode="write", size=w.size, num_iovs=w.blocks, iters=iters, warmup=warmup,
+                return B.Case(mode=w.mode, size=w.size, num_iovs=w.blocks, iters=iters, warmup=warmup,
                               async_depth=w.depth, check=check)
             try:
                 ok = B.run_case(pair, case(True, 1, 0)).check
