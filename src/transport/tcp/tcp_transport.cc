@@ -777,8 +777,8 @@ bool on_read_batch(Lane& l, core::EndpointImpl* ep) {
   uint64_t len[wire::kMaxFragments];
   const BatchPlaces b = pin_batch(ep, table, n, false, a->pins, at, len);
   if (b.code == Code::kOk && b.sum != h.length) {
-    for (uint32_t i = 0; i < n; ++i) a->pins[i]->unpin();
-    a->release();
+    a->n = n;
+    a->release();  // unpins them
     kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a read batch whose table does not add up"));
     return false;
   }
