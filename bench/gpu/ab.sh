@@ -6,28 +6,37 @@
 # "new" is this tree; "old" is this tree with .device/ab.patch reversed, installed with pip --target
 # and run first on PYTHONPATH. The builds take turns going first. Logs in $OUT/ab_{new,old}_ROUND.log;
 # the table rows are printed, then per row the medians, their ratio and the rounds the new build won
-# (ab_table.py).
+# (ab_table.py), with both processes' CPU-seconds per GB where the table shows CPU%.
+# AB_ENV="NAME=VALUE ..." instead of a patch: one build, and "new" is the same build run with that
+# environment (an option or an experiment's knob, judged the same way).
 set -u
-ROUNDS=${1:-2}; CMD=$2
+ROUNDS=${1:-2}; CMD=$2; AB_ENV=${AB_ENV:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-[ -s .device/ab.patch ] || { echo "no .device/ab.patch: git diff BASE -- src include python > .device/ab.patch"; exit 1; }
-rm -rf /tmp/ab-old /tmp/ab-oldsite && mkdir /tmp/ab-old
-tar --exclude=./.device --exclude=./build -cf - . | tar -xf - -C /tmp/ab-old
-(cd /tmp/ab-old && patch -s -R -p1 < "$OLDPWD/.device/ab.patch" &&
- python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/ab-oldsite . > "$OUT/build_old.log" 2>&1) &
-python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
-wait
-[ -d /tmp/ab-oldsite/tether ] || { echo "old build failed"; tail -20 "$OUT/build_old.log"; exit 1; }
+export COLUMNS=${COLUMNS:-220}  # wide enough that the table keeps its CPU% columns
+if [ -n "$AB_ENV" ]; then
+  python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+else
+  [ -s .device/ab.patch ] || { echo "no .device/ab.patch: git diff BASE -- src include python > .device/ab.patch"; exit 1; }
+  rm -rf /tmp/ab-old /tmp/ab-oldsite && mkdir /tmp/ab-old
+  tar --exclude=./.device --exclude=./build -cf - . | tar -xf - -C /tmp/ab-old
+  (cd /tmp/ab-old && patch -s -R -p1 < "$OLDPWD/.device/ab.patch" &&
+   python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/ab-oldsite . > "$OUT/build_old.log" 2>&1) &
+  python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+  wait
+  [ -d /tmp/ab-oldsite/tether ] || { echo "old build failed"; tail -20 "$OUT/build_old.log"; exit 1; }
+fi
 for r in $(seq 1 "$ROUNDS"); do
   # Odd rounds run the new build first, even rounds the old: whichever runs second in a round has been
   # a few % faster on the GPU host (PERFORMANCE.md, session 13), so a fixed order biases the verdict.
   order="new old"; [ $((r % 2)) = 0 ] && order="old new"
   for v in $order; do
-    if [ $v = old ]; then export PYTHONPATH=/tmp/ab-oldsite${PYTHONPATH:+:$PYTHONPATH}; fi
-    python3 -c "import tether; print('tether from', tether.__file__)" > "$OUT/ab_${v}_$r.log" 2>&1
-    timeout 300 bash -c "$CMD" >> "$OUT/ab_${v}_$r.log" 2>&1
-    echo "== $v round $r rc=$? ($(head -1 "$OUT/ab_${v}_$r.log"))"; grep -a "│ *\(write\|read\|send\)\|^-- " "$OUT/ab_${v}_$r.log" | cut -c1-120
-    if [ $v = old ]; then export PYTHONPATH=${PYTHONPATH#/tmp/ab-oldsite}; export PYTHONPATH=${PYTHONPATH#:}; fi
+    envs=""
+    if [ $v = new ]; then envs=$AB_ENV
+    elif [ -z "$AB_ENV" ]; then envs="PYTHONPATH=/tmp/ab-oldsite${PYTHONPATH:+:$PYTHONPATH}"; fi
+    env $envs python3 -c "import tether; print('tether from', tether.__file__)" > "$OUT/ab_${v}_$r.log" 2>&1
+    env $envs timeout 300 bash -c "$CMD" >> "$OUT/ab_${v}_$r.log" 2>&1
+    echo "== $v round $r rc=$? ${envs:+[$envs] }($(head -1 "$OUT/ab_${v}_$r.log"))"
+    grep -a "│ *\(write\|read\|send\)\|^-- " "$OUT/ab_${v}_$r.log" | cut -c1-140
   done
 done
 python3 "$(dirname "$0")/ab_table.py" "$OUT"

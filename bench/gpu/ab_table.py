@@ -21,14 +21,30 @@ import sys
 KEY_COLUMNS = ("mode", "transport", "device", "size", "iovs", "config")
 
 
-def rows_of(path: str) -> list[tuple[tuple, float]]:
-    """(row key, GB/s) for every row of every bench table in the log, in order."""
-    out, header, seen = [], None, collections.Counter()
+def cpu_s_per_gb(cells: list[str], header: list[str], gbps: float) -> float | None:
+    """Both processes' CPU-seconds per GB from the CPU% column(s): rich prints "CPU%" over "client" and
+    "server" (two columns) or over "c/s" (one column, "a/b"); "-" where not measured."""
+    try:
+        cpu = [c for h, c in zip(header, cells) if h.startswith("CPU%")]
+        total = sum(float(x) for c in cpu for x in c.rstrip("%").split("/"))
+    except ValueError:
+        return None
+    return total / 100.0 / gbps if cpu and gbps > 0 else None
+
+
+def rows_of(path: str) -> list[tuple[tuple, float, float | None]]:
+    """(row key, GB/s, CPU-s per GB or None) for every row of every bench table in the log, in order."""
+    out, header, seen, in_header = [], None, collections.Counter(), False
     with open(path, errors="replace") as f:
         for line in f:
-            if line.startswith("┃") and "mode" in line:
-                header = [c.strip() for c in line.strip().strip("┃").split("┃")]
-            elif line.startswith("│") and header:
+            if line.startswith("┃"):  # a header spans lines ("CPU%" over "client"): join each column's
+                cells = [c.strip() for c in line.strip().strip("┃").split("┃")]
+                if in_header and header and len(header) == len(cells):
+                    cells = [f"{a} {b}".strip() for a, b in zip(header, cells)]
+                header, in_header = cells, True
+                continue
+            in_header = False
+            if line.startswith("│") and header:
                 cells = [c.strip() for c in line.strip().strip("│").split("│")]
                 if len(cells) != len(header) or not cells[0]:
                     continue
@@ -39,7 +55,7 @@ def rows_of(path: str) -> list[tuple[tuple, float]]:
                     continue
                 ident = tuple(row.get(k, "") for k in KEY_COLUMNS)
                 seen[ident] += 1
-                out.append(((*ident, seen[ident]), gbps))
+                out.append(((*ident, seen[ident]), gbps, cpu_s_per_gb(cells, header, gbps)))
     return out
 
 
@@ -48,10 +64,13 @@ def main() -> int:
     ap.add_argument("dir", help="where ab.sh wrote ab_new_N.log and ab_old_N.log")
     a = ap.parse_args()
     runs = {"new": {}, "old": {}}
+    cpus = {"new": {}, "old": {}}  # CPU-s per GB (both processes) where the table has CPU%
     for path in glob.glob(os.path.join(a.dir, "ab_*_*.log")):
         m = re.fullmatch(r"ab_(new|old)_(\d+)\.log", os.path.basename(path))
         if m:
-            runs[m[1]][int(m[2])] = dict(rows_of(path))
+            rows = rows_of(path)
+            runs[m[1]][int(m[2])] = {k: g for k, g, _ in rows}
+            cpus[m[1]][int(m[2])] = {k: c for k, _, c in rows if c is not None}
     rounds = sorted(set(runs["new"]) & set(runs["old"]))
     if not rounds:
         print(f"no rounds with both builds in {a.dir}", file=sys.stderr)
@@ -72,6 +91,12 @@ def main() -> int:
         each = ", ".join(f"{n:g} / {o:g}" for n, o in pairs)
         ratio = new_med / old_med if old_med else float("inf")
         print(f"{name:44} {each:48} median {new_med:g} / {old_med:g} = {ratio:.2f}  won {won} of {len(pairs)}")
+        cpu = [(cpus["new"][r].get(key), cpus["old"][r].get(key)) for r in rounds]
+        cpu = [(n, o) for n, o in cpu if n is not None and o is not None]
+        if cpu:
+            cn, co = statistics.median(n for n, _ in cpu), statistics.median(o for _, o in cpu)
+            each = ", ".join(f"{n:.3f} / {o:.3f}" for n, o in cpu)
+            print(f"{'  CPU-s/GB':44} {each:48} median {cn:.3f} / {co:.3f} = {cn / co:.2f}")
     return 0
 
 
