@@ -32,6 +32,8 @@ struct Config {
   uint32_t busy_poll_us = default_busy_poll_us();  // TETHER_BUSY_POLL_US: wait() on any transfer, and an ipc lane
                                     // after each message, spins this long before sleeping (0 = never); default
                                     // 1000 on a machine of 8 or more CPUs, else 0 (docs/ARCHITECTURE.md, "Waking up")
+  uint32_t staging_nap_us = 8;      // TETHER_STAGING_NAP_US: a tcp progress thread whose lanes wait only on staged
+                                    // GPU copies sleeps this long between polls of them (0 = spins; ARCHITECTURE.md)
   std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
   std::string unpack;               // TETHER_UNPACK: kernel, d2d or host; empty = kernel when built, else d2d

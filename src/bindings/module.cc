@@ -241,6 +241,7 @@ NB_MODULE(_tether, m) {
       .def_rw("handshake_timeout_ms", &Config::handshake_timeout_ms)
       .def_rw("spin_us", &Config::spin_us)
       .def_rw("busy_poll_us", &Config::busy_poll_us)
+      .def_rw("staging_nap_us", &Config::staging_nap_us)
       .def_rw("auth_token", &Config::auth_token)
       .def_rw("name", &Config::name)
       .def_rw("transport", &Config::transport)

@@ -17,6 +17,7 @@
 #include "core/trace.h"
 #include "sys/net.h"
 #include "transport/registry.h"
+#include "sys/thread_name.h"
 
 namespace tether::core {
 namespace {
@@ -675,6 +676,7 @@ void EndpointImpl::adopt_peer(const std::shared_ptr<PeerState>& peer) {
 // ---------------------------------------------------------------- control thread
 
 void EndpointImpl::control_loop() {
+  sys::name_this_thread("control");
   epoll_event events[64];
   const int tick_ms = int(std::max<uint32_t>(10, std::min<uint32_t>({config_.heartbeat_ms, config_.peer_timeout_ms / 4, uint32_t(200)})));
   while (!closing_.load()) {

@@ -107,6 +107,35 @@ def test_send_recv(pair, lk, rk):
     assert_poison(got[SIZE:])
 
 
+@pytest.mark.parametrize("nap_us", [0, 300])
+def test_staging_nap(children, nap_us):
+    """A progress thread whose lanes wait only on staged copies naps staging_nap_us between polls
+    (default 8); 0 spins, as before session 14. Both must move every byte, and naps far longer than a
+    copy must only slow a transfer down, never stall it: a copy is polled again after every nap, a
+    staged payload's SO_RCVLOWAT never asks for more than is still to come."""
+    env = {"TETHER_STAGING_NAP_US": str(nap_us)}
+    c = children("gpu-peer", env=env)
+    local = LocalMemory(tether.Endpoint(transport="tcp", staging_nap_us=nap_us), _dev)
+    try:
+        peer = local.ep.connect(c.call("endpoint")["metadata"], timeout=10)
+        n = 3 * SIZE
+        desc = c.call("register", "dst", n, device=_dev("gpu1"))
+        src = local.region("src", "gpu0", n, seed=45)
+        peer.write(src, desc).wait(T)
+        assert_bytes_equal(np.frombuffer(c.call("get", "dst"), np.uint8), rand_bytes(45, n))
+        back = local.region("back", "gpu0", n + 3)
+        peer.read(back, desc, local_offset=3).wait(T)
+        got = local.get("back")
+        assert_poison(got[:3])
+        assert_bytes_equal(got[3:], rand_bytes(45, n))
+        blocks, bs = 257, 16 * 1024 + 8  # small blocks: read and write batches
+        peer.readv([(back, i * bs, desc, (blocks - 1 - i) * bs, bs) for i in range(blocks)]).wait(T)
+        want = rand_bytes(45, blocks * bs).reshape(blocks, bs)[::-1].reshape(-1)
+        assert_bytes_equal(local.get("back")[:blocks * bs], want)
+    finally:
+        local.ep.close()
+
+
 def test_gpu_region_checks():
     with tether.Endpoint() as ep:
         t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")

@@ -25,6 +25,7 @@
 #include "transport/fabric/libfabric.h"
 #include "transport/fabric/rail.h"
 #include "transport/fabric/stage.h"
+#include "sys/thread_name.h"
 
 namespace tether::transport::fabric {
 
@@ -696,6 +697,7 @@ void RailThread::drop_lanes() {
 }
 
 void RailThread::run() {
+  sys::name_this_thread("fabric");
   uint64_t seen = ~0ull;
   int idle = 0;
   fi_cq_msg_entry done[64];

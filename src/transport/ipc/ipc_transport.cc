@@ -28,6 +28,7 @@
 #include "transport/ipc/host_mover.h"
 #include "transport/ipc/one_sided.h"
 #include "transport/ipc/ring.h"
+#include "sys/thread_name.h"
 
 namespace tether::transport {
 
@@ -1301,6 +1302,7 @@ ssize_t next_msg(Lane& l, uint32_t busy_us, std::chrono::steady_clock::time_poin
 }
 
 void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
+  sys::name_this_thread("ipc", int(l->index));
   PeerState& p = *l->peer;
   const uint32_t busy_us = ep->config().busy_poll_us;
   auto last = std::chrono::steady_clock::now();

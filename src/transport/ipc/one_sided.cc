@@ -10,6 +10,7 @@
 
 #include "core/lanes.h"
 #include "sys/cpu.h"
+#include "sys/thread_name.h"
 
 namespace tether::transport::ipc {
 
@@ -169,6 +170,7 @@ void GpuCompleter::help() {
 }
 
 void GpuCompleter::run() {
+  sys::name_this_thread("ipcdone");
   const uint64_t busy_ns = uint64_t(busy_us_) * 1000;
   uint64_t idle_since = core::mono_ns();
   for (;;) {

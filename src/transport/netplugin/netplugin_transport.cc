@@ -16,6 +16,7 @@
 #include "sys/cpu.h"
 #include "sys/net.h"
 #include "transport/netplugin/bindings.h"
+#include "sys/thread_name.h"
 
 namespace tether::transport {
 
@@ -78,6 +79,7 @@ class NetProgressThread {
 
  private:
   void run() {
+    sys::name_this_thread("net");
     if (!cpus_.empty()) (void)pin_this_thread(cpus_);  // best effort: a bad set was refused at startup
     uint32_t idle = 0;
     while (!stop_.load(std::memory_order_acquire)) {

@@ -1,7 +1,9 @@
 #include "transport/tcp/tcp_transport.h"
 
 #include <linux/sockios.h>
+#include <poll.h>
 #include <sched.h>
+#include <sys/prctl.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <sys/eventfd.h>
@@ -20,6 +22,7 @@
 #include "gpu/staging.h"
 #include "sys/cpu.h"
 #include "transport/frame_target.h"
+#include "sys/thread_name.h"
 
 namespace tether::transport {
 
@@ -43,6 +46,7 @@ constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: i
 constexpr uint32_t kStageSlots = 8;          // pinned bounce slots per lane and direction (GPU memory)
 
 constexpr uint32_t kReadAnswers = 64;        // kReadBatch answers a lane holds at once (then it stops reading)
+constexpr int kStagedLowat = 256 << 10;      // SO_RCVLOWAT while a staged payload arrives (staging_nap_us > 0)
 constexpr uint64_t kSpinAfterBytes = 64 << 10;  // a progress loop that moved less is "small traffic"
 constexpr uint64_t kLaneQueueChunks = 2;      // chunks a lane's socket may hold (ours + the kernel's)
 
@@ -170,6 +174,7 @@ struct Lane {
   std::atomic<bool> rx_paused{false};   // no room to answer: stop reading until answers drain
   std::atomic<bool> rx_owned{false};    // the progress thread, or a thread polling for its answer
   uint32_t epoll_events = 0;            // progress thread only
+  int rx_lowat = 1;                     // progress thread only: the socket's SO_RCVLOWAT
 
   // GPU staging, created on a lane's first GPU chunk. tx_stage belongs to the tx owner; rx_stage
   // and the gpu_rx FIFO (frames whose copy to the GPU is in flight) to the rx owner.
@@ -186,7 +191,17 @@ struct Lane {
   GpuRx gpu_rx[kStageSlots];
   uint32_t gpu_rx_head = 0, gpu_rx_count = 0;
   std::vector<std::unique_ptr<ReadAnswer>> read_answers;  // grown by the rx owner, up to kReadAnswers
-  std::atomic<uint32_t> gpu_inflight{0};  // staged copies in flight: the progress thread polls, not sleeps
+  std::atomic<uint32_t> gpu_inflight{0};  // staged copies in flight: the progress thread polls them (or naps)
+  std::atomic<uint64_t> gpu_steps{0};     // staged copies started + finished: a turn that moved it did work
+
+  void copy_started() {
+    gpu_inflight.fetch_add(1, std::memory_order_relaxed);
+    gpu_steps.fetch_add(1, std::memory_order_relaxed);
+  }
+  void copy_finished() {
+    gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
+    gpu_steps.fetch_add(1, std::memory_order_relaxed);
+  }
 
   bool try_own() { return !tx_owned.exchange(true, std::memory_order_acquire); }
   void disown() { tx_owned.store(false, std::memory_order_seq_cst); }
@@ -268,7 +283,7 @@ bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
   it.device = -1;
   it.staged = false;
   ++l.tx_unstaged;
-  l.gpu_inflight.fetch_add(1, std::memory_order_relaxed);
+  l.copy_started();
   return true;
 }
 
@@ -277,6 +292,7 @@ bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
 bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
   const uint64_t chunk = l.peer->info().chunk_bytes;
   uint64_t budget = kTxBudget;
+  bool copy_wait = false;
   auto& stats = ep->stats();
   for (;;) {
     TxItem a;
@@ -357,7 +373,10 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         add(it.payload, it.length);
       }
     }
-    if (niov == 0) break;  // the head waits for its GPU copy; the progress thread polls
+    if (niov == 0) {  // the head waits for its GPU copy; the progress thread polls it
+      copy_wait = true;
+      break;
+    }
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = niov;
@@ -390,7 +409,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         if (it.batch) it.batch->release();
         if (it.stage) {
           l.tx_stage->release(it.stage);
-          l.gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
+          l.copy_finished();
         }
         l.tx_head = (l.tx_head + 1) % kTxRing;
         --l.tx_count;
@@ -398,7 +417,9 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       }
     }
   }
-  l.tx_backlog.store(l.tx_count > 0, std::memory_order_relaxed);
+  // A head waiting for its copy out of the GPU needs no EPOLLOUT when the thread naps between polls of
+  // that copy: a writable socket would end every nap at once (level-triggered).
+  l.tx_backlog.store(l.tx_count > 0 && !(copy_wait && ep->config().staging_nap_us), std::memory_order_relaxed);
   return true;
 }
 
@@ -433,7 +454,7 @@ void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
     const bool read = static_cast<FrameType>(g.hdr.type) == FrameType::kReadResp;
     if (!read && l.answers.full()) return;  // the ack waits for room
     l.rx_stage->release(g.slot);
-    l.gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
+    l.copy_finished();
     if (g.pin) g.pin->unpin();
     for (uint32_t i = 0; i < g.npins; ++i) l.gpu_rx_pins[l.gpu_rx_head][i]->unpin();
     if (g.recv) l.peer->send_data_placed(g.recv, g.hdr.offset, g.hdr.length);
@@ -840,7 +861,7 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
     if (!l.rx_stage->unpack(g.slot, l.rx_device, l.rx_unpack, n, mode).is_ok()) g.status = uint8_t(Code::kInternal);
     l.rx_device = -1;
     ++l.gpu_rx_count;
-    l.gpu_inflight.fetch_add(1, std::memory_order_relaxed);
+    l.copy_started();
     complete_gpu_rx(l, ep);  // small copies may be done already
     return;
   }
@@ -933,7 +954,8 @@ class ProgressThread {
   void do_tx(Lane& l);
   void retire(Lane& l);
   uint64_t moved() const;  // bytes through this thread's lanes' sockets so far
-  uint32_t copies_in_flight() const;  // staged GPU copies of this thread's lanes not yet seen finished
+  uint64_t copy_steps() const;  // staged GPU copies of this thread's lanes started + finished so far
+  int nap(epoll_event* events, int max, uint32_t us);
 
   core::EndpointImpl* ep_;
   const uint32_t index_;
@@ -956,13 +978,32 @@ uint64_t ProgressThread::moved() const {
   return b;
 }
 
-uint32_t ProgressThread::copies_in_flight() const {
-  uint32_t n = 0;
-  for (auto& l : lanes_) n += l->gpu_inflight.load(std::memory_order_relaxed);
+uint64_t ProgressThread::copy_steps() const {
+  uint64_t n = 0;
+  for (auto& l : lanes_) n += l->gpu_steps.load(std::memory_order_relaxed);
   return n;
 }
 
+// epoll_wait for at most `us` microseconds (epoll_wait's own timeout counts whole milliseconds).
+int ProgressThread::nap(epoll_event* events, int max, uint32_t us) {
+  const timespec ts{0, long(us) * 1000};
+  int n = ::epoll_pwait2(epfd_, events, max, &ts, nullptr);
+  if (n < 0 && errno == ENOSYS) {  // kernels before 5.11: wait on the epoll fd itself, then collect
+    pollfd p{epfd_, POLLIN, 0};
+    ::ppoll(&p, 1, &ts, nullptr);
+    n = ::epoll_wait(epfd_, events, max, 0);
+  }
+  return n < 0 ? 0 : n;  // EINTR: an empty turn
+}
+
 void ProgressThread::update_events(Lane& l) {
+  if (ep_->config().staging_nap_us) {  // a staged payload wakes a napping thread by the 256 KiB, not per segment
+    const int lowat = l.rx_state == RxState::kPayload && l.rx_device >= 0 ? int(std::min<uint64_t>(l.rx_left, kStagedLowat)) : 1;
+    if (lowat != l.rx_lowat && lowat > 0) {
+      ::setsockopt(l.fd, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat);
+      l.rx_lowat = lowat;
+    }
+  }
   uint32_t ev = EPOLLRDHUP;
   if (!l.rx_paused.load(std::memory_order_relaxed)) ev |= EPOLLIN;
   if (l.tx_backlog.load(std::memory_order_relaxed)) ev |= EPOLLOUT;
@@ -992,6 +1033,7 @@ void ProgressThread::take_incoming() {
 }
 
 void ProgressThread::run() {
+  sys::name_this_thread("tcp", int(index_));
   ep_->pin_progress_thread(index_);
   started_.store(true, std::memory_order_release);
   epoll_event events[64];
@@ -1002,16 +1044,25 @@ void ProgressThread::run() {
   using Clock = std::chrono::steady_clock;
   const auto busy = std::chrono::microseconds(ep_->config().busy_poll_us);
   auto last_event = Clock::now() - busy;
+  // Staged GPU copies keep the thread polling, but a turn that found nothing to do (no socket event, no
+  // byte moved, no copy started or finished) is followed by a nap of staging_nap_us, not a spin: 16
+  // lanes' threads spinning on 16 cores cost CPU-seconds per GB (issue 20's goal) and gained nothing
+  // over 8 us naps (PERFORMANCE.md, session 14).
+  const uint32_t nap_us = ep_->config().staging_nap_us;
+  if (nap_us) ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us slack would stretch a nap
+  bool copies = false;  // the last turn left staged GPU copies in flight: the next one polls them
+  bool napping = false;  // ... and did nothing else: the next wait is a nap of nap_us, not a spin
   while (!stop_.load(std::memory_order_acquire)) {
     sleeping_.store(true, std::memory_order_seq_cst);
     const bool hinted = work_hint_.exchange(false, std::memory_order_seq_cst);
     const bool spinning = busy.count() > 0 && Clock::now() - last_event < busy;
-    int n = ::epoll_wait(epfd_, events, 64, hinted || spinning ? 0 : 1000);
+    const bool nap_now = napping && !hinted;
+    int n = nap_now ? nap(events, 64, nap_us) : ::epoll_wait(epfd_, events, 64, hinted || spinning || copies ? 0 : 1000);
     sleeping_.store(false, std::memory_order_relaxed);
-    if (n > 0 && !hinted && !spinning) trace::mark(trace::Event::kWake, index_, 0, uint32_t(n));
+    if (n > 0 && !hinted && !spinning && !copies) trace::mark(trace::Event::kWake, index_, 0, uint32_t(n));
     const uint64_t moved_before = moved();
-    const uint32_t copies_before = copies_in_flight();
-    if (n == 0 && spinning && !hinted) sched_yield();
+    const uint64_t steps_before = copy_steps();
+    if (n == 0 && spinning && !hinted && !copies) sched_yield();  // copies yield below
     for (int i = 0; i < n; ++i) {
       auto* l = static_cast<Lane*>(events[i].data.ptr);
       if (!l) {
@@ -1030,6 +1081,7 @@ void ProgressThread::run() {
       prepared_gpus_ = want;
     }
     bool staging = false;  // a lane has staged GPU copies in flight
+    napping = false;
     for (auto& l : lanes_) {
       if (l->dead.load(std::memory_order_relaxed)) continue;
       if (l->peer->failed()) {
@@ -1043,7 +1095,6 @@ void ProgressThread::run() {
           if (l->gpu_rx_count > 0) complete_gpu_rx(*l, ep_);
           l->disown_rx();
         }
-        work_hint_.store(true, std::memory_order_relaxed);
       }
       // Resume what backpressure held back; rx may pause again at once, so loop a few times and,
       // if it still could resume, come back without sleeping.
@@ -1057,15 +1108,19 @@ void ProgressThread::run() {
       if (l->rx_paused.load(std::memory_order_relaxed) && !l->answers.full()) work_hint_.store(true, std::memory_order_relaxed);
       if (!l->dead.load(std::memory_order_relaxed)) update_events(*l);
     }
+    copies = staging;
     if (staging) {
       // Staged GPU chunks keep it spinning: each chunk's next step (its copy done, the next chunk
       // to stage or to land) follows within microseconds, and a sleeping thread's wake-up there cost
       // staged transfers 10-20 % (PERFORMANCE.md, session 9).
       last_event = Clock::now();
       // A turn that only polled the GPU (no socket event, no byte moved, no copy started or finished)
-      // lets another runnable thread on this core go first: 16 lanes' threads polling copies share
-      // 16 cores with the kernel's TCP work (PERFORMANCE.md, session 12).
-      if (n == 0 && moved() == moved_before && copies_in_flight() == copies_before) sched_yield();
+      // naps (above), or with staging_nap_us 0 lets another runnable thread on this core go first: 16
+      // lanes' threads polling copies share 16 cores with the kernel's TCP work (PERFORMANCE.md, session 12).
+      if (n == 0 && moved() == moved_before && copy_steps() == steps_before) {
+        if (nap_us) napping = true;
+        else sched_yield();
+      }
     } else if (n > 0 && busy.count() > 0) {
       // Otherwise only small traffic does: a host bulk flow's next event comes soon from its own
       // socket (data in, room to send), and a lane with unsent bytes is woken by EPOLLOUT; spinning
