@@ -119,7 +119,7 @@ def test_staging_nap(children, nap_us):
     try:
         peer = local.ep.connect(c.call("endpoint")["metadata"], timeout=10)
         n = 3 * SIZE
-        desc = c.call("register", "dst", n, device=_dev("gpu1"))
+        desc = c.call("register", "dst", n, device=_dev(GPU.kind("gpu1")))  # GPU 1, or GPU 0 again
         src = local.region("src", "gpu0", n, seed=45)
         peer.write(src, desc).wait(T)
         assert_bytes_equal(np.frombuffer(c.call("get", "dst"), np.uint8), rand_bytes(45, n))
