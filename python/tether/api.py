@@ -392,9 +392,9 @@ class Endpoint:
     """One per process. Listens, accepts peers by itself, owns regions, peers and progress threads.
 
     Options (each with a TETHER_* environment override): host, port, channels, sockets_per_channel,
-    chunk_bytes, window, socket_buffer, spin_us, busy_poll_us, staging_nap_us, auth_token, name, transport, net_plugin, net_comms,
-    net_bindings, unpack, and in seconds connect_timeout,
-    peer_timeout, heartbeat, handshake_timeout.
+    chunk_bytes, window, socket_buffer, spin_us, busy_poll_us, staging_nap_us, auth_token, name, transport,
+    net_plugin, net_comms, net_bindings, unpack, and in seconds connect_timeout, peer_timeout, heartbeat,
+    handshake_timeout.
     """
 
     def __init__(self, host: Optional[str] = None, port: Optional[int] = None, **options: Any):
