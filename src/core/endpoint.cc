@@ -16,8 +16,8 @@
 #include "core/endpoint_impl.h"
 #include "core/trace.h"
 #include "sys/net.h"
-#include "transport/registry.h"
 #include "sys/thread_name.h"
+#include "transport/registry.h"
 
 namespace tether::core {
 namespace {

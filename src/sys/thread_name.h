@@ -1,5 +1,5 @@
 // Names the calling thread ("tether-tcp3"), so top -H, perf and /proc/PID/task/TID/comm tell tether's
-// threads apart (bench/gpu/thread_cpu.py sums CPU time by these names).
+// threads apart (bench/tools/thread_cpu.py sums CPU time by these names).
 #pragma once
 
 #include <pthread.h>

@@ -749,3 +749,35 @@ def test_empty_notify_on_write_is_rejected(endpoints):
     dst = b.register(np.zeros(8, np.uint8))
     with pytest.raises(tether.InvalidArgument):
         peer.write(a.register(np.ones(8, np.uint8)), dst.descriptor(), notify=b"")
+
+
+def test_threads_are_named_and_end_with_the_endpoint():
+    """tether's threads carry names (top -H, perf, bench/tools/thread_cpu.py tell them apart), one
+    tcp progress thread per channel, and none outlives close(). In a fresh process: other tests'
+    endpoints live on in this one."""
+    script = textwrap.dedent("""
+        import os, time, tether
+        def names():
+            out = []
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    out.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+                except OSError:
+                    pass  # a thread that ended meanwhile
+            return out
+        def settle(cond):
+            deadline = time.monotonic() + 5
+            while not cond(names()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return names()
+        ep = tether.Endpoint(transport="tcp", channels=3)
+        got = settle(lambda n: "tether-control" in n)  # the control thread names itself once it runs
+        assert sorted(n for n in got if n.startswith("tether-tcp")) == ["tether-tcp0", "tether-tcp1", "tether-tcp2"], got
+        assert "tether-control" in got, got
+        ep.close()
+        left = settle(lambda n: not any(x.startswith("tether-") for x in n))
+        assert not [n for n in left if n.startswith("tether-")], left
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

@@ -20,12 +20,12 @@
 #include "core/peer.h"
 #include "core/region.h"
 #include "gpu/cuda_api.h"
+#include "sys/thread_name.h"
 #include "sys/topology.h"
 #include "transport/fabric/discovery.h"
 #include "transport/fabric/libfabric.h"
 #include "transport/fabric/rail.h"
 #include "transport/fabric/stage.h"
-#include "sys/thread_name.h"
 
 namespace tether::transport::fabric {
 

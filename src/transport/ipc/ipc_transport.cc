@@ -24,11 +24,11 @@
 #include "gpu/copy_kernel.h"
 #include "sys/cpu.h"
 #include "sys/net.h"
+#include "sys/thread_name.h"
 #include "transport/ipc/cuda_mover.h"
 #include "transport/ipc/host_mover.h"
 #include "transport/ipc/one_sided.h"
 #include "transport/ipc/ring.h"
-#include "sys/thread_name.h"
 
 namespace tether::transport {
 

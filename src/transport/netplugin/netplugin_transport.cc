@@ -15,8 +15,8 @@
 #include "core/region.h"
 #include "sys/cpu.h"
 #include "sys/net.h"
-#include "transport/netplugin/bindings.h"
 #include "sys/thread_name.h"
+#include "transport/netplugin/bindings.h"
 
 namespace tether::transport {
 

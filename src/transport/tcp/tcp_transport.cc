@@ -3,10 +3,10 @@
 #include <linux/sockios.h>
 #include <poll.h>
 #include <sched.h>
-#include <sys/prctl.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <sys/eventfd.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -21,8 +21,8 @@
 #include "core/trace.h"
 #include "gpu/staging.h"
 #include "sys/cpu.h"
-#include "transport/frame_target.h"
 #include "sys/thread_name.h"
+#include "transport/frame_target.h"
 
 namespace tether::transport {
 
@@ -986,7 +986,7 @@ uint64_t ProgressThread::copy_steps() const {
 
 // epoll_wait for at most `us` microseconds (epoll_wait's own timeout counts whole milliseconds).
 int ProgressThread::nap(epoll_event* events, int max, uint32_t us) {
-  const timespec ts{0, long(us) * 1000};
+  const timespec ts{time_t(us / 1000000), long(us % 1000000) * 1000};
   int n = ::epoll_pwait2(epfd_, events, max, &ts, nullptr);
   if (n < 0 && errno == ENOSYS) {  // kernels before 5.11: wait on the epoll fd itself, then collect
     pollfd p{epfd_, POLLIN, 0};
@@ -998,7 +998,11 @@ int ProgressThread::nap(epoll_event* events, int max, uint32_t us) {
 
 void ProgressThread::update_events(Lane& l) {
   if (ep_->config().staging_nap_us) {  // a staged payload wakes a napping thread by the 256 KiB, not per segment
-    const int lowat = l.rx_state == RxState::kPayload && l.rx_device >= 0 ? int(std::min<uint64_t>(l.rx_left, kStagedLowat)) : 1;
+    // Never more than is still to come, nor than a quarter of a small socket buffer (the kernel does
+    // not grow a buffer set with SO_RCVBUF to fit the low mark).
+    const uint32_t buf = ep_->config().socket_buffer;
+    const uint64_t most = buf ? std::min<uint64_t>(kStagedLowat, std::max<uint32_t>(buf / 4, 1)) : kStagedLowat;
+    const int lowat = l.rx_state == RxState::kPayload && l.rx_device >= 0 ? int(std::min<uint64_t>(l.rx_left, most)) : 1;
     if (lowat != l.rx_lowat && lowat > 0) {
       ::setsockopt(l.fd, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat);
       l.rx_lowat = lowat;
