@@ -696,14 +696,16 @@ struct BatchPlaces {
   Code code = Code::kOk;
   int32_t gpu = -1;    // the first GPU among the places (-1: all in host memory)
   bool mixed = false;  // they span host memory and GPUs, or several GPUs
-  uint64_t sum = 0;    // their bytes
+  bool adds_up = true; // false: the fragments' bytes are not the header's length (a protocol error)
 };
 
 // Checks every fragment of a batch's table (region, key, bounds, for `write` access; a fragment is never
-// empty) and pins its region: place i is at[i], len[i] bytes, in pins[i]. On a refusal nothing stays pinned.
-BatchPlaces pin_batch(core::EndpointImpl* ep, const uint8_t* table, uint32_t n, bool write, RegionState** pins,
-                      uint8_t** at, uint64_t* len) {
+// empty) and pins its region: place i is at[i], len[i] bytes, in pins[i]. On a refusal, or a table whose
+// bytes are not `length`, nothing stays pinned.
+BatchPlaces pin_batch(core::EndpointImpl* ep, const uint8_t* table, uint32_t n, uint64_t length, bool write,
+                      RegionState** pins, uint8_t** at, uint64_t* len) {
   BatchPlaces b;
+  uint64_t sum = 0;
   int32_t first = -2;  // device of the first place (-1 host)
   for (uint32_t i = 0; i < n; ++i) {
     wire::Fragment f;
@@ -720,11 +722,15 @@ BatchPlaces pin_batch(core::EndpointImpl* ep, const uint8_t* table, uint32_t n, 
     pins[i] = pin;
     at[i] = pin->base + f.offset;
     len[i] = f.length;
-    b.sum += f.length;
+    sum += f.length;
     const int32_t d = pin->kind == MemoryKind::kCuda ? pin->device : -1;
     b.mixed |= first != -2 && d != first;
     if (first == -2) first = d;
     if (b.gpu < 0) b.gpu = d;
+  }
+  if (sum != length) {
+    for (uint32_t i = 0; i < n; ++i) pins[i]->unpin();
+    b.adds_up = false;
   }
   return b;
 }
@@ -735,19 +741,16 @@ bool on_batch(Lane& l, core::EndpointImpl* ep) {
   const FrameHeader& h = l.rx_hdr;
   const uint32_t n = h.region_id;
   const uint8_t* table = l.rx.get() + l.rx_begin + sizeof(FrameHeader);
-  const BatchPlaces b = pin_batch(ep, table, n, true, l.rx_frag_pin, l.rx_frag_dest, l.rx_frag_len);
-  const Code c = b.code;
-  const int32_t gpu = b.gpu;
-  if (c == Code::kOk && b.sum != h.length) {
-    for (uint32_t i = 0; i < n; ++i) l.rx_frag_pin[i]->unpin();
+  const BatchPlaces b = pin_batch(ep, table, n, h.length, true, l.rx_frag_pin, l.rx_frag_dest, l.rx_frag_len);
+  if (!b.adds_up) {
     kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a batch whose table does not add up"));
     return false;
   }
   l.rx_pin = nullptr;
   l.rx_recv = nullptr;
   l.rx_left = h.length;
-  if (c != Code::kOk) {
-    l.rx_status = static_cast<uint8_t>(c);
+  if (b.code != Code::kOk) {
+    l.rx_status = static_cast<uint8_t>(b.code);
     l.rx_dest = nullptr;
     l.rx_nfrags = 0;
     l.rx_state = RxState::kDiscard;
@@ -758,8 +761,8 @@ bool on_batch(Lane& l, core::EndpointImpl* ep) {
   l.rx_frag = 0;
   l.rx_mixed = b.mixed;
   l.rx_state = RxState::kPayload;
-  if (gpu >= 0)  // some piece goes to a GPU: the whole payload lands in a bounce slot first
-    return land_in_bounce(l, ep, gpu, nullptr);
+  if (b.gpu >= 0)  // some piece goes to a GPU: the whole payload lands in a bounce slot first
+    return land_in_bounce(l, ep, b.gpu, nullptr);
   l.rx_dest = l.rx_frag_dest[0];
   l.rx_left = l.rx_frag_len[0];
   return true;
@@ -796,10 +799,9 @@ bool on_read_batch(Lane& l, core::EndpointImpl* ep) {
   const uint8_t* table = l.rx.get() + l.rx_begin + sizeof(FrameHeader);
   uint8_t* at[wire::kMaxFragments];
   uint64_t len[wire::kMaxFragments];
-  const BatchPlaces b = pin_batch(ep, table, n, false, a->pins, at, len);
-  if (b.code == Code::kOk && b.sum != h.length) {
-    a->n = n;
-    a->release();  // unpins them
+  const BatchPlaces b = pin_batch(ep, table, n, h.length, false, a->pins, at, len);
+  if (!b.adds_up) {
+    a->release();  // pin_batch let its pins go
     kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a read batch whose table does not add up"));
     return false;
   }
