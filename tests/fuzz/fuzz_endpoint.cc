@@ -97,19 +97,45 @@ int open_fds() {
 }
 
 int dial() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(h->port);
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  timeval tv{5, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  const int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
-    finding(std::string("the target stopped accepting connections: ") + std::strerror(errno));
-  return fd;
+  // The connect is waited for with poll, not blocking: libFuzzer's SIGALRM (its -timeout watch) cut a
+  // blocking connect short with EINTR, and a connect the kernel had to retry (a listener saturated by
+  // the handshakes earlier inputs left, its backlog full) waits about 1 s, so that read as a finding.
+  // A target that is quiet (handshake_timeout since) and still takes no connection is one.
+  std::string why;
+  for (int tries = 0; tries < 3; ++tries) {
+    if (tries > 0) {
+      ++h->retries;
+      std::this_thread::sleep_for(std::chrono::milliseconds(h->target->config().handshake_timeout_ms + 500));
+    }
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    const int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    int err = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 ? 0 : errno;
+    if (err == EINPROGRESS) {
+      const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      pollfd p{fd, POLLOUT, 0};
+      int r = 0;
+      while ((r = ::poll(&p, 1, 100)) == 0 || (r < 0 && errno == EINTR))
+        if (std::chrono::steady_clock::now() >= end) break;
+      socklen_t len = sizeof err;
+      if (r > 0) ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      else err = ETIMEDOUT;
+    }
+    if (err == 0) {
+      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // callers use blocking reads with timeouts
+      return fd;
+    }
+    why = std::strerror(err);
+    ::close(fd);
+  }
+  finding("the target took no connection 3 times, the last one quiet: " + why);
 }
 
 // Sends what fits without blocking: the target may stop reading or close at any point.

@@ -2,6 +2,8 @@
 same GPU, host->GPU, GPU->host), every operation, each unpack mode; random data, poisoned
 destinations, every byte checked. Needs CUDA, torch with a GPU; skipped otherwise, saying why. With
 one GPU the GPU0->GPU1 pairings run GPU0->GPU0 between the two processes (GpuEnv.pairs)."""
+import time
+
 import numpy as np
 import pytest
 
@@ -132,6 +134,32 @@ def test_staging_nap(children, nap_us):
         peer.readv([(back, i * bs, desc, (blocks - 1 - i) * bs, bs) for i in range(blocks)]).wait(T)
         want = rand_bytes(45, blocks * bs).reshape(blocks, bs)[::-1].reshape(-1)
         assert_bytes_equal(local.get("back")[:blocks * bs], want)
+    finally:
+        local.ep.close()
+
+
+def test_no_stall_after_the_waiter_lands_a_staged_payload(children):
+    """wait() reads its lane itself for its first busy_poll_us and may land a staged payload there,
+    starting its copy into the GPU, then go to sleep. The lane's progress thread, asleep in epoll with
+    nothing on its socket, had to learn of that copy, or the transfer sat out the thread's 1 s epoll
+    timeout: 4,096 x 16 KiB GPU reads stalled for ~1 s several times per 150 on an H200 before the fix
+    (PERFORMANCE.md, session 15). Every read here must end far sooner; the last one's bytes are checked."""
+    c = children("gpu-peer")
+    local = LocalMemory(tether.Endpoint(transport="tcp"), _dev)
+    try:
+        peer = local.ep.connect(c.call("endpoint")["metadata"], timeout=10)
+        blocks, bs = 4096, 16 * 1024
+        desc = c.call("register", "src", blocks * bs, fill=("seed", 46), device=_dev(GPU.kind("gpu1")))
+        back = local.region("back", "gpu0", blocks * bs)
+        order = [(back, i * bs, desc, (blocks - 1 - i) * bs, bs) for i in range(blocks)]
+        slowest = 0.0
+        for _ in range(300):
+            t0 = time.perf_counter()
+            peer.readv(order).wait(T)
+            slowest = max(slowest, time.perf_counter() - t0)
+        want = rand_bytes(46, blocks * bs).reshape(blocks, bs)[::-1].reshape(-1)
+        assert_bytes_equal(local.get("back"), want)
+        assert slowest < 0.5, f"a 64 MiB read of 4,096 blocks took {slowest:.3f} s (a lost wake-up: ~1 s)"
     finally:
         local.ep.close()
 

@@ -1317,9 +1317,14 @@ void TcpTransport::poll(PeerState* peer, uint32_t lane) {
   std::shared_ptr<Lane> l = state->lanes[lane].lock();
   if (!l || l->dead.load(std::memory_order_relaxed) || !l->try_own_rx()) return;
   if (!l->dead.load(std::memory_order_relaxed)) receive(*l, endpoint_, kPollBudget);
+  // What this read leaves for the progress thread, which may be asleep in epoll with nothing to tell it:
+  // a copy into the GPU it started (only rx polling finishes it), a staged payload it left half in (the
+  // socket's low mark still asks for the bytes it took). The caller may stop polling at any time (wait()
+  // spins for busy_poll_us only): without this wake a transfer sat out the thread's 1 s epoll timeout.
+  const bool left = l->gpu_rx_count > 0 || (l->rx_state == RxState::kPayload && l->rx_device >= 0);
   l->disown_rx();
   // Answers this read produced (acks for the peer's own writes) go out from the progress thread.
-  if (!l->answers.empty() || l->rx_paused.load(std::memory_order_relaxed)) l->thread->wake();
+  if (left || !l->answers.empty() || l->rx_paused.load(std::memory_order_relaxed)) l->thread->wake();
 }
 
 void TcpTransport::stop() {
