@@ -3,6 +3,7 @@
 
     TETHER_TRACE=/tmp/tr tether bench --transport tcp --device gpu --sizes 4M --mode write
     python3 bench/tools/trace_report.py /tmp/tr
+    python3 bench/tools/trace_report.py /tmp/tr --gaps 50     # where a stalled transfer stopped
 
 Every chunk is one (slot, gen) pair on both sides: the initiator pulls and sends it, the target reads
 its header and lands it, and the answer (ack or read response) goes back. The events of one chunk,
@@ -46,6 +47,25 @@ def pct(values, q):
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def print_gaps(procs, side, ms: float) -> int:
+    evs = sorted((r, side[p]) for p, rows in procs.items() for r in rows)
+    posts = [r[0] for r, _ in evs if r[1] == "post"]
+    waits = [r[0] for r, _ in evs if r[1] == "waited"]
+    found = 0
+    for i in range(len(evs) - 1):
+        t, nxt = evs[i][0][0], evs[i + 1][0][0]
+        k = bisect.bisect_right(posts, t) - 1  # the transfer posted last before this event ...
+        if nxt - t <= ms * 1e6 or k < 0 or bisect.bisect_right(waits, posts[k]) >= len(waits) or \
+                waits[bisect.bisect_right(waits, posts[k])] <= t:  # ... must still be waited for
+            continue
+        found += 1
+        print(f"--- {(nxt - t) / 1e6:.1f} ms without an event, {(t - posts[k]) / 1e3:.0f} µs after a post")
+        for (ns, event, lane, typ, slot, gen, cpu), who in evs[max(0, i - 30):i + 9]:
+            print(f"{(ns - t) / 1e3:12.1f} µs  {who}:{event:9} lane {lane} {TYPES.get(typ, typ)} slot {slot} gen {gen} cpu {cpu}")
+    print(f"{found} silences over {ms} ms inside transfers ({len(posts)} posts)")
+    return 0
+
+
 def main() -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # piped into head: stop quietly
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,12 +76,17 @@ def main() -> int:
     ap.add_argument("--lanes", type=int, default=0,
                     help="for each of the last N transfers (post to wait() returning): per lane, when it first sent, "
                          "how many chunks it pulled, and when the target last sent on it (the lanes' balance)")
+    ap.add_argument("--gaps", type=float, default=0.0,
+                    help="instead: every silence longer than GAPS ms inside a transfer (post to wait() returning, "
+                         "both processes' events), with the 30 events before it and 8 after (a stalled transfer)")
     a = ap.parse_args()
     procs = load(a.prefix)
     if not procs:
         print(f"no {a.prefix}.*.tsv files", file=sys.stderr)
         return 1
     side = {p: ("I" if any(r[1] == "post" for r in rows) else "T") for p, rows in procs.items()}
+    if a.gaps:
+        return print_gaps(procs, side, a.gaps)
     t0 = min(r[0] for rows in procs.values() for r in rows)
     posts = sorted(r[0] for rows in procs.values() for r in rows if r[1] == "post")
     since = posts[-a.last] if a.last and len(posts) >= a.last else 0
