@@ -54,9 +54,11 @@ def print_gaps(procs, side, ms: float) -> int:
     found = 0
     for i in range(len(evs) - 1):
         t, nxt = evs[i][0][0], evs[i + 1][0][0]
-        k = bisect.bisect_right(posts, t) - 1  # the transfer posted last before this event ...
-        if nxt - t <= ms * 1e6 or k < 0 or bisect.bisect_right(waits, posts[k]) >= len(waits) or \
-                waits[bisect.bisect_right(waits, posts[k])] <= t:  # ... must still be waited for
+        if nxt - t <= ms * 1e6:
+            continue
+        k = bisect.bisect_right(posts, t) - 1  # the transfer posted last before this silence
+        w = bisect.bisect_right(waits, posts[k]) if k >= 0 else len(waits)
+        if w == len(waits) or waits[w] <= t:  # not inside a transfer that was waited for
             continue
         found += 1
         print(f"--- {(nxt - t) / 1e6:.1f} ms without an event, {(t - posts[k]) / 1e3:.0f} µs after a post")

@@ -96,47 +96,58 @@ int open_fds() {
   return n - 1;  // the directory itself
 }
 
-int dial() {
+// A well-formed connect may meet a target still busy with what earlier inputs left (handshakes
+// waiting for their data sockets hold pending slots until handshake_timeout): once the target is
+// quiet it must succeed, else that is a finding.
+std::pair<int, int> connect_with(bool (*attempt)(int[2], std::string*), const char* what) {
+  std::string why;
+  for (int tries = 0; tries < 3; ++tries) {
+    int fds[2] = {-1, -1};
+    if (attempt(fds, &why)) return {fds[0], fds[1]};
+    for (int fd : fds)
+      if (fd >= 0) ::close(fd);
+    ++h->retries;
+    std::this_thread::sleep_for(std::chrono::milliseconds(h->target->config().handshake_timeout_ms + 500));
+  }
+  finding(std::string("the target refused a well-formed ") + what + " connect 3 times, the last one quiet: " + why);
+}
+
+// One plain connect to the listener, waited for with poll rather than blocking: libFuzzer's SIGALRM
+// (its -timeout watch) cut a blocking connect short with EINTR, and a connect the kernel must retry (a
+// listener whose backlog is full of the handshakes earlier inputs left) waits about 1 s.
+bool try_dial(int fds[2], std::string* why) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(h->port);
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  // The connect is waited for with poll, not blocking: libFuzzer's SIGALRM (its -timeout watch) cut a
-  // blocking connect short with EINTR, and a connect the kernel had to retry (a listener saturated by
-  // the handshakes earlier inputs left, its backlog full) waits about 1 s, so that read as a finding.
-  // A target that is quiet (handshake_timeout since) and still takes no connection is one.
-  std::string why;
-  for (int tries = 0; tries < 3; ++tries) {
-    if (tries > 0) {
-      ++h->retries;
-      std::this_thread::sleep_for(std::chrono::milliseconds(h->target->config().handshake_timeout_ms + 500));
-    }
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    timeval tv{5, 0};
-    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    const int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    int err = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 ? 0 : errno;
-    if (err == EINPROGRESS) {
-      const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-      pollfd p{fd, POLLOUT, 0};
-      int r = 0;
-      while ((r = ::poll(&p, 1, 100)) == 0 || (r < 0 && errno == EINTR))
-        if (std::chrono::steady_clock::now() >= end) break;
-      socklen_t len = sizeof err;
-      if (r > 0) ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-      else err = ETIMEDOUT;
-    }
-    if (err == 0) {
-      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // callers use blocking reads with timeouts
-      return fd;
-    }
-    why = std::strerror(err);
-    ::close(fd);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  int err = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 ? 0 : errno;
+  if (err == EINPROGRESS) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    pollfd p{fd, POLLOUT, 0};
+    int r = 0;
+    while ((r = ::poll(&p, 1, 100)) == 0 || (r < 0 && errno == EINTR))
+      if (std::chrono::steady_clock::now() >= end) break;
+    socklen_t len = sizeof err;
+    if (r > 0) ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    else err = ETIMEDOUT;
   }
-  finding("the target took no connection 3 times, the last one quiet: " + why);
+  if (err != 0) {
+    *why = std::strerror(err);
+    ::close(fd);
+    return false;
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // callers use blocking reads with timeouts
+  fds[0] = fd;
+  return true;
 }
+
+int dial() { return connect_with(try_dial, "plain").first; }
 
 // Sends what fits without blocking: the target may stop reading or close at any point.
 void send_some(int fd, const std::string& bytes) {
@@ -366,22 +377,6 @@ bool try_ipc_peer(int fds[2], std::string* why) {
   three.verdict = 1;  // it may name its chunks by address
   if (!send_fd(fds[1], &three, sizeof three, -1)) return *why = errno_text("ipc stage 3"), false;
   return true;
-}
-
-// A well-formed connect may meet a target still busy with what earlier inputs left (handshakes
-// waiting for their data sockets hold pending slots until handshake_timeout): once the target is
-// quiet it must succeed, else that is a finding.
-std::pair<int, int> connect_with(bool (*attempt)(int[2], std::string*), const char* what) {
-  std::string why;
-  for (int tries = 0; tries < 3; ++tries) {
-    int fds[2] = {-1, -1};
-    if (attempt(fds, &why)) return {fds[0], fds[1]};
-    for (int fd : fds)
-      if (fd >= 0) ::close(fd);
-    ++h->retries;
-    std::this_thread::sleep_for(std::chrono::milliseconds(h->target->config().handshake_timeout_ms + 500));
-  }
-  finding(std::string("the target refused a well-formed ") + what + " connect 3 times, the last one quiet: " + why);
 }
 
 // Modes 5 and 6: the input as {u16 length, bytes} messages (the last one cut to what is left), each
