@@ -78,6 +78,10 @@ def main() -> int:
     ap.add_argument("--lanes", type=int, default=0,
                     help="for each of the last N transfers (post to wait() returning): per lane, when it first sent, "
                          "how many chunks it pulled, and when the target last sent on it (the lanes' balance)")
+    ap.add_argument("--phases", action="store_true",
+                    help="instead: when each milestone of a transfer came (µs after its post, percentiles over the "
+                         "transfers): its first request or chunk out, the target's first copy and send, each lane's "
+                         "last send (the earliest and the latest lane), the last landing, copy in, answer, wait()")
     ap.add_argument("--gaps", type=float, default=0.0,
                     help="instead: every silence longer than GAPS ms inside a transfer (post to wait() returning, "
                          "both processes' events), with the 30 events before it and 8 after (a stalled transfer)")
@@ -89,6 +93,8 @@ def main() -> int:
     side = {p: ("I" if any(r[1] == "post" for r in rows) else "T") for p, rows in procs.items()}
     if a.gaps:
         return print_gaps(procs, side, a.gaps)
+    if a.phases:
+        return print_phases(procs, side, a.skip)
     t0 = min(r[0] for rows in procs.values() for r in rows)
     posts = sorted(r[0] for rows in procs.values() for r in rows if r[1] == "post")
     since = posts[-a.last] if a.last and len(posts) >= a.last else 0
@@ -151,6 +157,49 @@ def main() -> int:
         for ns, e, lane in evs:
             print(f"   {(ns - evs[0][0]) / 1e3:10.1f} µs  {e:24} lane {lane}")
     return 0
+
+
+def print_phases(procs, side, skip: float) -> int:
+    """Where a transfer's wall time goes: start (before the target's first send), body, tail (after
+    the target's last send). Milestones are µs after the post; a lane's last send is per lane, so
+    "earliest lane done" against "latest lane done" is the lanes' imbalance."""
+    evs = sorted((r, side[p]) for p, rows in procs.items() for r in rows)
+    t_first = evs[0][0][0] if evs else 0
+    posts = [r[0] for r, w in evs if r[1] == "post" and r[0] - t_first >= skip * 1e9]
+    waits = [r[0] for r, w in evs if r[1] == "waited" and w == "I"]
+    names = ["I first sent", "T first header", "T first staged", "T first sent", "earliest lane's T last sent",
+             "latest lane's T last sent", "I last landed", "I last unpacked", "I last answered", "waited"]
+    got = collections.defaultdict(list)
+    times = [r[0] for r, _ in evs]
+    for t0 in posts:
+        k = bisect.bisect_left(waits, t0)
+        if k == len(waits):
+            continue
+        t1 = waits[k]
+        first, last, lane_last = {}, {}, {}
+        for (ns, event, lane, *_), who in evs[bisect.bisect_left(times, t0):bisect.bisect_right(times, t1)]:
+            key = f"{who} {event}"
+            first.setdefault(key, ns)
+            last[key] = ns
+            if key == "T sent":
+                lane_last[lane] = ns
+        mark = {"I first sent": first.get("I sent"), "T first header": first.get("T header"),
+                "T first staged": first.get("T staged"), "T first sent": first.get("T sent"),
+                "earliest lane's T last sent": min(lane_last.values()) if lane_last else None,
+                "latest lane's T last sent": max(lane_last.values()) if lane_last else None,
+                "I last landed": last.get("I landed"), "I last unpacked": last.get("I unpacked"),
+                "I last answered": last.get("I answered"), "waited": t1}
+        for name in names:
+            if mark[name] is not None:
+                got[name].append((mark[name] - t0) / 1e3)
+    n = len(got["waited"])
+    print(f"{n} transfers: milestones in µs after the post (I initiator, T target; a write's target sends acks)")
+    print(f"{'milestone':32} {'n':>5} {'p10':>8} {'p50':>8} {'p90':>8}")
+    for name in names:
+        v = got[name]
+        if v:
+            print(f"{name:32} {len(v):5d} {pct(v, .1):8.1f} {pct(v, .5):8.1f} {pct(v, .9):8.1f}")
+    return 0 if n else 1
 
 
 def lane_balance(procs, side, n: int) -> None:

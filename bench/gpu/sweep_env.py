@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Several environments of one build, side by side in one device call: the same command run under
+each, rounds interleaved (the order rotates each round, since whichever runs later in a round has been
+a few % faster on the GPU host), then per table row each environment's median GB/s, its ratio to the
+first environment's, the rounds it won against it, and both processes' CPU-seconds per GB.
+
+    python3 bench/gpu/sweep_env.py --rounds 3 --env base= --env cap4=TETHER_X_READ_CHUNKS=4 \\
+        -- 'tether bench --transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx 0 --sizes 16M --mode read'
+
+--env NAME=ASSIGNMENTS (space-separated NAME=VALUE; empty for the defaults). Logs in --out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab_table import rows_of  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--env", action="append", required=True, help="NAME=ASSIGNMENTS (the first is the baseline)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out") + "/sweep")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    ap.add_argument("--deadline", type=float, default=0,
+                    help="seconds: start no round after this much time has gone (the table covers the rounds run)")
+    ap.add_argument("command", help="the shell command each environment runs (its bench tables are read)")
+    a = ap.parse_args()
+    configs = []
+    for spec in a.env:
+        name, _, assigns = spec.partition("=")
+        env = dict(os.environ)
+        for kv in assigns.split():
+            k, _, v = kv.partition("=")
+            env[k] = v
+        configs.append((name, env))
+    os.makedirs(a.out, exist_ok=True)
+    runs = {name: [] for name, _ in configs}  # name -> per round: [(key, gbps, cpu)]
+    start = time.monotonic()
+    for r in range(a.rounds):
+        if a.deadline and r and time.monotonic() - start > a.deadline:
+            print(f"deadline: {r} rounds run", flush=True)
+            break
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
+        for name, env in order:
+            log = f"{a.out}/{name}_{r + 1}.log"
+            with open(log, "w") as f:
+                rc = subprocess.run(["bash", "-c", a.command], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=a.timeout).returncode
+            rows = rows_of(log)
+            runs[name].append(rows)
+            print(f"== {name} round {r + 1} rc={rc}: " + ", ".join(f"{k[0]} {k[3]}{'x' + k[4] if k[4] not in ('', '1') else ''} {g:.2f}"
+                                                                   for k, g, _ in rows), flush=True)
+    base = configs[0][0]
+    keys = [k for k, _, _ in runs[base][0]] if runs[base] and runs[base][0] else []
+    print(f"\nmedian GB/s over {a.rounds} rounds (ratio to '{base}', rounds won against it; CPU-s/GB both sides)")
+    for key in keys:
+        label = f"{key[0]} {key[2]} {key[3]}" + (f" x{key[4]}" if key[4] not in ("", "1") else "")
+        cells = []
+        base_by_round = [next((g for k, g, _ in rnd if k == key), None) for rnd in runs[base]]
+        base_med = statistics.median([g for g in base_by_round if g is not None] or [float("nan")])
+        for name, _ in configs:
+            per = [next(((g, c) for k, g, c in rnd if k == key), (None, None)) for rnd in runs[name]]
+            g = [x for x, _ in per if x is not None]
+            c = [y for _, y in per if y is not None]
+            if not g:
+                cells.append(f"{name} n/a")
+                continue
+            med = statistics.median(g)
+            won = sum(1 for (x, _), b in zip(per, base_by_round) if x is not None and b is not None and x > b)
+            cell = f"{name} {med:.2f}"
+            if name != base and base_med > 0:
+                cell += f" ({med / base_med:.2f}x, {won}/{len(g)})"
+            if c:
+                cell += f" cpu {statistics.median(c):.3f}"
+            cells.append(cell)
+        print(f"  {label:22} " + " | ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
