@@ -4,6 +4,8 @@
     TETHER_TRACE=/tmp/tr tether bench --transport tcp --device gpu --sizes 4M --mode write
     python3 bench/tools/trace_report.py /tmp/tr
     python3 bench/tools/trace_report.py /tmp/tr --gaps 50     # where a stalled transfer stopped
+    python3 bench/tools/trace_report.py /tmp/tr --phases      # a transfer's milestones, µs after its post
+    python3 bench/tools/trace_report.py /tmp/tr --sender-time # a staged sender's time: sendmsg, copy wait, idle
 
 Every chunk is one (slot, gen) pair on both sides: the initiator pulls and sends it, the target reads
 its header and lands it, and the answer (ack or read response) goes back. The events of one chunk,
@@ -82,6 +84,10 @@ def main() -> int:
                     help="instead: when each milestone of a transfer came (µs after its post, percentiles over the "
                          "transfers): its first request or chunk out, the target's first copy and send, each lane's "
                          "last send (the earliest and the latest lane), the last landing, copy in, answer, wait()")
+    ap.add_argument("--sender-time", action="store_true",
+                    help="instead: per sending lane and transfer (percentiles), how many chunks it sent, time inside "
+                         "sendmsg, waiting for a copy out of the GPU with nothing else to send, idle with nothing "
+                         "asked of it, and when its last send ended (a staged read's target, a staged write's initiator)")
     ap.add_argument("--gaps", type=float, default=0.0,
                     help="instead: every silence longer than GAPS ms inside a transfer (post to wait() returning, "
                          "both processes' events), with the 30 events before it and 8 after (a stalled transfer)")
@@ -95,6 +101,8 @@ def main() -> int:
         return print_gaps(procs, side, a.gaps)
     if a.phases:
         return print_phases(procs, side, a.skip)
+    if a.sender_time:
+        return print_sender_time(procs, side, a.skip)
     t0 = min(r[0] for rows in procs.values() for r in rows)
     posts = sorted(r[0] for rows in procs.values() for r in rows if r[1] == "post")
     since = posts[-a.last] if a.last and len(posts) >= a.last else 0
@@ -200,6 +208,56 @@ def print_phases(procs, side, skip: float) -> int:
         if v:
             print(f"{name:32} {len(v):5d} {pct(v, .1):8.1f} {pct(v, .5):8.1f} {pct(v, .9):8.1f}")
     return 0 if n else 1
+
+
+def print_sender_time(procs, side, skip: float) -> int:
+    """Where a sending lane's time goes in each transfer: its staged chunks in send order; a chunk's send
+    starts when both its copy is seen done and the chunk before is sent. Time between the previous send
+    and this chunk's copy being done is a copy wait, except where the request (or pull) came after that
+    send: then the lane was idle until it came. Reads: the target sends; writes: the initiator."""
+    evs = sorted((r, side[p]) for p, rows in procs.items() for r in rows)
+    t_first = evs[0][0][0] if evs else 0
+    posts = [r[0] for r, w in evs if r[1] == "post" and r[0] - t_first >= skip * 1e9]
+    waits = [r[0] for r, w in evs if r[1] == "waited" and w == "I"]
+    times = [r[0] for r, _ in evs]
+    got = collections.defaultdict(list)
+    for t0 in posts:
+        k = bisect.bisect_left(waits, t0)
+        if k == len(waits):
+            continue
+        per = collections.defaultdict(lambda: collections.defaultdict(dict))  # (side, lane) -> chunk -> event -> ns
+        for (ns, event, lane, typ, slot, gen, _cpu), who in evs[bisect.bisect_left(times, t0):bisect.bisect_right(times, waits[k])]:
+            if event in ("header", "pulled", "staged", "sent") and TYPES.get(typ) in ("readresp", "write", "batch"):
+                per[(who, lane)][(slot, gen)].setdefault(event, ns)
+        for chunks in per.values():
+            done = sorted((c for c in chunks.values() if "sent" in c and "staged" in c), key=lambda c: c["sent"])
+            if not done:
+                continue
+            send = copy = idle = 0.0
+            prev = None
+            for c in done:
+                send += c["sent"] - max(c["staged"], prev if prev is not None else c["staged"])
+                if prev is not None and c["staged"] > prev:
+                    asked = c.get("header", c.get("pulled", prev))
+                    if asked > prev:
+                        idle += asked - prev
+                        copy += c["staged"] - asked
+                    else:
+                        copy += c["staged"] - prev
+                prev = c["sent"]
+            got["chunks"].append(len(done))
+            got["inside sendmsg µs"].append(send / 1e3)
+            got["copy wait µs"].append(copy / 1e3)
+            got["idle µs"].append(idle / 1e3)
+            got["last send ended µs"].append((prev - t0) / 1e3)
+    if not got:
+        print("no staged sends in these transfers (host memory has no copy steps)")
+        return 1
+    print(f"{len(posts)} transfers, {len(got['chunks'])} sending lanes: per lane and transfer")
+    print(f"{'':22} {'p10':>8} {'p50':>8} {'p90':>8}")
+    for name, v in got.items():
+        print(f"{name:22} {pct(v, .1):8.1f} {pct(v, .5):8.1f} {pct(v, .9):8.1f}")
+    return 0
 
 
 def lane_balance(procs, side, n: int) -> None:

@@ -17,7 +17,7 @@ _OPTIONS = {
     "host": "host", "port": "port", "channels": "channels",
     "sockets_per_channel": "sockets_per_channel", "chunk_bytes": "chunk_bytes",
     "window": "window", "socket_buffer": "socket_buffer", "spin_us": "spin_us",
-    "busy_poll_us": "busy_poll_us", "staging_nap_us": "staging_nap_us",
+    "busy_poll_us": "busy_poll_us", "staging_nap_us": "staging_nap_us", "wait_nap_us": "wait_nap_us",
     "auth_token": "auth_token", "name": "name", "transport": "transport",
     "net_plugin": "net_plugin", "net_comms": "net_comms", "net_bindings": "net_bindings", "unpack": "unpack",
     "nics": "nics", "control_nic": "control_nic", "tx_cpus": "tx_cpus", "rx_cpus": "rx_cpus",
@@ -392,7 +392,7 @@ class Endpoint:
     """One per process. Listens, accepts peers by itself, owns regions, peers and progress threads.
 
     Options (each with a TETHER_* environment override): host, port, channels, sockets_per_channel,
-    chunk_bytes, window, socket_buffer, spin_us, busy_poll_us, staging_nap_us, auth_token, name, transport,
+    chunk_bytes, window, socket_buffer, spin_us, busy_poll_us, staging_nap_us, wait_nap_us, auth_token, name, transport,
     net_plugin, net_comms, net_bindings, unpack, and in seconds connect_timeout, peer_timeout, heartbeat,
     handshake_timeout.
     """

@@ -242,6 +242,7 @@ NB_MODULE(_tether, m) {
       .def_rw("spin_us", &Config::spin_us)
       .def_rw("busy_poll_us", &Config::busy_poll_us)
       .def_rw("staging_nap_us", &Config::staging_nap_us)
+      .def_rw("wait_nap_us", &Config::wait_nap_us)
       .def_rw("auth_token", &Config::auth_token)
       .def_rw("name", &Config::name)
       .def_rw("transport", &Config::transport)

@@ -38,6 +38,7 @@ const Option kOptions[] = {
     {"spin_us", "TETHER_SPIN_US", &Config::spin_us},
     {"busy_poll_us", "TETHER_BUSY_POLL_US", &Config::busy_poll_us},
     {"staging_nap_us", "TETHER_STAGING_NAP_US", &Config::staging_nap_us},
+    {"wait_nap_us", "TETHER_WAIT_NAP_US", &Config::wait_nap_us},
     {"auth_token", "TETHER_AUTH_TOKEN", &Config::auth_token},
     {"name", "TETHER_NAME", &Config::name},
     {"unpack", "TETHER_UNPACK", &Config::unpack},

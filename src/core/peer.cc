@@ -63,6 +63,7 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
       gpu_chunk_(transport ? transport->caps().gpu_chunk_bytes : 0),
       read_depth_(transport ? transport->caps().read_depth : 0),
       staged_gpu_(transport && transport->caps().uses_tcp_lanes && !transport->caps().cuda_memory),
+      wait_naps_(transport && transport->caps().wait_naps),
       lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
       last_heard_ms_(now_ms()) {
   slots_.resize(size_t(lane_window_) * lanes_);
@@ -83,6 +84,7 @@ bool PeerState::lane_alive(uint32_t lane) const {
 
 uint32_t PeerState::spin_us() const { return endpoint_->config().spin_us; }
 uint32_t PeerState::busy_poll_us() const { return endpoint_->config().busy_poll_us; }
+uint32_t PeerState::wait_nap_us() const { return wait_naps_ ? endpoint_->config().wait_nap_us : 0; }
 
 uint32_t PeerState::quietest_lane() const {
   std::lock_guard lock(mu_);

@@ -74,6 +74,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   uint32_t slot_count() const { return uint32_t(slots_.size()); }  // chunk slots (indices in FrameHeader::slot)
   uint32_t spin_us() const;
   uint32_t busy_poll_us() const;  // Config::busy_poll_us
+  uint32_t wait_nap_us() const;   // Config::wait_nap_us where the transport's Caps::wait_naps, else 0
   // The live lane with the fewest chunks in flight, the lowest such index on ties: where a transport
   // starts handing out a transfer's chunks. Lone transfers keep landing on the same lane, whose
   // threads are still awake from the last one (a woken thread costs more than a small copy).
@@ -204,6 +205,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   const uint64_t gpu_chunk_;  // the transport's chunk size between GPU memory on both ends (0: none)
   const uint32_t read_depth_; // the transport's Caps::read_depth (0: reads fill the lane's window)
   const bool staged_gpu_;     // GPU memory goes through pinned host staging on each side (tcp): reads pipeline smaller chunks
+  const bool wait_naps_;      // Caps::wait_naps
   const uint32_t lane_window_;
   std::atomic<bool> failed_{false};
   std::atomic<int64_t> last_heard_ms_;

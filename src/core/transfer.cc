@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
+
+#include <sys/prctl.h>
 
 #include "core/peer.h"
 #include "core/trace.h"
@@ -59,13 +62,33 @@ namespace {
 // progress threads that must run for the transfer to finish (2-core machines).
 std::atomic<int> g_spinners{0};
 constexpr uint64_t kSpinMaxBytes = 256 << 10;  // larger transfers take long enough to sleep
+// Reads this large nap (nap_until_done): ≥ 200 us at 20 GB/s, so a nap's late finish costs little.
+// Sizes between 256 KiB and 4 MiB were not measured with naps and keep spinning.
+constexpr uint64_t kNapMinBytes = 4 << 20;
 }  // namespace
 
-Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_us) {
+// A large read's waiter sleeps in timed naps until the transfer is done (or the timeout passes). A
+// timer wakes the thread on its own CPU; a notify from a lane's thread needs a cross-CPU wake-up, which
+// costs ~100 us on the GPU host, hence spinning. But a spinner holds a core for the whole transfer
+// while every lane's thread lands and copies the read's chunks (tcp: 8 lanes' threads on each side of
+// a 16-core host). Measured: 16 MiB GPU reads 1.09-1.14 x, host reads 1.09-1.5 x, CPU-s/GB lower;
+// writes lost 2-16 %, so they keep spinning (PERFORMANCE.md, session 17).
+void TransferState::nap_until_done(std::chrono::steady_clock::time_point end, uint32_t nap_us) const {
+  const int slack = ::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+  ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us would stretch every nap
+  const timespec ts{time_t(nap_us / 1000000), long(nap_us % 1000000) * 1000};
+  while (!is_finished() && std::chrono::steady_clock::now() < end) ::nanosleep(&ts, nullptr);
+  if (slack > 0) ::prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(slack), 0, 0, 0);
+}
+
+Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_us, uint32_t nap_us) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
+  const bool nap = nap_us && busy_us && op == OpKind::kRead && bytes.load(std::memory_order_relaxed) >= kNapMinBytes;
+  if (nap) nap_until_done(timeout_ms < 0 ? Clock::time_point::max() : start + std::chrono::milliseconds(timeout_ms), nap_us);
   if (bytes.load(std::memory_order_relaxed) <= kSpinMaxBytes) spin_us = std::max(spin_us, busy_us);
   else spin_us = busy_us;
+  if (nap) spin_us = 0;  // done, or its time is up: what follows only collects the result
   if (!is_finished() && spin_us > 0) {
     if (g_spinners.fetch_add(1, std::memory_order_relaxed) == 0) {
       const auto spin_end = start + std::chrono::microseconds(spin_us);

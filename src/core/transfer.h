@@ -2,6 +2,7 @@
 // completed when every chunk has been answered by the target.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -69,10 +70,13 @@ struct TransferState {
   void release(int64_t n = 1);
   void finish(Status s);
   bool is_finished() const { return finished_.load(std::memory_order_acquire); }
-  Status wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_us);
+  // Spins (a small transfer: max(spin_us, busy_us); else busy_us), then sleeps; nap_us > 0 (with busy_us):
+  // a read of 4 MiB or more naps instead (nap_until_done).
+  Status wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_us, uint32_t nap_us = 0);
   Status final_status() const;
 
  private:
+  void nap_until_done(std::chrono::steady_clock::time_point end, uint32_t nap_us) const;
   std::atomic<bool> finishing_{false};
   std::atomic<bool> finished_{false};
   mutable std::mutex mu_;

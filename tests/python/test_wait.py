@@ -1,0 +1,88 @@
+"""How wait() waits on a tcp read of 4 MiB or more: with busy polling on, in timed naps of wait_nap_us instead of
+spinning (docs/ARCHITECTURE.md, "Waking up"). The naps must keep every property of a wait: the bytes
+arrive whole, a timeout is honoured while the peer is silent, and the transfer still completes after it.
+
+Busy polling is off by default on machines of fewer than 8 CPUs, so these tests turn it on.
+"""
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import tether
+from tether_testutil import MiB, assert_bytes_equal, poisoned, rand_bytes
+
+T = 20.0
+NAPPING = dict(transport="tcp", busy_poll_us=1000, wait_nap_us=20)
+
+
+def test_the_option_and_its_environment_override(monkeypatch):
+    assert tether.Endpoint(transport="tcp").config.wait_nap_us == 20
+    assert tether.Endpoint(transport="tcp", wait_nap_us=0).config.wait_nap_us == 0
+    monkeypatch.setenv("TETHER_WAIT_NAP_US", "35")
+    assert tether.Endpoint(transport="tcp").config.wait_nap_us == 35
+
+
+@pytest.mark.parametrize("nap_us", [20, 0])
+def test_large_reads_arrive_whole_while_the_waiter_naps(endpoints, nap_us):
+    opts = dict(NAPPING, wait_nap_us=nap_us)
+    a = endpoints(name="ep-a", **opts)
+    b = endpoints(name="ep-b", **opts)
+    peer = a.connect(b.metadata(), timeout=5)
+    for i, size in enumerate([1 * MiB + 1, 4 * MiB, 5 * MiB + 7, 16 * MiB]):  # spins, then naps
+        src = rand_bytes(100 + i, size)
+        desc = b.register(src).descriptor()
+        dst = poisoned(size + 64)
+        rd = a.register(dst)
+        for _ in range(3):
+            dst[:] = 0xA5
+            peer.read(rd, desc, length=size).wait(T)
+            assert_bytes_equal(dst[:size], src, f"{size} B read with wait_nap_us={nap_us}")
+            assert (dst[size:] == 0xA5).all(), "bytes past the read were written"
+
+
+def test_a_napping_wait_honours_its_timeout_and_the_read_completes_after(children, endpoints):
+    c = children("nap-target")
+    info = c.call("endpoint", name="T", transport="tcp")
+    size = 8 * MiB
+    desc = c.call("register", "src", size, fill=("seed", 7))
+    me = endpoints(name="I", **NAPPING)
+    peer = me.connect(info["metadata"], timeout=5)
+    dst = poisoned(size)
+    rd = me.register(dst)
+    peer.read(rd, desc, length=1 * MiB).wait(T)  # the lanes are up before the target stops
+    c.kill(signal.SIGSTOP)  # returns once every thread is stopped
+    try:
+        dst[:] = 0xA5
+        t = peer.read(rd, desc)
+        t0 = time.monotonic()
+        with pytest.raises(tether.TransferTimeout):
+            t.wait(timeout=0.3)
+        took = time.monotonic() - t0
+        assert 0.25 < took < 1.5, f"wait(timeout=0.3) returned after {took:.2f} s"
+        assert not t.done()
+    finally:
+        c.kill(signal.SIGCONT)
+    t.wait(T)
+    assert_bytes_equal(dst, rand_bytes(7, size), "the read finished after the timed-out wait")
+
+
+def test_a_napping_wait_ends_when_the_target_dies(children, endpoints):
+    c = children("nap-dying-target")
+    info = c.call("endpoint", name="T", transport="tcp")
+    desc = c.call("register", "src", 8 * MiB, fill=("seed", 8))
+    me = endpoints(name="I", peer_timeout=2, **NAPPING)
+    peer = me.connect(info["metadata"], timeout=5)
+    rd = me.register(np.zeros(8 * MiB, dtype=np.uint8))
+    c.kill(signal.SIGSTOP)
+    t = peer.read(rd, desc)
+    time.sleep(0.1)
+    c.kill(signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(tether.TetherError) as e:
+        t.wait(T)
+    assert not isinstance(e.value, tether.TransferTimeout), e.value
+    assert time.monotonic() - t0 < 5.0
