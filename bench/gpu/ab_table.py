@@ -59,6 +59,13 @@ def rows_of(path: str) -> list[tuple[tuple, float, float | None]]:
     return out
 
 
+def row_name(key: tuple) -> str:
+    """A row's key (rows_of) as its table shows it: "read tcp gpu0>gpu0 16 MiB", "write ... 4096 x 16 KiB"."""
+    mode, transport, device, size, iovs, config, nth = key
+    blocks = f"{iovs} x {size}" if iovs not in ("", "1") else size
+    return " ".join(x for x in (mode, transport, device, blocks, config) if x) + (f" (#{nth})" if nth > 1 else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", help="where ab.sh wrote ab_new_N.log and ab_old_N.log")
@@ -85,9 +92,7 @@ def main() -> int:
         new_med = statistics.median(n for n, _ in pairs)
         old_med = statistics.median(o for _, o in pairs)
         won = sum(n > o for n, o in pairs)
-        mode, transport, device, size, iovs, config, nth = key
-        blocks = f"{iovs} x {size}" if iovs not in ("", "1") else size
-        name = " ".join(x for x in (mode, transport, device, blocks, config) if x) + (f" (#{nth})" if nth > 1 else "")
+        name = row_name(key)
         each = ", ".join(f"{n:g} / {o:g}" for n, o in pairs)
         ratio = new_med / old_med if old_med else float("inf")
         print(f"{name:44} {each:48} median {new_med:g} / {old_med:g} = {ratio:.2f}  won {won} of {len(pairs)}")

@@ -4,7 +4,7 @@ each, rounds interleaved (the order rotates each round, since whichever runs lat
 a few % faster on the GPU host), then per table row each environment's median GB/s, its ratio to the
 first environment's, the rounds it won against it, and both processes' CPU-seconds per GB.
 
-    python3 bench/gpu/sweep_env.py --rounds 3 --env base= --env cap4=TETHER_X_READ_CHUNKS=4 \\
+    python3 bench/gpu/sweep_env.py --rounds 3 --env nap= --env spin=TETHER_WAIT_NAP_US=0 \\
         -- 'tether bench --transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx 0 --sizes 16M --mode read'
 
 --env NAME=ASSIGNMENTS (space-separated NAME=VALUE; empty for the defaults). Logs in --out.
@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab_table import rows_of  # noqa: E402
+from ab_table import row_name, rows_of  # noqa: E402
 
 
 def main() -> int:
@@ -55,13 +55,12 @@ def main() -> int:
                                     timeout=a.timeout).returncode
             rows = rows_of(log)
             runs[name].append(rows)
-            print(f"== {name} round {r + 1} rc={rc}: " + ", ".join(f"{k[0]} {k[3]}{'x' + k[4] if k[4] not in ('', '1') else ''} {g:.2f}"
-                                                                   for k, g, _ in rows), flush=True)
+            print(f"== {name} round {r + 1} rc={rc}: " + ", ".join(f"{row_name(k)} {g:.2f}" for k, g, _ in rows), flush=True)
     base = configs[0][0]
     keys = [k for k, _, _ in runs[base][0]] if runs[base] and runs[base][0] else []
     print(f"\nmedian GB/s over {a.rounds} rounds (ratio to '{base}', rounds won against it; CPU-s/GB both sides)")
     for key in keys:
-        label = f"{key[0]} {key[2]} {key[3]}" + (f" x{key[4]}" if key[4] not in ("", "1") else "")
+        label = row_name(key)
         cells = []
         base_by_round = [next((g for k, g, _ in rnd if k == key), None) for rnd in runs[base]]
         base_med = statistics.median([g for g in base_by_round if g is not None] or [float("nan")])
@@ -80,7 +79,7 @@ def main() -> int:
             if c:
                 cell += f" cpu {statistics.median(c):.3f}"
             cells.append(cell)
-        print(f"  {label:22} " + " | ".join(cells))
+        print(f"  {label:36} " + " | ".join(cells))
     return 0
 
 

@@ -167,25 +167,30 @@ def main() -> int:
     return 0
 
 
-def print_phases(procs, side, skip: float) -> int:
-    """Where a transfer's wall time goes: start (before the target's first send), body, tail (after
-    the target's last send). Milestones are µs after the post; a lane's last send is per lane, so
-    "earliest lane done" against "latest lane done" is the lanes' imbalance."""
+def transfers(procs, side, skip: float):
+    """(post, wait() returning, both processes' events between them as ((ns, event, lane, type, slot,
+    gen, cpu), side)) for every transfer posted after the first SKIP seconds and waited for."""
     evs = sorted((r, side[p]) for p, rows in procs.items() for r in rows)
     t_first = evs[0][0][0] if evs else 0
     posts = [r[0] for r, w in evs if r[1] == "post" and r[0] - t_first >= skip * 1e9]
     waits = [r[0] for r, w in evs if r[1] == "waited" and w == "I"]
-    names = ["I first sent", "T first header", "T first staged", "T first sent", "earliest lane's T last sent",
-             "latest lane's T last sent", "I last landed", "I last unpacked", "I last answered", "waited"]
-    got = collections.defaultdict(list)
     times = [r[0] for r, _ in evs]
     for t0 in posts:
         k = bisect.bisect_left(waits, t0)
-        if k == len(waits):
-            continue
-        t1 = waits[k]
+        if k < len(waits):
+            yield t0, waits[k], evs[bisect.bisect_left(times, t0):bisect.bisect_right(times, waits[k])]
+
+
+def print_phases(procs, side, skip: float) -> int:
+    """Where a transfer's wall time goes: start (before the target's first send), body, tail (after
+    the target's last send). Milestones are µs after the post; a lane's last send is per lane, so
+    "earliest lane done" against "latest lane done" is the lanes' imbalance."""
+    names = ["I first sent", "T first header", "T first staged", "T first sent", "earliest lane's T last sent",
+             "latest lane's T last sent", "I last landed", "I last unpacked", "I last answered", "waited"]
+    got = collections.defaultdict(list)
+    for t0, t1, window in transfers(procs, side, skip):
         first, last, lane_last = {}, {}, {}
-        for (ns, event, lane, *_), who in evs[bisect.bisect_left(times, t0):bisect.bisect_right(times, t1)]:
+        for (ns, event, lane, *_), who in window:
             key = f"{who} {event}"
             first.setdefault(key, ns)
             last[key] = ns
@@ -215,18 +220,12 @@ def print_sender_time(procs, side, skip: float) -> int:
     starts when both its copy is seen done and the chunk before is sent. Time between the previous send
     and this chunk's copy being done is a copy wait, except where the request (or pull) came after that
     send: then the lane was idle until it came. Reads: the target sends; writes: the initiator."""
-    evs = sorted((r, side[p]) for p, rows in procs.items() for r in rows)
-    t_first = evs[0][0][0] if evs else 0
-    posts = [r[0] for r, w in evs if r[1] == "post" and r[0] - t_first >= skip * 1e9]
-    waits = [r[0] for r, w in evs if r[1] == "waited" and w == "I"]
-    times = [r[0] for r, _ in evs]
     got = collections.defaultdict(list)
-    for t0 in posts:
-        k = bisect.bisect_left(waits, t0)
-        if k == len(waits):
-            continue
+    n = 0
+    for t0, _, window in transfers(procs, side, skip):
+        n += 1
         per = collections.defaultdict(lambda: collections.defaultdict(dict))  # (side, lane) -> chunk -> event -> ns
-        for (ns, event, lane, typ, slot, gen, _cpu), who in evs[bisect.bisect_left(times, t0):bisect.bisect_right(times, waits[k])]:
+        for (ns, event, lane, typ, slot, gen, _cpu), who in window:
             if event in ("header", "pulled", "staged", "sent") and TYPES.get(typ) in ("readresp", "write", "batch"):
                 per[(who, lane)][(slot, gen)].setdefault(event, ns)
         for chunks in per.values():
@@ -253,7 +252,7 @@ def print_sender_time(procs, side, skip: float) -> int:
     if not got:
         print("no staged sends in these transfers (host memory has no copy steps)")
         return 1
-    print(f"{len(posts)} transfers, {len(got['chunks'])} sending lanes: per lane and transfer")
+    print(f"{n} transfers, {len(got['chunks'])} sending lanes: per lane and transfer")
     print(f"{'':22} {'p10':>8} {'p50':>8} {'p90':>8}")
     for name, v in got.items():
         print(f"{name:22} {pct(v, .1):8.1f} {pct(v, .5):8.1f} {pct(v, .9):8.1f}")

@@ -84,11 +84,13 @@ void TransferState::nap_until_done(std::chrono::steady_clock::time_point end, ui
 Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_us, uint32_t nap_us) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  const bool nap = nap_us && busy_us && op == OpKind::kRead && bytes.load(std::memory_order_relaxed) >= kNapMinBytes;
-  if (nap) nap_until_done(timeout_ms < 0 ? Clock::time_point::max() : start + std::chrono::milliseconds(timeout_ms), nap_us);
-  if (bytes.load(std::memory_order_relaxed) <= kSpinMaxBytes) spin_us = std::max(spin_us, busy_us);
-  else spin_us = busy_us;
-  if (nap) spin_us = 0;  // done, or its time is up: what follows only collects the result
+  const uint64_t n = bytes.load(std::memory_order_relaxed);
+  if (nap_us && busy_us && op == OpKind::kRead && n >= kNapMinBytes) {
+    nap_until_done(timeout_ms < 0 ? Clock::time_point::max() : start + std::chrono::milliseconds(timeout_ms), nap_us);
+    spin_us = 0;  // done, or its time is up: what follows only collects the result
+  } else {
+    spin_us = n <= kSpinMaxBytes ? std::max(spin_us, busy_us) : busy_us;
+  }
   if (!is_finished() && spin_us > 0) {
     if (g_spinners.fetch_add(1, std::memory_order_relaxed) == 0) {
       const auto spin_end = start + std::chrono::microseconds(spin_us);
