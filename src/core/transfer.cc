@@ -72,7 +72,7 @@ constexpr uint64_t kNapMinBytes = 4 << 20;
 // costs ~100 us on the GPU host, hence spinning. But a spinner holds a core for the whole transfer
 // while every lane's thread lands and copies the read's chunks (tcp: 8 lanes' threads on each side of
 // a 16-core host). Measured: 16 MiB GPU reads 1.09-1.14 x, host reads 1.09-1.5 x, CPU-s/GB lower;
-// writes lost 2-16 %, so they keep spinning (PERFORMANCE.md, session 17).
+// writes lost 2-7 %, so they keep spinning (PERFORMANCE.md, session 17).
 void TransferState::nap_until_done(std::chrono::steady_clock::time_point end, uint32_t nap_us) const {
   const int slack = ::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us would stretch every nap
