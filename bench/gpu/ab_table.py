@@ -32,9 +32,10 @@ def cpu_s_per_gb(cells: list[str], header: list[str], gbps: float) -> float | No
     return total / 100.0 / gbps if cpu and gbps > 0 else None
 
 
-def rows_of(path: str) -> list[tuple[tuple, float, float | None]]:
-    """(row key, GB/s, CPU-s per GB or None) for every row of every bench table in the log, in order."""
-    out, header, seen, in_header = [], None, collections.Counter(), False
+def table_rows(path: str):
+    """(row key, the row as {column: cell}, its GB/s, CPU-s per GB or None) for every row of every bench
+    table in the log, in order."""
+    header, seen, in_header = None, collections.Counter(), False
     with open(path, errors="replace") as f:
         for line in f:
             if line.startswith("┃"):  # a header spans lines ("CPU%" over "client"): join each column's
@@ -55,7 +56,22 @@ def rows_of(path: str) -> list[tuple[tuple, float, float | None]]:
                     continue
                 ident = tuple(row.get(k, "") for k in KEY_COLUMNS)
                 seen[ident] += 1
-                out.append(((*ident, seen[ident]), gbps, cpu_s_per_gb(cells, header, gbps)))
+                yield (*ident, seen[ident]), row, gbps, cpu_s_per_gb(cells, header, gbps)
+
+
+def rows_of(path: str) -> list[tuple[tuple, float, float | None]]:
+    """(row key, GB/s, CPU-s per GB or None) for every row of every bench table in the log, in order."""
+    return [(key, gbps, cpu) for key, _, gbps, cpu in table_rows(path)]
+
+
+def p50s_of(path: str) -> dict[tuple, float]:
+    """Row key -> p50 latency in microseconds, for the rows that show one."""
+    out = {}
+    for key, row, _, _ in table_rows(path):
+        try:
+            out[key] = float(row.get("p50 µs", "").replace(",", ""))
+        except ValueError:
+            pass
     return out
 
 

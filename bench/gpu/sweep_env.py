@@ -19,7 +19,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab_table import row_name, rows_of  # noqa: E402
+from ab_table import p50s_of, row_name, rows_of  # noqa: E402
+
+LATENCY_ROW_GBPS = 2.0  # rows slower than this are about latency: their p50 is printed too
 
 
 def main() -> int:
@@ -42,6 +44,7 @@ def main() -> int:
         configs.append((name, env))
     os.makedirs(a.out, exist_ok=True)
     runs = {name: [] for name, _ in configs}  # name -> per round: [(key, gbps, cpu)]
+    p50s = {name: [] for name, _ in configs}  # name -> per round: {key: p50 us}
     start = time.monotonic()
     for r in range(a.rounds):
         if a.deadline and r and time.monotonic() - start > a.deadline:
@@ -55,10 +58,12 @@ def main() -> int:
                                     timeout=a.timeout).returncode
             rows = rows_of(log)
             runs[name].append(rows)
+            p50s[name].append(p50s_of(log))
             print(f"== {name} round {r + 1} rc={rc}: " + ", ".join(f"{row_name(k)} {g:.2f}" for k, g, _ in rows), flush=True)
     base = configs[0][0]
     keys = [k for k, _, _ in runs[base][0]] if runs[base] and runs[base][0] else []
-    print(f"\nmedian GB/s over {a.rounds} rounds (ratio to '{base}', rounds won against it; CPU-s/GB both sides)")
+    print(f"\nmedian GB/s over {a.rounds} rounds (ratio to '{base}', rounds won against it; CPU-s/GB both sides;"
+          f" p50 latency where a row moves under {LATENCY_ROW_GBPS} GB/s)")
     for key in keys:
         label = row_name(key)
         cells = []
@@ -78,6 +83,9 @@ def main() -> int:
                 cell += f" ({med / base_med:.2f}x, {won}/{len(g)})"
             if c:
                 cell += f" cpu {statistics.median(c):.3f}"
+            lat = [r[key] for r in p50s[name] if key in r]
+            if base_med < LATENCY_ROW_GBPS and lat:
+                cell += f" p50 {statistics.median(lat):.1f} us"
             cells.append(cell)
         print(f"  {label:36} " + " | ".join(cells))
     return 0

@@ -35,7 +35,8 @@ struct Config {
   uint32_t staging_nap_us = 8;      // TETHER_STAGING_NAP_US: a tcp progress thread whose lanes wait only on staged
                                     // GPU copies sleeps this long between polls of them (0 = spins; ARCHITECTURE.md)
   uint32_t wait_nap_us = 20;        // TETHER_WAIT_NAP_US: where busy_poll_us > 0, wait() on a tcp read of 4 MiB or
-                                    // more sleeps in timed naps of this long instead of spinning (0 = spins)
+                                    // more sleeps in timed naps of this long instead of spinning, and on any other
+                                    // tcp transfer that large sleeps at once (0 = both spin)
   std::string auth_token;           // TETHER_AUTH_TOKEN: shared secret; empty = no authentication
   std::string name;                 // TETHER_NAME: shown to peers; default "host:pid"
   std::string unpack;               // TETHER_UNPACK: kernel, d2d or host; empty = kernel when built, else d2d

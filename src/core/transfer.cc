@@ -72,7 +72,9 @@ constexpr uint64_t kNapMinBytes = 4 << 20;
 // costs ~100 us on the GPU host, hence spinning. But a spinner holds a core for the whole transfer
 // while every lane's thread lands and copies the read's chunks (tcp: 8 lanes' threads on each side of
 // a 16-core host). Measured: 16 MiB GPU reads 1.09-1.14 x, host reads 1.09-1.5 x, CPU-s/GB lower;
-// writes lost 2-7 %, so they keep spinning (PERFORMANCE.md, session 17).
+// writes lost 2-7 % with naps (PERFORMANCE.md, session 17). A large write's waiter instead sleeps on the
+// condition variable at once: its end is an ack the lane's thread reads anyway (session 18: same rates,
+// fewer CPU-seconds per GB).
 void TransferState::nap_until_done(std::chrono::steady_clock::time_point end, uint32_t nap_us) const {
   const int slack = ::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us would stretch every nap
@@ -85,11 +87,13 @@ Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_u
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const uint64_t n = bytes.load(std::memory_order_relaxed);
+  // nap_us is non-zero only where the transport wants naps (tcp: Caps::wait_naps).
   if (nap_us && busy_us && op == OpKind::kRead && n >= kNapMinBytes) {
     nap_until_done(timeout_ms < 0 ? Clock::time_point::max() : start + std::chrono::milliseconds(timeout_ms), nap_us);
     spin_us = 0;  // done, or its time is up: what follows only collects the result
   } else {
     spin_us = n <= kSpinMaxBytes ? std::max(spin_us, busy_us) : busy_us;
+    if (nap_us && n >= kNapMinBytes) spin_us = 0;  // other large tcp transfers (writes, sends): asleep at once
   }
   if (!is_finished() && spin_us > 0) {
     if (g_spinners.fetch_add(1, std::memory_order_relaxed) == 0) {

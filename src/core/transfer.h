@@ -71,7 +71,7 @@ struct TransferState {
   void finish(Status s);
   bool is_finished() const { return finished_.load(std::memory_order_acquire); }
   // Spins (a small transfer: max(spin_us, busy_us); else busy_us), then sleeps; nap_us > 0 (with busy_us):
-  // a read of 4 MiB or more naps instead (nap_until_done).
+  // a read of 4 MiB or more naps instead (nap_until_done), any other transfer that large sleeps at once.
   Status wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_us, uint32_t nap_us = 0);
   Status final_status() const;
 

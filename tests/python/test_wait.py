@@ -1,6 +1,7 @@
-"""How wait() waits on a tcp read of 4 MiB or more: with busy polling on, in timed naps of wait_nap_us instead of
-spinning (docs/ARCHITECTURE.md, "Waking up"). The naps must keep every property of a wait: the bytes
-arrive whole, a timeout is honoured while the peer is silent, and the transfer still completes after it.
+"""How wait() waits on a tcp transfer of 4 MiB or more where busy polling is on: a read in timed naps of
+wait_nap_us, a write asleep at once, instead of spinning (docs/ARCHITECTURE.md, "Waking up"). Either
+must keep every property of a wait: the bytes arrive whole, a timeout is honoured while the peer is
+silent, and the transfer still completes after it.
 
 Busy polling is off by default on machines of fewer than 8 CPUs, so these tests turn it on.
 """
@@ -86,3 +87,34 @@ def test_a_napping_wait_ends_when_the_target_dies(children, endpoints):
         t.wait(T)
     assert not isinstance(e.value, tether.TransferTimeout), e.value
     assert time.monotonic() - t0 < 5.0
+
+
+def test_a_large_write_waiter_sleeps_and_a_small_ones_spins(children, endpoints):
+    """Against a stopped target nothing finishes, so what wait() burns is its own choice: a 64 KiB write's
+    waiter spins for busy_poll_us, a 16 MiB write's sleeps at once. Both writes land whole afterwards."""
+    c = children("sleep-target")
+    info = c.call("endpoint", name="T", transport="tcp")
+    big, small = 16 * MiB, 64 << 10
+    desc = c.call("register", "dst", big + small)
+    me = endpoints(name="I", **dict(NAPPING, busy_poll_us=300_000))  # a spin long enough to see
+    peer = me.connect(info["metadata"], timeout=5)
+    src = rand_bytes(21, big + small)
+    local = me.register(src)
+    peer.write(local, desc, length=small).wait(T)  # the lanes are up before the target stops
+    c.kill(signal.SIGSTOP)
+    try:
+        burnt = {}
+        writes = {}
+        for name, off, n in (("large", 0, big), ("small", big, small)):
+            writes[name] = peer.write(local, desc, local_offset=off, remote_offset=off, length=n)
+            t0 = time.thread_time()
+            with pytest.raises(tether.TransferTimeout):
+                writes[name].wait(timeout=0.5)
+            burnt[name] = time.thread_time() - t0
+    finally:
+        c.kill(signal.SIGCONT)
+    for t in writes.values():
+        t.wait(T)
+    assert burnt["large"] < 0.05, f"the 16 MiB write's waiter used {burnt['large']:.3f} CPU-s in 0.5 s"
+    assert burnt["small"] > 0.15, f"the 64 KiB write's waiter used only {burnt['small']:.3f} CPU-s (no spin?)"
+    assert_bytes_equal(np.frombuffer(c.call("get", "dst"), dtype=np.uint8), src, "both writes after the stop")

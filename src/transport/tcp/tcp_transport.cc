@@ -49,6 +49,7 @@ constexpr uint32_t kReadAnswers = 64;        // kReadBatch answers a lane holds 
 constexpr int kStagedLowat = 256 << 10;      // SO_RCVLOWAT while a staged payload arrives (staging_nap_us > 0)
 constexpr uint64_t kSpinAfterBytes = 64 << 10;  // a progress loop that moved less is "small traffic"
 constexpr uint64_t kLaneQueueChunks = 2;      // chunks a lane's socket may hold (ours + the kernel's)
+constexpr uint64_t kSmallCopy = 256 << 10;    // staged copies up to this extend the busy window (run())
 
 // Bytes in the socket's send queue (unsent or unacknowledged).
 inline uint64_t kernel_queued(int fd) {
@@ -193,10 +194,12 @@ struct Lane {
   std::vector<std::unique_ptr<ReadAnswer>> read_answers;  // grown by the rx owner, up to kReadAnswers
   std::atomic<uint32_t> gpu_inflight{0};  // staged copies in flight: the progress thread polls them (or naps)
   std::atomic<uint64_t> gpu_steps{0};     // staged copies started + finished: a turn that moved it did work
+  std::atomic<bool> small_copy{false};    // the latest staged copy moved at most kSmallCopy bytes
 
-  void copy_started() {
+  void copy_started(uint64_t bytes) {
     gpu_inflight.fetch_add(1, std::memory_order_relaxed);
     gpu_steps.fetch_add(1, std::memory_order_relaxed);
+    small_copy.store(bytes <= kSmallCopy, std::memory_order_relaxed);
   }
   void copy_finished() {
     gpu_inflight.fetch_sub(1, std::memory_order_relaxed);
@@ -283,7 +286,7 @@ bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
   it.device = -1;
   it.staged = false;
   ++l.tx_unstaged;
-  l.copy_started();
+  l.copy_started(it.length);
   return true;
 }
 
@@ -869,7 +872,7 @@ void payload_done(Lane& l, core::EndpointImpl* ep) {
     if (!l.rx_stage->unpack(g.slot, l.rx_device, l.rx_unpack, n, mode).is_ok()) g.status = uint8_t(Code::kInternal);
     l.rx_device = -1;
     ++l.gpu_rx_count;
-    l.copy_started();
+    l.copy_started(h.length);
     complete_gpu_rx(l, ep);  // small copies may be done already
     return;
   }
@@ -1093,6 +1096,7 @@ void ProgressThread::run() {
       prepared_gpus_ = want;
     }
     bool staging = false;  // a lane has staged GPU copies in flight
+    bool small_staging = false;  // ... of at most kSmallCopy bytes
     napping = false;
     for (auto& l : lanes_) {
       if (l->dead.load(std::memory_order_relaxed)) continue;
@@ -1103,6 +1107,7 @@ void ProgressThread::run() {
       do_tx(*l);
       if (l->gpu_inflight.load(std::memory_order_relaxed) > 0) {  // GPU copies in flight: poll them
         staging = true;
+        small_staging |= l->small_copy.load(std::memory_order_relaxed);
         if (l->try_own_rx()) {
           if (l->gpu_rx_count > 0) complete_gpu_rx(*l, ep_);
           l->disown_rx();
@@ -1122,10 +1127,13 @@ void ProgressThread::run() {
     }
     copies = staging;
     if (staging) {
-      // Staged GPU chunks keep it spinning: each chunk's next step (its copy done, the next chunk
-      // to stage or to land) follows within microseconds, and a sleeping thread's wake-up there cost
-      // staged transfers 10-20 % (PERFORMANCE.md, session 9).
-      last_event = Clock::now();
+      // Copies in flight keep the thread polling them (`copies`): each chunk's next step (its copy done,
+      // the next chunk to stage or to land) follows within microseconds, and a sleeping thread's wake-up
+      // there cost staged transfers 10-20 % (PERFORMANCE.md, session 9). Only copies of chunks up to
+      // 256 KiB (small transfers; 16 MiB reads, which lost 10 % without it) keep it spinning after them:
+      // after larger ones every lane's thread spun for busy_poll_us at each transfer's end, 10-26 % more
+      // CPU-seconds per GB at the same rates (PERFORMANCE.md, session 18).
+      if (small_staging) last_event = Clock::now();
       // A turn that only polled the GPU (no socket event, no byte moved, no copy started or finished)
       // naps (above), or with staging_nap_us 0 lets another runnable thread on this core go first: 16
       // lanes' threads polling copies share 16 cores with the kernel's TCP work (PERFORMANCE.md, session 12).
