@@ -8,10 +8,13 @@ first environment's, the rounds it won against it, and both processes' CPU-secon
         -- 'tether bench --transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx 0 --sizes 16M --mode read'
 
 --env NAME=ASSIGNMENTS (space-separated NAME=VALUE; empty for the defaults). Logs in --out.
+--ceiling STREAMS opens each round with a 1 s loopback ceiling (tcp_ceiling -n STREAMS): the GPU host has
+slow phases in which every build runs at a third to a half of its rate, and a round in one says little.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -24,6 +27,17 @@ from ab_table import p50s_of, row_name, rows_of  # noqa: E402
 LATENCY_ROW_GBPS = 2.0  # rows slower than this are about latency: their p50 is printed too
 
 
+def ceiling_gbps(streams: int) -> float:
+    """GB/s of a 1 s loopback TCP ceiling run (bench/tools/tcp_ceiling.c) at `streams` streams; nan if it fails."""
+    from tether.bench import BenchError, ceiling_tool  # here: the tables alone need no tether
+    try:
+        out = subprocess.run([ceiling_tool(), "-n", str(streams), "-t", "1", "--json"], capture_output=True,
+                             text=True, timeout=60).stdout
+        return float(json.loads(out)["gbps"])
+    except (BenchError, OSError, ValueError, KeyError, subprocess.TimeoutExpired):
+        return float("nan")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -32,6 +46,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
     ap.add_argument("--deadline", type=float, default=0,
                     help="seconds: start no round after this much time has gone (the table covers the rounds run)")
+    ap.add_argument("--ceiling", type=int, default=0, metavar="STREAMS",
+                    help="run the loopback TCP ceiling with this many streams before each round (0: no)")
     ap.add_argument("command", help="the shell command each environment runs (its bench tables are read)")
     a = ap.parse_args()
     configs = []
@@ -45,12 +61,16 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     runs = {name: [] for name, _ in configs}  # name -> per round: [(key, gbps, cpu)]
     p50s = {name: [] for name, _ in configs}  # name -> per round: {key: p50 us}
+    ceilings = []  # GB/s before each round (--ceiling)
     start = time.monotonic()
     for r in range(a.rounds):
         if a.deadline and r and time.monotonic() - start > a.deadline:
             print(f"deadline: {r} rounds run", flush=True)
             break
         order = configs[r % len(configs):] + configs[:r % len(configs)]
+        if a.ceiling:
+            ceilings.append(ceiling_gbps(a.ceiling))
+            print(f"== round {r + 1}: loopback ceiling at {a.ceiling} streams {ceilings[-1]:.2f} GB/s", flush=True)
         for name, env in order:
             log = f"{a.out}/{name}_{r + 1}.log"
             with open(log, "w") as f:
@@ -60,6 +80,10 @@ def main() -> int:
             runs[name].append(rows)
             p50s[name].append(p50s_of(log))
             print(f"== {name} round {r + 1} rc={rc}: " + ", ".join(f"{row_name(k)} {g:.2f}" for k, g, _ in rows), flush=True)
+    if ceilings:
+        lo, hi = min(ceilings), max(ceilings)
+        print(f"\nloopback ceiling per round: {', '.join(f'{c:.2f}' for c in ceilings)} GB/s"
+              + (" (varied by more than 20 %: a slow phase; read the rounds apart)" if lo < 0.8 * hi else ""))
     base = configs[0][0]
     keys = [k for k, _, _ in runs[base][0]] if runs[base] and runs[base][0] else []
     print(f"\nmedian GB/s over {a.rounds} rounds (ratio to '{base}', rounds won against it; CPU-s/GB both sides;"

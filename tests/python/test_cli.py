@@ -330,6 +330,26 @@ def test_ab_table_pairs_each_row_over_the_rounds(tmp_path):
         assert won in ("1 of 2", "0 of 2"), row  # 0 only where both runs printed the same GB/s
 
 
+def test_sweep_env_runs_each_environment_per_round_beside_a_ceiling(tmp_path):
+    """bench/gpu/sweep_env.py: one command under two environments, rounds interleaved, a loopback ceiling
+    opening each round; its table has every row once, with the ratio to the first environment, and the
+    p50 of a latency row (64 B moves far under 2 GB/s)."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu", "sweep_env.py")
+    cmd = f"{sys.executable} -m tether bench --quiet --transport tcp --sizes 64,1M --iters 20"
+    t = subprocess.run([sys.executable, tool, "--rounds", "2", "--ceiling", "2", "--out", str(tmp_path),
+                        "--env", "base=", "--env", "small=TETHER_CHUNK_BYTES=262144", cmd],
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert t.returncode == 0, t.stdout + t.stderr
+    ceilings = [line for line in t.stdout.splitlines() if line.startswith("== round ") and "ceiling" in line]
+    assert len(ceilings) == 2 and all(float(c.split()[-2]) > 0 for c in ceilings), t.stdout
+    assert sorted(os.listdir(tmp_path)) == ["base_1.log", "base_2.log", "small_1.log", "small_2.log"]
+    table = t.stdout.split("median GB/s over 2 rounds")[1].splitlines()[1:]
+    rows = {line.split("  base ")[0].strip(): line for line in table if "  base " in line}
+    assert set(rows) == {"write tcp cpu 64 B", "write tcp cpu 1 MiB"}, t.stdout
+    assert " p50 " in rows["write tcp cpu 64 B"] and "small " in rows["write tcp cpu 64 B"], t.stdout
+    assert "x, " in rows["write tcp cpu 1 MiB"], t.stdout  # the ratio to base and the rounds won
+
+
 def test_trace_reaches_its_file_without_the_endpoint_closing(tmp_path):
     """A process that never closes its endpoint (os._exit, as NIXL's examples and our NIXL driver end)
     still leaves its events: the control thread appends them every tick."""
