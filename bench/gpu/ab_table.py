@@ -64,17 +64,6 @@ def rows_of(path: str) -> list[tuple[tuple, float, float | None]]:
     return [(key, gbps, cpu) for key, _, gbps, cpu in table_rows(path)]
 
 
-def p50s_of(path: str) -> dict[tuple, float]:
-    """Row key -> p50 latency in microseconds, for the rows that show one."""
-    out = {}
-    for key, row, _, _ in table_rows(path):
-        try:
-            out[key] = float(row.get("p50 µs", "").replace(",", ""))
-        except ValueError:
-            pass
-    return out
-
-
 def row_name(key: tuple) -> str:
     """A row's key (rows_of) as its table shows it: "read tcp gpu0>gpu0 16 MiB", "write ... 4096 x 16 KiB"."""
     mode, transport, device, size, iovs, config, nth = key

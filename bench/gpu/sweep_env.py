@@ -22,9 +22,17 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab_table import p50s_of, row_name, rows_of  # noqa: E402
+from ab_table import row_name, table_rows  # noqa: E402
 
 LATENCY_ROW_GBPS = 2.0  # rows slower than this are about latency: their p50 is printed too
+
+
+def number(cell: str | None) -> float | None:
+    """A table cell as a number ("1,079" -> 1079.0), None where it is not one."""
+    try:
+        return float((cell or "").replace(",", ""))
+    except ValueError:
+        return None
 
 
 def ceiling_gbps(streams: int) -> float:
@@ -76,9 +84,10 @@ def main() -> int:
             with open(log, "w") as f:
                 rc = subprocess.run(["bash", "-c", a.command], env=env, stdout=f, stderr=subprocess.STDOUT,
                                     timeout=a.timeout).returncode
-            rows = rows_of(log)
+            parsed = list(table_rows(log))
+            rows = [(k, g, c) for k, _, g, c in parsed]
             runs[name].append(rows)
-            p50s[name].append(p50s_of(log))
+            p50s[name].append({k: p50 for k, row, _, _ in parsed if (p50 := number(row.get("p50 µs"))) is not None})
             print(f"== {name} round {r + 1} rc={rc}: " + ", ".join(f"{row_name(k)} {g:.2f}" for k, g, _ in rows), flush=True)
     if ceilings:
         lo, hi = min(ceilings), max(ceilings)
@@ -107,7 +116,7 @@ def main() -> int:
                 cell += f" ({med / base_med:.2f}x, {won}/{len(g)})"
             if c:
                 cell += f" cpu {statistics.median(c):.3f}"
-            lat = [r[key] for r in p50s[name] if key in r]
+            lat = [rnd[key] for rnd in p50s[name] if key in rnd]
             if base_med < LATENCY_ROW_GBPS and lat:
                 cell += f" p50 {statistics.median(lat):.1f} us"
             cells.append(cell)

@@ -62,8 +62,8 @@ namespace {
 // progress threads that must run for the transfer to finish (2-core machines).
 std::atomic<int> g_spinners{0};
 constexpr uint64_t kSpinMaxBytes = 256 << 10;  // larger transfers take long enough to sleep
-// Reads this large nap (nap_until_done): ≥ 200 us at 20 GB/s, so a nap's late finish costs little.
-// Sizes between 256 KiB and 4 MiB were not measured with naps and keep spinning.
+// Reads this large nap (nap_until_done), other transfers this large sleep at once: ≥ 200 us at 20 GB/s,
+// so a late wake-up costs little. Sizes between 256 KiB and 4 MiB were not measured and keep spinning.
 constexpr uint64_t kNapMinBytes = 4 << 20;
 }  // namespace
 
@@ -87,13 +87,16 @@ Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_u
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const uint64_t n = bytes.load(std::memory_order_relaxed);
-  // nap_us is non-zero only where the transport wants naps (tcp: Caps::wait_naps).
-  if (nap_us && busy_us && op == OpKind::kRead && n >= kNapMinBytes) {
+  // nap_us is non-zero only where the transport wants naps (tcp: Caps::wait_naps); without busy_us a large
+  // transfer's waiter sleeps at once anyway.
+  const bool large = nap_us && busy_us && n >= kNapMinBytes;
+  if (large && op == OpKind::kRead) {
     nap_until_done(timeout_ms < 0 ? Clock::time_point::max() : start + std::chrono::milliseconds(timeout_ms), nap_us);
     spin_us = 0;  // done, or its time is up: what follows only collects the result
+  } else if (large) {
+    spin_us = 0;  // writes, sends: asleep on the condition variable at once
   } else {
     spin_us = n <= kSpinMaxBytes ? std::max(spin_us, busy_us) : busy_us;
-    if (nap_us && n >= kNapMinBytes) spin_us = 0;  // other large tcp transfers (writes, sends): asleep at once
   }
   if (!is_finished() && spin_us > 0) {
     if (g_spinners.fetch_add(1, std::memory_order_relaxed) == 0) {

@@ -39,8 +39,8 @@ struct Caps {
   bool batch_reads = false;     // small reads are batched too, as kReadBatch chunks (ipc)
   uint64_t gpu_chunk_bytes = 0; // chunk size when both ends of a write/read are GPU memory (0: the peer's chunk_bytes)
   uint32_t read_depth = 0;      // reads one lane keeps requested at once, in chunk_bytes (0: its whole window)
-  bool wait_naps = false;       // wait() on a large read naps instead of spinning (Config::wait_nap_us): the
-                                // transport's own threads land its chunks on every lane (tcp)
+  bool wait_naps = false;       // wait() on a large read naps (Config::wait_nap_us), on another large transfer
+                                // sleeps, instead of spinning: the transport's own threads land its chunks (tcp)
 };
 
 class Transport {

@@ -1239,7 +1239,7 @@ Caps TcpTransport::caps() const {
   // as answers come in, so a transfer's chunks spread over every lane and faster lanes still take more.
   // Filling the window at once left a 16 MiB host read on 2 of its 4 lanes (PERFORMANCE.md, session 11).
   c.read_depth = uint32_t(kLaneQueueChunks);
-  c.wait_naps = true;  // a read's answers land on every lane by their threads (ARCHITECTURE.md, "Waking up")
+  c.wait_naps = true;  // every lane's answers are landed by its thread (ARCHITECTURE.md, "Waking up")
   // Small reads travel as kReadBatch chunks: one request and one answer for up to kMaxFragments blocks
   // (a KV pull of 4,096 × 16 KiB blocks from GPU memory was 4,096 round trips and copies otherwise).
   c.batch_reads = true;
