@@ -33,6 +33,8 @@ const char* op_name(OpKind op) {
   return "?";
 }
 
+constexpr uint64_t kStagedReadChunks = 3;  // a staged read's smaller chunks a lane holds requested at once
+
 // A staged GPU read moves each chunk three times in a row (the target copies it out of its GPU, sends
 // it, we copy it into ours): a read of only a few chunks per lane cannot overlap them. Such reads use
 // chunks of total / (8 x lanes), down to 256 KiB; from 8 full chunks per lane on, the full chunk.
@@ -380,16 +382,22 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     }
     TransferState* t = queue_head_.load(std::memory_order_relaxed);
     if (!t || free_slots_.empty()) return false;
-    // A read request costs its lane nothing to send, so without this the first lanes to run took their
-    // whole windows of large chunks and the rest of the transfer waited on them (Caps::read_depth; in
-    // bytes, so small reads still fill the window: a round trip each, they need the depth).
-    if (read_depth_ && t->op == OpKind::kRead &&
-        lane_bytes_[lane].load(std::memory_order_relaxed) >= uint64_t(read_depth_) * info_.chunk_bytes)
-      return false;
     const Segment& seg = t->segments[t->cur_segment];
     // GPU to GPU (writes, reads): the transport may want bigger chunks (ipc: copy engines over NVLink).
     const bool gpu_both = gpu_chunk_ && device_of(seg) >= 0 && seg.remote && seg.remote->kind == MemoryKind::kCuda;
     const uint64_t chunk = read_chunk(*t, device_of(seg), seg.remote, gpu_both ? gpu_chunk_ : info_.chunk_bytes);
+    // A read request costs its lane nothing to send, so without this the first lanes to run took their
+    // whole windows of large chunks and the rest of the transfer waited on them (Caps::read_depth; in
+    // bytes, so small reads still fill the window: a round trip each, they need the depth).
+    if (read_depth_ && t->op == OpKind::kRead) {
+      uint64_t depth = uint64_t(read_depth_) * info_.chunk_bytes;
+      // A staged read cut into chunks of a quarter of chunk_bytes or less (pipelined_chunk: reads of up
+      // to 16 MiB over 8 lanes) keeps at most kStagedReadChunks of them per lane: less is left on each
+      // lane when the last is handed out (16 MiB GPU reads 1.03-1.04 x, 4 MiB 1.06 x, less CPU; 32 MiB
+      // reads, in 512 KiB chunks, lost 0.94 x and keep the window: PERFORMANCE.md, session 19).
+      if (staged_gpu_ && chunk * 4 <= info_.chunk_bytes) depth = std::min(depth, kStagedReadChunks * chunk);
+      if (lane_bytes_[lane].load(std::memory_order_relaxed) >= depth) return false;
+    }
     const uint32_t idx = free_slots_.back();
     free_slots_.pop_back();
     Slot& s = slots_[idx];

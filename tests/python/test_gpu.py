@@ -2,6 +2,9 @@
 same GPU, host->GPU, GPU->host), every operation, each unpack mode; random data, poisoned
 destinations, every byte checked. Needs CUDA, torch with a GPU; skipped otherwise, saying why. With
 one GPU the GPU0->GPU1 pairings run GPU0->GPU0 between the two processes (GpuEnv.pairs)."""
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -162,6 +165,43 @@ def test_no_stall_after_the_waiter_lands_a_staged_payload(children):
         assert slowest < 0.5, f"a 64 MiB read of 4,096 blocks took {slowest:.3f} s (a lost wake-up: ~1 s)"
     finally:
         local.ep.close()
+
+
+def _requests_in_flight_per_lane(tmp_path, size: str) -> int:
+    """The most read requests one lane of the initiator held unanswered during a traced `tether bench`
+    of GPU reads of `size` (TETHER_TRACE: a request is pulled, its answer answered, on one lane)."""
+    prefix = str(tmp_path / f"tr{size}")
+    env = dict(os.environ, TETHER_TRACE=prefix,
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__))) + os.pathsep +
+               os.environ.get("PYTHONPATH", ""))
+    remote = "1" if _ngpu > 1 else "0"
+    r = subprocess.run([sys.executable, "-m", "tether", "bench", "--quiet", "--transport", "tcp", "--device", "gpu",
+                        "--local-gpu-idx", "0", "--remote-gpu-idx", remote, "--channels", "8", "--sizes", size, "--mode", "read",
+                        "--iters", "6", "--check"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for f in sorted(tmp_path.glob(f"tr{size}.*.tsv")):
+        rows = [line.split("\t") for line in f.read_text().splitlines() if not line.startswith(("#", "ns\t"))]
+        if not any(row[1] == "post" for row in rows):
+            continue  # the target's file
+        held: dict = {}
+        most = 0
+        for _ns, event, lane, typ, *_rest in sorted(rows, key=lambda row: int(row[0])):
+            if event == "pulled" and typ == "3":  # a read request taken by its lane
+                held[lane] = held.get(lane, 0) + 1
+                most = max(most, held[lane])
+            elif event == "answered" and typ == "4":
+                held[lane] = held.get(lane, 0) - 1
+        return most
+    raise AssertionError(f"no initiator trace among {list(tmp_path.iterdir())}")
+
+
+def test_a_staged_read_holds_three_small_chunks_per_lane(tmp_path):
+    """A staged GPU read of few chunks per lane is cut into smaller chunks (16 MiB: 256 KiB), and a lane
+    holds at most three of them requested (PeerState::next_chunk, kStagedReadChunks): with the four the
+    window allowed (8 channels), more was left on each lane when the last chunk was handed out (16 MiB reads 1.03-1.04 x,
+    4 MiB 1.06 x: PERFORMANCE.md, session 19). Full 1 MiB chunks keep two per lane (Caps::read_depth)."""
+    assert _requests_in_flight_per_lane(tmp_path, "16M") == 3
+    assert _requests_in_flight_per_lane(tmp_path, "64M") == 2
 
 
 def test_gpu_region_checks():
