@@ -6,6 +6,7 @@
     python3 bench/tools/trace_report.py /tmp/tr --gaps 50     # where a stalled transfer stopped
     python3 bench/tools/trace_report.py /tmp/tr --phases      # a transfer's milestones, µs after its post
     python3 bench/tools/trace_report.py /tmp/tr --sender-time # a staged sender's time: sendmsg, copy wait, idle
+    python3 bench/tools/trace_report.py /tmp/tr --outliers 4  # transfer times; the slowest, lane by lane
 
 Every chunk is one (slot, gen) pair on both sides: the initiator pulls and sends it, the target reads
 its header and lands it, and the answer (ack or read response) goes back. The events of one chunk,
@@ -91,6 +92,10 @@ def main() -> int:
     ap.add_argument("--gaps", type=float, default=0.0,
                     help="instead: every silence longer than GAPS ms inside a transfer (post to wait() returning, "
                          "both processes' events), with the 30 events before it and 8 after (a stalled transfer)")
+    ap.add_argument("--outliers", type=int, default=0,
+                    help="instead: the transfers' times (percentiles, a histogram), then the median one and the N "
+                         "slowest lane by lane: events, first and last (µs after the post), the CPUs its thread ran "
+                         "on, and its longest silence (which lane stopped, and after what)")
     a = ap.parse_args()
     procs = load(a.prefix)
     if not procs:
@@ -103,6 +108,8 @@ def main() -> int:
         return print_phases(procs, side, a.skip)
     if a.sender_time:
         return print_sender_time(procs, side, a.skip)
+    if a.outliers:
+        return print_outliers(procs, side, a.skip, a.outliers)
     t0 = min(r[0] for rows in procs.values() for r in rows)
     posts = sorted(r[0] for rows in procs.values() for r in rows if r[1] == "post")
     since = posts[-a.last] if a.last and len(posts) >= a.last else 0
@@ -179,6 +186,38 @@ def transfers(procs, side, skip: float):
         k = bisect.bisect_left(waits, t0)
         if k < len(waits):
             yield t0, waits[k], evs[bisect.bisect_left(times, t0):bisect.bisect_right(times, waits[k])]
+
+
+def print_outliers(procs, side, skip: float, n: int) -> int:
+    """Transfer times, then the median transfer and the n slowest lane by lane. A slow transfer whose
+    lanes all ended early but one, silent for milliseconds, had a thread that did not run (or a copy
+    that did not finish); one whose lanes all paused together waited on something they share."""
+    xs = list(transfers(procs, side, skip))
+    if not xs:
+        print("no transfer was posted and waited for")
+        return 1
+    order = sorted(range(len(xs)), key=lambda i: xs[i][1] - xs[i][0])
+    v = [(xs[i][1] - xs[i][0]) / 1e3 for i in order]
+    print(f"{len(v)} transfers, µs: p10 {pct(v, .1):.0f} p50 {pct(v, .5):.0f} p90 {pct(v, .9):.0f} "
+          f"p99 {pct(v, .99):.0f} max {v[-1]:.0f}")
+    step = max(50, int(pct(v, .5) / 4) // 50 * 50)  # about four buckets to the median
+    hist = collections.Counter(int(x // step) * step for x in v)
+    print(f"histogram ({step} µs buckets): " + ", ".join(f"{k}: {c}" for k, c in sorted(hist.items())))
+    for tag, i in [("median", order[len(order) // 2])] + [("slow", i) for i in order[::-1][:n]]:
+        t0, t1, window = xs[i]
+        lanes = collections.defaultdict(list)
+        for (ns, event, lane, _typ, _slot, _gen, cpu), who in window:
+            if event not in ("post", "waited"):  # a wake-up names its progress thread, not a lane
+                lanes[(who, "thread" if event == "wake" else "lane", lane)].append((ns, event, cpu))
+        print(f"-- {tag} transfer: {(t1 - t0) / 1e3:.0f} µs")
+        for (who, what, lane), evs in sorted(lanes.items()):
+            gaps = [(evs[k + 1][0] - evs[k][0], k) for k in range(len(evs) - 1)]
+            g, k = max(gaps) if gaps else (0, 0)
+            after = f" after {evs[k][1]} at {(evs[k][0] - t0) / 1e3:.0f} µs, then {evs[k + 1][1]}" if gaps else ""
+            cpus = ",".join(str(c) for c in sorted({c for _, _, c in evs}))
+            print(f"   {who} {what} {lane}: {len(evs):3d} events, {(evs[0][0] - t0) / 1e3:7.0f} to "
+                  f"{(evs[-1][0] - t0) / 1e3:7.0f} µs, cpus {cpus}, longest silence {g / 1e3:.0f} µs{after}")
+    return 0
 
 
 def print_phases(procs, side, skip: float) -> int:

@@ -304,6 +304,28 @@ def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path
         assert any(c != "-" and all(part.replace(",", "").isdigit() for part in c.split("/")) for c in cells), row
 
 
+def test_trace_report_outliers_lists_the_slowest_transfers_lane_by_lane(tmp_path):
+    """trace_report.py --outliers N: the transfers' times, then the median transfer and the N slowest with
+    a line per lane of each side (its events, when it was active, its CPUs, its longest silence): how a
+    16 MiB GPU read's rare multi-ms transfers were traced to one thread that did not run (session 19)."""
+    prefix, _init, _target = _traced_bench(tmp_path, "--transport", "tcp", "--sizes", "2M", "--chunk-bytes", "512K",
+                                           "--mode", "read", "--iters", "8", "--warmup", "1")
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "tools", "trace_report.py")
+    r = subprocess.run([sys.executable, tool, prefix, "--outliers", "2"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    n = int(lines[0].split()[0])
+    assert " p50 " in lines[0] and n >= 8, r.stdout  # the 8 timed reads at least (the warm-up too)
+    assert lines[1].startswith("histogram (") and sum(int(c.split(": ")[1]) for c in lines[1].split("): ")[1].split(", ")) == n
+    heads = [i for i, line in enumerate(lines) if line.startswith("-- ")]
+    assert [lines[i].split(" transfer")[0] for i in heads] == ["-- median", "-- slow", "-- slow"], r.stdout
+    for i in heads:  # each listed transfer: 2 MiB in 512 KiB chunks went over some lane of each side
+        rows = lines[i + 1:(heads + [len(lines)])[heads.index(i) + 1]]
+        for who in ("I", "T"):
+            mine = [row for row in rows if row.strip().startswith(f"{who} lane ")]
+            assert mine and all(" cpus " in row and "longest silence" in row for row in mine), r.stdout
+
+
 def test_ab_table_pairs_each_row_over_the_rounds(tmp_path):
     """bench/gpu/ab_table.py (an A/B's verdict) reads real `tether bench` tables. Two runs' logs are
     crossed (round 1: run A new, run B old; round 2: B new, A old), so every row's medians are equal
