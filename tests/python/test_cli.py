@@ -316,7 +316,8 @@ def test_trace_report_outliers_lists_the_slowest_transfers_lane_by_lane(tmp_path
     lines = r.stdout.splitlines()
     n = int(lines[0].split()[0])
     assert " p50 " in lines[0] and n >= 8, r.stdout  # the 8 timed reads at least (the warm-up too)
-    assert lines[1].startswith("histogram (") and sum(int(c.split(": ")[1]) for c in lines[1].split("): ")[1].split(", ")) == n
+    buckets = lines[1].split("): ")[1].split(", ")
+    assert lines[1].startswith("histogram (") and sum(int(c.split(": ")[1]) for c in buckets) == n
     heads = [i for i, line in enumerate(lines) if line.startswith("-- ")]
     assert [lines[i].split(" transfer")[0] for i in heads] == ["-- median", "-- slow", "-- slow"], r.stdout
     for i in heads:  # each listed transfer: 2 MiB in 512 KiB chunks went over some lane of each side

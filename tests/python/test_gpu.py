@@ -176,8 +176,8 @@ def _requests_in_flight_per_lane(tmp_path, size: str) -> int:
                os.environ.get("PYTHONPATH", ""))
     remote = "1" if _ngpu > 1 else "0"
     r = subprocess.run([sys.executable, "-m", "tether", "bench", "--quiet", "--transport", "tcp", "--device", "gpu",
-                        "--local-gpu-idx", "0", "--remote-gpu-idx", remote, "--channels", "8", "--sizes", size, "--mode", "read",
-                        "--iters", "6", "--check"], env=env, capture_output=True, text=True, timeout=300)
+                        "--local-gpu-idx", "0", "--remote-gpu-idx", remote, "--channels", "8", "--sizes", size,
+                        "--mode", "read", "--iters", "6", "--check"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for f in sorted(tmp_path.glob(f"tr{size}.*.tsv")):
         rows = [line.split("\t") for line in f.read_text().splitlines() if not line.startswith(("#", "ns\t"))]
@@ -198,8 +198,9 @@ def _requests_in_flight_per_lane(tmp_path, size: str) -> int:
 def test_a_staged_read_holds_three_small_chunks_per_lane(tmp_path):
     """A staged GPU read of few chunks per lane is cut into smaller chunks (16 MiB: 256 KiB), and a lane
     holds at most three of them requested (PeerState::next_chunk, kStagedReadChunks): with the four the
-    window allowed (8 channels), more was left on each lane when the last chunk was handed out (16 MiB reads 1.03-1.04 x,
-    4 MiB 1.06 x: PERFORMANCE.md, session 19). Full 1 MiB chunks keep two per lane (Caps::read_depth)."""
+    window allowed (8 channels), more was left on each lane when the last chunk was handed out (16 MiB
+    reads 1.03-1.04 x, 4 MiB 1.06 x: PERFORMANCE.md, session 19). Full 1 MiB chunks keep two per lane
+    (Caps::read_depth)."""
     assert _requests_in_flight_per_lane(tmp_path, "16M") == 3
     assert _requests_in_flight_per_lane(tmp_path, "64M") == 2
 
