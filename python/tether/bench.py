@@ -100,6 +100,18 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def stolen_seconds() -> float:
+    """CPU-seconds the hypervisor has held this machine's CPUs back so far (/proc/stat's steal; 0 where
+    there is none). On the GPU hosts, a VM, rows that ran at half their rate came with it (PERFORMANCE.md,
+    session 20): a figure taken while it grew measures the host as much as tether."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def parse_size(text: str) -> int:
     """'4K', '1MiB', '1.5M', '256' -> bytes (K/M/G are binary, as in every peer's benchmark)."""
     t = text.strip().upper().replace("IB", "").replace("B", "")
@@ -228,6 +240,7 @@ class Result:
     check: Optional[bool]
     config: dict = field(default_factory=dict)
     ceiling_gbps: Optional[float] = None  # --ceiling: tcp_ceiling's GB/s with as many streams as lanes
+    steal_pct: float = 0.0  # % of this machine's CPU time the hypervisor took during the timed pass (stolen_seconds)
 
 
 # ---------------------------------------------------------------- command channels
@@ -560,6 +573,7 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
         before_timing()
     lat = np.empty(case.iters)
     cpu_c0, cpu_s0 = cpu_seconds(), pair.ask("cpu") if case.mode != "send" else None
+    stolen0 = stolen_seconds()
     t0 = time.perf_counter()
     if case.async_depth <= 0:
         for i in range(case.iters):
@@ -582,6 +596,7 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
             t.wait(120)
             lat[case.iters - len(inflight) + j] = time.perf_counter() - s
     elapsed = time.perf_counter() - t0
+    stolen = stolen_seconds() - stolen0
     cpu_c = cpu_seconds() - cpu_c0
     if case.mode == "send":
         pair.channel.recv()  # the server's receives are all done
@@ -595,7 +610,8 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
         size=case.size, num_iovs=case.num_iovs,
         iters=case.iters, gbps=total * case.iters / elapsed / 1e9,
         lat_p50_us=float(np.percentile(lat, 50) * 1e6), lat_p99_us=float(np.percentile(lat, 99) * 1e6),
-        cpu_client=100.0 * cpu_c / elapsed, cpu_server=100.0 * cpu_s / elapsed, check=check_ok)
+        cpu_client=100.0 * cpu_c / elapsed, cpu_server=100.0 * cpu_s / elapsed, check=check_ok,
+        steal_pct=100.0 * stolen / (elapsed * (os.cpu_count() or 1)))
 
 
 def _checked_iteration(pair: Pair, case: Case, blocks, post, rng) -> bool:

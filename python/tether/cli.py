@@ -506,6 +506,22 @@ def ceiling_line(c: dict) -> str:
             f"receiver {per['receiver']:.3f}); buffers {c['pinned']['receiver']}")
 
 
+STEAL_FLAG_PCT = 1.0  # rows during which the hypervisor took at least this % of the CPUs' time are named
+
+
+def steal_line(results) -> Optional[str]:
+    """The rows during which the hypervisor held this machine's CPUs back (bench.stolen_seconds), for the
+    caption; None when none was. On the GPU hosts the rows that ran at half their rate came with it."""
+    from tether import bench as B
+
+    hit = [r for r in results if r.steal_pct >= STEAL_FLAG_PCT]
+    if not hit:
+        return None
+    rows = ", ".join(f"{r.mode} {B.human(r.size)}{f' x{r.num_iovs}' if r.num_iovs > 1 else ''} ({r.steal_pct:.1f} %)"
+                     for r in hit)
+    return f"CPU time stolen by the hypervisor during: {rows}; those figures measure the host as much as tether"
+
+
 def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, width: Optional[int],
                   ceilings: Optional[list] = None):
     """(table, the width to print it at). The figures (size, GB/s, p50, p99) are never cut: what a narrow
@@ -540,6 +556,8 @@ def results_table(results, full_mesh: bool, show_config: bool, elapsed: float, w
         del cols["check"]  # nothing was checked: the column would say nothing
     title = [f"tether bench ({elapsed:.1f} s)"]
     caption: list[str] = [ceiling_line(c) for c in ceilings or ()]
+    if stolen := steal_line(results):
+        caption.append(stolen)
 
     def build():
         t = Table(title=" · ".join(title), caption="\n".join(caption) or None)

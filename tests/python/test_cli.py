@@ -67,6 +67,7 @@ def test_json_output_and_check(tmp_path):
         assert {"mode", "transport", "device", "size", "num_iovs", "iters", "gbps", "lat_p50_us", "lat_p99_us",
                 "check"} <= res.keys()
         assert res["check"] is True and res["gbps"] > 0 and res["iters"] == 4
+        assert 0.0 <= res["steal_pct"] <= 100.0  # the hypervisor's share of the CPUs during the timed pass
     assert "GB/s" in r.stdout  # the table
 
 
@@ -325,6 +326,73 @@ def test_trace_report_outliers_lists_the_slowest_transfers_lane_by_lane(tmp_path
         for who in ("I", "T"):
             mine = [row for row in rows if row.strip().startswith(f"{who} lane ")]
             assert mine and all(" cpus " in row and "longest silence" in row for row in mine), r.stdout
+
+
+def test_rows_the_hypervisor_took_cpu_time_from_are_named_under_the_table():
+    """A row during whose timed pass the hypervisor took >= 1 % of the machine's CPU time (/proc/stat's
+    steal, bench.stolen_seconds) is named in the caption with its share; on the GPU host the rows that ran
+    at half their rate came with it (session 20). Rows below the mark, and tables without any, say nothing."""
+    def row(mode, size, steal):
+        return B.Result(mode=mode, transport="tcp", device="cpu", size=size, num_iovs=1, iters=5, gbps=20.0,
+                        lat_p50_us=10.0, lat_p99_us=12.0, cpu_client=700.0, cpu_server=650.0, check=None,
+                        steal_pct=steal)
+    quiet = [row("write", 256 << 20, 0.0), row("read", 256 << 20, 0.4)]
+    assert cli.steal_line(quiet) is None
+    line = cli.steal_line(quiet + [row("write", 16 << 20, 3.25)])
+    assert line.startswith("CPU time stolen by the hypervisor during: write 16 MiB (3.2 %);"), line
+    assert "256 MiB" not in line
+    table, _width = cli.results_table(quiet + [row("write", 16 << 20, 3.25)], False, False, 1.0, 300)
+    assert "stolen by the hypervisor" in str(table.caption)
+    first = B.stolen_seconds()
+    assert 0.0 <= first <= B.stolen_seconds()  # a counter: never goes back (0 where /proc/stat has no steal)
+
+
+def test_kernel_counters_prints_each_run_beside_the_counters_that_moved():
+    """bench/tools/kernel_counters.py N <bench args>: per run, the bench rows, then the kernel counters that
+    moved during it (a run that moves bytes over loopback TCP burns user and sys ticks and sends segments)."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "tools", "kernel_counters.py")
+    r = subprocess.run([sys.executable, tool, "2", "--transport", "tcp", "--sizes", "1M", "--mode", "write,read",
+                        "--iters", "5"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["run 0", "run 1"], r.stdout
+    for line in lines:
+        rows, moved = line.split(" | ")
+        assert "write cpu 1 MiB " in rows and "read cpu 1 MiB " in rows and " GB/s p50 " in rows, line
+        counters = dict(kv.split("=") for kv in moved.split())
+        assert int(counters["user"]) + int(counters["sys"]) > 0, line
+    bad = subprocess.run([sys.executable, tool, "--sizes", "1M"], env=ENV, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Runs `tether bench` N times" in bad.stderr  # the usage
+
+
+def test_tcp_goals_judges_each_goal_by_the_median_of_its_rounds(tmp_path):
+    """bench/gpu/tcp_goals.py --host-only runs the host-memory goals for real (tether beside the C ceiling
+    at the same stream count) and judges each by the median of its rounds' ratios, with the median
+    transfer's rate (size / p50) against the same ceiling beside it; the GPU goals are "n/a" here."""
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu")
+    r = subprocess.run([sys.executable, os.path.join(here, "tcp_goals.py"), "--rounds", "2", "--host-only", "--out",
+                        str(tmp_path)], env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    at = lines.index("by the median of the rounds (the p50 transfer's rate against the same ceiling in brackets):")
+    per_round = {line.split(" goal ")[0].strip(): line for line in lines[1:at]}
+    verdicts = {line[:30].strip(): line[30:].strip() for line in lines[at + 1:] if not line.startswith("  CPU ")}
+    for what in ("host 256 MiB write", "host 256 MiB read"):
+        ratios = sorted(float(cell.split(" = ")[1].split()[0]) for cell in per_round[what].split(" | "))
+        assert len(ratios) == 2, per_round[what]
+        median, rest = verdicts[what].split(" (p50 ")
+        assert float(median) == pytest.approx(sum(ratios) / 2, abs=0.011), verdicts[what]  # two rounds: their mean
+        assert rest.split(")")[0].replace(".", "").isdigit() and " over 2 round(s): " in rest
+        assert rest.endswith("(goal >= 0.9)") and ("NOT met" in rest) == (float(median) < 0.9)
+    assert verdicts["GPU 16 MiB read"] == "n/a"
+    sys.path.insert(0, here)
+    try:
+        import tcp_goals
+    finally:
+        sys.path.remove(here)
+    # Three rounds: the median decides, not the best round nor the mean (0.2 + 0.61 + 0.95 averages 0.59).
+    assert tcp_goals.verdict([(0.95, 1.0), (0.2, 0.9), (0.61, 0.7)], 0.6).startswith("0.61 (p50 0.90) over 3 round(s): met")
+    assert tcp_goals.verdict([(0.95, 1.0), (0.2, 0.9), (0.59, 0.7)], 0.6).endswith("NOT met (goal >= 0.6)")
 
 
 def test_ab_table_pairs_each_row_over_the_rounds(tmp_path):
