@@ -10,6 +10,9 @@ first environment's, the rounds it won against it, and both processes' CPU-secon
 --env NAME=ASSIGNMENTS (space-separated NAME=VALUE; empty for the defaults). Logs in --out.
 --ceiling STREAMS opens each round with a 1 s loopback ceiling (tcp_ceiling -n STREAMS): the GPU host has
 slow phases in which every build runs at a third to a half of its rate, and a round in one says little.
+Each run's line gives the share of the machine's CPU time the hypervisor took meanwhile (steal: the GPU
+host is a VM, and its half-rate rows came with it, PERFORMANCE.md session 20); --skip-steal PCT leaves out
+of the table every round in which some run's share exceeded PCT.
 """
 from __future__ import annotations
 
@@ -46,6 +49,11 @@ def ceiling_gbps(streams: int) -> float:
         return float("nan")
 
 
+def rounds_to_keep(steal_by_round: list[float], pct: float | None) -> list[int]:
+    """Indexes of the rounds whose runs all stayed at or under `pct` % steal (all of them when pct is None)."""
+    return [r for r, s in enumerate(steal_by_round) if pct is None or s <= pct]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -56,6 +64,8 @@ def main() -> int:
                     help="seconds: start no round after this much time has gone (the table covers the rounds run)")
     ap.add_argument("--ceiling", type=int, default=0, metavar="STREAMS",
                     help="run the loopback TCP ceiling with this many streams before each round (0: no)")
+    ap.add_argument("--skip-steal", type=float, default=None, metavar="PCT",
+                    help="leave out rounds in which a run lost more than PCT %% of the CPUs' time to the hypervisor")
     ap.add_argument("command", help="the shell command each environment runs (its bench tables are read)")
     a = ap.parse_args()
     configs = []
@@ -70,6 +80,8 @@ def main() -> int:
     runs = {name: [] for name, _ in configs}  # name -> per round: [(key, gbps, cpu)]
     p50s = {name: [] for name, _ in configs}  # name -> per round: {key: p50 us}
     ceilings = []  # GB/s before each round (--ceiling)
+    steal = []  # per round: the largest share of CPU time stolen during one of its runs, %
+    from tether.bench import stolen_seconds  # here, as in ceiling_gbps: the tables alone need no tether
     start = time.monotonic()
     for r in range(a.rounds):
         if a.deadline and r and time.monotonic() - start > a.deadline:
@@ -79,23 +91,34 @@ def main() -> int:
         if a.ceiling:
             ceilings.append(ceiling_gbps(a.ceiling))
             print(f"== round {r + 1}: loopback ceiling at {a.ceiling} streams {ceilings[-1]:.2f} GB/s", flush=True)
+        steal.append(0.0)
         for name, env in order:
             log = f"{a.out}/{name}_{r + 1}.log"
+            stolen0, t0 = stolen_seconds(), time.monotonic()
             with open(log, "w") as f:
                 rc = subprocess.run(["bash", "-c", a.command], env=env, stdout=f, stderr=subprocess.STDOUT,
                                     timeout=a.timeout).returncode
+            share = 100.0 * (stolen_seconds() - stolen0) / (max(time.monotonic() - t0, 1e-9) * (os.cpu_count() or 1))
+            steal[-1] = max(steal[-1], share)
             parsed = list(table_rows(log))
             rows = [(k, g, c) for k, _, g, c in parsed]
             runs[name].append(rows)
             p50s[name].append({k: p50 for k, row, _, _ in parsed if (p50 := number(row.get("p50 µs"))) is not None})
-            print(f"== {name} round {r + 1} rc={rc}: " + ", ".join(f"{row_name(k)} {g:.2f}" for k, g, _ in rows), flush=True)
+            print(f"== {name} round {r + 1} rc={rc} steal {share:.1f} %: "
+                  + ", ".join(f"{row_name(k)} {g:.2f}" for k, g, _ in rows), flush=True)
     if ceilings:
         lo, hi = min(ceilings), max(ceilings)
         print(f"\nloopback ceiling per round: {', '.join(f'{c:.2f}' for c in ceilings)} GB/s"
               + (" (varied by more than 20 %: a slow phase; read the rounds apart)" if lo < 0.8 * hi else ""))
+    keep = rounds_to_keep(steal, a.skip_steal)
+    if len(keep) < len(steal):
+        print(f"\nleft out (a run lost more than {a.skip_steal} % of the CPUs' time to the hypervisor): round(s) "
+              + ", ".join(str(r + 1) for r in range(len(steal)) if r not in keep))
+        runs = {name: [rnd for r, rnd in enumerate(per) if r in keep] for name, per in runs.items()}
+        p50s = {name: [rnd for r, rnd in enumerate(per) if r in keep] for name, per in p50s.items()}
     base = configs[0][0]
     keys = [k for k, _, _ in runs[base][0]] if runs[base] and runs[base][0] else []
-    print(f"\nmedian GB/s over {a.rounds} rounds (ratio to '{base}', rounds won against it; CPU-s/GB both sides;"
+    print(f"\nmedian GB/s over {len(runs[base])} rounds (ratio to '{base}', rounds won against it; CPU-s/GB both sides;"
           f" p50 latency where a row moves under {LATENCY_ROW_GBPS} GB/s)")
     for key in keys:
         label = row_name(key)

@@ -439,6 +439,17 @@ def test_sweep_env_runs_each_environment_per_round_beside_a_ceiling(tmp_path):
     assert set(rows) == {"write tcp cpu 64 B", "write tcp cpu 1 MiB"}, t.stdout
     assert " p50 " in rows["write tcp cpu 64 B"] and "small " in rows["write tcp cpu 64 B"], t.stdout
     assert "x, " in rows["write tcp cpu 1 MiB"], t.stdout  # the ratio to base and the rounds won
+    # Each run's line carries the hypervisor's share of the CPU time while it ran (0 where there is none).
+    runs = [line for line in t.stdout.splitlines() if line.startswith(("== base round", "== small round"))]
+    assert len(runs) == 4 and all(0.0 <= float(line.split(" steal ")[1].split(" %")[0]) <= 100.0 for line in runs)
+    sys.path.insert(0, os.path.dirname(tool))
+    try:
+        import sweep_env
+    finally:
+        sys.path.remove(os.path.dirname(tool))
+    # --skip-steal PCT: rounds in which some run lost more than PCT % are left out; without it, none is.
+    assert sweep_env.rounds_to_keep([0.0, 3.5, 0.4, 1.0], 1.0) == [0, 2, 3]
+    assert sweep_env.rounds_to_keep([0.0, 3.5], None) == [0, 1]
 
 
 def test_trace_reaches_its_file_without_the_endpoint_closing(tmp_path):
