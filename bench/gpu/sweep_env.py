@@ -81,7 +81,7 @@ def main() -> int:
     p50s = {name: [] for name, _ in configs}  # name -> per round: {key: p50 us}
     ceilings = []  # GB/s before each round (--ceiling)
     steal = []  # per round: the largest share of CPU time stolen during one of its runs, %
-    from tether.bench import stolen_seconds  # here, as in ceiling_gbps: the tables alone need no tether
+    from tether.bench import steal_share, stolen_seconds  # here, as in ceiling_gbps: the tables alone need no tether
     start = time.monotonic()
     for r in range(a.rounds):
         if a.deadline and r and time.monotonic() - start > a.deadline:
@@ -98,7 +98,7 @@ def main() -> int:
             with open(log, "w") as f:
                 rc = subprocess.run(["bash", "-c", a.command], env=env, stdout=f, stderr=subprocess.STDOUT,
                                     timeout=a.timeout).returncode
-            share = 100.0 * (stolen_seconds() - stolen0) / (max(time.monotonic() - t0, 1e-9) * (os.cpu_count() or 1))
+            share = steal_share(stolen0, time.monotonic() - t0)
             steal[-1] = max(steal[-1], share)
             parsed = list(table_rows(log))
             rows = [(k, g, c) for k, _, g, c in parsed]

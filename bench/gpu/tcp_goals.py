@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the bench processes")
     ap.add_argument("--host-only", action="store_true", help="only the host-memory goals (a machine without a GPU)")
     a = ap.parse_args()
+    from tether.cli import STEAL_FLAG_PCT  # the mark `tether bench` names rows by
     env = dict(os.environ)
     for kv in a.env:
         k, _, v = kv.partition("=")
@@ -108,7 +109,7 @@ def main() -> int:
             ratio = r["gbps"] / base if base else float("nan")
             steal = r.get("steal_pct", 0.0)  # the hypervisor's share of the CPUs while it ran (tether bench)
             rows[what].append(f"{r['gbps']:.2f} / {base or float('nan'):.2f} = {ratio:.2f} {'met' if ratio >= goal else 'NOT met'}"
-                              + (f" (steal {steal:.1f} %)" if steal >= 1.0 else ""))
+                              + (f" (steal {steal:.1f} %)" if steal >= STEAL_FLAG_PCT else ""))
             # Against the ceiling, or the other row's median transfer where the goal compares two rows.
             p50_base = base if other is None else p50_ratio(other, 1.0)
             ratios[what].append((ratio, p50_ratio(r, p50_base)))

@@ -112,6 +112,11 @@ def stolen_seconds() -> float:
         return 0.0
 
 
+def steal_share(stolen0: float, elapsed: float) -> float:
+    """% of this machine's CPU time the hypervisor took since stolen_seconds() read `stolen0`, `elapsed` s ago."""
+    return 100.0 * (stolen_seconds() - stolen0) / (max(elapsed, 1e-9) * (os.cpu_count() or 1))
+
+
 def parse_size(text: str) -> int:
     """'4K', '1MiB', '1.5M', '256' -> bytes (K/M/G are binary, as in every peer's benchmark)."""
     t = text.strip().upper().replace("IB", "").replace("B", "")
@@ -596,7 +601,7 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
             t.wait(120)
             lat[case.iters - len(inflight) + j] = time.perf_counter() - s
     elapsed = time.perf_counter() - t0
-    stolen = stolen_seconds() - stolen0
+    steal = steal_share(stolen0, elapsed)
     cpu_c = cpu_seconds() - cpu_c0
     if case.mode == "send":
         pair.channel.recv()  # the server's receives are all done
@@ -611,7 +616,7 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
         iters=case.iters, gbps=total * case.iters / elapsed / 1e9,
         lat_p50_us=float(np.percentile(lat, 50) * 1e6), lat_p99_us=float(np.percentile(lat, 99) * 1e6),
         cpu_client=100.0 * cpu_c / elapsed, cpu_server=100.0 * cpu_s / elapsed, check=check_ok,
-        steal_pct=100.0 * stolen / (elapsed * (os.cpu_count() or 1)))
+        steal_pct=steal)
 
 
 def _checked_iteration(pair: Pair, case: Case, blocks, post, rng) -> bool:
