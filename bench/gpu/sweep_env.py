@@ -13,12 +13,16 @@ slow phases in which every build runs at a third to a half of its rate, and a ro
 Each run's line gives the share of the machine's CPU time the hypervisor took meanwhile (steal: the GPU
 host is a VM, and its half-rate rows came with it, PERFORMANCE.md session 20); --skip-steal PCT leaves out
 of the table every round in which some run's share exceeded PCT.
+--deadline S starts no round that would end after S seconds at the pace of the slowest round so far, and
+SIGTERM (`timeout` running out) stops at once: either way the table covers the whole rounds run (a
+device call that ran out of time used to lose it).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -49,6 +53,31 @@ def ceiling_gbps(streams: int) -> float:
         return float("nan")
 
 
+class Stopped(Exception):
+    """SIGTERM: stop the sweep and print the table of the rounds that finished."""
+
+
+def run_group(command: str, env: dict, out, timeout: float) -> int:
+    """Runs `command` under bash in a process group of its own and returns its exit status (124 when it
+    outlived `timeout`: the group is killed and the sweep goes on). The group is killed too if the sweep is
+    stopped: its benches' processes, not only the shell."""
+    p = subprocess.Popen(["bash", "-c", command], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return p.wait(timeout=timeout)
+    except BaseException as e:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        if isinstance(e, subprocess.TimeoutExpired):
+            return 124
+        raise
+
+
+def should_start(elapsed: float, durations: list[float], deadline: float) -> bool:
+    """Whether another round fits: it would end by `deadline` seconds at the pace of the slowest one so far
+    (always the first round; always with no deadline)."""
+    return not deadline or not durations or elapsed + max(durations) <= deadline
+
+
 def rounds_to_keep(steal_by_round: list[float], pct: float | None) -> list[int]:
     """Indexes of the rounds whose runs all stayed at or under `pct` % steal (all of them when pct is None)."""
     return [r for r, s in enumerate(steal_by_round) if pct is None or s <= pct]
@@ -61,7 +90,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out") + "/sweep")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
     ap.add_argument("--deadline", type=float, default=0,
-                    help="seconds: start no round after this much time has gone (the table covers the rounds run)")
+                    help="seconds: start no round that would end after this, at the slowest round's pace so far "
+                         "(the table covers the rounds run)")
     ap.add_argument("--ceiling", type=int, default=0, metavar="STREAMS",
                     help="run the loopback TCP ceiling with this many streams before each round (0: no)")
     ap.add_argument("--skip-steal", type=float, default=None, metavar="PCT",
@@ -81,12 +111,36 @@ def main() -> int:
     p50s = {name: [] for name, _ in configs}  # name -> per round: {key: p50 us}
     ceilings = []  # GB/s before each round (--ceiling)
     steal = []  # per round: the largest share of CPU time stolen during one of its runs, %
-    from tether.bench import steal_share, stolen_seconds  # here, as in ceiling_gbps: the tables alone need no tether
+
+    def stop(signum, frame):
+        raise Stopped()
+
+    signal.signal(signal.SIGTERM, stop)
     start = time.monotonic()
+    durations = []  # seconds each whole round took
+    try:
+        sweep(a, configs, runs, p50s, ceilings, steal, start, durations)
+    except Stopped:
+        whole = len(durations)
+        print(f"stopped (SIGTERM) during round {whole + 1}: the table covers the {whole} whole round(s)", flush=True)
+        for per in (runs, p50s):
+            for name in per:
+                del per[name][whole:]
+        del steal[whole:]
+        del ceilings[whole:]
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    print_table(a, configs, runs, p50s, ceilings, steal)
+    return 0
+
+
+def sweep(a, configs, runs, p50s, ceilings, steal, start: float, durations: list[float]) -> None:
+    """Runs the rounds, appending to runs, p50s, ceilings, steal and (per whole round) durations."""
+    from tether.bench import steal_share, stolen_seconds  # here, as in ceiling_gbps: the tables alone need no tether
     for r in range(a.rounds):
-        if a.deadline and r and time.monotonic() - start > a.deadline:
+        if not should_start(time.monotonic() - start, durations, a.deadline):
             print(f"deadline: {r} rounds run", flush=True)
             break
+        round_start = time.monotonic()
         order = configs[r % len(configs):] + configs[:r % len(configs)]
         if a.ceiling:
             ceilings.append(ceiling_gbps(a.ceiling))
@@ -96,8 +150,7 @@ def main() -> int:
             log = f"{a.out}/{name}_{r + 1}.log"
             stolen0, t0 = stolen_seconds(), time.monotonic()
             with open(log, "w") as f:
-                rc = subprocess.run(["bash", "-c", a.command], env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=a.timeout).returncode
+                rc = run_group(a.command, env, f, a.timeout)
             share = steal_share(stolen0, time.monotonic() - t0)
             steal[-1] = max(steal[-1], share)
             parsed = list(table_rows(log))
@@ -106,6 +159,11 @@ def main() -> int:
             p50s[name].append({k: p50 for k, row, _, _ in parsed if (p50 := number(row.get("p50 µs"))) is not None})
             print(f"== {name} round {r + 1} rc={rc} steal {share:.1f} %: "
                   + ", ".join(f"{row_name(k)} {g:.2f}" for k, g, _ in rows), flush=True)
+        durations.append(time.monotonic() - round_start)
+
+
+def print_table(a, configs, runs, p50s, ceilings, steal) -> None:
+    """Each row's median per environment, its ratio to the first and the rounds won (the rounds in runs)."""
     if ceilings:
         lo, hi = min(ceilings), max(ceilings)
         print(f"\nloopback ceiling per round: {', '.join(f'{c:.2f}' for c in ceilings)} GB/s"
@@ -144,7 +202,6 @@ def main() -> int:
                 cell += f" p50 {statistics.median(lat):.1f} us"
             cells.append(cell)
         print(f"  {label:36} " + " | ".join(cells))
-    return 0
 
 
 if __name__ == "__main__":

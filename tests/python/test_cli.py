@@ -450,6 +450,40 @@ def test_sweep_env_runs_each_environment_per_round_beside_a_ceiling(tmp_path):
     # --skip-steal PCT: rounds in which some run lost more than PCT % are left out; without it, none is.
     assert sweep_env.rounds_to_keep([0.0, 3.5, 0.4, 1.0], 1.0) == [0, 2, 3]
     assert sweep_env.rounds_to_keep([0.0, 3.5], None) == [0, 1]
+    # --deadline: a round starts only where it would end in time at the slowest round's pace so far.
+    assert sweep_env.should_start(0.0, [], 10.0) and sweep_env.should_start(500.0, [400.0], 0)
+    assert sweep_env.should_start(6.0, [3.0, 4.0], 10.0) and not sweep_env.should_start(6.5, [3.0, 4.0], 10.0)
+    # A run past --timeout is killed with its process group and counts as exit status 124; the sweep goes on.
+    t0 = time.monotonic()
+    assert sweep_env.run_group("sleep 30", dict(os.environ), subprocess.DEVNULL, 1) == 124
+    assert time.monotonic() - t0 < 10
+
+
+def test_sweep_env_stopped_by_sigterm_prints_the_table_of_its_whole_rounds(tmp_path):
+    """`timeout` ending a device call's sweep mid-round (SIGTERM) still gets the table, over the rounds
+    that finished: a call that ran out of time used to lose every figure it had measured."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu", "sweep_env.py")
+    nap = tmp_path / "nap"  # once it exists, every run sleeps a minute after its bench
+    cmd = f"{sys.executable} -m tether bench --quiet --transport tcp --sizes 1M --iters 10; [ -e {nap} ] && sleep 60; true"
+    p = subprocess.Popen([sys.executable, tool, "--rounds", "4", "--out", str(tmp_path / "logs"),
+                          "--env", "base=", "--env", "slow=TETHER_CHUNK_BYTES=262144", cmd],
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in p.stdout:  # round 1: base, then slow
+            seen.append(line)
+            if line.startswith("== slow round 1"):
+                break
+        nap.touch()
+        time.sleep(8)  # round 2's first run has run its bench and sleeps
+        p.terminate()
+        out = "".join(seen) + p.communicate(timeout=60)[0]
+    finally:
+        p.kill()
+    assert p.returncode == 0, out
+    assert "stopped (SIGTERM) during round 2: the table covers the 1 whole round(s)" in out, out
+    table = out.split("median GB/s over 1 rounds")[1].splitlines()[1:]
+    assert any(line.strip().startswith("write tcp cpu 1 MiB") and "slow " in line for line in table), out
 
 
 def test_trace_reaches_its_file_without_the_endpoint_closing(tmp_path):
