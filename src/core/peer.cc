@@ -37,11 +37,14 @@ constexpr uint64_t kStagedReadChunks = 3;  // a staged read's smaller chunks a l
 
 // A staged GPU read moves each chunk three times in a row (the target copies it out of its GPU, sends
 // it, we copy it into ours): a read of only a few chunks per lane cannot overlap them. Such reads use
-// chunks of total / (8 x lanes), down to 256 KiB; from 8 full chunks per lane on, the full chunk.
-// Device A/B (PERFORMANCE.md, "Chunk size for staged GPU reads"): 4 MiB reads 2.3-2.5 -> 5.4-7.0
-// GB/s, 16 MiB 8.0-8.7 -> 8.8-10.9; writes lost with the same rule (16 MiB 12.1 -> 7.7-10.3), so
-// they keep the full chunk.
+// chunks of total / (8 x lanes), down to 256 KiB; from two full chunks per lane on, the full chunk
+// (16 MiB over 8 lanes: the depth of two requests per lane pipelines them). Device A/B (PERFORMANCE.md,
+// "Chunk size for staged GPU reads"; session 22): 4 MiB reads 2.3-2.5 -> 5.4-7.0 GB/s with the small
+// chunks; 16 MiB reads in full chunks rather than 256 KiB 1.03-1.10 x in three calls at 35-40 % less
+// CPU, 32 MiB rather than 512 KiB 1.05-1.07 x; 8 MiB in 512 KiB chunks lost (0.77 x). Writes lost with
+// the small chunks (16 MiB 12.1 -> 7.7-10.3), so they keep the full chunk.
 uint64_t pipelined_chunk(uint64_t chunk, uint64_t total, uint32_t lanes) {
+  if (total >= 2 * uint64_t(lanes) * chunk) return chunk;
   constexpr uint64_t kFloor = 256 << 10;
   const uint64_t want = (total / (8 * uint64_t(lanes))) & ~uint64_t((64 << 10) - 1);
   return std::min(chunk, std::max(want, kFloor));
@@ -391,8 +394,8 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     // bytes, so small reads still fill the window: a round trip each, they need the depth).
     if (read_depth_ && t->op == OpKind::kRead) {
       uint64_t depth = uint64_t(read_depth_) * info_.chunk_bytes;
-      // A staged read cut into chunks of a quarter of chunk_bytes or less (pipelined_chunk: reads of up
-      // to 16 MiB over 8 lanes) keeps at most kStagedReadChunks of them per lane: less is left on each
+      // A staged read cut into chunks of a quarter of chunk_bytes or less (pipelined_chunk: reads under
+      // 16 MiB over 8 lanes) keeps at most kStagedReadChunks of them per lane: less is left on each
       // lane when the last is handed out (16 MiB GPU reads 1.03-1.04 x, 4 MiB 1.06 x, less CPU; 32 MiB
       // reads, in 512 KiB chunks, lost 0.94 x and keep the window: PERFORMANCE.md, session 19).
       if (staged_gpu_ && chunk * 4 <= info_.chunk_bytes) depth = std::min(depth, kStagedReadChunks * chunk);

@@ -167,9 +167,10 @@ def test_no_stall_after_the_waiter_lands_a_staged_payload(children):
         local.ep.close()
 
 
-def _requests_in_flight_per_lane(tmp_path, size: str) -> int:
-    """The most read requests one lane of the initiator held unanswered during a traced `tether bench`
-    of GPU reads of `size` (TETHER_TRACE: a request is pulled, its answer answered, on one lane)."""
+def _read_requests(tmp_path, size: str) -> tuple:
+    """From a traced `tether bench` of GPU reads of `size` (TETHER_TRACE: a request is pulled, its answer
+    answered, on one lane): the read requests per transfer (its chunks), and the most one lane of the
+    initiator held unanswered at once."""
     prefix = str(tmp_path / f"tr{size}")
     env = dict(os.environ, TETHER_TRACE=prefix,
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__))) + os.pathsep +
@@ -181,28 +182,31 @@ def _requests_in_flight_per_lane(tmp_path, size: str) -> int:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for f in sorted(tmp_path.glob(f"tr{size}.*.tsv")):
         rows = [line.split("\t") for line in f.read_text().splitlines() if not line.startswith(("#", "ns\t"))]
-        if not any(row[1] == "post" for row in rows):
+        posts = sum(row[1] == "post" for row in rows)
+        if not posts:
             continue  # the target's file
         held: dict = {}
-        most = 0
+        most = requests = 0
         for _ns, event, lane, typ, *_rest in sorted(rows, key=lambda row: int(row[0])):
             if event == "pulled" and typ == "3":  # a read request taken by its lane
+                requests += 1
                 held[lane] = held.get(lane, 0) + 1
                 most = max(most, held[lane])
             elif event == "answered" and typ == "4":
                 held[lane] = held.get(lane, 0) - 1
-        return most
+        return requests / posts, most
     raise AssertionError(f"no initiator trace among {list(tmp_path.iterdir())}")
 
 
-def test_a_staged_read_holds_three_small_chunks_per_lane(tmp_path):
-    """A staged GPU read of few chunks per lane is cut into smaller chunks (16 MiB: 256 KiB), and a lane
-    holds at most three of them requested (PeerState::next_chunk, kStagedReadChunks): with the four the
-    window allowed (8 channels), more was left on each lane when the last chunk was handed out (16 MiB
-    reads 1.03-1.04 x, 4 MiB 1.06 x: PERFORMANCE.md, session 19). Full 1 MiB chunks keep two per lane
-    (Caps::read_depth)."""
-    assert _requests_in_flight_per_lane(tmp_path, "16M") == 3
-    assert _requests_in_flight_per_lane(tmp_path, "64M") == 2
+def test_a_staged_read_cuts_its_chunks_by_how_many_each_lane_gets(tmp_path):
+    """A staged GPU read of fewer than two full chunks per lane is cut into smaller chunks (8 MiB over 8
+    lanes: 256 KiB), and a lane holds at most three of them requested (PeerState::next_chunk,
+    kStagedReadChunks; session 19: 1.03-1.06 x). From two full chunks per lane on (16 MiB), the full 1 MiB
+    chunk, two requested per lane (Caps::read_depth): session 22 measured 1.03-1.10 x over 256 KiB
+    chunks at 16 MiB, with 35-40 % less CPU (pipelined_chunk, peer.cc; PERFORMANCE.md)."""
+    assert _read_requests(tmp_path, "8M") == (32, 3)
+    assert _read_requests(tmp_path, "16M") == (16, 2)
+    assert _read_requests(tmp_path, "64M") == (64, 2)
 
 
 def test_gpu_region_checks():
