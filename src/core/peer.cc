@@ -38,11 +38,11 @@ constexpr uint64_t kStagedReadChunks = 3;  // a staged read's smaller chunks a l
 // A staged GPU read moves each chunk three times in a row (the target copies it out of its GPU, sends
 // it, we copy it into ours): a read of only a few chunks per lane cannot overlap them. Such reads use
 // chunks of total / (8 x lanes), down to 256 KiB; from two full chunks per lane on, the full chunk
-// (16 MiB over 8 lanes: the depth of two requests per lane pipelines them). Device A/B (PERFORMANCE.md,
-// "Chunk size for staged GPU reads"; session 22): 4 MiB reads 2.3-2.5 -> 5.4-7.0 GB/s with the small
-// chunks; 16 MiB reads in full chunks rather than 256 KiB 1.03-1.10 x in three calls at 35-40 % less
-// CPU, 32 MiB rather than 512 KiB 1.05-1.07 x; 8 MiB in 512 KiB chunks lost (0.77 x). Writes lost with
-// the small chunks (16 MiB 12.1 -> 7.7-10.3), so they keep the full chunk.
+// (16 MiB over 8 lanes: Caps::read_depth's two requests per lane pipeline them). Device A/Bs
+// (PERFORMANCE.md, "staged GPU reads of a few chunks per lane use smaller chunks", and session 22): 4 MiB
+// reads 2.3-2.5 -> 5.4-7.0 GB/s with the small chunks; 16 MiB reads in full chunks rather than 256 KiB
+// 1.03-1.10 x in three calls at 35-40 % less CPU, 32 MiB rather than 512 KiB 1.05-1.07 x; 8 MiB in
+// 512 KiB chunks lost (0.77 x). Writes lost with small chunks (16 MiB 12.1 -> 7.7-10.3): full chunks.
 uint64_t pipelined_chunk(uint64_t chunk, uint64_t total, uint32_t lanes) {
   if (total >= 2 * uint64_t(lanes) * chunk) return chunk;
   constexpr uint64_t kFloor = 256 << 10;
