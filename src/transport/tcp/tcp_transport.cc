@@ -1130,7 +1130,8 @@ void ProgressThread::run() {
       // Copies in flight keep the thread polling them (`copies`): each chunk's next step (its copy done,
       // the next chunk to stage or to land) follows within microseconds, and a sleeping thread's wake-up
       // there cost staged transfers 10-20 % (PERFORMANCE.md, session 9). Only copies of chunks up to
-      // 256 KiB (small transfers; 16 MiB reads, which lost 10 % without it) keep it spinning after them:
+      // 256 KiB (small transfers, and staged reads under two full chunks per lane, whose 256 KiB chunks
+      // lost 10 % without it: session 18; 16 MiB reads now move in 1 MiB chunks) keep it spinning after them:
       // after larger ones every lane's thread spun for busy_poll_us at each transfer's end, 10-26 % more
       // CPU-seconds per GB at the same rates (PERFORMANCE.md, session 18).
       if (small_staging) last_event = Clock::now();
