@@ -109,7 +109,9 @@ struct IpcPeer {
   Segment theirs;                    // the other side's, mapped (their kShm chunks)
   std::unique_ptr<CmaMover> cma;     // set when our probe of the other side worked
   std::unique_ptr<ShmMover> shm;
-  bool out_cma = false;              // our chunks are described by address
+  // Our chunks are described by address. Set by the listener's lane 0 from the connector's verdict
+  // while its other lanes already serve (grant_for reads it): atomic; senders read it after `sending`.
+  std::atomic<bool> out_cma{false};
   uint64_t slot_bytes = 0;           // one chunk per core slot in `own`
   std::atomic<bool> ready{false};    // lanes may serve the other side's requests
   std::atomic<bool> sending{false};  // setup done: lanes may pull and send ours
@@ -300,7 +302,7 @@ Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   Frame f{};
   f.hdr = op.hdr;
   const bool gpu = op.device >= 0;
-  f.where = uint8_t(gpu ? Where::kCuda : ip.out_cma ? Where::kCma : Where::kShm);
+  f.where = uint8_t(gpu ? Where::kCuda : ip.out_cma.load(std::memory_order_relaxed) ? Where::kCma : Where::kShm);
   uint32_t nrefs = 0;
   uint64_t staged = uint64_t(op.hdr.slot) * ip.slot_bytes;
   const RegionState* last = nullptr;  // pieces of one region share its allocation's CudaRef: looked up once
@@ -320,7 +322,7 @@ Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
         last = pc.region;
       }
       e.ref = k;
-    } else if (ip.out_cma) {
+    } else if (ip.out_cma.load(std::memory_order_relaxed)) {
       e.addr = reinterpret_cast<uint64_t>(pc.data);
     } else {
       e.addr = staged;
@@ -472,7 +474,7 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
     if (op.length > 0) std::memcpy(buf + sizeof f, op.payload, op.length);
     msg = buf;
     bytes += op.length;
-  } else if (ip.out_cma && !read) {
+  } else if (ip.out_cma.load(std::memory_order_relaxed) && !read) {
     f.where = uint8_t(Where::kCma);
     f.addr = reinterpret_cast<uint64_t>(op.local);
   } else if (read && op.device < 0 && ip.cma) {  // "say where your bytes are: we read them ourselves"
@@ -627,7 +629,7 @@ void hold(Lane& l, const FrameHeader& h, RegionState* pin) {
 // got its slot in our liveness table. Called while the region is pinned (deregister revokes after).
 uint8_t grant_for(IpcPeer& ip, const Frame& f, const RegionState& r) {
   if (!(f.grant & kWantGrant) || !ip.os_own || ip.one_sided_max == 0) return 0;
-  if (r.kind != MemoryKind::kCuda && !ip.out_cma) return 0;
+  if (r.kind != MemoryKind::kCuda && !ip.out_cma.load(std::memory_order_relaxed)) return 0;
   if (!mark_live(*ip.os_own, r.id)) return 0;
   return uint8_t(kGranted | (r.readonly ? kGrantReadOnly : 0));
 }
@@ -1205,8 +1207,9 @@ bool probe_other(IpcPeer& ip, const Hello& theirs, int host_mode, std::string* w
 }
 
 bool take_verdict(IpcPeer& ip, uint8_t verdict, int host_mode, std::string* why) {
-  ip.out_cma = verdict != 0 && host_mode != 2;
-  if (host_mode == 1 && !ip.out_cma) {
+  const bool by_address = verdict != 0 && host_mode != 2;
+  ip.out_cma.store(by_address, std::memory_order_relaxed);
+  if (host_mode == 1 && !by_address) {
     *why = "the peer cannot attach to this process's memory (non-dumpable, ptrace rules or seccomp?) and TETHER_IPC_HOST=cma";
     return false;
   }
