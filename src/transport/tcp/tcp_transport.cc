@@ -1021,11 +1021,11 @@ void ProgressThread::update_events(Lane& l) {
     const uint32_t buf = ep_->config().socket_buffer;
     const uint64_t most = buf ? std::min<uint64_t>(kStagedLowat, std::max<uint32_t>(buf / 4, 1)) : kStagedLowat;
     const int lowat = l.rx_state == RxState::kPayload && l.rx_device >= 0 ? int(std::min<uint64_t>(l.rx_left, most)) : 1;
-    l.disown_rx();
-    if (lowat != l.rx_lowat && lowat > 0) {
+    if (lowat != l.rx_lowat && lowat > 0) {  // still owning rx: a waiter cannot move the state under it
       ::setsockopt(l.fd, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat);
       l.rx_lowat = lowat;
     }
+    l.disown_rx();
   }
   uint32_t ev = EPOLLRDHUP;
   if (!l.rx_paused.load(std::memory_order_relaxed)) ev |= EPOLLIN;
