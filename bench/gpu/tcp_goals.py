@@ -11,6 +11,11 @@ A goal is judged by the median of its rounds' ratios (rows of one call swing by 
 docs/PERFORMANCE.md, sessions 18-20). Beside it, the rate of the median transfer (size / p50 latency)
 against the same ceiling: the mean rate includes the multi-millisecond stalls of a thread the scheduler
 did not run, which the p50 leaves out; both are printed, the goal is read from the mean.
+
+With --variant NAME=ENV[,ENV...] (repeatable, e.g. `--variant l8= --variant l7=TETHER_CHANNELS=7`) every
+round runs each variant in turn (the order rotating by round) and the end compares them: per goal and
+variant the median ratio and the median GB/s, since a variant that meets a ratio against a lower ceiling
+(fewer lanes, fewer streams) may still move less.
 """
 from __future__ import annotations
 
@@ -66,11 +71,107 @@ def verdict(pairs: list[tuple[float, float]], goal: float) -> str:
     return f"{med:.2f}{p50} over {len(means)} round(s): {'met' if med >= goal else 'NOT met'} (goal >= {goal})"
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    """`NAME=K=V,K=V` (or `NAME=` for the environment as it is) -> (NAME, {K: V})."""
+    name, _, rest = text.partition("=")
+    if not name:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: NAME=ENV[,ENV...], e.g. l7=TETHER_CHANNELS=7")
+    env = {}
+    for kv in filter(None, rest.split(",")):
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: {kv!r} is not NAME=VALUE")
+        env[k] = v
+    return name, env
+
+
+def run_round(env: dict, prefix: str, host_only: bool) -> list[dict]:
+    res = bench(["--sizes", "256M", "--mode", "write,read", "--ceiling", "--check"], env, f"{prefix}host.json")
+    gpu = ["--device", "gpu", "--local-gpu-idx", "0", "--remote-gpu-idx", "0"]
+    if not host_only:
+        res += bench([*gpu, "--sizes", "16M,64M,256M", "--mode", "write,read", "--ceiling", "--check"], env,
+                     f"{prefix}gpu.json")
+        res += bench([*gpu, "--sizes", "16K", "--num-iovs", "4096", "--mode", "write", "--iters", "20", "--check"],
+                     env, f"{prefix}scatter.json")
+    return res
+
+
+def judge(res: list[dict]) -> dict:
+    """Per goal of one round: {what: (GB/s, what it is compared with, ratio, p50 ratio, steal %)}; a goal
+    whose row is missing is left out. And per CPU row ("cpu 256 MiB write", ...): (CPU-s/GB, the ceiling's)."""
+    def find(device, mode, size, iovs):
+        for r in res:
+            if r["mode"] == mode and r["size"] == size and r["num_iovs"] == iovs and \
+                    (r["device"] == "cpu") == (device == "cpu"):
+                return r
+        return None
+
+    out = {}
+    for what, device, mode, size, iovs, to, _goal in GOALS:
+        r = find(device, mode, size, iovs)
+        if not r:
+            continue
+        other = None if to == "ceiling" else find("gpu", "write", 64 << 20, 1) or {}
+        base = r.get("ceiling_gbps") if other is None else other.get("gbps")
+        ratio = r["gbps"] / base if base else float("nan")
+        # Against the ceiling, or the other row's median transfer where the goal compares two rows.
+        p50_base = base if other is None else p50_ratio(other, 1.0)
+        out[what] = (r["gbps"], base or float("nan"), ratio, p50_ratio(r, p50_base), r.get("steal_pct", 0.0))
+    for device, mode in (("cpu", "write"), ("gpu", "write"), ("gpu", "read")):
+        r = find(device, mode, 256 << 20, 1)
+        if r and r.get("cpu_s_per_gb") and r.get("ceiling_cpu"):
+            out[f"{device} 256 MiB {mode}"] = (r["cpu_s_per_gb"], r["ceiling_cpu"])
+    return out
+
+
+def report(rounds: list[dict], steal_flag: float) -> None:
+    """One variant's goals: each round, then the median verdicts, then the CPU rows."""
+    print(f"issue 20 goals, {len(rounds)} rounds (GB/s: tether / what it is compared with = ratio)")
+    for what, *rest in GOALS:
+        goal = rest[-1]
+        cells = []
+        for j in rounds:
+            if what not in j:
+                cells.append("n/a")
+                continue
+            gbps, base, ratio, _p50, steal = j[what]
+            cells.append(f"{gbps:.2f} / {base:.2f} = {ratio:.2f} {'met' if ratio >= goal else 'NOT met'}"
+                         + (f" (steal {steal:.1f} %)" if steal >= steal_flag else ""))
+        print(f"  {what:28} goal >= {goal:<4} " + " | ".join(cells))
+    print("by the median of the rounds (the p50 transfer's rate against the same ceiling in brackets):")
+    for what, *rest in GOALS:
+        print(f"  {what:28} {verdict([j[what][2:4] for j in rounds if what in j], rest[-1])}")
+    for n, j in enumerate(rounds):
+        for row in ("cpu 256 MiB write", "gpu 256 MiB write", "gpu 256 MiB read"):
+            if row in j:
+                used, ceiling = j[row]
+                q = used / ceiling
+                print(f"  CPU round {n + 1} {row}: {used:.3f} vs ceiling {ceiling:.3f} CPU-s/GB = {q:.2f} x "
+                      f"({'met' if q <= 1.2 else 'NOT met'}) (goal <= 1.2 x)")
+
+
+def compare(by_variant: dict[str, list[dict]]) -> None:
+    """The variants side by side: per goal, each one's median ratio and median GB/s over its rounds."""
+    print("variants side by side (median ratio, median GB/s over the rounds; * = goal met):")
+    for what, *rest in GOALS:
+        cells = []
+        for name, rounds in by_variant.items():
+            got = [j[what] for j in rounds if what in j]
+            if not got:
+                cells.append(f"{name} n/a")
+                continue
+            ratio = statistics.median(g[2] for g in got)
+            cells.append(f"{name} {ratio:.2f}{'*' if ratio >= rest[-1] else ' '} {statistics.median(g[0] for g in got):6.2f}")
+        print(f"  {what:28} " + " | ".join(cells))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=tempfile.mkdtemp(prefix="tcp_goals-"))
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the bench processes")
+    ap.add_argument("--variant", action="append", type=parse_variant, default=[],
+                    help="NAME=ENV[,ENV...]: compare variants round by round (repeat; NAME= is the environment as is)")
     ap.add_argument("--host-only", action="store_true", help="only the host-memory goals (a machine without a GPU)")
     a = ap.parse_args()
     from tether.cli import STEAL_FLAG_PCT  # the mark `tether bench` names rows by
@@ -79,55 +180,20 @@ def main() -> int:
         k, _, v = kv.partition("=")
         env[k] = v
     os.makedirs(a.out, exist_ok=True)
-    rows: dict[str, list[str]] = {g[0]: [] for g in GOALS}
-    ratios: dict[str, list[tuple[float, float]]] = {g[0]: [] for g in GOALS}  # (mean-rate ratio, p50-rate ratio)
-    cpu: list[str] = []
+    variants = a.variant or [("", {})]
+    by_variant: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for rnd in range(a.rounds):
-        res = []
-        res += bench(["--sizes", "256M", "--mode", "write,read", "--ceiling", "--check"], env, f"{a.out}/host{rnd}.json")
-        gpu = ["--device", "gpu", "--local-gpu-idx", "0", "--remote-gpu-idx", "0"]
-        if not a.host_only:
-            res += bench([*gpu, "--sizes", "16M,64M,256M", "--mode", "write,read", "--ceiling", "--check"], env,
-                         f"{a.out}/gpu{rnd}.json")
-            res += bench([*gpu, "--sizes", "16K", "--num-iovs", "4096", "--mode", "write", "--iters", "20", "--check"],
-                         env, f"{a.out}/scatter{rnd}.json")
-
-        def find(device, mode, size, iovs):
-            for r in res:
-                if r["mode"] == mode and r["size"] == size and r["num_iovs"] == iovs and \
-                        (r["device"] == "cpu") == (device == "cpu"):
-                    return r
-            return None
-
-        for what, device, mode, size, iovs, to, goal in GOALS:
-            r = find(device, mode, size, iovs)
-            if not r:
-                rows[what].append("n/a")
-                continue
-            other = None if to == "ceiling" else find("gpu", "write", 64 << 20, 1) or {}
-            base = r.get("ceiling_gbps") if other is None else other.get("gbps")
-            ratio = r["gbps"] / base if base else float("nan")
-            steal = r.get("steal_pct", 0.0)  # the hypervisor's share of the CPUs while it ran (tether bench)
-            rows[what].append(f"{r['gbps']:.2f} / {base or float('nan'):.2f} = {ratio:.2f} {'met' if ratio >= goal else 'NOT met'}"
-                              + (f" (steal {steal:.1f} %)" if steal >= STEAL_FLAG_PCT else ""))
-            # Against the ceiling, or the other row's median transfer where the goal compares two rows.
-            p50_base = base if other is None else p50_ratio(other, 1.0)
-            ratios[what].append((ratio, p50_ratio(r, p50_base)))
-        for device, mode in (("cpu", "write"), ("gpu", "write"), ("gpu", "read")):
-            r = find(device, mode, 256 << 20, 1)
-            if r and r.get("cpu_s_per_gb") and r.get("ceiling_cpu"):
-                q = r["cpu_s_per_gb"] / r["ceiling_cpu"]
-                cpu.append(f"round {rnd + 1} {device} 256 MiB {mode}: {r['cpu_s_per_gb']:.3f} vs ceiling "
-                           f"{r['ceiling_cpu']:.3f} CPU-s/GB = {q:.2f} x ({'met' if q <= 1.2 else 'NOT met'})")
-    print(f"issue 20 goals, {a.rounds} rounds (GB/s: tether / what it is compared with = ratio); JSON in {a.out}")
-    for what, *_rest in GOALS:
-        goal = _rest[-1]
-        print(f"  {what:28} goal >= {goal:<4} " + " | ".join(rows[what]))
-    print("by the median of the rounds (the p50 transfer's rate against the same ceiling in brackets):")
-    for what, *_rest in GOALS:
-        print(f"  {what:28} {verdict(ratios[what], _rest[-1])}")
-    for line in cpu:
-        print("  CPU " + line + " (goal <= 1.2 x)")
+        for k in range(len(variants)):
+            name, extra = variants[(rnd + k) % len(variants)]  # rotate: no variant always runs first
+            prefix = os.path.join(a.out, f"{name + '-' if name else ''}r{rnd}-")
+            by_variant[name].append(judge(run_round({**env, **extra}, prefix, a.host_only)))
+    for name, rounds in by_variant.items():
+        if name:
+            print(f"== {name}: {', '.join(f'{k}={v}' for k, v in dict(variants)[name].items()) or 'the environment as is'}")
+        report(rounds, STEAL_FLAG_PCT)
+    print(f"JSON in {a.out}")
+    if a.variant:
+        compare(by_variant)
     return 0
 
 

@@ -395,6 +395,40 @@ def test_tcp_goals_judges_each_goal_by_the_median_of_its_rounds(tmp_path):
     assert tcp_goals.verdict([(0.95, 1.0), (0.2, 0.9), (0.59, 0.7)], 0.6).endswith("NOT met (goal >= 0.6)")
 
 
+def test_tcp_goals_compares_variants_round_by_round(tmp_path):
+    """tcp_goals.py --variant runs each variant in every round (their own ceilings: two lanes against two
+    streams) and ends with them side by side: per goal, each variant's median ratio and median GB/s."""
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu")
+    r = subprocess.run([sys.executable, os.path.join(here, "tcp_goals.py"), "--rounds", "1", "--host-only", "--out",
+                        str(tmp_path), "--variant", "base=", "--variant", "two=TETHER_CHANNELS=2"],
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "== base: the environment as is" in out and "== two: TETHER_CHANNELS=2" in out
+    side = out.split("variants side by side")[1].splitlines()
+    row = next(line for line in side if "host 256 MiB write" in line)
+    cells = row.split("host 256 MiB write")[1].split(" | ")
+    assert [c.split()[0] for c in cells] == ["base", "two"], row
+    for c in cells:  # ratio (a * where met), then GB/s
+        ratio, gbps = c.split()[1].rstrip("*"), c.split()[-1]
+        assert float(ratio) > 0 and float(gbps) > 0, row
+    streams = {}
+    for name in ("base", "two"):
+        d = json.load(open(tmp_path / f"{name}-r0-host.json"))
+        streams[name] = {c["streams"] for c in d["ceilings"]}
+    assert streams["two"] == {2} and streams["base"] != {2}, streams  # each ceiling at its own lane count
+    sys.path.insert(0, here)
+    try:
+        import tcp_goals
+    finally:
+        sys.path.remove(here)
+    assert tcp_goals.parse_variant("l7=TETHER_CHANNELS=7,TETHER_X=a=b") == ("l7", {"TETHER_CHANNELS": "7", "TETHER_X": "a=b"})
+    assert tcp_goals.parse_variant("base=") == ("base", {})
+    for bad in ("=X=1", "l7=TETHER_CHANNELS"):
+        with pytest.raises(Exception, match="NAME"):
+            tcp_goals.parse_variant(bad)
+
+
 def test_ab_table_pairs_each_row_over_the_rounds(tmp_path):
     """bench/gpu/ab_table.py (an A/B's verdict) reads real `tether bench` tables. Two runs' logs are
     crossed (round 1: run A new, run B old; round 2: B new, A old), so every row's medians are equal
