@@ -960,6 +960,7 @@ class ProgressThread {
 
   void run();
   void take_incoming();
+  void update_lowat(Lane& l);
   void update_events(Lane& l);
   void do_rx(Lane& l);
   void do_tx(Lane& l);
@@ -1007,26 +1008,31 @@ int ProgressThread::nap(epoll_event* events, int max, uint32_t us) {
   return n < 0 ? 0 : n;  // EINTR: an empty turn
 }
 
-void ProgressThread::update_events(Lane& l) {
+void ProgressThread::update_lowat(Lane& l) {
   // A staged payload wakes a napping thread by the 256 KiB, not per segment. The rx state belongs to
   // whoever owns rx: read unowned (TSAN found it), a stale rx_left could set a mark above what is
   // still to come, and the last bytes would wait out epoll's 1 s. While a waiter reads its own answer
   // (TcpTransport::poll) a raised mark is left as it is and the thread comes back without sleeping,
   // until it owns rx again and can lower it: the waiter may finish the payload and not wake us.
-  if (ep_->config().staging_nap_us && !l.try_own_rx()) {
+  if (!ep_->config().staging_nap_us) return;
+  if (!l.try_own_rx()) {
     if (l.rx_lowat != 1) work_hint_.store(true, std::memory_order_relaxed);
-  } else if (ep_->config().staging_nap_us) {
-    // Never more than is still to come, nor than a quarter of a small socket buffer (the kernel does
-    // not grow a buffer set with SO_RCVBUF to fit the low mark).
-    const uint32_t buf = ep_->config().socket_buffer;
-    const uint64_t most = buf ? std::min<uint64_t>(kStagedLowat, std::max<uint32_t>(buf / 4, 1)) : kStagedLowat;
-    const int lowat = l.rx_state == RxState::kPayload && l.rx_device >= 0 ? int(std::min<uint64_t>(l.rx_left, most)) : 1;
-    if (lowat != l.rx_lowat && lowat > 0) {  // still owning rx: a waiter cannot move the state under it
-      ::setsockopt(l.fd, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat);
-      l.rx_lowat = lowat;
-    }
-    l.disown_rx();
+    return;
   }
+  // Never more than is still to come, nor than a quarter of a small socket buffer (the kernel does
+  // not grow a buffer set with SO_RCVBUF to fit the low mark).
+  const uint32_t buf = ep_->config().socket_buffer;
+  const uint64_t most = buf ? std::min<uint64_t>(kStagedLowat, std::max<uint32_t>(buf / 4, 1)) : kStagedLowat;
+  const int lowat = l.rx_state == RxState::kPayload && l.rx_device >= 0 ? int(std::min<uint64_t>(l.rx_left, most)) : 1;
+  if (lowat != l.rx_lowat && lowat > 0) {  // still owning rx: a waiter cannot move the state under it
+    ::setsockopt(l.fd, SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat);
+    l.rx_lowat = lowat;
+  }
+  l.disown_rx();
+}
+
+void ProgressThread::update_events(Lane& l) {
+  update_lowat(l);
   uint32_t ev = EPOLLRDHUP;
   if (!l.rx_paused.load(std::memory_order_relaxed)) ev |= EPOLLIN;
   if (l.tx_backlog.load(std::memory_order_relaxed)) ev |= EPOLLOUT;
