@@ -16,6 +16,10 @@ With --variant NAME=ENV[,ENV...] (repeatable, e.g. `--variant l8= --variant l7=T
 round runs each variant in turn (the order rotating by round) and the end compares them: per goal and
 variant the median ratio and the median GB/s, since a variant that meets a ratio against a lower ceiling
 (fewer lanes, fewer streams) may still move less.
+
+--deadline S starts no round that would end after S seconds at the pace of the slowest round so far, and
+SIGTERM (`timeout` running out) stops at once: either way the report covers the whole rounds run (every
+variant of a round, or none of them).
 """
 from __future__ import annotations
 
@@ -23,10 +27,15 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_env import Stopped, should_start  # noqa: E402
 
 GOALS = [  # (what, device, mode, size, iovs, ratio to, goal)
     ("host 256 MiB write", "cpu", "write", 256 << 20, 1, "ceiling", 0.9),
@@ -173,6 +182,8 @@ def main() -> int:
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     help="NAME=ENV[,ENV...]: compare variants round by round (repeat; NAME= is the environment as is)")
     ap.add_argument("--host-only", action="store_true", help="only the host-memory goals (a machine without a GPU)")
+    ap.add_argument("--deadline", type=float, default=0,
+                    help="seconds: start no round that would end after this, at the slowest round's pace so far")
     a = ap.parse_args()
     from tether.cli import STEAL_FLAG_PCT  # the mark `tether bench` names rows by
     env = dict(os.environ)
@@ -182,11 +193,30 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     variants = a.variant or [("", {})]
     by_variant: dict[str, list[dict]] = {name: [] for name, _ in variants}
-    for rnd in range(a.rounds):
-        for k in range(len(variants)):
-            name, extra = variants[(rnd + k) % len(variants)]  # rotate: no variant always runs first
-            prefix = os.path.join(a.out, f"{name + '-' if name else ''}r{rnd}-")
-            by_variant[name].append(judge(run_round({**env, **extra}, prefix, a.host_only)))
+
+    def stop(signum, frame):
+        raise Stopped()
+
+    signal.signal(signal.SIGTERM, stop)
+    start, durations = time.monotonic(), []  # seconds each whole round took
+    try:
+        for rnd in range(a.rounds):
+            if not should_start(time.monotonic() - start, durations, a.deadline):
+                print(f"deadline: {rnd} round(s) run", flush=True)
+                break
+            t0, got = time.monotonic(), {}
+            for k in range(len(variants)):
+                name, extra = variants[(rnd + k) % len(variants)]  # rotate: no variant always runs first
+                prefix = os.path.join(a.out, f"{name + '-' if name else ''}r{rnd}-")
+                got[name] = judge(run_round({**env, **extra}, prefix, a.host_only))
+            for name, j in got.items():  # a round counts once every variant has run it
+                by_variant[name].append(j)
+            durations.append(time.monotonic() - t0)
+            print(f"round {rnd + 1} done in {durations[-1]:.0f} s", flush=True)
+    except Stopped:
+        print(f"stopped (SIGTERM) during round {len(durations) + 1}: the report covers the {len(durations)} whole "
+              "round(s)", flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for name, rounds in by_variant.items():
         if name:
             print(f"== {name}: {', '.join(f'{k}={v}' for k, v in dict(variants)[name].items()) or 'the environment as is'}")

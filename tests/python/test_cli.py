@@ -3,6 +3,7 @@
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -427,6 +428,28 @@ def test_tcp_goals_compares_variants_round_by_round(tmp_path):
     for bad in ("=X=1", "l7=TETHER_CHANNELS"):
         with pytest.raises(Exception, match="NAME"):
             tcp_goals.parse_variant(bad)
+
+
+def test_tcp_goals_stops_at_its_deadline_or_on_sigterm_with_whole_rounds(tmp_path):
+    """tcp_goals.py --deadline starts no round that would end past it (the first always runs), and SIGTERM
+    (a device call's `timeout`) stops at once: either way the report covers the whole rounds run."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu", "tcp_goals.py")
+    args = [sys.executable, tool, "--rounds", "3", "--host-only", "--out"]
+    r = subprocess.run([*args, str(tmp_path / "d"), "--deadline", "1"], env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "deadline: 1 round(s) run" in r.stdout and "issue 20 goals, 1 rounds" in r.stdout, r.stdout
+    p = subprocess.Popen([*args, str(tmp_path / "s")], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    lines = []
+    while not lines or not lines[-1].startswith("round 1 done"):  # printed as each round ends
+        lines.append(p.stdout.readline())
+        assert lines[-1], "".join(lines)
+    p.send_signal(signal.SIGTERM)  # during round 2, whose bench takes seconds
+    out = "".join(lines) + p.communicate(timeout=120)[0]
+    assert p.returncode == 0, out
+    assert "stopped (SIGTERM) during round 2: the report covers the 1 whole round(s)" in out, out
+    assert "issue 20 goals, 1 rounds" in out and "host 256 MiB write" in out, out
 
 
 def test_ab_table_pairs_each_row_over_the_rounds(tmp_path):
