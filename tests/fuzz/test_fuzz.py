@@ -88,10 +88,13 @@ def run(seconds: int, corpus: Path, extra=()) -> tuple[int, str, dict]:
     return r.returncode, out, stats
 
 
-@pytest.mark.timeout(1800)
+FUZZ_SECONDS = int(os.environ.get("TETHER_FUZZ_SECONDS", "60"))
+
+
+@pytest.mark.timeout(FUZZ_SECONDS + 900)  # the build (≈ 3 min on 2 cores) and the fuzzer's own run
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
 def test_fuzz_endpoint_bounded():
-    seconds = int(os.environ.get("TETHER_FUZZ_SECONDS", "60"))
+    seconds = FUZZ_SECONDS
     rc, out, stats = run(seconds, BUILD / "corpus")
     print(f"fuzz_endpoint {seconds} s: {stats}")
     assert rc == 0, out[-8000:]
