@@ -88,8 +88,8 @@ class Mem:
         self._sync()
 
     def randomize_spans(self, spans: list[tuple[int, int]], rng: np.random.Generator) -> None:
-        """Random bytes into every (offset, length) span; on a GPU one kernel over the range they cover (a
-        kernel and a synchronize per span made a 4,096-block check take seconds per iteration)."""
+        """Random bytes into every (offset, length) span; on a GPU one kernel over the range they cover, not a
+        generator, a kernel and a synchronize per span (4,096 of them per checked iteration of the scattered case)."""
         if self.device is None:
             for off, n in spans:
                 self.randomize(off, n, rng)
@@ -99,7 +99,7 @@ class Mem:
 
     def pieces(self, spans: list[tuple[int, int]]) -> list[np.ndarray]:
         """The bytes of the (offset, length) spans, in order, to hash: views of host memory; off a GPU all of
-        them in one copy (one per span cost a 4,096-block check seconds per iteration)."""
+        them in one copy, not one per span."""
         if self.device is None:
             return [self.obj[off:off + n] for off, n in spans]
         if not spans:
