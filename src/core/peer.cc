@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -65,6 +66,7 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
       lanes_(lanes),
       batch_max_(transport ? transport->caps().batch_fragments : 0),
       batch_reads_(transport && transport->caps().batch_reads),
+      gpu_batch_chunks_(transport ? std::max<uint32_t>(1, transport->caps().gpu_batch_chunks) : 1),
       gpu_chunk_(transport ? transport->caps().gpu_chunk_bytes : 0),
       read_depth_(transport ? transport->caps().read_depth : 0),
       staged_gpu_(transport && transport->caps().uses_tcp_lanes && !transport->caps().cuda_memory),
@@ -329,7 +331,8 @@ int32_t device_of(const Segment& g) {
 bool remote_gpu(const Segment& g) { return g.remote && g.remote->kind == MemoryKind::kCuda; }
 }  // namespace
 
-uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk) {
+// Pieces under `chunk` each, `limit` bytes in all.
+uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk, uint64_t limit) {
   const std::vector<Segment>& segs = t->segments;
   const Segment& first = segs[t->cur_segment];
   const uint64_t rest = first.length - t->cur_offset;
@@ -339,7 +342,7 @@ uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk) {
   uint64_t total = rest;
   // A read batch keeps to one kind of remote memory: the chunk size was chosen for the first one's.
   const bool read = t->op == OpKind::kRead;
-  while (end < segs.size() && end - t->cur_segment < batch_max_ && total + segs[end].length <= chunk &&
+  while (end < segs.size() && end - t->cur_segment < batch_max_ && total + segs[end].length <= limit &&
          device_of(segs[end]) == dev && (!read || remote_gpu(segs[end]) == remote_gpu(first)))
     total += segs[end++].length;
   const uint32_t n = uint32_t(end - t->cur_segment);
@@ -422,7 +425,11 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     op->device = s.device;
     op->local = s.local;
     const bool batches = t->op == OpKind::kWrite || (t->op == OpKind::kRead && batch_reads_);
-    const uint32_t n = batches && batch_max_ >= 2 ? pack_batch(t, s, chunk) : 0;
+    // A write batch that GPU memory stages on either side may carry more: each costs a kernel launch there,
+    // and two processes' kernels on one GPU take turns (Caps::gpu_batch_chunks).
+    const bool gpu_batch = t->op == OpKind::kWrite && (device_of(seg) >= 0 || remote_gpu(seg));
+    const uint64_t limit = gpu_batch ? chunk * gpu_batch_chunks_ : chunk;
+    const uint32_t n = batches && batch_max_ >= 2 ? pack_batch(t, s, chunk, limit) : 0;
     if (n >= 2) {  // many small writes (reads): one frame, one answer
       const bool write = t->op == OpKind::kWrite;
       h.type = static_cast<uint8_t>(write ? wire::FrameType::kWriteBatch : wire::FrameType::kReadBatch);

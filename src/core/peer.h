@@ -185,7 +185,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   };
   // Packs whole small segments of a write (or, batch_reads_, a read) after the cursor into one batch
   // chunk (mu_ held).
-  uint32_t pack_batch(TransferState* t, Slot& s, uint64_t chunk);
+  uint32_t pack_batch(TransferState* t, Slot& s, uint64_t chunk, uint64_t limit);
 
   Transfer start(std::shared_ptr<TransferState> t);  // registers the keepalive
   void enqueue(TransferState* t);                    // puts on the work queue, wakes lanes
@@ -202,6 +202,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   const uint32_t lanes_;
   const uint32_t batch_max_;  // the transport's Caps::batch_fragments: most fragments in a kWriteBatch chunk
   const bool batch_reads_;    // the transport's Caps::batch_reads
+  const uint32_t gpu_batch_chunks_;  // the transport's Caps::gpu_batch_chunks
   const uint64_t gpu_chunk_;  // the transport's chunk size between GPU memory on both ends (0: none)
   const uint32_t read_depth_; // the transport's Caps::read_depth (0: reads fill the lane's window)
   const bool staged_gpu_;     // GPU memory goes through pinned host staging on each side (tcp): reads pipeline smaller chunks

@@ -82,7 +82,7 @@ Status StagingRing::prepare(int device) {
     const CudaApi* a = cuda(&why);
     if (!a) return Status(Code::kUnavailable, why);
     if (Status st = use_device(device); !st.is_ok()) return st;  // pinned allocations need a context
-    const uint64_t stride = (capacity_ + 4095) & ~uint64_t(4095);
+    const uint64_t stride = this->stride();
     void* p = nullptr;
     if (Status st = cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&p, stride * slots_.size(), kHostAllocPortable | kHostAllocDeviceMap));
         !st.is_ok())
@@ -101,17 +101,29 @@ Status StagingRing::prepare(int device) {
   return Status::ok();
 }
 
-Result<StagingSlot*> StagingRing::acquire(int device) {
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    StagingSlot& s = slots_[(next_ + i) % slots_.size()];
-    if (s.busy) continue;
-    if (!block_)
-      if (Status st = prepare(device); !st.is_ok()) return st;
-    next_ = uint32_t((next_ + i + 1) % slots_.size());
-    s.busy = true;
-    return &s;
+int StagingRing::free_run(uint32_t span) const {
+  const size_t n = slots_.size();
+  if (span == 0 || span > n) return -1;
+  for (size_t i = 0; i < n; ++i) {
+    const size_t first = (next_ + i) % n;
+    if (first + span > n) continue;  // a run does not wrap: its buffer is one piece of the block
+    bool free = true;
+    for (size_t k = first; k < first + span && free; ++k) free = !slots_[k].busy;
+    if (free) return int(first);
   }
-  return static_cast<StagingSlot*>(nullptr);
+  return -1;
+}
+
+Result<StagingSlot*> StagingRing::acquire(int device, uint32_t span) {
+  const int first = free_run(span);
+  if (first < 0) return static_cast<StagingSlot*>(nullptr);
+  if (!block_)
+    if (Status st = prepare(device); !st.is_ok()) return st;
+  next_ = uint32_t((size_t(first) + span) % slots_.size());
+  for (uint32_t k = 0; k < span; ++k) slots_[size_t(first) + k].busy = true;
+  StagingSlot& s = slots_[size_t(first)];
+  s.span = span;
+  return &s;
 }
 
 Status StagingRing::ready(StagingSlot& s, int device) {

@@ -38,6 +38,7 @@ struct StagingSlot {
   uint64_t capacity = 0;
   int device = -1;             // device of the copy in flight
   bool busy = false;           // a copy is in flight or the bytes are still needed
+  uint32_t span = 1;           // slots its buffer runs over (acquire(device, span)), this one first
   struct PerDevice {
     CUevent event = nullptr;   // set once the slot is ready on this device (the copies run on the ring's stream)
     CUdeviceptr scratch = 0;   // device copy of the chunk (kernel mode, scratch staging), `capacity` bytes
@@ -59,7 +60,11 @@ class StagingRing {
   // Idempotent; acquire() calls it, so calling it ahead only moves the cost out of the first transfer.
   Status prepare(int device);
   // A free slot for a copy on `device`, or null when every slot is busy (retry once one is released).
-  Result<StagingSlot*> acquire(int device);
+  // With `span` > 1, that many adjacent free slots as one buffer of span_for()'s bytes (the first's
+  // event marks it).
+  Result<StagingSlot*> acquire(int device, uint32_t span = 1);
+  // Adjacent slots a buffer of `bytes` takes (at least 1).
+  uint32_t span_for(uint64_t bytes) const { return bytes <= stride() ? 1 : uint32_t((bytes + stride() - 1) / stride()); }
   // Copies GPU fragments (ptr = GPU source) into `slot` (device `device`), asynchronously.
   Status pack(StagingSlot* slot, int device, const Fragment* frags, uint32_t n, Unpack mode);
   // Copies the slot's bytes out to fragments (ptr = destination on `device`), asynchronously.
@@ -67,20 +72,20 @@ class StagingRing {
   // True once the copy issued on `slot` has finished (CUDA event); errors are reported as Status.
   Result<bool> done(StagingSlot* slot);
   void release(StagingSlot* slot) {
+    for (uint32_t i = 1; i < slot->span; ++i) slot[i].busy = false;
+    slot->span = 1;
     slot->busy = false;
     slot->device = -1;
   }
   uint32_t max_fragments() const { return max_fragments_; }
   // Blocks until every copy issued on this ring has finished (before memory they touch goes away).
   void wait_all();
-  bool has_free() const {
-    for (const StagingSlot& s : slots_)
-      if (!s.busy) return true;
-    return false;
-  }
+  bool has_free(uint32_t span = 1) const { return free_run(span) >= 0; }
 
  private:
   Status ready(StagingSlot& s, int device);
+  uint64_t stride() const { return (capacity_ + 4095) & ~uint64_t(4095); }  // bytes between slots' buffers
+  int free_run(uint32_t span) const;  // the first of `span` adjacent free slots from next_ on, or -1
   Status copy(StagingSlot& s, int device, const Fragment* frags, uint32_t n, Unpack mode, bool to_slot);
 
   uint32_t max_fragments_;

@@ -37,6 +37,8 @@ struct Caps {
   uint32_t batch_fragments = 0; // most fragments in one kWriteBatch chunk (many small writes in one
                                 // frame, one answer); 0: no batches
   bool batch_reads = false;     // small reads are batched too, as kReadBatch chunks (ipc)
+  uint32_t gpu_batch_chunks = 1;  // a kWriteBatch from or to GPU memory carries up to this many chunks' bytes
+                                  // (staged: each batch costs a gather and an unpack kernel)
   uint64_t gpu_chunk_bytes = 0; // chunk size when both ends of a write/read are GPU memory (0: the peer's chunk_bytes)
   uint32_t read_depth = 0;      // reads one lane keeps requested at once, in chunk_bytes (0: its whole window)
   bool wait_naps = false;       // wait() on a large read naps (Config::wait_nap_us), on another large transfer

@@ -13,6 +13,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/endpoint_impl.h"
@@ -50,6 +51,18 @@ constexpr int kStagedLowat = 256 << 10;      // SO_RCVLOWAT while a staged paylo
 constexpr uint64_t kSpinAfterBytes = 64 << 10;  // a progress loop that moved less is "small traffic"
 constexpr uint64_t kLaneQueueChunks = 2;      // chunks a lane's socket may hold (ours + the kernel's)
 constexpr uint64_t kSmallCopy = 256 << 10;    // staged copies up to this extend the busy window (run())
+
+// Chunks' bytes a kWriteBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each batch is a
+// gather kernel on the sender and an unpack kernel on the receiver, and between two processes on one
+// GPU those take turns. EXPERIMENT (issue 20, the scattered write): TETHER_X_GPU_BATCH_CHUNKS.
+uint32_t gpu_batch_chunks() {
+  static const uint32_t v = [] {
+    const char* e = std::getenv("TETHER_X_GPU_BATCH_CHUNKS");
+    const unsigned long n = e ? std::strtoul(e, nullptr, 0) : 1;
+    return uint32_t(n < 1 ? 1 : n > 4 ? 4 : n);
+  }();
+  return v;
+}
 
 // Bytes in the socket's send queue (unsent or unacknowledged).
 inline uint64_t kernel_queued(int fd) {
@@ -256,7 +269,7 @@ void prepare_staging(Lane& l, core::EndpointImpl* ep, uint64_t gpus) {
 // Starts copying a GPU payload into a pinned tx slot. False without an error: no slot is free yet.
 bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
   tx_ring(l, ep);
-  auto slot = l.tx_stage->acquire(it.device);
+  auto slot = l.tx_stage->acquire(it.device, l.tx_stage->span_for(it.length));  // a batch may take more than one
   if (!slot.is_ok()) { *error = slot.status(); return false; }
   if (!slot.value()) return false;
   gpu::StagingSlot* st = slot.value();
@@ -300,7 +313,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
   for (;;) {
     TxItem a;
     while (l.tx_count < kTxRing && l.answers.peek(&a)) {
-      if (a.device >= 0 && l.tx_stage && !l.tx_stage->has_free()) break;  // no free slot: the answer waits
+      if (a.device >= 0 && l.tx_stage && !l.tx_stage->has_free(l.tx_stage->span_for(a.length))) break;  // the answer waits
       if (a.device >= 0 && l.tx_unstaged > 0) break;  // one copy out of the GPU at a time, as for chunks below
       trace::mark(trace::Event::kPulled, l.index, a.hdr.type, a.hdr.slot, a.hdr.gen);  // before staging
       if (a.device >= 0 && !stage_tx(l, ep, a, error)) {
@@ -322,7 +335,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     // start of a transfer each lane's first chunk is out sooner (and on the wire sooner) when second
     // chunks wait; later ones are copied while the one before is sent (issue 20, PERFORMANCE.md).
     while (l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && l.tx_unstaged == 0 &&
-           (!l.tx_stage || l.tx_stage->has_free()) && l.peer->next_chunk(l.index, &op)) {
+           (!l.tx_stage || l.tx_stage->has_free(gpu_batch_chunks())) && l.peer->next_chunk(l.index, &op)) {
       TxItem it{op.hdr, op.payload, op.length, nullptr};
       it.device = op.payload || op.fragments ? op.device : -1;
       if (static_cast<FrameType>(op.hdr.type) == FrameType::kReadBatch) {  // a request: header and table
@@ -489,18 +502,21 @@ void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
   }
 }
 
-// Room to land one more GPU-bound payload? (Checked before a frame is resolved, so nothing is undone.)
-bool gpu_rx_room(const Lane& l) {
-  return !l.rx_stage || (l.gpu_rx_count < kStageSlots && l.rx_stage->has_free());
+// Room to land one more GPU-bound payload of `length` bytes? (Checked before a frame is resolved, so
+// nothing is undone.)
+bool gpu_rx_room(const Lane& l, uint64_t length) {
+  return !l.rx_stage || (l.gpu_rx_count < kStageSlots && l.rx_stage->has_free(l.rx_stage->span_for(length)));
 }
 
 // Points the payload of the frame being received at a bounce slot; payload_done copies it to `final`.
 bool land_in_bounce(Lane& l, core::EndpointImpl* ep, int device, uint8_t* final) {
-  if (l.rx_hdr.length > ep->config().chunk_bytes) {
+  const bool batch = static_cast<FrameType>(l.rx_hdr.type) == FrameType::kWriteBatch;
+  if (l.rx_hdr.length > ep->config().chunk_bytes * (batch ? gpu_batch_chunks() : 1)) {
     kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a frame longer than the agreed chunk size"));
     return false;
   }
-  auto slot = rx_ring(l, ep).acquire(device);
+  gpu::StagingRing& ring = rx_ring(l, ep);
+  auto slot = ring.acquire(device, ring.span_for(l.rx_hdr.length));
   if (!slot.is_ok() || !slot.value()) {
     kill_lane(l, slot.is_ok() ? Status(Code::kInternal, "staging: no free slot after checking for one") : slot.status());
     return false;
@@ -610,7 +626,7 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
   }
   const bool has_payload = type == FrameType::kWrite || type == FrameType::kSendData || type == FrameType::kWriteBatch ||
                            (type == FrameType::kReadResp && h.status == 0);
-  if (has_payload && !gpu_rx_room(l)) {
+  if (has_payload && !gpu_rx_room(l, h.length)) {
     l.rx_paused.store(true, std::memory_order_relaxed);  // resumes once a GPU copy has finished
     return false;
   }
@@ -1258,6 +1274,7 @@ Caps TcpTransport::caps() const {
   // Small reads travel as kReadBatch chunks: one request and one answer for up to kMaxFragments blocks
   // (a KV pull of 4,096 × 16 KiB blocks from GPU memory was 4,096 round trips and copies otherwise).
   c.batch_reads = true;
+  c.gpu_batch_chunks = gpu_batch_chunks();
   return c;
 }
 
