@@ -16,8 +16,8 @@
 namespace tether::wire {
 
 constexpr uint32_t kMagic = 0x52485454;  // "TTHR"
-constexpr uint16_t kVersion = 5;  // 3: ClientHello::transports; 4: max_notify in both hellos, NotifyAckBody;
-                                  // 5: tcp carries kReadBatch
+constexpr uint16_t kVersion = 6;  // 3: ClientHello::transports; 4: max_notify in both hellos, NotifyAckBody;
+                                  // 5: tcp carries kReadBatch; 6: tcp GPU write batches of two chunks
 
 // ---- handshake (every socket, control or data) ----
 // A transport's bit in ClientHello::transports (0 for a name not listed).

@@ -100,6 +100,26 @@ def test_vectored_write_and_read(pair, lk, rk):
 
 
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_small_gpu_blocks_travel_two_chunks_per_batch(pair, lk, rk):
+    """Where GPU memory is on either side, 256 blocks of 16 KiB go as two kWriteBatch frames of 128 blocks
+    (2 MiB: two chunks, Caps::gpu_batch_chunks; each batch is a kernel launch on each side), not four;
+    every byte lands in its place."""
+    local, peer, c = pair
+    blocks, bs = 256, 16 * 1024
+    n = blocks * bs
+    desc = c.call("register", "dst", n, device=_dev(rk))
+    src = local.region("src", lk, n, seed=44)
+    order = np.random.default_rng(8).permutation(blocks)
+    before = local.ep.stats()["chunks_sent"]
+    peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
+    assert local.ep.stats()["chunks_sent"] - before == 2
+    want = rand_bytes(44, n).reshape(blocks, bs)
+    expect = np.empty_like(want)
+    expect[order] = want
+    assert_bytes_equal(np.frombuffer(c.call("get", "dst"), np.uint8), expect.reshape(-1))
+
+
+@pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
 def test_send_recv(pair, lk, rk):
     local, peer, c = pair
     c.call("register", "rbuf", SIZE + 7, device=_dev(rk))

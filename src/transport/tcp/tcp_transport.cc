@@ -54,11 +54,12 @@ constexpr uint64_t kSmallCopy = 256 << 10;    // staged copies up to this extend
 
 // Chunks' bytes a kWriteBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each batch is a
 // gather kernel on the sender and an unpack kernel on the receiver, and between two processes on one
-// GPU those take turns. EXPERIMENT (issue 20, the scattered write): TETHER_X_GPU_BATCH_CHUNKS.
+// GPU those take turns. EXPERIMENT (issue 20, the scattered write): TETHER_X_GPU_BATCH_CHUNKS=1 is the
+// old rule, for the A/B; both sides must agree (a receiver kills the lane on a longer batch).
 uint32_t gpu_batch_chunks() {
   static const uint32_t v = [] {
     const char* e = std::getenv("TETHER_X_GPU_BATCH_CHUNKS");
-    const unsigned long n = e ? std::strtoul(e, nullptr, 0) : 1;
+    const unsigned long n = e ? std::strtoul(e, nullptr, 0) : 2;
     return uint32_t(n < 1 ? 1 : n > 4 ? 4 : n);
   }();
   return v;
