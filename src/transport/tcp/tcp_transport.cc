@@ -13,7 +13,6 @@
 
 #include <cerrno>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 
 #include "core/endpoint_impl.h"
@@ -54,16 +53,9 @@ constexpr uint64_t kSmallCopy = 256 << 10;    // staged copies up to this extend
 
 // Chunks' bytes a kWriteBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each batch is a
 // gather kernel on the sender and an unpack kernel on the receiver, and between two processes on one
-// GPU those take turns. EXPERIMENT (issue 20, the scattered write): TETHER_X_GPU_BATCH_CHUNKS=1 is the
-// old rule, for the A/B; both sides must agree (a receiver kills the lane on a longer batch).
-uint32_t gpu_batch_chunks() {
-  static const uint32_t v = [] {
-    const char* e = std::getenv("TETHER_X_GPU_BATCH_CHUNKS");
-    const unsigned long n = e ? std::strtoul(e, nullptr, 0) : 2;
-    return uint32_t(n < 1 ? 1 : n > 4 ? 4 : n);
-  }();
-  return v;
-}
+// GPU those take turns. Two chunks: the 4,096 x 16 KiB write 1.10x, 0.15 CPU-s/GB less (PERFORMANCE.md,
+// session 24). Both sides must agree (wire version 6): a receiver kills the lane on a longer batch.
+constexpr uint32_t kGpuBatchChunks = 2;
 
 // Bytes in the socket's send queue (unsent or unacknowledged).
 inline uint64_t kernel_queued(int fd) {
@@ -335,8 +327,10 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     // A lane stages one chunk at a time: all lanes' copies share the GPU's copy engines, so at the
     // start of a transfer each lane's first chunk is out sooner (and on the wire sooner) when second
     // chunks wait; later ones are copied while the one before is sent (issue 20, PERFORMANCE.md).
+    // (A lane holds at most three of its eight tx slots here, so a free run of two for a batch is always
+    // there: contiguous chunks never wait on it.)
     while (l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && l.tx_unstaged == 0 &&
-           (!l.tx_stage || l.tx_stage->has_free(gpu_batch_chunks())) && l.peer->next_chunk(l.index, &op)) {
+           (!l.tx_stage || l.tx_stage->has_free(kGpuBatchChunks)) && l.peer->next_chunk(l.index, &op)) {
       TxItem it{op.hdr, op.payload, op.length, nullptr};
       it.device = op.payload || op.fragments ? op.device : -1;
       if (static_cast<FrameType>(op.hdr.type) == FrameType::kReadBatch) {  // a request: header and table
@@ -512,7 +506,7 @@ bool gpu_rx_room(const Lane& l, uint64_t length) {
 // Points the payload of the frame being received at a bounce slot; payload_done copies it to `final`.
 bool land_in_bounce(Lane& l, core::EndpointImpl* ep, int device, uint8_t* final) {
   const bool batch = static_cast<FrameType>(l.rx_hdr.type) == FrameType::kWriteBatch;
-  if (l.rx_hdr.length > ep->config().chunk_bytes * (batch ? gpu_batch_chunks() : 1)) {
+  if (l.rx_hdr.length > ep->config().chunk_bytes * (batch ? kGpuBatchChunks : 1)) {
     kill_lane(l, Status(Code::kProtocolError, "peer '" + l.peer->info().name + "' sent a frame longer than the agreed chunk size"));
     return false;
   }
@@ -1275,7 +1269,7 @@ Caps TcpTransport::caps() const {
   // Small reads travel as kReadBatch chunks: one request and one answer for up to kMaxFragments blocks
   // (a KV pull of 4,096 × 16 KiB blocks from GPU memory was 4,096 round trips and copies otherwise).
   c.batch_reads = true;
-  c.gpu_batch_chunks = gpu_batch_chunks();
+  c.gpu_batch_chunks = kGpuBatchChunks;
   return c;
 }
 
