@@ -68,11 +68,12 @@ StagingRing::~StagingRing() {
         a->cuEventSynchronize(d.event);  // nothing may still be copying into memory freed below
         a->cuEventDestroy(d.event);
       }
-      if (d.scratch) a->cuMemFree(d.scratch);
     }
   }
   for (CUstream st : streams_)
     if (st) a->cuStreamDestroy(st);
+  for (CUdeviceptr d : scratch_)
+    if (d) a->cuMemFree(d);
   if (block_) a->cuMemFreeHost(block_);
 }
 
@@ -160,27 +161,29 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
     if (Status st = launch_copy(device, stream, table, n); !st.is_ok()) return st;
   } else if (mode == Unpack::kKernel && n > 1) {
     if (Status st = copy_kernel(device); !st.is_ok()) return st;
-    if (!d.scratch)
-      TETHER_CUDA_TRY("cuMemAlloc", a->cuMemAlloc(&d.scratch, capacity_));
+    if (scratch_.size() <= size_t(device)) scratch_.resize(size_t(device) + 1, 0);
+    if (!scratch_[size_t(device)])
+      TETHER_CUDA_TRY("cuMemAlloc", a->cuMemAlloc(&scratch_[size_t(device)], stride() * slots_.size()));
+    const CUdeviceptr base = scratch_[size_t(device)] + CUdeviceptr(s.host - block_);  // this slot's (run's) twin
     uint64_t* table = s.table.get();
     uint64_t begin = UINT64_MAX, extent = 0;  // only [begin, extent) of the slot moves
     for (uint32_t i = 0; i < n; ++i) {
       begin = std::min(begin, frags[i].offset);
-      const uint64_t scratch = d.scratch + frags[i].offset;
+      const uint64_t scratch = base + frags[i].offset;
       table[3 * i + 0] = to_slot ? ptr(frags[i]) : scratch;
       table[3 * i + 1] = to_slot ? scratch : ptr(frags[i]);
       table[3 * i + 2] = frags[i].length;
       extent = std::max(extent, frags[i].offset + frags[i].length);
     }
     if (!to_slot) {
-      if (Status st = cuda_check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(d.scratch + begin, reinterpret_cast<CUdeviceptr>(s.host + begin),
+      if (Status st = cuda_check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(base + begin, reinterpret_cast<CUdeviceptr>(s.host + begin),
                                                                            extent - begin, stream));
           !st.is_ok())
         return st;
     }
     if (Status st = launch_copy(device, stream, table, n); !st.is_ok()) return st;
     if (to_slot) {
-      if (Status st = cuda_check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), d.scratch + begin,
+      if (Status st = cuda_check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), base + begin,
                                                                             extent - begin, stream));
           !st.is_ok())
         return st;

@@ -41,7 +41,6 @@ struct StagingSlot {
   uint32_t span = 1;           // slots its buffer runs over (acquire(device, span)), this one first
   struct PerDevice {
     CUevent event = nullptr;   // set once the slot is ready on this device (the copies run on the ring's stream)
-    CUdeviceptr scratch = 0;   // device copy of the chunk (kernel mode, scratch staging), `capacity` bytes
   };
   std::vector<PerDevice> per_device;
   std::unique_ptr<uint64_t[]> table;  // (src, dst, len) triples of the kernel launch, built here
@@ -96,6 +95,9 @@ class StagingRing {
   // One stream per device for the whole ring: a lane's copies run in the order it issued them, so its
   // first chunk is done first instead of sharing the copy engine with the lane's later ones.
   std::vector<CUstream> streams_;
+  // Per device, the scratch staging (TETHER_KERNEL_STAGING=scratch) block: the pinned block's twin in
+  // device memory, so a slot run spanning slots has one contiguous scratch buffer too.
+  std::vector<CUdeviceptr> scratch_;
 };
 
 }  // namespace tether::gpu

@@ -119,6 +119,32 @@ def test_small_gpu_blocks_travel_two_chunks_per_batch(pair, lk, rk):
     assert_bytes_equal(np.frombuffer(c.call("get", "dst"), np.uint8), expect.reshape(-1))
 
 
+def test_scratch_staging_carries_two_chunk_batches(children):
+    """With TETHER_KERNEL_STAGING=scratch on both sides the gather and unpack kernels work on a device-memory
+    twin of the pinned slot: a two-chunk batch spans two slots there too. 256 x 16 KiB GPU blocks, GPU to
+    GPU between two processes in two batches, shuffled, every byte."""
+    if not _kernels:
+        pytest.skip(f"unpack=kernel unavailable: {_kwhy}")
+    env = {"TETHER_UNPACK": "kernel", "TETHER_KERNEL_STAGING": "scratch"}
+    sender, receiver = children("sender", env=env), children("receiver", env=env)
+    blocks, bs = 256, 16 * 1024
+    n = blocks * bs
+    target = receiver.call("endpoint", transport="tcp")["metadata"]
+    sender.call("endpoint", transport="tcp")
+    desc = receiver.call("register", "dst", n, device=_dev("gpu0"))
+    sender.call("register", "src", n, fill=("seed", 45), device=_dev(GPU.kind("gpu1")))
+    sender.call("connect", target)
+    assert sender.call("transport") == "tcp"
+    order = np.random.default_rng(9).permutation(blocks)
+    before = sender.call("stats")["chunks_sent"]
+    assert sender.call("writev", [("src", int(i) * bs, int(j) * bs, bs) for i, j in enumerate(order)], desc)[0] == "ok"
+    assert sender.call("stats")["chunks_sent"] - before == 2
+    want = rand_bytes(45, n).reshape(blocks, bs)
+    expect = np.empty_like(want)
+    expect[order] = want
+    assert_bytes_equal(np.frombuffer(receiver.call("get", "dst"), np.uint8), expect.reshape(-1))
+
+
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
 def test_send_recv(pair, lk, rk):
     local, peer, c = pair
