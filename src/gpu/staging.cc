@@ -57,7 +57,7 @@ bool kernels_available(std::string* why) {
 }
 
 StagingRing::StagingRing(uint32_t slots, uint64_t capacity, uint32_t max_fragments)
-    : max_fragments_(max_fragments), capacity_(capacity), slots_(slots) {}
+    : max_fragments_(max_fragments), capacity_(capacity), slots_(slots), runs_(slots) {}
 
 StagingRing::~StagingRing() {
   const CudaApi* a = cuda();
@@ -102,29 +102,13 @@ Status StagingRing::prepare(int device) {
   return Status::ok();
 }
 
-int StagingRing::free_run(uint32_t span) const {
-  const size_t n = slots_.size();
-  if (span == 0 || span > n) return -1;
-  for (size_t i = 0; i < n; ++i) {
-    const size_t first = (next_ + i) % n;
-    if (first + span > n) continue;  // a run does not wrap: its buffer is one piece of the block
-    bool free = true;
-    for (size_t k = first; k < first + span && free; ++k) free = !slots_[k].busy;
-    if (free) return int(first);
-  }
-  return -1;
-}
-
 Result<StagingSlot*> StagingRing::acquire(int device, uint32_t span) {
-  const int first = free_run(span);
+  const int first = runs_.find(span);
   if (first < 0) return static_cast<StagingSlot*>(nullptr);
   if (!block_)
     if (Status st = prepare(device); !st.is_ok()) return st;
-  next_ = uint32_t((size_t(first) + span) % slots_.size());
-  for (uint32_t k = 0; k < span; ++k) slots_[size_t(first) + k].busy = true;
-  StagingSlot& s = slots_[size_t(first)];
-  s.span = span;
-  return &s;
+  runs_.take(uint32_t(first), span);
+  return &slots_[size_t(first)];
 }
 
 Status StagingRing::ready(StagingSlot& s, int device) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gpu/cuda_api.h"
+#include "gpu/slot_runs.h"
 #include "tether/status.h"
 
 namespace tether::gpu {
@@ -37,8 +38,6 @@ struct StagingSlot {
   uint8_t* host = nullptr;     // pinned, `capacity` bytes, mapped into every GPU's address space
   uint64_t capacity = 0;
   int device = -1;             // device of the copy in flight
-  bool busy = false;           // a copy is in flight or the bytes are still needed
-  uint32_t span = 1;           // slots its buffer runs over (acquire(device, span)), this one first
   struct PerDevice {
     CUevent event = nullptr;   // set once the slot is ready on this device (the copies run on the ring's stream)
   };
@@ -70,28 +69,26 @@ class StagingRing {
   Status unpack(StagingSlot* slot, int device, const Fragment* frags, uint32_t n, Unpack mode);
   // True once the copy issued on `slot` has finished (CUDA event); errors are reported as Status.
   Result<bool> done(StagingSlot* slot);
+  // Frees the slot (its whole run) once its copy has finished and its bytes are no longer needed.
   void release(StagingSlot* slot) {
-    for (uint32_t i = 1; i < slot->span; ++i) slot[i].busy = false;
-    slot->span = 1;
-    slot->busy = false;
+    runs_.give(uint32_t(slot - slots_.data()));
     slot->device = -1;
   }
   uint32_t max_fragments() const { return max_fragments_; }
   // Blocks until every copy issued on this ring has finished (before memory they touch goes away).
   void wait_all();
-  bool has_free(uint32_t span = 1) const { return free_run(span) >= 0; }
+  bool has_free(uint32_t span = 1) const { return runs_.find(span) >= 0; }
 
  private:
   Status ready(StagingSlot& s, int device);
   uint64_t stride() const { return (capacity_ + 4095) & ~uint64_t(4095); }  // bytes between slots' buffers
-  int free_run(uint32_t span) const;  // the first of `span` adjacent free slots from next_ on, or -1
   Status copy(StagingSlot& s, int device, const Fragment* frags, uint32_t n, Unpack mode, bool to_slot);
 
   uint32_t max_fragments_;
   uint64_t capacity_;
   std::vector<StagingSlot> slots_;
+  SlotRuns runs_;  // which slots are taken (a copy in flight or bytes still needed), in runs
   uint8_t* block_ = nullptr;  // every slot's buffer, one pinned allocation
-  uint32_t next_ = 0;
   // One stream per device for the whole ring: a lane's copies run in the order it issued them, so its
   // first chunk is done first instead of sharing the copy engine with the lane's later ones.
   std::vector<CUstream> streams_;
