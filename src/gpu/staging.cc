@@ -72,8 +72,8 @@ StagingRing::~StagingRing() {
   }
   for (CUstream st : streams_)
     if (st) a->cuStreamDestroy(st);
-  for (CUdeviceptr d : scratch_)
-    if (d) a->cuMemFree(d);
+  for (const Scratch& sc : scratch_)
+    if (sc.ptr) a->cuMemFree(sc.ptr);
   if (block_) a->cuMemFreeHost(block_);
 }
 
@@ -124,6 +124,26 @@ Status StagingRing::ready(StagingSlot& s, int device) {
   return Status::ok();
 }
 
+// The ring's scratch buffer on `device`, at least `bytes` long. One per ring and device is enough: every
+// copy of the ring on that device runs on one stream, so a chunk's copy and kernel are done with it
+// before the next chunk's start. It grows (rarely: a two-slot batch after one-slot ones) once the
+// stream has finished with the smaller one.
+Result<CUdeviceptr> StagingRing::scratch_for(int device, uint64_t bytes) {
+  const CudaApi* a = cuda();
+  if (scratch_.size() <= size_t(device)) scratch_.resize(size_t(device) + 1);
+  Scratch& sc = scratch_[size_t(device)];
+  if (sc.bytes >= bytes) return sc.ptr;
+  if (sc.ptr) {
+    TETHER_CUDA_TRY("cuStreamSynchronize", a->cuStreamSynchronize(streams_[size_t(device)]));
+    TETHER_CUDA_TRY("cuMemFree", a->cuMemFree(sc.ptr));
+    sc = Scratch{};
+  }
+  const uint64_t size = (bytes + stride() - 1) / stride() * stride();
+  TETHER_CUDA_TRY("cuMemAlloc", a->cuMemAlloc(&sc.ptr, size));
+  sc.bytes = size;
+  return sc.ptr;
+}
+
 Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint32_t n, Unpack mode, bool to_slot) {
   if (n > max_fragments_) return Status(Code::kInternal, "staging: too many fragments for one chunk");
   if (Status st = ready(s, device); !st.is_ok()) return st;
@@ -145,19 +165,19 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
     if (Status st = launch_copy(device, stream, table, n); !st.is_ok()) return st;
   } else if (mode == Unpack::kKernel && n > 1) {
     if (Status st = copy_kernel(device); !st.is_ok()) return st;
-    if (scratch_.size() <= size_t(device)) scratch_.resize(size_t(device) + 1, 0);
-    if (!scratch_[size_t(device)])
-      TETHER_CUDA_TRY("cuMemAlloc", a->cuMemAlloc(&scratch_[size_t(device)], stride() * slots_.size()));
-    const CUdeviceptr base = scratch_[size_t(device)] + CUdeviceptr(s.host - block_);  // this slot's (run's) twin
-    uint64_t* table = s.table.get();
     uint64_t begin = UINT64_MAX, extent = 0;  // only [begin, extent) of the slot moves
     for (uint32_t i = 0; i < n; ++i) {
       begin = std::min(begin, frags[i].offset);
-      const uint64_t scratch = base + frags[i].offset;
-      table[3 * i + 0] = to_slot ? ptr(frags[i]) : scratch;
-      table[3 * i + 1] = to_slot ? scratch : ptr(frags[i]);
-      table[3 * i + 2] = frags[i].length;
       extent = std::max(extent, frags[i].offset + frags[i].length);
+    }
+    auto scratch = scratch_for(device, extent);
+    if (!scratch.is_ok()) return scratch.status();
+    const CUdeviceptr base = scratch.value();
+    uint64_t* table = s.table.get();
+    for (uint32_t i = 0; i < n; ++i) {
+      table[3 * i + 0] = to_slot ? ptr(frags[i]) : base + frags[i].offset;
+      table[3 * i + 1] = to_slot ? base + frags[i].offset : ptr(frags[i]);
+      table[3 * i + 2] = frags[i].length;
     }
     if (!to_slot) {
       if (Status st = cuda_check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(base + begin, reinterpret_cast<CUdeviceptr>(s.host + begin),

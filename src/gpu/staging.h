@@ -83,6 +83,7 @@ class StagingRing {
   Status ready(StagingSlot& s, int device);
   uint64_t stride() const { return (capacity_ + 4095) & ~uint64_t(4095); }  // bytes between slots' buffers
   Status copy(StagingSlot& s, int device, const Fragment* frags, uint32_t n, Unpack mode, bool to_slot);
+  Result<CUdeviceptr> scratch_for(int device, uint64_t bytes);
 
   uint32_t max_fragments_;
   uint64_t capacity_;
@@ -92,9 +93,12 @@ class StagingRing {
   // One stream per device for the whole ring: a lane's copies run in the order it issued them, so its
   // first chunk is done first instead of sharing the copy engine with the lane's later ones.
   std::vector<CUstream> streams_;
-  // Per device, the scratch staging (TETHER_KERNEL_STAGING=scratch) block: the pinned block's twin in
-  // device memory, so a slot run spanning slots has one contiguous scratch buffer too.
-  std::vector<CUdeviceptr> scratch_;
+  // Per device, the scratch buffer of kernel-mode copies with TETHER_KERNEL_STAGING=scratch (scratch_for).
+  struct Scratch {
+    CUdeviceptr ptr = 0;
+    uint64_t bytes = 0;
+  };
+  std::vector<Scratch> scratch_;
 };
 
 }  // namespace tether::gpu
