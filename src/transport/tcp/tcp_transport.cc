@@ -498,9 +498,12 @@ void complete_gpu_rx(Lane& l, core::EndpointImpl* ep) {
 }
 
 // Room to land one more GPU-bound payload of `length` bytes? (Checked before a frame is resolved, so
-// nothing is undone.)
+// nothing is undone.) No GPU-bound frame is longer than kGpuBatchChunks chunks: a longer one goes to host
+// memory or is refused by land_in_bounce, and must not wait here for a run of slots the ring never has.
 bool gpu_rx_room(const Lane& l, uint64_t length) {
-  return !l.rx_stage || (l.gpu_rx_count < kStageSlots && l.rx_stage->has_free(l.rx_stage->span_for(length)));
+  if (!l.rx_stage) return true;
+  const uint32_t span = std::min(l.rx_stage->span_for(length), kGpuBatchChunks);
+  return l.gpu_rx_count < kStageSlots && l.rx_stage->has_free(span);
 }
 
 // Points the payload of the frame being received at a bounce slot; payload_done copies it to `final`.
