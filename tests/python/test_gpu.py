@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, rand_bytes
+from tether_testutil import (
+    FRAME, POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, fragment, frame, gpu_env, poisoned,
+    rand_bytes, raw_peer, recv_exact, recv_until_closed, wait_until,
+)
 
 GPU = gpu_env("GPU tests")
 torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
@@ -143,6 +146,54 @@ def test_scratch_staging_carries_two_chunk_batches(children):
     expect = np.empty_like(want)
     expect[order] = want
     assert_bytes_equal(np.frombuffer(receiver.call("get", "dst"), np.uint8), expect.reshape(-1))
+
+
+KWRITE, KACK, KWRITE_BATCH = 1, 2, 6  # wire::FrameType
+
+
+def test_long_frames_from_a_hand_made_peer_of_a_gpu_target(endpoints):
+    """A hand-made peer of a target whose lane stages GPU memory. A 9 MiB kWrite into host memory (longer
+    than any GPU-bound frame) lands and is answered: it does not wait for a run of nine staging slots the
+    ring never has. A kWriteBatch of three chunks' bytes into GPU memory, one more than a GPU batch
+    carries, drops that peer with the GPU bytes untouched; the target keeps serving."""
+    server = endpoints(name="server", transport="tcp")
+    dev = _dev("gpu0")
+    gpu = torch.full((4 * MiB,), POISON, dtype=torch.uint8, device=f"cuda:{dev}")
+    gdesc = server.register(gpu).descriptor()
+    host = poisoned(9 * MiB)
+    hdesc = server.register(host).descriptor()
+    small, big = rand_bytes(46, 4096), rand_bytes(47, 9 * MiB)
+    socks = raw_peer(server.address)
+    try:
+        data = socks[1]
+        data.sendall(frame(KWRITE, 1, gdesc, 0, small.size) + small.tobytes())  # through a bounce slot
+        h = FRAME.unpack(recv_exact(data, FRAME.size, timeout=T))
+        assert (h[0], h[1], h[3]) == (KACK, 0, 1), h
+        data.sendall(frame(KWRITE, 2, hdesc, 0, big.size) + big.tobytes())
+        h = FRAME.unpack(recv_exact(data, FRAME.size, timeout=T))
+        assert (h[0], h[1], h[3]) == (KACK, 0, 2), h
+        assert_bytes_equal(host, big, "9 MiB host write")
+        table = b"".join(fragment(gdesc, i * MiB, MiB) for i in range(3))
+        try:
+            data.sendall(frame(KWRITE_BATCH, 3, region_id=3, length=3 * MiB) + table + bytes(3 * MiB))
+        except OSError:
+            pass  # the target may close while the payload is still going
+        for s in socks:
+            recv_until_closed(s, timeout=10)
+        assert wait_until(lambda: server.peers() == [], 5), server.peers()
+    finally:
+        for s in socks:
+            s.close()
+    torch.cuda.synchronize(dev)
+    got = gpu.cpu().numpy()
+    assert_bytes_equal(got[:small.size], small, "GPU region")
+    assert_poison(got[small.size:], "GPU region after the refused batch")
+    client = endpoints(name="client", transport="tcp")
+    peer = client.connect(server.metadata(), timeout=10)
+    src = rand_bytes(48, 2 * MiB)
+    peer.write(client.register(src), gdesc, remote_offset=MiB, length=src.size).wait(T)
+    torch.cuda.synchronize(dev)
+    assert_bytes_equal(gpu[MiB:3 * MiB].cpu().numpy(), src, "write after the dropped peer")
 
 
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])

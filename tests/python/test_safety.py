@@ -18,7 +18,7 @@ import tether
 from tether_testutil import (
     CLIENT_HELLO_SIZE, DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, HELLO_AUTH_FAILED,
     HELLO_BAD_REQUEST, HELLO_VERSION_MISMATCH, MiB, SERVER_DONE_SIZE, SERVER_HELLO_SIZE, SOCKET_DATA,
-    client_proof, read_server_hello,
+    FRAME, client_proof, fragment, raw_peer, read_server_hello,
     WIRE_MAGIC, WIRE_VERSION, assert_bytes_equal, assert_poison, client_hello, get_u64, outcome, parse_server_hello,
     poisoned, rand_bytes, raw_connect, recv_exact, recv_until_closed, set_u32, set_u64, wait_error,
     wait_until,
@@ -473,24 +473,6 @@ def test_data_socket_for_unknown_session_is_refused(endpoints):
     _still_serves(server, lambda: endpoints())
 
 
-def _raw_peer(address, lanes=1):
-    """Completes a real (token-less) handshake by hand: control socket + `lanes` data sockets."""
-    session_hello = bytearray(client_hello(lanes=lanes))
-    socks = []
-    for lane in range(lanes + 1):
-        h = bytearray(session_hello)
-        h[6] = 1 if lane == 0 else SOCKET_DATA
-        struct.pack_into("<I", h, 48, 0 if lane == 0 else lane - 1)
-        h[24:40] = os.urandom(16)  # fresh nonce
-        s = raw_connect(address)
-        s.sendall(bytes(h))
-        assert read_server_hello(s)["status"] == 0
-        s.sendall(client_proof(b"tcp" if lane == 0 else b"", lanes))
-        assert recv_exact(s, SERVER_DONE_SIZE)[0] == 0
-        socks.append(s)
-    return socks
-
-
 @pytest.mark.parametrize("where", ["control", "data"])
 def test_garbage_after_handshake_drops_only_that_peer(endpoints, where):
     """Beyond the brief (which allowed skipping it): a peer adopted through a hand-made handshake
@@ -499,7 +481,7 @@ def test_garbage_after_handshake_drops_only_that_peer(endpoints, where):
     server = endpoints(name="server")
     good_client = endpoints(name="good")
     good = good_client.connect(server.metadata(), timeout=5)
-    socks = _raw_peer(server.address, lanes=1)
+    socks = raw_peer(server.address, lanes=1)
     try:
         assert wait_until(lambda: len(server.peers()) == 2, 5)
         target = socks[0] if where == "control" else socks[1]
@@ -519,16 +501,7 @@ def test_garbage_after_handshake_drops_only_that_peer(endpoints, where):
     assert_bytes_equal(dst, src)
 
 
-FRAME = struct.Struct("<BBHIIIQQQQQ")  # wire::FrameHeader: type, status, flags, slot, gen, region_id, key,
-                                       # desc_offset, desc_length, offset, length
-FRAGMENT = struct.Struct("<IIQQQQQ")   # wire::Fragment: region_id, reserved, key, desc_offset, desc_length, offset, length
 READ_BATCH, READ_RESP = 7, 4
-
-
-def _fragment(desc: bytes, offset: int, length: int, key_xor: int = 0) -> bytes:
-    region = struct.unpack_from("<I", desc, DESC_REGION_ID)[0]
-    return FRAGMENT.pack(region, 0, get_u64(desc, DESC_KEY) ^ key_xor, get_u64(desc, DESC_OFFSET),
-                         get_u64(desc, DESC_LENGTH), offset, length)
 
 
 def _ask(s: socket.socket, slot: int, frags: list, length: int) -> tuple:
@@ -545,18 +518,18 @@ def test_read_batch_on_a_raw_data_socket_is_checked(endpoints):
     server = endpoints(name="server")
     src = rand_bytes(83, 8192)
     desc = server.register(src).descriptor()
-    socks = _raw_peer(server.address, lanes=1)
+    socks = raw_peer(server.address, lanes=1)
     try:
         assert wait_until(lambda: len(server.peers()) == 1, 5)
         data = socks[1]
-        h, got = _ask(data, 3, [_fragment(desc, 4096, 100), _fragment(desc, 7, 50)], 150)
+        h, got = _ask(data, 3, [fragment(desc, 4096, 100), fragment(desc, 7, 50)], 150)
         assert (h[0], h[1], h[3], h[4], h[10]) == (READ_RESP, 0, 3, 1, 150), h
         assert_bytes_equal(np.frombuffer(got, np.uint8), np.concatenate([src[4096:4196], src[7:57]]))
-        h, got = _ask(data, 4, [_fragment(desc, 0, 10), _fragment(desc, 10, 10, key_xor=1)], 20)
+        h, got = _ask(data, 4, [fragment(desc, 0, 10), fragment(desc, 10, 10, key_xor=1)], 20)
         assert (h[0], h[1], h[3], got) == (READ_RESP, 3, 4, b""), h  # Code::kAccessDenied
-        h, got = _ask(data, 5, [_fragment(desc, 0, 10), _fragment(desc, 10, 0)], 10)
+        h, got = _ask(data, 5, [fragment(desc, 0, 10), fragment(desc, 10, 0)], 10)
         assert (h[0], h[1], h[3], got) == (READ_RESP, 1, 5, b""), h  # Code::kInvalidArgument
-        data.sendall(FRAME.pack(READ_BATCH, 0, 0, 6, 1, 2, 0, 0, 0, 0, 99) + _fragment(desc, 0, 10) + _fragment(desc, 10, 10))
+        data.sendall(FRAME.pack(READ_BATCH, 0, 0, 6, 1, 2, 0, 0, 0, 0, 99) + fragment(desc, 0, 10) + fragment(desc, 10, 10))
         for s in socks:
             try:
                 recv_until_closed(s, timeout=5)

@@ -385,6 +385,46 @@ def raw_connect(address: str, timeout: float = 5.0) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=timeout)
 
 
+def raw_peer(address: str, lanes: int = 1) -> list:
+    """Completes a real (token-less) tcp handshake by hand: [control socket, `lanes` data sockets]."""
+    session_hello = bytearray(client_hello(lanes=lanes))
+    socks = []
+    for lane in range(lanes + 1):
+        h = bytearray(session_hello)
+        h[6] = 1 if lane == 0 else SOCKET_DATA
+        struct.pack_into("<I", h, 48, 0 if lane == 0 else lane - 1)
+        h[24:40] = os.urandom(16)  # fresh nonce
+        s = raw_connect(address)
+        s.sendall(bytes(h))
+        assert read_server_hello(s)["status"] == 0
+        s.sendall(client_proof(b"tcp" if lane == 0 else b"", lanes))
+        assert recv_exact(s, SERVER_DONE_SIZE)[0] == 0
+        socks.append(s)
+    return socks
+
+
+FRAME = struct.Struct("<BBHIIIQQQQQ")  # wire::FrameHeader: type, status, flags, slot, gen, region_id, key,
+                                       # desc_offset, desc_length, offset, length
+FRAGMENT = struct.Struct("<IIQQQQQ")   # wire::Fragment: region_id, reserved, key, desc_offset, desc_length, offset, length
+
+
+def fragment(desc: bytes, offset: int, length: int, key_xor: int = 0) -> bytes:
+    """A wire::Fragment for `length` bytes at absolute `offset` of the region `desc` describes."""
+    region = struct.unpack_from("<I", desc, DESC_REGION_ID)[0]
+    return FRAGMENT.pack(region, 0, get_u64(desc, DESC_KEY) ^ key_xor, get_u64(desc, DESC_OFFSET),
+                         get_u64(desc, DESC_LENGTH), offset, length)
+
+
+def frame(kind: int, slot: int, desc: bytes = b"", offset: int = 0, length: int = 0, region_id: Optional[int] = None) -> bytes:
+    """A wire::FrameHeader from an initiator (gen 1): a kWrite's fields from `desc`, or `region_id` as given
+    (a batch's fragment count)."""
+    if desc:
+        rid = struct.unpack_from("<I", desc, DESC_REGION_ID)[0] if region_id is None else region_id
+        return FRAME.pack(kind, 0, 0, slot, 1, rid, get_u64(desc, DESC_KEY), get_u64(desc, DESC_OFFSET),
+                          get_u64(desc, DESC_LENGTH), offset, length)
+    return FRAME.pack(kind, 0, 0, slot, 1, region_id or 0, 0, 0, 0, offset, length)
+
+
 # --------------------------------------------------------------------------- child process
 
 
