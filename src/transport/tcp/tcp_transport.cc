@@ -327,8 +327,8 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     // A lane stages one chunk at a time: all lanes' copies share the GPU's copy engines, so at the
     // start of a transfer each lane's first chunk is out sooner (and on the wire sooner) when second
     // chunks wait; later ones are copied while the one before is sent (issue 20, PERFORMANCE.md).
-    // (A lane holds at most three of its eight tx slots here, so a free run of two for a batch is always
-    // there: contiguous chunks never wait on it.)
+    // (A lane writing holds at most three of its eight tx slots here, so a free run of two for a batch is
+    // there and contiguous chunks do not wait on it; staged read answers it also serves may hold more.)
     while (l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && l.tx_unstaged == 0 &&
            (!l.tx_stage || l.tx_stage->has_free(kGpuBatchChunks)) && l.peer->next_chunk(l.index, &op)) {
       TxItem it{op.hdr, op.payload, op.length, nullptr};
