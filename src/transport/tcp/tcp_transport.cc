@@ -53,7 +53,7 @@ constexpr uint64_t kSmallCopy = 256 << 10;    // staged copies up to this extend
 
 // Chunks' bytes a kWriteBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each batch is a
 // gather kernel on the sender and an unpack kernel on the receiver, and between two processes on one
-// GPU those take turns. Two chunks: the 4,096 x 16 KiB write 1.10x, 0.15 CPU-s/GB less (PERFORMANCE.md,
+// GPU those take turns. Two chunks: the 4,096 x 16 KiB write 1.10x, 0.14 CPU-s/GB less (PERFORMANCE.md,
 // session 24). Both sides must agree (wire version 6): a receiver kills the lane on a longer batch.
 constexpr uint32_t kGpuBatchChunks = 2;
 
