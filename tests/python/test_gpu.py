@@ -12,8 +12,8 @@ import pytest
 
 import tether
 from tether_testutil import (
-    FRAME, POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, fragment, frame, gpu_env, poisoned,
-    rand_bytes, raw_peer, recv_exact, recv_until_closed, wait_until,
+    FRAME, KACK, KWRITE, KWRITE_BATCH, POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, fragment,
+    frame, gpu_env, poisoned, rand_bytes, raw_peer, recv_exact, recv_until_closed, wait_until,
 )
 
 GPU = gpu_env("GPU tests")
@@ -146,9 +146,6 @@ def test_scratch_staging_carries_two_chunk_batches(children):
     expect = np.empty_like(want)
     expect[order] = want
     assert_bytes_equal(np.frombuffer(receiver.call("get", "dst"), np.uint8), expect.reshape(-1))
-
-
-KWRITE, KACK, KWRITE_BATCH = 1, 2, 6  # wire::FrameType
 
 
 def test_long_frames_from_a_hand_made_peer_of_a_gpu_target(endpoints):

@@ -18,7 +18,7 @@ import tether
 from tether_testutil import (
     CLIENT_HELLO_SIZE, DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, HELLO_AUTH_FAILED,
     HELLO_BAD_REQUEST, HELLO_VERSION_MISMATCH, MiB, SERVER_DONE_SIZE, SERVER_HELLO_SIZE, SOCKET_DATA,
-    FRAME, client_proof, fragment, raw_peer, read_server_hello,
+    FRAME, KREAD_BATCH, KREAD_RESP, client_proof, fragment, frame, raw_peer, read_server_hello,
     WIRE_MAGIC, WIRE_VERSION, assert_bytes_equal, assert_poison, client_hello, get_u64, outcome, parse_server_hello,
     poisoned, rand_bytes, raw_connect, recv_exact, recv_until_closed, set_u32, set_u64, wait_error,
     wait_until,
@@ -501,12 +501,9 @@ def test_garbage_after_handshake_drops_only_that_peer(endpoints, where):
     assert_bytes_equal(dst, src)
 
 
-READ_BATCH, READ_RESP = 7, 4
-
-
 def _ask(s: socket.socket, slot: int, frags: list, length: int) -> tuple:
     """Sends a kReadBatch on a raw data socket; returns the answer's header fields and payload."""
-    s.sendall(FRAME.pack(READ_BATCH, 0, 0, slot, 1, len(frags), 0, 0, 0, 0, length) + b"".join(frags))
+    s.sendall(frame(KREAD_BATCH, slot, region_id=len(frags), length=length) + b"".join(frags))
     h = FRAME.unpack(recv_exact(s, FRAME.size))
     return h, recv_exact(s, h[10]) if h[1] == 0 and h[10] else b""
 
@@ -523,13 +520,13 @@ def test_read_batch_on_a_raw_data_socket_is_checked(endpoints):
         assert wait_until(lambda: len(server.peers()) == 1, 5)
         data = socks[1]
         h, got = _ask(data, 3, [fragment(desc, 4096, 100), fragment(desc, 7, 50)], 150)
-        assert (h[0], h[1], h[3], h[4], h[10]) == (READ_RESP, 0, 3, 1, 150), h
+        assert (h[0], h[1], h[3], h[4], h[10]) == (KREAD_RESP, 0, 3, 1, 150), h
         assert_bytes_equal(np.frombuffer(got, np.uint8), np.concatenate([src[4096:4196], src[7:57]]))
         h, got = _ask(data, 4, [fragment(desc, 0, 10), fragment(desc, 10, 10, key_xor=1)], 20)
-        assert (h[0], h[1], h[3], got) == (READ_RESP, 3, 4, b""), h  # Code::kAccessDenied
+        assert (h[0], h[1], h[3], got) == (KREAD_RESP, 3, 4, b""), h  # Code::kAccessDenied
         h, got = _ask(data, 5, [fragment(desc, 0, 10), fragment(desc, 10, 0)], 10)
-        assert (h[0], h[1], h[3], got) == (READ_RESP, 1, 5, b""), h  # Code::kInvalidArgument
-        data.sendall(FRAME.pack(READ_BATCH, 0, 0, 6, 1, 2, 0, 0, 0, 0, 99) + fragment(desc, 0, 10) + fragment(desc, 10, 10))
+        assert (h[0], h[1], h[3], got) == (KREAD_RESP, 1, 5, b""), h  # Code::kInvalidArgument
+        data.sendall(frame(KREAD_BATCH, 6, region_id=2, length=99) + fragment(desc, 0, 10) + fragment(desc, 10, 10))
         for s in socks:
             try:
                 recv_until_closed(s, timeout=5)

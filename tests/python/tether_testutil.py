@@ -406,6 +406,7 @@ def raw_peer(address: str, lanes: int = 1) -> list:
 FRAME = struct.Struct("<BBHIIIQQQQQ")  # wire::FrameHeader: type, status, flags, slot, gen, region_id, key,
                                        # desc_offset, desc_length, offset, length
 FRAGMENT = struct.Struct("<IIQQQQQ")   # wire::Fragment: region_id, reserved, key, desc_offset, desc_length, offset, length
+KWRITE, KACK, KREAD_RESP, KWRITE_BATCH, KREAD_BATCH = 1, 2, 4, 6, 7  # wire::FrameType
 
 
 def fragment(desc: bytes, offset: int, length: int, key_xor: int = 0) -> bytes:
