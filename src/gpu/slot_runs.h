@@ -1,7 +1,9 @@
 // Which slots of a staging ring are taken, in runs of adjacent slots: a write batch of two chunks stages
 // through two neighbours as one buffer. A run never wraps past the last slot (its buffer must be one
-// piece of the ring's block), and the search starts after the last run taken, so single slots are used
-// round-robin as before. No CUDA here: tests/cpp/slot_runs_test.cc checks it on any machine.
+// piece of the ring's block). The lowest free run is taken, so a lane keeps reusing its few lowest slots
+// while their lines are still cached, where cycling through the whole ring (8 MiB per lane and
+// direction) touched cold memory: 16 MiB GPU reads and writes over tcp 1.02-1.11 x on nvidia-h100-x1,
+// 256 MiB level (PERFORMANCE.md, session 26). No CUDA here: tests/cpp/slot_runs_test.cc checks it.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -15,13 +17,11 @@ class SlotRuns {
   uint32_t size() const { return uint32_t(run_.size()); }
   bool busy(uint32_t i) const { return busy_[i] != 0; }
 
-  // The first of `span` adjacent free slots from the cursor on, or -1 (also for span 0 or > size()).
+  // The lowest first slot of `span` adjacent free slots, or -1 (also for span 0 or > size()).
   int find(uint32_t span) const {
     const uint32_t n = size();
     if (span == 0 || span > n) return -1;
-    for (uint32_t i = 0; i < n; ++i) {
-      const uint32_t first = (next_ + i) % n;
-      if (first + span > n) continue;
+    for (uint32_t first = 0; first + span <= n; ++first) {
       bool free = true;
       for (uint32_t k = first; k < first + span && free; ++k) free = !busy(k);
       if (free) return int(first);
@@ -29,11 +29,10 @@ class SlotRuns {
     return -1;
   }
 
-  // Takes the run find() returned; the next search starts after it.
+  // Takes the run find() returned.
   void take(uint32_t first, uint32_t span) {
     run_[first] = span;
     for (uint32_t k = first; k < first + span; ++k) busy_[k] = 1;
-    next_ = (first + span) % size();
   }
 
   // Frees the run that starts at `first` (a slot that starts none: nothing happens).
@@ -46,7 +45,6 @@ class SlotRuns {
  private:
   std::vector<uint32_t> run_;  // at a run's first slot, its length; 0 elsewhere
   std::vector<uint8_t> busy_;  // slot i is in a run
-  uint32_t next_ = 0;
 };
 
 }  // namespace tether::gpu

@@ -1,4 +1,4 @@
-// A staging ring's slot bookkeeping (src/gpu/slot_runs.h): single slots round-robin, runs of adjacent
+// A staging ring's slot bookkeeping (src/gpu/slot_runs.h): the lowest free slot first, runs of adjacent
 // slots that never wrap, a run freed whole; and random takes and gives against a plain model.
 #include "gpu/slot_runs.h"
 
@@ -10,7 +10,7 @@
 namespace tether::gpu {
 namespace {
 
-TEST(SlotRuns, SingleSlotsGoRoundRobin) {
+TEST(SlotRuns, TheLowestFreeSlotFirst) {
   SlotRuns r(4);
   for (uint32_t i = 0; i < 4; ++i) {
     ASSERT_EQ(r.find(1), int(i));
@@ -20,30 +20,36 @@ TEST(SlotRuns, SingleSlotsGoRoundRobin) {
   r.give(2);
   EXPECT_FALSE(r.busy(2));
   EXPECT_EQ(r.find(1), 2);
-  r.take(2, 1);
-  r.give(0);
+  r.give(3);
   r.give(1);
-  EXPECT_EQ(r.find(1), 0);  // the cursor is past 2 (wrapping to 3, busy, then 0)
+  EXPECT_EQ(r.find(1), 1);  // freed last but lowest: a lane keeps reusing its lowest (cached) slots
+  r.take(1, 1);
+  EXPECT_EQ(r.find(1), 2);
+  r.give(0);
+  EXPECT_EQ(r.find(1), 0);
 }
 
-TEST(SlotRuns, ARunNeverWraps) {
+TEST(SlotRuns, ARunIsAdjacentInMemory) {
   SlotRuns r(8);
-  for (uint32_t i = 0; i < 7; ++i) r.take(uint32_t(r.find(1)), 1);  // cursor at 7
-  for (uint32_t i = 0; i < 7; ++i) r.give(i);
-  EXPECT_EQ(r.find(1), 7);
-  EXPECT_EQ(r.find(2), 0);  // 7 and 0 are free and adjacent on the ring, but not in memory
+  for (uint32_t i = 0; i < 8; ++i) r.take(i, 1);
+  r.give(7);
+  r.give(0);
+  EXPECT_EQ(r.find(1), 0);
+  EXPECT_EQ(r.find(2), -1);  // 7 and 0 are free and neighbours on a ring, but not in memory
+  r.give(1);
+  EXPECT_EQ(r.find(2), 0);
   r.take(0, 2);
   EXPECT_TRUE(r.busy(0));
   EXPECT_TRUE(r.busy(1));
-  EXPECT_FALSE(r.busy(2));
-  EXPECT_EQ(r.find(2), 2);
+  EXPECT_FALSE(r.busy(7));
+  EXPECT_EQ(r.find(1), 7);
 }
 
 TEST(SlotRuns, ARunSkipsABusySlotAndIsFreedWhole) {
   SlotRuns r(6);
   r.take(1, 1);
   r.take(3, 1);
-  EXPECT_EQ(r.find(2), 4);  // 4-5 (the cursor is at 4); 0 alone, 2 alone
+  EXPECT_EQ(r.find(2), 4);  // 4-5; 0 alone, 2 alone
   r.take(4, 2);
   EXPECT_EQ(r.find(2), -1);
   EXPECT_EQ(r.find(1), 0);
@@ -51,6 +57,8 @@ TEST(SlotRuns, ARunSkipsABusySlotAndIsFreedWhole) {
   EXPECT_FALSE(r.busy(4));
   EXPECT_FALSE(r.busy(5));
   EXPECT_EQ(r.find(2), 4);
+  r.give(1);
+  EXPECT_EQ(r.find(2), 0);  // 0-1 now, below 4-5
 }
 
 TEST(SlotRuns, SpansItCannotHold) {
@@ -84,14 +92,14 @@ TEST(SlotRuns, RandomTakesAndGivesNeverOverlap) {
     } else {
       const uint32_t span = 1 + rng() % 3;
       const int first = r.find(span);
-      // The model's answer exists exactly when the ring's does.
-      bool any = false;
-      for (uint32_t f = 0; f + span <= 8 && !any; ++f) {
+      // The model's lowest free run of `span` slots, or -1: the ring must give exactly that one.
+      int lowest = -1;
+      for (uint32_t f = 0; f + span <= 8 && lowest < 0; ++f) {
         bool free = true;
         for (uint32_t k = f; k < f + span; ++k) free = free && owner[k] < 0;
-        any = free;
+        if (free) lowest = int(f);
       }
-      ASSERT_EQ(first >= 0, any) << "step " << step << " span " << span;
+      ASSERT_EQ(first, lowest) << "step " << step << " span " << span;
       if (first < 0) continue;
       ASSERT_LE(uint32_t(first) + span, 8u);
       for (uint32_t k = uint32_t(first); k < uint32_t(first) + span; ++k) {
