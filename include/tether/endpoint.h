@@ -187,6 +187,9 @@ struct LinkStats {
   // (from each copy's start until the lane saw it done). Against wall time they show where a lane's
   // time goes: the kernel's copies, the GPU's, or neither (asleep, waiting for work or a wake-up).
   double send_s = 0, recv_s = 0, staging_s = 0;
+  // tcp lanes staging GPU memory: the most pinned staging slots (chunk_bytes each) one ring of the lane
+  // (tx or rx) held at once, of 8; a NIC: the most of its lanes'. 0 where nothing was staged.
+  uint64_t staging_slots_peak = 0;
 };
 struct NicStats {
   std::string name;   // interface; "other" for lanes on no known interface

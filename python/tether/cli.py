@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "buffers; the table gets each row's fraction of it, the caption its GB/s and CPU-s "
                         "per GB (--transport tcp, --role local)")
     b.add_argument("--nics", metavar="LIST", default=None, help="data NICs in order, e.g. eth1,eth2 (sets TETHER_NICS)")
-    b.add_argument("--stats", action="store_true", help="per-NIC and per-channel counters of both endpoints (tcp lanes also: seconds in sendmsg, recv and GPU staging copies)")
+    b.add_argument("--stats", action="store_true", help="per-NIC and per-channel counters of both endpoints (tcp lanes also: seconds in sendmsg, recv and GPU staging copies, and the most staging slots a lane held)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--role", choices=["local", "server", "client"], default=None,
                    help="local: two processes here (default); server/client: one side each on two hosts. "
@@ -232,16 +232,18 @@ def print_whole(table, stderr: bool = False) -> None:
 
 def stats_tables(stats: dict, combo: dict, side: str = "driving side") -> None:
     """Per-NIC and per-channel (lane) counters: bytes, chunks, lanes lost, chunks resent elsewhere, and
-    (tcp lanes) milliseconds inside sendmsg / recv and waiting on GPU staging copies, over the run so far."""
+    (tcp lanes) milliseconds inside sendmsg / recv and waiting on GPU staging copies, and the most pinned
+    staging slots (chunk bytes each) one of a lane's rings held at once, over the run so far."""
     from rich.table import Table
 
     cols = ("MiB sent", "MiB received", "chunks sent", "chunks received", "errors", "resends",
-            "ms in send", "ms in recv", "ms staging")
+            "ms in send", "ms in recv", "ms staging", "staging slots peak")
 
     def nums(x):
         return [f"{x['bytes_sent'] / 2**20:.1f}", f"{x['bytes_received'] / 2**20:.1f}", str(x["chunks_sent"]),
                 str(x["chunks_received"]), str(x["errors"]), str(x["resends"]),
-                f"{x['send_s'] * 1e3:.1f}", f"{x['recv_s'] * 1e3:.1f}", f"{x['staging_s'] * 1e3:.1f}"]
+                f"{x['send_s'] * 1e3:.1f}", f"{x['recv_s'] * 1e3:.1f}", f"{x['staging_s'] * 1e3:.1f}",
+                str(x["staging_slots_peak"])]
 
     def table(title, text_cols):
         t = Table(title=title)

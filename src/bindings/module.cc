@@ -379,6 +379,7 @@ NB_MODULE(_tether, m) {
               x["send_s"] = l.send_s;
               x["recv_s"] = l.recv_s;
               x["staging_s"] = l.staging_s;
+              x["staging_slots_peak"] = l.staging_slots_peak;
             };
             nb::list nics, lanes;
             for (auto& n : s.nics) {

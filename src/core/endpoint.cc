@@ -1191,7 +1191,7 @@ EndpointStats Endpoint::stats() const {
   auto link = [](const core::LinkCounters& c) {
     return LinkStats{c.bytes_sent.load(), c.bytes_received.load(), c.chunks_sent.load(), c.chunks_received.load(),
                      c.errors.load(), c.resends.load(), double(c.send_ns.load()) * 1e-9, double(c.recv_ns.load()) * 1e-9,
-                     double(c.staging_ns.load()) * 1e-9};
+                     double(c.staging_ns.load()) * 1e-9, c.staging_slots_peak.load()};
   };
   const auto& plan = impl_->plan();
   for (size_t i = 0; i <= plan.all.size(); ++i) {

@@ -16,6 +16,9 @@ struct LinkCounters {
   // tcp lanes (issue 20's breakdown): time inside sendmsg and recv, and from the start of each GPU
   // staging copy until the lane saw it finished (out of the GPU before a send, into it after a receive).
   std::atomic<uint64_t> send_ns{0}, recv_ns{0}, staging_ns{0};
+  // tcp lanes with GPU memory: the most pinned staging slots (chunk_bytes each) one of the lane's rings,
+  // tx or rx, held at once; a NIC's: the most of its lanes'. Sizes the ring (kStageSlots) against use.
+  std::atomic<uint64_t> staging_slots_peak{0};
 };
 
 inline uint64_t mono_ns() {
@@ -40,6 +43,15 @@ inline void count_sent(LinkCounters* lane, LinkCounters* nic, uint64_t bytes) {
 inline void count_time(std::atomic<uint64_t> LinkCounters::*what, LinkCounters* lane, LinkCounters* nic, uint64_t ns) {
   (lane->*what).fetch_add(ns, std::memory_order_relaxed);
   (nic->*what).fetch_add(ns, std::memory_order_relaxed);
+}
+// Raises `what` to `value` on the lane and its NIC where it is lower (written by the lane's thread,
+// read by stats(); only called when the lane's own peak grew, so off the steady path).
+inline void count_peak(std::atomic<uint64_t> LinkCounters::*what, LinkCounters* lane, LinkCounters* nic, uint64_t value) {
+  for (LinkCounters* c : {lane, nic}) {
+    uint64_t seen = (c->*what).load(std::memory_order_relaxed);
+    while (seen < value && !(c->*what).compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+    }
+  }
 }
 inline void count_received(LinkCounters* lane, LinkCounters* nic, uint64_t bytes) {
   for (LinkCounters* c : {lane, nic}) {

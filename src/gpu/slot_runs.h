@@ -16,6 +16,8 @@ class SlotRuns {
 
   uint32_t size() const { return uint32_t(run_.size()); }
   bool busy(uint32_t i) const { return busy_[i] != 0; }
+  uint32_t taken() const { return taken_; }  // slots in runs now
+  uint32_t peak() const { return peak_; }    // the most slots ever in runs at once (pinned memory a lane used)
 
   // The lowest first slot of `span` adjacent free slots, or -1 (also for span 0 or > size()).
   int find(uint32_t span) const {
@@ -33,18 +35,22 @@ class SlotRuns {
   void take(uint32_t first, uint32_t span) {
     run_[first] = span;
     for (uint32_t k = first; k < first + span; ++k) busy_[k] = 1;
+    taken_ += span;
+    if (taken_ > peak_) peak_ = taken_;
   }
 
   // Frees the run that starts at `first` (a slot that starts none: nothing happens).
   void give(uint32_t first) {
     if (first >= size()) return;
     for (uint32_t k = first; k < first + run_[first]; ++k) busy_[k] = 0;
+    taken_ -= run_[first];
     run_[first] = 0;
   }
 
  private:
   std::vector<uint32_t> run_;  // at a run's first slot, its length; 0 elsewhere
   std::vector<uint8_t> busy_;  // slot i is in a run
+  uint32_t taken_ = 0, peak_ = 0;
 };
 
 }  // namespace tether::gpu

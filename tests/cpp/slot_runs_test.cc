@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -61,6 +62,26 @@ TEST(SlotRuns, ARunSkipsABusySlotAndIsFreedWhole) {
   EXPECT_EQ(r.find(2), 0);  // 0-1 now, below 4-5
 }
 
+TEST(SlotRuns, CountsTheSlotsTakenAndTheirPeak) {
+  SlotRuns r(8);
+  EXPECT_EQ(r.taken(), 0u);
+  EXPECT_EQ(r.peak(), 0u);
+  r.take(0, 1);
+  r.take(1, 2);  // a two-slot run counts both
+  EXPECT_EQ(r.taken(), 3u);
+  EXPECT_EQ(r.peak(), 3u);
+  r.give(1);
+  EXPECT_EQ(r.taken(), 1u);
+  EXPECT_EQ(r.peak(), 3u);  // the peak stays
+  r.give(5);                // starts no run: nothing changes
+  EXPECT_EQ(r.taken(), 1u);
+  r.take(1, 1);
+  EXPECT_EQ(r.peak(), 3u);
+  r.take(2, 2);
+  EXPECT_EQ(r.taken(), 4u);
+  EXPECT_EQ(r.peak(), 4u);
+}
+
 TEST(SlotRuns, SpansItCannotHold) {
   SlotRuns r(4);
   EXPECT_EQ(r.find(0), -1);
@@ -81,6 +102,7 @@ TEST(SlotRuns, RandomTakesAndGivesNeverOverlap) {
   SlotRuns r(8);
   std::vector<int> owner(8, -1);  // the model: which run (by its first slot) holds each slot
   std::vector<uint32_t> runs;     // first slots of the runs held
+  uint32_t peak = 0;              // the most slots the model held at once
   for (int step = 0; step < 20000; ++step) {
     if (!runs.empty() && rng() % 2) {
       const size_t j = rng() % runs.size();
@@ -109,7 +131,14 @@ TEST(SlotRuns, RandomTakesAndGivesNeverOverlap) {
       r.take(uint32_t(first), span);
       runs.push_back(uint32_t(first));
     }
-    for (uint32_t k = 0; k < 8; ++k) ASSERT_EQ(r.busy(k), owner[k] >= 0) << "step " << step << " slot " << k;
+    uint32_t held = 0;
+    for (uint32_t k = 0; k < 8; ++k) {
+      ASSERT_EQ(r.busy(k), owner[k] >= 0) << "step " << step << " slot " << k;
+      held += owner[k] >= 0;
+    }
+    peak = std::max(peak, held);
+    ASSERT_EQ(r.taken(), held) << "step " << step;
+    ASSERT_EQ(r.peak(), peak) << "step " << step;
   }
 }
 

@@ -242,8 +242,10 @@ def test_bench_stats_per_nic_and_channel():
     lo = [line.split("│") for line in out.splitlines() if line.strip("│ ").startswith("lo ")]
     assert len(lo) == 2 and float(lo[0][2]) >= 6.0 and float(lo[1][3]) >= 6.0, out[-3000:]
     assert float(lo[0][8]) > 0 and float(lo[1][9]) > 0 and float(lo[0][10]) == 0, out[-3000:]  # send, recv; no GPU
-    lanes = [line.split("│") for line in out.splitlines() if line.count("│") == 16 and " lo " in line]
+    assert int(lo[0][11]) == 0 and int(lo[1][11]) == 0, out[-3000:]  # no staging slot: host memory
+    lanes = [line.split("│") for line in out.splitlines() if line.count("│") == 17 and " lo " in line]
     assert len(lanes) == 4 and sum(float(x[13]) for x in lanes[:2]) > 0 and sum(float(x[14]) for x in lanes[2:]) > 0, out[-3000:]
+    assert all(int(x[16]) == 0 for x in lanes), out[-3000:]
 
 
 def test_doctor_shows_threads_and_refuses_bad_nics():

@@ -80,6 +80,10 @@ def test_read(pair, lk, rk):
     assert (sum(x["staging_s"] for x in lanes) > 0) == (lk != "host"), lanes
     theirs = c.call("stats")["lanes"]
     assert (sum(x["staging_s"] for x in theirs) > 0) == (rk != "host"), theirs
+    # pinned staging slots a lane's ring held at once: some where GPU memory was staged, none elsewhere
+    for side, kind in ((lanes, lk), (theirs, rk)):
+        peaks = [x["staging_slots_peak"] for x in side]
+        assert (max(peaks) >= 1) == (kind != "host") and max(peaks) <= 8, peaks
 
 
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])

@@ -186,6 +186,8 @@ struct Lane {
   // GPU staging, created on a lane's first GPU chunk. tx_stage belongs to the tx owner; rx_stage
   // and the gpu_rx FIFO (frames whose copy to the GPU is in flight) to the rx owner.
   std::unique_ptr<gpu::StagingRing> tx_stage, rx_stage;
+  // The most slots each ring held at once, as last published to the counters (each its ring's owner's).
+  uint32_t tx_stage_peak = 0, rx_stage_peak = 0;
   gpu::Fragment tx_gather[wire::kMaxFragments];  // tx owner: a GPU batch's pieces, for the gather
   // rx owner: the kWriteBatch being received (destinations checked and pinned before any byte lands)
   uint32_t rx_nfrags = 0, rx_frag = 0;
@@ -259,12 +261,21 @@ void prepare_staging(Lane& l, core::EndpointImpl* ep, uint64_t gpus) {
   }
 }
 
+// Publishes a staging ring's peak to the lane's counters when it grew past `*published` (the ring owner's
+// copy: a compare per acquire, the atomics only when it grew).
+void note_staging_peak(Lane& l, const gpu::StagingRing& ring, uint32_t* published) {
+  if (ring.peak() <= *published) return;
+  *published = ring.peak();
+  core::count_peak(&core::LinkCounters::staging_slots_peak, l.ctr, l.nic_ctr, *published);
+}
+
 // Starts copying a GPU payload into a pinned tx slot. False without an error: no slot is free yet.
 bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
   tx_ring(l, ep);
   auto slot = l.tx_stage->acquire(it.device, l.tx_stage->span_for(it.length));  // a batch may take more than one
   if (!slot.is_ok()) { *error = slot.status(); return false; }
   if (!slot.value()) return false;
+  note_staging_peak(l, *l.tx_stage, &l.tx_stage_peak);
   gpu::StagingSlot* st = slot.value();
   gpu::Fragment one{0, const_cast<uint8_t*>(it.payload), it.length};
   const gpu::Fragment* frags = &one;
@@ -519,6 +530,7 @@ bool land_in_bounce(Lane& l, core::EndpointImpl* ep, int device, uint8_t* final)
     kill_lane(l, slot.is_ok() ? Status(Code::kInternal, "staging: no free slot after checking for one") : slot.status());
     return false;
   }
+  note_staging_peak(l, ring, &l.rx_stage_peak);
   l.rx_slot = slot.value();
   l.rx_device = device;
   l.rx_final = final;
