@@ -78,7 +78,6 @@ class StagingRing {
   // Blocks until every copy issued on this ring has finished (before memory they touch goes away).
   void wait_all();
   bool has_free(uint32_t span = 1) const { return runs_.find(span) >= 0; }
-  uint32_t slots() const { return uint32_t(slots_.size()); }
   uint32_t peak() const { return runs_.peak(); }  // the most slots held at once so far
 
  private:
