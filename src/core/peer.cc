@@ -71,6 +71,7 @@ PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint
       read_depth_(transport ? transport->caps().read_depth : 0),
       staged_gpu_(transport && transport->caps().uses_tcp_lanes && !transport->caps().cuda_memory),
       wait_naps_(transport && transport->caps().wait_naps),
+      pull_reads_(transport && transport->caps().pull_reads),
       lane_window_(std::max<uint32_t>(1, endpoint_->config().window / std::max<uint32_t>(1, lanes))),
       last_heard_ms_(now_ms()) {
   slots_.resize(size_t(lane_window_) * lanes_);
@@ -197,10 +198,78 @@ Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, cons
   Transfer handle = start(t);
   if (t->segments.empty()) {
     t->release();  // nothing to move: straight to completion (and notification)
+  } else if (pulls(*t)) {
+    pull(t.get());
   } else {
     enqueue(t.get());
   }
   return handle;
+}
+
+bool PeerState::pulls(const TransferState& t) const {
+  // Contiguous and long enough that every lane moves two chunks or more: a request per chunk costs the
+  // read its pipeline (a chunk's depth comes back only after its copy into this side's GPU), a send's
+  // lanes pull chunks as their sockets drain (PERFORMANCE.md, session 27).
+  return pull_reads_ && t.op == OpKind::kRead && t.segments.size() == 1 &&
+         t.bytes.load(std::memory_order_relaxed) >= uint64_t(2) * lanes_ * info_.chunk_bytes;
+}
+
+void PeerState::pull(TransferState* t) {
+  const Segment& g = t->segments[0];
+  wire::PullBody body{0, g.region_id, g.key, g.desc_offset, g.desc_length, g.remote_offset, g.length};
+  {
+    std::lock_guard lock(mu_);
+    if (failed_.load()) {
+      t->record_error(error_);
+    } else {
+      uint32_t token = next_token_++;
+      if (token == 0) token = next_token_++;
+      t->msg_id = token;
+      t->unit = info_.chunk_bytes;  // the sender cuts by the chunk size both sides agreed on
+      t->placed.assign((g.length / t->unit + 64) / 64, 0);
+      matched_[token] = t;
+      body.token = token;
+    }
+  }
+  if (body.token == 0) {
+    t->release();
+    return;
+  }
+  send_control(wire::ControlType::kPull, &body, sizeof body);
+}
+
+void PeerState::on_pull(const wire::PullBody& p) {
+  std::shared_ptr<RegionState> region;
+  Code c = endpoint_->registry().resolve(p.region_id, p.key, p.desc_offset, p.desc_length, p.offset, p.length,
+                                         false, &region);
+  if (c == Code::kOk && p.length == 0) c = Code::kInvalidArgument;
+  auto t = std::make_shared<TransferState>();
+  if (c == Code::kOk) {
+    t->op = OpKind::kSend;
+    t->pushed = true;
+    t->msg_id = p.token;
+    t->bytes = p.length;
+    t->segments.push_back(Segment{region->base + p.offset, p.length, p.token, 0, 0, 0, 0, region.get(), nullptr});
+    t->local_pins.push_back(region);  // resolve's pin, let go when the send finishes
+    std::lock_guard lock(mu_);
+    if (failed_.load()) {
+      c = Code::kCancelled;
+    } else if (pushes_.size() >= slots_.size() * 4) {  // a peer's pulls beyond what it could have asked by chunks
+      c = Code::kResourceExhausted;
+    } else if (!pushes_.emplace(p.token, t.get()).second) {
+      c = Code::kInvalidArgument;  // a token it already pulls with
+    }
+    if (c != Code::kOk) t->local_pins.clear();
+  }
+  if (c != Code::kOk) {
+    if (region) region->unpin();
+    endpoint_->stats().rejected_requests.fetch_add(1, std::memory_order_relaxed);
+    wire::PullFailBody f{p.token, static_cast<uint8_t>(c), {}};
+    send_control(wire::ControlType::kPullFail, &f, sizeof f);
+    return;
+  }
+  start(t);  // no handle: `self` keeps it until it finishes
+  enqueue(t.get());
 }
 
 Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
@@ -476,9 +545,12 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
 }
 
 Status PeerState::chunk_error(const Slot& s, uint8_t status) const {
+  return refusal(s.transfer ? op_name(s.transfer->op) : "chunk", s.length, status);
+}
+
+Status PeerState::refusal(const char* what, uint64_t bytes, uint8_t status) const {
   const Code c = static_cast<Code>(status);
-  const char* what = s.transfer ? op_name(s.transfer->op) : "chunk";
-  std::string msg = std::string(what) + " of " + std::to_string(s.length) + " bytes refused by peer '" + info_.name + "': ";
+  std::string msg = std::string(what) + " of " + std::to_string(bytes) + " bytes refused by peer '" + info_.name + "': ";
   switch (c) {
     case Code::kNotFound: msg += "the remote region is not registered (deregistered, or the descriptor names none)"; break;
     case Code::kAccessDenied: msg += "the key does not grant this access (wrong key, or read-only region)"; break;
@@ -676,6 +748,10 @@ void PeerState::release_lane(uint32_t lane, Code code) {
 // ---------------------------------------------------------------- completion
 
 void PeerState::transfer_drained(TransferState* t) {
+  if (t->pushed) {
+    std::lock_guard lock(mu_);
+    if (auto it = pushes_.find(uint32_t(t->msg_id)); it != pushes_.end() && it->second == t) pushes_.erase(it);
+  }
   Status err = t->error();
   if (!err.is_ok()) {
     t->finish(err);
@@ -842,6 +918,46 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
       }
       return;
     }
+    case wire::ControlType::kPull: {
+      if (length != sizeof(wire::PullBody)) break;
+      wire::PullBody p;
+      std::memcpy(&p, body, sizeof p);
+      if (p.token == 0) break;
+      on_pull(p);
+      return;
+    }
+    case wire::ControlType::kPullFail: {
+      if (length != sizeof(wire::PullFailBody)) break;
+      wire::PullFailBody f;
+      std::memcpy(&f, body, sizeof f);
+      if (f.status == 0) break;
+      TransferState* t = nullptr;
+      {
+        std::lock_guard lock(mu_);
+        if (auto it = matched_.find(f.token); it != matched_.end() && it->second->op == OpKind::kRead) {
+          t = it->second;
+          matched_.erase(it);
+        }
+      }
+      if (!t) return;  // cancelled meanwhile
+      t->record_error(refusal("read", t->bytes.load(std::memory_order_relaxed), f.status));
+      t->release();
+      return;
+    }
+    case wire::ControlType::kPullCancel: {
+      if (length != sizeof(uint32_t)) break;
+      uint32_t token;
+      std::memcpy(&token, body, sizeof token);
+      std::shared_ptr<TransferState> t;
+      {
+        // Still in pushes_: not drained, so not finished, and `self` is not being dropped (transfer_drained
+        // takes it out under this lock first). The copy keeps it alive through cancel().
+        std::lock_guard lock(mu_);
+        if (auto it = pushes_.find(token); it != pushes_.end()) t = it->second->self;
+      }
+      if (t) cancel(t.get());
+      return;
+    }
     case wire::ControlType::kCts: {
       if (length != sizeof(wire::CtsBody)) break;
       wire::CtsBody cts;
@@ -879,6 +995,7 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
 void PeerState::cancel(TransferState* t) {
   if (t->is_finished()) return;
   bool taken = false;  // off the queue or out of the rendezvous: its hold is ours to release
+  uint32_t pull_token = 0;  // a pulled read: tell the target to stop sending it
   {
     std::lock_guard lock(mu_);
     TransferState* prev = nullptr;
@@ -906,8 +1023,15 @@ void PeerState::cancel(TransferState* t) {
           }
         if (q.empty()) posted_recvs_.erase(it);
       }
+    if (!taken && t->op == OpKind::kRead && t->msg_id != 0)
+      if (auto it = matched_.find(uint32_t(t->msg_id)); it != matched_.end() && it->second == t) {
+        matched_.erase(it);
+        taken = true;
+        pull_token = uint32_t(t->msg_id);
+      }
   }
   t->record_error(Status(Code::kCancelled, std::string(op_name(t->op)) + " cancelled"));
+  if (pull_token) send_control(wire::ControlType::kPullCancel, &pull_token, sizeof pull_token);
   if (taken) t->release();
 }
 
@@ -976,6 +1100,7 @@ void PeerState::fail(Status s) {
     unexpected_.clear();
     matched_.clear();
     awaiting_ack_.clear();
+    pushes_.clear();  // their sends are on the queue or on lanes: released above or by release_lane()
   }
   for (TransferState* t : release) {
     t->record_error(s);

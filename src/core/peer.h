@@ -193,6 +193,12 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   // Pairs a recv with an RTS (mu_ held); returns the CTS to send once the lock is dropped.
   wire::CtsBody match(TransferState* recv, const wire::RtsBody& rts, TransferState** release_now);
   Status chunk_error(const Slot& s, uint8_t status) const;
+  Status refusal(const char* what, uint64_t bytes, uint8_t status) const;
+  // A read the target pushes (Caps::pull_reads): one kPull instead of a request per chunk; the target's
+  // lanes move it as a send, this side lands it as a matched recv.
+  bool pulls(const TransferState& t) const;
+  void pull(TransferState* t);
+  void on_pull(const wire::PullBody& p);  // target side: check the range, start the send
   Status notify_too_large(size_t bytes) const;
   // `chunk`, or for a staged GPU read (tcp) a smaller one that pipelines (pipelined_chunk, peer.cc).
   uint64_t read_chunk(const TransferState& t, int local_device, const RemoteRegion* remote, uint64_t chunk) const;
@@ -207,6 +213,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   const uint32_t read_depth_; // the transport's Caps::read_depth (0: reads fill the lane's window)
   const bool staged_gpu_;     // GPU memory goes through pinned host staging on each side (tcp): reads pipeline smaller chunks
   const bool wait_naps_;      // Caps::wait_naps
+  const bool pull_reads_;     // Caps::pull_reads
   const uint32_t lane_window_;
   std::atomic<bool> failed_{false};
   std::atomic<int64_t> last_heard_ms_;
@@ -233,6 +240,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   std::unordered_map<uint64_t, std::deque<wire::RtsBody>> unexpected_;     // tag -> RTSs
   std::unordered_map<uint32_t, TransferState*> matched_;          // token -> recv
   std::unordered_map<uint64_t, TransferState*> awaiting_ack_;     // notify id -> transfer
+  std::unordered_map<uint32_t, TransferState*> pushes_;           // the peer's pull token -> our send of it
 
   std::mutex out_mu_;
   std::string control_out_;

@@ -90,18 +90,39 @@ void RegionRegistry::wait_unpinned(const Region& region, const std::function<voi
   }
 }
 
+// (mu_ held) The region an access names, if its key, rights and bounds allow the access; else null and *code.
+const std::shared_ptr<RegionState>* RegionRegistry::check(uint32_t id, uint64_t key, uint64_t desc_offset,
+                                                          uint64_t desc_length, uint64_t offset, uint64_t length,
+                                                          bool write, Code* code) const {
+  auto it = regions_.find(id);
+  *code = Code::kOk;
+  if (it == regions_.end()) *code = Code::kNotFound;
+  else if (it->second->key_for(desc_offset, desc_length) != key) *code = Code::kAccessDenied;
+  else if (write && it->second->readonly) *code = Code::kAccessDenied;
+  else if (!in_bounds(desc_offset, desc_length, it->second->size)) *code = Code::kOutOfRange;
+  else if (offset < desc_offset || !in_bounds(offset - desc_offset, length, desc_length)) *code = Code::kOutOfRange;
+  return *code == Code::kOk ? &it->second : nullptr;
+}
+
 Code RegionRegistry::resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
                              uint64_t offset, uint64_t length, bool write, RegionState** out) const {
   std::shared_lock lock(mu_);
-  auto it = regions_.find(id);
-  if (it == regions_.end()) return Code::kNotFound;
-  RegionState* r = it->second.get();
-  if (r->key_for(desc_offset, desc_length) != key) return Code::kAccessDenied;
-  if (write && r->readonly) return Code::kAccessDenied;
-  if (!in_bounds(desc_offset, desc_length, r->size)) return Code::kOutOfRange;
-  if (offset < desc_offset || !in_bounds(offset - desc_offset, length, desc_length)) return Code::kOutOfRange;
-  r->pins.fetch_add(1, std::memory_order_acquire);
-  *out = r;
+  Code code;
+  const auto* r = check(id, key, desc_offset, desc_length, offset, length, write, &code);
+  if (!r) return code;
+  (*r)->pins.fetch_add(1, std::memory_order_acquire);
+  *out = r->get();
+  return Code::kOk;
+}
+
+Code RegionRegistry::resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length, uint64_t offset,
+                             uint64_t length, bool write, std::shared_ptr<RegionState>* out) const {
+  std::shared_lock lock(mu_);
+  Code code;
+  const auto* r = check(id, key, desc_offset, desc_length, offset, length, write, &code);
+  if (!r) return code;
+  (*r)->pins.fetch_add(1, std::memory_order_acquire);
+  *out = *r;
   return Code::kOk;
 }
 

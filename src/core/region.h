@@ -52,9 +52,14 @@ class RegionRegistry {
   // Validates a remote access and pins the region. On success *out is pinned: call unpin().
   Code resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
                uint64_t offset, uint64_t length, bool write, RegionState** out) const;
+  // The same, holding the region for as long as the caller keeps *out (pinned as above).
+  Code resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length, uint64_t offset,
+               uint64_t length, bool write, std::shared_ptr<RegionState>* out) const;
   void clear();
 
  private:
+  const std::shared_ptr<RegionState>* check(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
+                                            uint64_t offset, uint64_t length, bool write, Code* code) const;
   EndpointId endpoint_;
   mutable std::shared_mutex mu_;
   uint32_t next_id_ = 1;

@@ -44,7 +44,7 @@ void TransferState::finish(Status s) {
     final_ = std::move(s);
   }
   std::shared_ptr<TransferState> keep = std::move(self);  // may be the last engine reference
-  if (peer) peer->count_finished(final_.is_ok());  // before waiters wake: stats never lag wait()
+  if (peer && !pushed) peer->count_finished(final_.is_ok());  // before waiters wake: stats never lag wait()
   finished_.store(true, std::memory_order_seq_cst);
   if (waiters_.load(std::memory_order_seq_cst) > 0) {
     std::lock_guard lock(mu_);

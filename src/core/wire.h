@@ -129,6 +129,9 @@ enum class ControlType : uint8_t {
   kRts = 4,         // ready to send: u64 msg id, u64 tag, u64 length
   kCts = 5,         // clear to send: u64 msg id, u32 token, u8 status
   kCancel = 6,      // u32 token: the sender withdrew the message this CTS was for
+  kPull = 7,        // PullBody: push this range of your region to me as kSendData for recv `token` (a read)
+  kPullFail = 8,    // PullFailBody: the range a kPull named is refused (a tether::Code)
+  kPullCancel = 9,  // u32 token: the reader cancelled the pulled read; stop sending it
 };
 struct ControlHeader {
   uint32_t length;     // body bytes
@@ -138,11 +141,15 @@ struct ControlHeader {
 struct RtsBody { uint64_t msg_id, tag, length; };
 struct NotifyAckBody { uint64_t id; uint8_t status; uint8_t pad[7]; };
 struct CtsBody { uint64_t msg_id; uint32_t token; uint8_t status; uint8_t pad[3]; };
+// A read the target pushes (Caps::pull_reads): checked as a kReadReq header would be, then sent as a send.
+struct PullBody { uint32_t token, region_id; uint64_t key, desc_offset, desc_length, offset, length; };
+struct PullFailBody { uint32_t token; uint8_t status; uint8_t pad[3]; };
 #pragma pack(pop)
 
 static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64 + 8 + 1 + 4);
 static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4 + 8 + 4);
 static_assert(sizeof(NotifyAckBody) == 16);
+static_assert(sizeof(PullBody) == 48);
 static_assert(sizeof(ClientProof) == 32 + 16 + 4 + 4);
 static_assert(sizeof(FrameHeader) == 56);
 static_assert(sizeof(Fragment) == 48);

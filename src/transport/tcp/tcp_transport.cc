@@ -1285,6 +1285,8 @@ Caps TcpTransport::caps() const {
   // (a KV pull of 4,096 × 16 KiB blocks from GPU memory was 4,096 round trips and copies otherwise).
   c.batch_reads = true;
   c.gpu_batch_chunks = kGpuBatchChunks;
+  const char* pull = std::getenv("TETHER_X_PULL");  // experiment (exp/pull)
+  c.pull_reads = pull && *pull == '1';
   return c;
 }
 
