@@ -207,6 +207,7 @@ struct LaneStats {    // one channel (lane) of a live peer
 struct EndpointStats {
   uint64_t bytes_sent = 0, bytes_received = 0, chunks_sent = 0, chunks_received = 0;
   uint64_t transfers_completed = 0, transfers_failed = 0, rejected_requests = 0;
+  uint64_t reads_pushed = 0;  // peers' reads this endpoint sent as pushes (tcp, GPU memory on either side)
   std::vector<NicStats> nics;    // NICs that are data NICs or carried a lane
   std::vector<LaneStats> lanes;  // lanes of the peers connected now
   uint64_t ipc_cma_chunks = 0, ipc_shm_chunks = 0;  // chunks this side served as an ipc target, by mover

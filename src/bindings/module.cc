@@ -369,6 +369,7 @@ NB_MODULE(_tether, m) {
             d["transfers_completed"] = s.transfers_completed;
             d["transfers_failed"] = s.transfers_failed;
             d["rejected_requests"] = s.rejected_requests;
+            d["reads_pushed"] = s.reads_pushed;
             auto link = [](nb::dict& x, const LinkStats& l) {
               x["bytes_sent"] = l.bytes_sent;
               x["bytes_received"] = l.bytes_received;

@@ -655,6 +655,12 @@ Status EndpointImpl::deregister(const Region& region) {
   for (auto& p : all) p->cancel_region(region.state().get());
   RegionRegistry::wait_unpinned(region, [&](int64_t waited_ms) {
     const bool force = waited_ms >= int64_t(config_.deregister_timeout_ms);
+    // A peer that pulled a read from the region and does not take its bytes keeps a chunk of it unsent,
+    // pinned: cut off, as ipc cuts a stalled reader (its read fails; the region is let go).
+    for (auto& p : all)
+      if (force && !p->failed() && p->pushes_from(region.state().get()))
+        p->fail(Status(Code::kConnectionLost, "peer '" + p->info().name + "' did not take the bytes of a read it pulled from region " +
+                                                  std::to_string(region.id()) + " while it was deregistered (deregister_timeout_ms)"));
     for (auto& t : transports_)
       if (t->unavailable_reason().empty()) t->region_stalled(*region.state(), force);
   });
@@ -1188,6 +1194,7 @@ EndpointStats Endpoint::stats() const {
   o.transfers_completed = s.transfers_completed.load();
   o.transfers_failed = s.transfers_failed.load();
   o.rejected_requests = s.rejected_requests.load();
+  o.reads_pushed = s.reads_pushed.load();
   auto link = [](const core::LinkCounters& c) {
     return LinkStats{c.bytes_sent.load(), c.bytes_received.load(), c.chunks_sent.load(), c.chunks_received.load(),
                      c.errors.load(), c.resends.load(), double(c.send_ns.load()) * 1e-9, double(c.recv_ns.load()) * 1e-9,

@@ -25,6 +25,7 @@ namespace tether::core {
 struct AtomicStats {
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, chunks_sent{0}, chunks_received{0};
   std::atomic<uint64_t> transfers_completed{0}, transfers_failed{0}, rejected_requests{0};
+  std::atomic<uint64_t> reads_pushed{0};  // peers' pulled reads this side sent (wire::kPull)
   std::atomic<uint64_t> ipc_cma_chunks{0}, ipc_shm_chunks{0}, ipc_inline_chunks{0};  // chunks served as an ipc target, by mover
   std::atomic<uint64_t> ipc_one_sided_chunks{0};  // chunks this side moved itself, as an ipc initiator
   std::atomic<uint64_t> ipc_cuda_chunks{0};  // chunks whose GPU side was copied by CUDA over ipc (either side)

@@ -137,6 +137,13 @@ Status PeerState::notify_too_large(size_t bytes) const {
                                             std::to_string(info_.max_notify) + ")");
 }
 
+namespace {
+int32_t device_of(const Segment& g) {
+  return g.local_region && g.local_region->kind == MemoryKind::kCuda ? g.local_region->device : -1;
+}
+bool remote_gpu(const Segment& g) { return g.remote && g.remote->kind == MemoryKind::kCuda; }
+}  // namespace
+
 Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, const char* noun, std::string notify) {
   const bool write = op == OpKind::kWrite;
   if (notify.size() > info_.max_notify) return invalid(shared_from_this(), op, notify_too_large(notify.size()));
@@ -207,11 +214,15 @@ Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, cons
 }
 
 bool PeerState::pulls(const TransferState& t) const {
-  // Contiguous and long enough that every lane moves two chunks or more: a request per chunk costs the
-  // read its pipeline (a chunk's depth comes back only after its copy into this side's GPU), a send's
-  // lanes pull chunks as their sockets drain (PERFORMANCE.md, session 27).
-  return pull_reads_ && t.op == OpKind::kRead && t.segments.size() == 1 &&
-         t.bytes.load(std::memory_order_relaxed) >= uint64_t(2) * lanes_ * info_.chunk_bytes;
+  // Contiguous, GPU memory staged on either side, and long enough that every lane moves two chunks or
+  // more: requested chunk by chunk, a staged read's lane got its depth back only after the chunk's copy
+  // into this side's GPU and its target lanes sat idle 19 % of a 256 MiB read; pushed, the target's lanes
+  // take chunks as their sockets drain, as a write's do (64-256 MiB GPU reads 1.1-1.3 x, PERFORMANCE.md
+  // session 27). Host-memory reads were level and keep their requests.
+  if (!pull_reads_ || t.op != OpKind::kRead || t.segments.size() != 1) return false;
+  const Segment& g = t.segments[0];
+  const bool gpu = device_of(g) >= 0 || remote_gpu(g);
+  return gpu && t.bytes.load(std::memory_order_relaxed) >= uint64_t(2) * lanes_ * info_.chunk_bytes;
 }
 
 void PeerState::pull(TransferState* t) {
@@ -250,7 +261,7 @@ void PeerState::on_pull(const wire::PullBody& p) {
     t->msg_id = p.token;
     t->bytes = p.length;
     t->segments.push_back(Segment{region->base + p.offset, p.length, p.token, 0, 0, 0, 0, region.get(), nullptr});
-    t->local_pins.push_back(region);  // resolve's pin, let go when the send finishes
+    t->source = region;  // kept, not pinned: each chunk pins it (next_chunk)
     std::lock_guard lock(mu_);
     if (failed_.load()) {
       c = Code::kCancelled;
@@ -259,17 +270,32 @@ void PeerState::on_pull(const wire::PullBody& p) {
     } else if (!pushes_.emplace(p.token, t.get()).second) {
       c = Code::kInvalidArgument;  // a token it already pulls with
     }
-    if (c != Code::kOk) t->local_pins.clear();
   }
+  if (region) region->unpin();  // resolve's pin: the check is done
   if (c != Code::kOk) {
-    if (region) region->unpin();
     endpoint_->stats().rejected_requests.fetch_add(1, std::memory_order_relaxed);
     wire::PullFailBody f{p.token, static_cast<uint8_t>(c), {}};
     send_control(wire::ControlType::kPullFail, &f, sizeof f);
     return;
   }
+  endpoint_->stats().reads_pushed.fetch_add(1, std::memory_order_relaxed);
   start(t);  // no handle: `self` keeps it until it finishes
   enqueue(t.get());
+}
+
+bool PeerState::pushes_from(const RegionState* region) const {
+  std::lock_guard lock(mu_);
+  for (const auto& [token, t] : pushes_)
+    if (t->source.get() == region) return true;
+  return false;
+}
+
+void PeerState::push_stopped(TransferState* t) {
+  if (t->record_error(Status(Code::kNotFound, "region deregistered while a peer read it"))) {
+    wire::PullFailBody f{uint32_t(t->msg_id), static_cast<uint8_t>(Code::kNotFound), {}};
+    send_control(wire::ControlType::kPullFail, &f, sizeof f);
+  }
+  t->release();
 }
 
 Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
@@ -393,12 +419,6 @@ void PeerState::enqueue(TransferState* t) {
 
 // ---------------------------------------------------------------- transport side
 
-namespace {
-int32_t device_of(const Segment& g) {
-  return g.local_region && g.local_region->kind == MemoryKind::kCuda ? g.local_region->device : -1;
-}
-bool remote_gpu(const Segment& g) { return g.remote && g.remote->kind == MemoryKind::kCuda; }
-}  // namespace
 
 // Pieces under `chunk` each, `limit` bytes in all.
 uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk, uint64_t limit) {
@@ -439,17 +459,34 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
   if (!has_work()) return false;
   TransferState* drained = nullptr;
   {
-    std::lock_guard lock(mu_);
+    std::unique_lock lock(mu_);
     if (lane_dead_[lane] || lane_inflight_[lane] >= lane_window_) return false;
+    // A pushed send's chunk reads the region it names: pinned while the transport reads it (as a read's
+    // answer is), so deregister waits for chunks being sent, never for a stalled reader's answers.
+    auto pin = [&](TransferState* t) -> RegionState* {
+      return t->pushed && endpoint_->registry().pin_published(*t->source) ? t->source.get() : nullptr;
+    };
     if (!resend_.empty()) {  // chunks of a lost lane go first: their transfers are the oldest
       const uint32_t idx = resend_.back();
       resend_.pop_back();
       resend_count_.store(uint32_t(resend_.size()), std::memory_order_release);
       Slot& s = slots_[idx];
+      RegionState* pinned = pin(s.transfer);
+      if (s.transfer->pushed && !pinned) {  // its region is gone: the chunk cannot be read again, answered here
+        TransferState* stopped = s.transfer;
+        s.used = false;
+        s.transfer = nullptr;
+        ++s.gen;
+        free_slots_.push_back(idx);
+        lock.unlock();
+        push_stopped(stopped);
+        return false;
+      }
       s.lane = lane;
       ++lane_inflight_[lane];
       lane_bytes_[lane].fetch_add(s.length, std::memory_order_relaxed);
       *op = s.op;
+      op->pin = pinned;
       op->hdr.gen = s.gen;
       op->hdr.flags |= wire::kFlagResent;
       s.transfer->lane_hint.store(lane, std::memory_order_relaxed);
@@ -457,6 +494,15 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     }
     TransferState* t = queue_head_.load(std::memory_order_relaxed);
     if (!t || free_slots_.empty()) return false;
+    RegionState* pinned = pin(t);
+    if (t->pushed && !pinned) {  // deregistered mid-read: no further chunk; its hold is ours to release
+      queue_head_.store(t->next_queued, std::memory_order_release);
+      if (!t->next_queued) queue_tail_ = nullptr;
+      t->next_queued = nullptr;
+      lock.unlock();
+      push_stopped(t);
+      return false;
+    }
     const Segment& seg = t->segments[t->cur_segment];
     // GPU to GPU (writes, reads): the transport may want bigger chunks (ipc: copy engines over NVLink).
     const bool gpu_both = gpu_chunk_ && device_of(seg) >= 0 && seg.remote && seg.remote->kind == MemoryKind::kCuda;
@@ -491,6 +537,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     h.gen = s.gen;
     op->segment = &seg;
     op->segment_offset = t->cur_offset;
+    op->pin = pinned;
     op->device = s.device;
     op->local = s.local;
     const bool batches = t->op == OpKind::kWrite || (t->op == OpKind::kRead && batch_reads_);
@@ -922,7 +969,7 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
       if (length != sizeof(wire::PullBody)) break;
       wire::PullBody p;
       std::memcpy(&p, body, sizeof p);
-      if (p.token == 0) break;
+      if (p.token == 0 || !pull_reads_) break;  // only transports that send a chunk's pin (TxItem::pin)
       on_pull(p);
       return;
     }

@@ -45,6 +45,7 @@ struct ChunkOp {
   const wire::Fragment* frags = nullptr;
   const Piece* pieces = nullptr;
   int32_t device = -1;               // GPU of the local bytes (all pieces share it), -1 for host memory
+  RegionState* pin = nullptr;        // a pushed send's chunk: its region, pinned until the transport has sent it
 };
 
 // Blocks of a write or read that share one local region and one remote descriptor (the public
@@ -199,6 +200,11 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   bool pulls(const TransferState& t) const;
   void pull(TransferState* t);
   void on_pull(const wire::PullBody& p);  // target side: check the range, start the send
+  void push_stopped(TransferState* t);     // its region was deregistered: fail it, tell the reader
+ public:
+  // A read this side pushes to the peer still reads `region` (deregister() waits on its chunks' pins).
+  bool pushes_from(const RegionState* region) const;
+ private:
   Status notify_too_large(size_t bytes) const;
   // `chunk`, or for a staged GPU read (tcp) a smaller one that pipelines (pipelined_chunk, peer.cc).
   uint64_t read_chunk(const TransferState& t, int local_device, const RemoteRegion* remote, uint64_t chunk) const;

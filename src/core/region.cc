@@ -126,6 +126,14 @@ Code RegionRegistry::resolve(uint32_t id, uint64_t key, uint64_t desc_offset, ui
   return Code::kOk;
 }
 
+bool RegionRegistry::pin_published(RegionState& region) const {
+  std::shared_lock lock(mu_);
+  auto it = regions_.find(region.id);
+  if (it == regions_.end() || it->second.get() != &region) return false;
+  region.pins.fetch_add(1, std::memory_order_acquire);
+  return true;
+}
+
 void RegionRegistry::clear() {
   std::unique_lock lock(mu_);
   for (auto& [id, s] : regions_) s->live.store(false);

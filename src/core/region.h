@@ -52,6 +52,9 @@ class RegionRegistry {
   // Validates a remote access and pins the region. On success *out is pinned: call unpin().
   Code resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
                uint64_t offset, uint64_t length, bool write, RegionState** out) const;
+  // Pins `region` if it is still published (under the lock unpublish takes: deregister either sees the pin
+  // or the caller sees the region gone). A pushed send's chunks take their pins one at a time so.
+  bool pin_published(RegionState& region) const;
   // The same, holding the region for as long as the caller keeps *out (pinned as above).
   Code resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length, uint64_t offset,
                uint64_t length, bool write, std::shared_ptr<RegionState>* out) const;

@@ -16,8 +16,9 @@
 namespace tether::wire {
 
 constexpr uint32_t kMagic = 0x52485454;  // "TTHR"
-constexpr uint16_t kVersion = 6;  // 3: ClientHello::transports; 4: max_notify in both hellos, NotifyAckBody;
-                                  // 5: tcp carries kReadBatch; 6: tcp GPU write batches of two chunks
+constexpr uint16_t kVersion = 7;  // 3: ClientHello::transports; 4: max_notify in both hellos, NotifyAckBody;
+                                  // 5: tcp carries kReadBatch; 6: tcp GPU write batches of two chunks;
+                                  // 7: kPull / kPullFail / kPullCancel (reads the target pushes)
 
 // ---- handshake (every socket, control or data) ----
 // A transport's bit in ClientHello::transports (0 for a name not listed).

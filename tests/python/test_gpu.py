@@ -87,6 +87,39 @@ def test_read(pair, lk, rk):
 
 
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_a_large_staged_read_is_pushed_by_the_target(pair, lk, rk):
+    """A contiguous tcp read with GPU memory on either side and two chunks or more per lane is one kPull:
+    the target pushes it as a send (its reads_pushed counts it). Cancelled mid-way it ends cancelled or
+    whole, and the next read of the same bytes is whole; a vectored read still goes as requests."""
+    local, peer, c = pair
+    n = 48 * MiB + 12345
+    desc = c.call("register", "big", n, fill=("seed", 44), device=_dev(rk))
+    dst = local.region("bigdst", lk, n + 100)
+    before = c.call("stats")["reads_pushed"]
+    peer.read(dst, desc, local_offset=100).wait(T)
+    got = local.get("bigdst")
+    assert_poison(got[:100])
+    assert_bytes_equal(got[100:], rand_bytes(44, n))
+    assert c.call("stats")["reads_pushed"] == before + 1
+    t = peer.read(dst, desc, local_offset=100)
+    t.cancel()
+    try:
+        t.wait(T)
+    except tether.TetherError as e:
+        assert "cancelled" in str(e), e
+    m = local.mem["bigdst"]
+    m[:] = POISON
+    if not isinstance(m, np.ndarray):
+        import torch
+        torch.cuda.synchronize()
+    peer.read(dst, desc, local_offset=100).wait(T)
+    assert_bytes_equal(local.get("bigdst")[100:], rand_bytes(44, n))
+    pushed = c.call("stats")["reads_pushed"]
+    peer.readv([(dst, 100 + i * (n // 4), desc, i * (n // 4), n // 4) for i in range(4)]).wait(T)
+    assert c.call("stats")["reads_pushed"] == pushed
+
+
+@pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
 def test_vectored_write_and_read(pair, lk, rk):
     """Many small scattered blocks both ways (the KV-cache pattern), offsets shuffled."""
     local, peer, c = pair

@@ -27,7 +27,7 @@ MiB = 1 << 20
 
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
-WIRE_VERSION = 6                   # wire::kVersion
+WIRE_VERSION = 7                   # wire::kVersion
 CLIENT_HELLO_SIZE = 169
 SERVER_HELLO_SIZE = 188  # then offers_length bytes of transport offers (control sockets)
 CLIENT_PROOF_SIZE = 56

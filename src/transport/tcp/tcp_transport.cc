@@ -342,7 +342,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     // there and contiguous chunks do not wait on it; staged read answers it also serves may hold more.)
     while (l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && l.tx_unstaged == 0 &&
            (!l.tx_stage || l.tx_stage->has_free(kGpuBatchChunks)) && l.peer->next_chunk(l.index, &op)) {
-      TxItem it{op.hdr, op.payload, op.length, nullptr};
+      TxItem it{op.hdr, op.payload, op.length, op.pin};  // a pushed send's chunk: unpinned once sent
       it.device = op.payload || op.fragments ? op.device : -1;
       if (static_cast<FrameType>(op.hdr.type) == FrameType::kReadBatch) {  // a request: header and table
         it.payload = reinterpret_cast<const uint8_t*>(op.frags);
@@ -1285,8 +1285,9 @@ Caps TcpTransport::caps() const {
   // (a KV pull of 4,096 × 16 KiB blocks from GPU memory was 4,096 round trips and copies otherwise).
   c.batch_reads = true;
   c.gpu_batch_chunks = kGpuBatchChunks;
-  const char* pull = std::getenv("TETHER_X_PULL");  // experiment (exp/pull)
-  c.pull_reads = pull && *pull == '1';
+  // Large reads staged through GPU memory are pushed by the target (wire::kPull, PeerState::pulls); a
+  // pushed chunk keeps its region pinned until sent (TxItem::pin), as a read's answer does.
+  c.pull_reads = true;
   return c;
 }
 

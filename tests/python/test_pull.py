@@ -1,0 +1,201 @@
+"""Pulled reads (wire::kPull, wire version 7), the target's side, from a hand-made peer: a large tcp read
+with GPU memory on either side is asked for in one control message and the target pushes it as kSendData
+chunks. Every check a kReadReq header meets applies to the kPull body; a refusal comes back as kPullFail
+with the tether::Code; a malformed one drops that peer only; a region deregistered while a reader that
+does not take its bytes holds a pushed chunk is let go after deregister_timeout_ms, that peer cut off.
+The initiator's side (which reads are pulled, the bytes, cancel) runs in test_gpu.py."""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tether_testutil import (DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, FRAME, KACK, MiB, assert_bytes_equal,
+                             get_u64, poisoned, rand_bytes, raw_peer, recv_exact, recv_until_closed, wait_until)
+
+CONTROL = struct.Struct("<IB3x")              # wire::ControlHeader: body length, type
+PULL = struct.Struct("<IIQQQQQ")              # wire::PullBody: token, region_id, key, desc_offset, desc_length, offset, length
+PULL_FAIL = struct.Struct("<IB3x")            # wire::PullFailBody: token, status
+KPULL, KPULL_FAIL, KHEARTBEAT = 7, 8, 1       # wire::ControlType
+KSEND_DATA = 5                                # wire::FrameType
+NOT_FOUND, ACCESS_DENIED, OUT_OF_RANGE, INVALID, EXHAUSTED = 2, 3, 4, 1, 13  # tether::Code
+T = 10
+
+
+def pull(token: int, desc: bytes, offset: int, length: int, key_xor: int = 0, region_id: int | None = None) -> bytes:
+    rid = struct.unpack_from("<I", desc, DESC_REGION_ID)[0] if region_id is None else region_id
+    body = PULL.pack(token, rid, get_u64(desc, DESC_KEY) ^ key_xor, get_u64(desc, DESC_OFFSET),
+                     get_u64(desc, DESC_LENGTH), offset, length)
+    return CONTROL.pack(len(body), KPULL) + body
+
+
+def control_messages(s: socket.socket, want: int, timeout: float = T) -> list:
+    """The next `want` control messages other than heartbeats, as (type, body)."""
+    out = []
+    end = time.monotonic() + timeout
+    while len(out) < want:
+        length, kind = CONTROL.unpack(recv_exact(s, CONTROL.size, timeout=max(0.1, end - time.monotonic())))
+        body = recv_exact(s, length) if length else b""
+        if kind != KHEARTBEAT:
+            out.append((kind, body))
+    return out
+
+
+def take_pushed(data: socket.socket, token: int, length: int) -> bytes:
+    """Receives a pushed read's kSendData chunks, acking each; returns its bytes in message order."""
+    got = bytearray(length)
+    seen = 0
+    while seen < length:
+        h = FRAME.unpack(recv_exact(data, FRAME.size))
+        kind, status, flags, slot, gen, rid, unit, _, _, offset, n = h
+        assert (kind, status, rid) == (KSEND_DATA, 0, token), h
+        assert offset % unit == 0 and (n == unit or offset + n == length), h
+        got[offset:offset + n] = recv_exact(data, n)
+        seen += n
+        data.sendall(FRAME.pack(KACK, 0, 0, slot, gen, 0, 0, 0, 0, 0, 0))
+    return bytes(got)
+
+
+@pytest.fixture
+def raw(endpoints):
+    """A server, one of its regions (random bytes, 3 MiB + 5), and a hand-made peer's sockets."""
+    server = endpoints(name="server")
+    src = rand_bytes(71, 3 * MiB + 5)
+    region = server.register(src)
+    socks = raw_peer(server.address, lanes=1)
+    assert wait_until(lambda: len(server.peers()) == 1, 5)
+    yield server, src, region, socks
+    for s in socks:
+        s.close()
+
+
+def test_a_pulled_read_is_pushed_as_send_data(raw):
+    server, src, region, (ctl, data) = raw
+    desc = region.descriptor()
+    ctl.sendall(pull(7, desc, 1000, len(src) - 1000))
+    assert_bytes_equal(np.frombuffer(take_pushed(data, 7, len(src) - 1000), np.uint8), src[1000:])
+    assert server.stats()["reads_pushed"] == 1
+    ctl.sendall(pull(8, desc, 0, 1))  # a second, under another token, once the first is done
+    assert take_pushed(data, 8, 1) == src[:1].tobytes()
+    assert server.stats()["reads_pushed"] == 2
+
+
+@pytest.mark.parametrize("case,code", [("key", ACCESS_DENIED), ("range", OUT_OF_RANGE), ("region", NOT_FOUND),
+                                       ("empty", INVALID)])
+def test_a_refused_pull_answers_its_code_and_sends_nothing(raw, case, code):
+    server, src, region, (ctl, data) = raw
+    desc = region.descriptor()
+    msg = {"key": pull(9, desc, 0, 4096, key_xor=1), "range": pull(9, desc, len(src) - 10, 11),
+           "region": pull(9, desc, 0, 4096, region_id=999), "empty": pull(9, desc, 0, 0)}[case]
+    ctl.sendall(msg)
+    [(kind, body)] = control_messages(ctl, 1)
+    assert kind == KPULL_FAIL and PULL_FAIL.unpack(body) == (9, code), (kind, body)
+    data.settimeout(0.2)
+    with pytest.raises(socket.timeout):
+        data.recv(1)
+    assert server.stats()["reads_pushed"] == 0 and server.stats()["rejected_requests"] == 1
+    ctl.sendall(pull(10, desc, 0, 4096))  # the peer is still served
+    assert take_pushed(data, 10, 4096) == src[:4096].tobytes()
+
+
+def test_a_token_already_pulling_is_refused(raw):
+    server, src, region, (ctl, data) = raw
+    desc = region.descriptor()
+    ctl.sendall(pull(11, desc, 0, len(src)) + pull(11, desc, 0, 10))
+    [(kind, body)] = control_messages(ctl, 1)
+    assert kind == KPULL_FAIL and PULL_FAIL.unpack(body) == (11, INVALID)
+    assert_bytes_equal(np.frombuffer(take_pushed(data, 11, len(src)), np.uint8), src)
+
+
+def test_pulls_beyond_the_bound_are_refused(raw):
+    """A peer cannot queue unbounded pushes: past four times its chunk slots they are refused, nothing lost."""
+    server, src, region, (ctl, data) = raw
+    desc = region.descriptor()
+    ctl.sendall(b"".join(pull(100 + i, desc, i, 1) for i in range(6000)))  # never acked, so never finished
+    fails = []
+    while not fails:
+        kind, body = control_messages(ctl, 1)[0]
+        if kind == KPULL_FAIL:
+            fails.append(PULL_FAIL.unpack(body))
+    assert fails[0][1] == EXHAUSTED, fails
+    assert 0 < server.stats()["reads_pushed"] < 6000
+
+
+@pytest.mark.parametrize("body", [b"\x00" * 47, PULL.pack(0, 1, 0, 0, 0, 0, 1)], ids=["short", "token-0"])
+def test_a_malformed_pull_drops_only_that_peer(endpoints, body):
+    server = endpoints(name="server")
+    good_client = endpoints(name="good")
+    good = good_client.connect(server.metadata(), timeout=5)
+    socks = raw_peer(server.address, lanes=1)
+    try:
+        assert wait_until(lambda: len(server.peers()) == 2, 5)
+        socks[0].sendall(CONTROL.pack(len(body), KPULL) + body)
+        for s in socks:
+            recv_until_closed(s, timeout=5)
+        assert wait_until(lambda: [p.name for p in server.peers()] == ["good"], 5), server.peers()
+    finally:
+        for s in socks:
+            s.close()
+    dst = poisoned(1000)
+    src = rand_bytes(72, 1000)
+    good.write(good_client.register(src), server.register(dst).descriptor()).wait(T)
+    assert_bytes_equal(dst, src)
+
+
+def test_deregister_while_a_puller_stalls(endpoints):
+    """A peer pulls 64 MiB and stops reading its socket. deregister() returns at once: a pushed chunk pins
+    the region only until the kernel has its bytes, and no chunk is taken while the socket is full (a
+    chunk left half sent would be cut off after deregister_timeout_ms). When the peer reads again, every
+    byte it gets is the region's content from before deregister(), and the read ends in kPullFail
+    (kNotFound): nothing of the memory's later use leaks."""
+    server = endpoints(name="server", deregister_timeout=0.3)
+    src = rand_bytes(73, 64 * MiB)
+    orig = src.copy()
+    region = server.register(src)
+    ctl, data = raw_peer(server.address, lanes=1)
+    try:
+        assert wait_until(lambda: len(server.peers()) == 1, 5)
+        ctl.sendall(pull(5, region.descriptor(), 0, len(src)))
+        assert wait_until(lambda: server.stats()["reads_pushed"] == 1, 5)
+        time.sleep(0.2)  # the lane fills the socket
+        t0 = time.monotonic()
+        server.deregister(region)
+        assert time.monotonic() - t0 < 3.0
+        src[:] = 0  # the application reuses the memory at once
+        got, wrong = 0, []
+
+        def drain():  # the peer reads again: each chunk holds the old bytes, and is acked
+            nonlocal got
+            try:
+                while True:
+                    h = FRAME.unpack(recv_exact(data, FRAME.size))
+                    chunk = np.frombuffer(recv_exact(data, h[10]), np.uint8)
+                    if not np.array_equal(chunk, orig[h[9]:h[9] + h[10]]):
+                        wrong.append(h[9])
+                    got += h[10]
+                    data.sendall(FRAME.pack(KACK, 0, 0, h[3], h[4], 0, 0, 0, 0, 0, 0))
+            except (OSError, struct.error):  # closed, or quiet for 5 s
+                pass
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        if server.peers():  # not cut off: the read is refused once a chunk finds the region gone
+            [(kind, body)] = control_messages(ctl, 1)
+            assert kind == KPULL_FAIL and PULL_FAIL.unpack(body) == (5, NOT_FOUND), (kind, body)
+        ctl.close()
+        data.shutdown(socket.SHUT_RDWR)
+        reader.join(10)
+        assert not wrong, f"chunks at {wrong} carried bytes written after deregister()"
+        assert 0 < got < len(src)
+    finally:
+        ctl.close()
+        data.close()
+    client = endpoints(name="after")
+    peer = client.connect(server.metadata(), timeout=5)
+    dst = poisoned(4096)
+    peer.read(client.register(dst), server.register(rand_bytes(74, 4096)).descriptor()).wait(T)
+    assert_bytes_equal(dst, rand_bytes(74, 4096))
