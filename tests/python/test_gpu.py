@@ -332,12 +332,11 @@ def _read_requests(tmp_path, size: str) -> tuple:
 def test_a_staged_read_cuts_its_chunks_by_how_many_each_lane_gets(tmp_path):
     """A staged GPU read of fewer than two full chunks per lane is cut into smaller chunks (8 MiB over 8
     lanes: 256 KiB), and a lane holds at most three of them requested (PeerState::next_chunk,
-    kStagedReadChunks; session 19: 1.03-1.06 x). From two full chunks per lane on (16 MiB), the full 1 MiB
-    chunk, two requested per lane (Caps::read_depth): session 22 measured 1.03-1.10 x over 256 KiB
-    chunks at 16 MiB, with 35-40 % less CPU (pipelined_chunk, peer.cc; PERFORMANCE.md)."""
+    kStagedReadChunks; session 19: 1.03-1.06 x). From two full chunks per lane on (16 MiB) the read is
+    pulled (wire::kPull, session 27): the target pushes it, and no chunk is requested."""
     assert _read_requests(tmp_path, "8M") == (32, 3)
-    assert _read_requests(tmp_path, "16M") == (16, 2)
-    assert _read_requests(tmp_path, "64M") == (64, 2)
+    assert _read_requests(tmp_path, "16M") == (0, 0)
+    assert _read_requests(tmp_path, "64M") == (0, 0)
 
 
 def test_gpu_region_checks():

@@ -797,7 +797,7 @@ def test_stats_count_bytes_exactly(endpoints, transport):
     rs, rd = a.register(src), b.register(dst)
     a0, b0 = a.stats(), b.stats()
     scalars = {"bytes_sent", "bytes_received", "chunks_sent", "chunks_received",
-               "transfers_completed", "transfers_failed", "rejected_requests", "ipc_cma_chunks", "ipc_shm_chunks",
+               "transfers_completed", "transfers_failed", "rejected_requests", "reads_pushed", "ipc_cma_chunks", "ipc_shm_chunks",
                "ipc_inline_chunks", "ipc_cuda_chunks", "ipc_cuda_opens", "ipc_one_sided_chunks"}
     assert set(a0) == scalars | {"nics", "lanes"}
     peer.write(rs, rd.descriptor()).wait(T)
@@ -808,11 +808,11 @@ def test_stats_count_bytes_exactly(endpoints, transport):
         return {k: s[k] - base[k] for k in scalars}
 
     want_a = {"bytes_sent": n, "bytes_received": 1000, "chunks_sent": 4, "chunks_received": 1,
-              "transfers_completed": 2, "transfers_failed": 0, "rejected_requests": 0,
+              "transfers_completed": 2, "transfers_failed": 0, "rejected_requests": 0, "reads_pushed": 0,
               "ipc_cma_chunks": 0, "ipc_shm_chunks": 0, "ipc_inline_chunks": 0, "ipc_cuda_chunks": 0,
               "ipc_cuda_opens": 0, "ipc_one_sided_chunks": one_sided}
     want_b = {"bytes_sent": 1000 - 1000 * one_sided, "bytes_received": n, "chunks_sent": 1 - one_sided, "chunks_received": 4,
-              "transfers_completed": 0, "transfers_failed": 0, "rejected_requests": 0,
+              "transfers_completed": 0, "transfers_failed": 0, "rejected_requests": 0, "reads_pushed": 0,
               "ipc_cma_chunks": cma, "ipc_shm_chunks": shm, "ipc_inline_chunks": inline, "ipc_cuda_chunks": 0,
               "ipc_cuda_opens": 0, "ipc_one_sided_chunks": 0}
     assert wait_until(lambda: delta(a, a0) == want_a and delta(b, b0) == want_b, 2), (delta(a, a0), delta(b, b0))
