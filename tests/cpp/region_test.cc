@@ -79,3 +79,23 @@ TEST_F(Fixture, DescriptorArgumentsAreChecked) {
   EXPECT_EQ(reg.add(nullptr, 10, MemoryKind::kHost, -1, false).status().code(), Code::kInvalidArgument);
   EXPECT_EQ(reg.add(mem.data(), 0, MemoryKind::kHost, -1, false).status().code(), Code::kInvalidArgument);
 }
+
+// A pulled read's send (PeerState::on_pull) checks the range once, keeping the region by shared_ptr, then
+// pins it chunk by chunk while it is still published: never after unpublish, so deregister cannot miss one.
+TEST_F(Fixture, PushedChunksPinOnlyAPublishedRegion) {
+  RemoteRegion d = remote(0, 4096);
+  std::shared_ptr<RegionState> held;
+  EXPECT_EQ(reg.resolve(d.region_id, d.key ^ 1, d.offset, d.length, 0, 10, false, &held), Code::kAccessDenied);
+  EXPECT_EQ(held, nullptr);
+  ASSERT_EQ(reg.resolve(d.region_id, d.key, d.offset, d.length, 0, 4096, false, &held), Code::kOk);
+  ASSERT_EQ(held.get(), r.state().get());
+  EXPECT_EQ(held->pins.load(), 1);
+  held->unpin();
+  ASSERT_TRUE(reg.pin_published(*held));
+  EXPECT_EQ(held->pins.load(), 1);
+  held->unpin();
+  ASSERT_TRUE(reg.unpublish(r).is_ok());
+  EXPECT_FALSE(reg.pin_published(*held));
+  EXPECT_EQ(held->pins.load(), 0);
+  EXPECT_EQ(reg.resolve(d.region_id, d.key, d.offset, d.length, 0, 1, false, &held), Code::kNotFound);
+}

@@ -58,7 +58,11 @@ def seeds() -> dict[str, bytes]:
     # 1: control messages of a connected peer
     msgs = [control(1, b""), control(2, struct.pack("<Q", 1) + b"hello"),
             control(3, struct.pack("<QB7x", 1, 0)), control(4, struct.pack("<QQQ", 1, 0, 4096)),
-            control(5, struct.pack("<QIB3x", 1, 0, 0)), control(6, struct.pack("<I", 0))]
+            control(5, struct.pack("<QIB3x", 1, 0, 0)), control(6, struct.pack("<I", 0)),
+            # wire v7: a pulled read of the target region (token, region, key, desc offset/length, offset,
+            # length), its refusal (not ours to send: a protocol error) and its cancel
+            control(7, struct.pack("<I", 5) + RID + KEY + struct.pack("<QQQQ", 0, REGION, 100, 4096)),
+            control(8, struct.pack("<IB3x", 5, 2)), control(9, struct.pack("<I", 5))]
     for i, m in enumerate(msgs):
         s[f"ctl_{i}"] = bytes([CONTROL]) + m
     s["ctl_all"] = bytes([CONTROL]) + b"".join(msgs)
