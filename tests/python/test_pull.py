@@ -202,3 +202,33 @@ def test_deregister_while_a_puller_stalls(endpoints):
     dst = poisoned(4096)
     peer.read(client.register(dst), server.register(rand_bytes(74, 4096)).descriptor()).wait(T)
     assert_bytes_equal(dst, rand_bytes(74, 4096))
+
+
+def test_a_pushed_chunk_is_resent_when_its_lane_dies(endpoints):
+    """The reader closes one of its two lanes mid-read: the target resends that lane's unacknowledged
+    chunks on the other (each pinning the region again), and every byte arrives."""
+    server = endpoints(name="server")
+    src = rand_bytes(75, 12 * MiB + 3)
+    region = server.register(src)
+    ctl, lane0, lane1 = raw_peer(server.address, lanes=2)
+    try:
+        assert wait_until(lambda: len(server.peers()) == 1, 5)
+        got = np.zeros(len(src), np.uint8)
+        have: set = set()
+        ctl.sendall(pull(3, region.descriptor(), 0, len(src)))
+        h = FRAME.unpack(recv_exact(lane0, FRAME.size))  # one chunk on lane 0, never acked: then it dies
+        assert h[0] == KSEND_DATA, h
+        lane0.close()
+        while len(have) * h[6] < len(src):
+            f = FRAME.unpack(recv_exact(lane1, FRAME.size))
+            kind, status, flags, slot, gen, rid, unit, _, _, offset, n = f
+            assert (kind, status, rid) == (KSEND_DATA, 0, 3), f
+            got[offset:offset + n] = np.frombuffer(recv_exact(lane1, n), np.uint8)
+            have.add(offset // unit)
+            lane1.sendall(FRAME.pack(KACK, 0, 0, slot, gen, 0, 0, 0, 0, 0, 0))
+        assert_bytes_equal(got, src)
+        lanes = server.stats()["lanes"]
+        assert sum(x["resends"] for x in lanes) >= 1, lanes
+    finally:
+        for s in (ctl, lane0, lane1):
+            s.close()
