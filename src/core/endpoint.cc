@@ -657,10 +657,11 @@ Status EndpointImpl::deregister(const Region& region) {
     const bool force = waited_ms >= int64_t(config_.deregister_timeout_ms);
     // A peer that pulled a read from the region and does not take its bytes keeps a chunk of it unsent,
     // pinned: cut off, as ipc cuts a stalled reader (its read fails; the region is let go).
-    for (auto& p : all)
-      if (force && !p->failed() && p->pushes_from(region.state().get()))
-        p->fail(Status(Code::kConnectionLost, "peer '" + p->info().name + "' did not take the bytes of a read it pulled from region " +
-                                                  std::to_string(region.id()) + " while it was deregistered (deregister_timeout_ms)"));
+    if (force)
+      for (auto& p : all)
+        if (!p->failed() && p->pushes_from(region.state().get()))
+          p->fail(Status(Code::kConnectionLost, "peer '" + p->info().name + "' did not take the bytes of a read it pulled from region " +
+                                                    std::to_string(region.id()) + " while it was deregistered (deregister_timeout_ms)"));
     for (auto& t : transports_)
       if (t->unavailable_reason().empty()) t->region_stalled(*region.state(), force);
   });

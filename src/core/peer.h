@@ -150,6 +150,8 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   void cancel(TransferState* t);
   // Fails sends still waiting for a CTS and recvs still unmatched that use `region`.
   void cancel_region(const RegionState* region);
+  // A read this side pushes to the peer still reads `region` (deregister() waits on its chunks' pins).
+  bool pushes_from(const RegionState* region) const;
   // Fails the peer once: every transfer still using it ends with `s`, sockets are shut down.
   void fail(Status s);
   // Called by TransferState when its last chunk is answered.
@@ -201,10 +203,6 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   void pull(TransferState* t);
   void on_pull(const wire::PullBody& p);  // target side: check the range, start the send
   void push_stopped(TransferState* t);     // its region was deregistered: fail it, tell the reader
- public:
-  // A read this side pushes to the peer still reads `region` (deregister() waits on its chunks' pins).
-  bool pushes_from(const RegionState* region) const;
- private:
   Status notify_too_large(size_t bytes) const;
   // `chunk`, or for a staged GPU read (tcp) a smaller one that pipelines (pipelined_chunk, peer.cc).
   uint64_t read_chunk(const TransferState& t, int local_device, const RemoteRegion* remote, uint64_t chunk) const;

@@ -90,10 +90,11 @@ void RegionRegistry::wait_unpinned(const Region& region, const std::function<voi
   }
 }
 
-// (mu_ held) The region an access names, if its key, rights and bounds allow the access; else null and *code.
-const std::shared_ptr<RegionState>* RegionRegistry::check(uint32_t id, uint64_t key, uint64_t desc_offset,
-                                                          uint64_t desc_length, uint64_t offset, uint64_t length,
-                                                          bool write, Code* code) const {
+// (mu_ held) The region an access names, pinned, if its key, rights and bounds allow the access; else null
+// and *code.
+const std::shared_ptr<RegionState>* RegionRegistry::pin_checked(uint32_t id, uint64_t key, uint64_t desc_offset,
+                                                                uint64_t desc_length, uint64_t offset,
+                                                                uint64_t length, bool write, Code* code) const {
   auto it = regions_.find(id);
   *code = Code::kOk;
   if (it == regions_.end()) *code = Code::kNotFound;
@@ -101,29 +102,25 @@ const std::shared_ptr<RegionState>* RegionRegistry::check(uint32_t id, uint64_t 
   else if (write && it->second->readonly) *code = Code::kAccessDenied;
   else if (!in_bounds(desc_offset, desc_length, it->second->size)) *code = Code::kOutOfRange;
   else if (offset < desc_offset || !in_bounds(offset - desc_offset, length, desc_length)) *code = Code::kOutOfRange;
-  return *code == Code::kOk ? &it->second : nullptr;
+  if (*code != Code::kOk) return nullptr;
+  it->second->pins.fetch_add(1, std::memory_order_acquire);
+  return &it->second;
 }
 
 Code RegionRegistry::resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
                              uint64_t offset, uint64_t length, bool write, RegionState** out) const {
   std::shared_lock lock(mu_);
   Code code;
-  const auto* r = check(id, key, desc_offset, desc_length, offset, length, write, &code);
-  if (!r) return code;
-  (*r)->pins.fetch_add(1, std::memory_order_acquire);
-  *out = r->get();
-  return Code::kOk;
+  if (const auto* r = pin_checked(id, key, desc_offset, desc_length, offset, length, write, &code)) *out = r->get();
+  return code;
 }
 
 Code RegionRegistry::resolve(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length, uint64_t offset,
                              uint64_t length, bool write, std::shared_ptr<RegionState>* out) const {
   std::shared_lock lock(mu_);
   Code code;
-  const auto* r = check(id, key, desc_offset, desc_length, offset, length, write, &code);
-  if (!r) return code;
-  (*r)->pins.fetch_add(1, std::memory_order_acquire);
-  *out = *r;
-  return Code::kOk;
+  if (const auto* r = pin_checked(id, key, desc_offset, desc_length, offset, length, write, &code)) *out = *r;
+  return code;
 }
 
 bool RegionRegistry::pin_published(RegionState& region) const {

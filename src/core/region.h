@@ -61,8 +61,9 @@ class RegionRegistry {
   void clear();
 
  private:
-  const std::shared_ptr<RegionState>* check(uint32_t id, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
-                                            uint64_t offset, uint64_t length, bool write, Code* code) const;
+  const std::shared_ptr<RegionState>* pin_checked(uint32_t id, uint64_t key, uint64_t desc_offset,
+                                                  uint64_t desc_length, uint64_t offset, uint64_t length, bool write,
+                                                  Code* code) const;
   EndpointId endpoint_;
   mutable std::shared_mutex mu_;
   uint32_t next_id_ = 1;

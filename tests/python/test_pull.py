@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tether_testutil import (DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, FRAME, KACK, MiB, assert_bytes_equal,
-                             get_u64, poisoned, rand_bytes, raw_peer, recv_exact, recv_until_closed, wait_until)
+                             assert_drops_only_that_peer,
+                             get_u64, poisoned, rand_bytes, raw_peer, recv_exact, wait_until)
 
 CONTROL = struct.Struct("<IB3x")              # wire::ControlHeader: body length, type
 PULL = struct.Struct("<IIQQQQQ")              # wire::PullBody: token, region_id, key, desc_offset, desc_length, offset, length
@@ -127,23 +128,8 @@ def test_pulls_beyond_the_bound_are_refused(raw):
 
 @pytest.mark.parametrize("body", [b"\x00" * 47, PULL.pack(0, 1, 0, 0, 0, 0, 1)], ids=["short", "token-0"])
 def test_a_malformed_pull_drops_only_that_peer(endpoints, body):
-    server = endpoints(name="server")
-    good_client = endpoints(name="good")
-    good = good_client.connect(server.metadata(), timeout=5)
-    socks = raw_peer(server.address, lanes=1)
-    try:
-        assert wait_until(lambda: len(server.peers()) == 2, 5)
-        socks[0].sendall(CONTROL.pack(len(body), KPULL) + body)
-        for s in socks:
-            recv_until_closed(s, timeout=5)
-        assert wait_until(lambda: [p.name for p in server.peers()] == ["good"], 5), server.peers()
-    finally:
-        for s in socks:
-            s.close()
-    dst = poisoned(1000)
-    src = rand_bytes(72, 1000)
-    good.write(good_client.register(src), server.register(dst).descriptor()).wait(T)
-    assert_bytes_equal(dst, src)
+    assert_drops_only_that_peer(endpoints, lambda socks: socks[0].sendall(CONTROL.pack(len(body), KPULL) + body),
+                                "a malformed kPull", seed=72, timeout=T)
 
 
 def test_deregister_while_a_puller_stalls(endpoints):

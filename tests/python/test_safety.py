@@ -19,7 +19,7 @@ from tether_testutil import (
     CLIENT_HELLO_SIZE, DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, HELLO_AUTH_FAILED,
     HELLO_BAD_REQUEST, HELLO_VERSION_MISMATCH, MiB, SERVER_DONE_SIZE, SERVER_HELLO_SIZE, SOCKET_DATA,
     FRAME, KREAD_BATCH, KREAD_RESP, client_proof, fragment, frame, raw_peer, read_server_hello,
-    WIRE_MAGIC, WIRE_VERSION, assert_bytes_equal, assert_poison, client_hello, get_u64, outcome, parse_server_hello,
+    WIRE_MAGIC, WIRE_VERSION, assert_bytes_equal, assert_drops_only_that_peer, assert_poison, client_hello, get_u64, outcome, parse_server_hello,
     poisoned, rand_bytes, raw_connect, recv_exact, recv_until_closed, set_u32, set_u64, wait_error,
     wait_until,
 )
@@ -478,27 +478,8 @@ def test_garbage_after_handshake_drops_only_that_peer(endpoints, where):
     """Beyond the brief (which allowed skipping it): a peer adopted through a hand-made handshake
     then sends garbage on its control or data socket. The server drops that peer (closes its
     sockets) and keeps serving others."""
-    server = endpoints(name="server")
-    good_client = endpoints(name="good")
-    good = good_client.connect(server.metadata(), timeout=5)
-    socks = raw_peer(server.address, lanes=1)
-    try:
-        assert wait_until(lambda: len(server.peers()) == 2, 5)
-        target = socks[0] if where == "control" else socks[1]
-        target.sendall(b"\xff" * 4096)
-        for s in socks:
-            try:
-                recv_until_closed(s, timeout=5)
-            except socket.timeout:
-                pytest.fail(f"server kept the peer that sent garbage on its {where} socket")
-        assert wait_until(lambda: [p.name for p in server.peers()] == ["good"], 5), server.peers()
-    finally:
-        for s in socks:
-            s.close()
-    dst = poisoned(1000)
-    src = rand_bytes(19, 1000)
-    good.write(good_client.register(src), server.register(dst).descriptor()).wait(T)
-    assert_bytes_equal(dst, src)
+    assert_drops_only_that_peer(endpoints, lambda socks: socks[0 if where == "control" else 1].sendall(b"\xff" * 4096),
+                                f"garbage on its {where} socket", seed=19, timeout=T)
 
 
 def _ask(s: socket.socket, slot: int, frags: list, length: int) -> tuple:

@@ -403,6 +403,31 @@ def raw_peer(address: str, lanes: int = 1) -> list:
     return socks
 
 
+def assert_drops_only_that_peer(endpoints, send, what: str, seed: int, timeout: float = 20.0) -> None:
+    """A hand-made peer (tcp, one lane) beside a legitimate one does `send([control, data])`: the server
+    must close both of that peer's sockets, keep serving the other, and still land its write byte for byte."""
+    server = endpoints(name="server")
+    good_client = endpoints(name="good")
+    good = good_client.connect(server.metadata(), timeout=5)
+    socks = raw_peer(server.address, lanes=1)
+    try:
+        assert wait_until(lambda: len(server.peers()) == 2, 5)
+        send(socks)
+        for s in socks:
+            try:
+                recv_until_closed(s, timeout=5)
+            except socket.timeout:
+                raise AssertionError(f"server kept the peer that sent {what}") from None
+        assert wait_until(lambda: [p.name for p in server.peers()] == ["good"], 5), server.peers()
+    finally:
+        for s in socks:
+            s.close()
+    dst = poisoned(1000)
+    src = rand_bytes(seed, 1000)
+    good.write(good_client.register(src), server.register(dst).descriptor()).wait(timeout)
+    assert_bytes_equal(dst, src)
+
+
 FRAME = struct.Struct("<BBHIIIQQQQQ")  # wire::FrameHeader: type, status, flags, slot, gen, region_id, key,
                                        # desc_offset, desc_length, offset, length
 FRAGMENT = struct.Struct("<IIQQQQQ")   # wire::Fragment: region_id, reserved, key, desc_offset, desc_length, offset, length
