@@ -419,7 +419,6 @@ void PeerState::enqueue(TransferState* t) {
 
 // ---------------------------------------------------------------- transport side
 
-
 // Pieces under `chunk` each, `limit` bytes in all.
 uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk, uint64_t limit) {
   const std::vector<Segment>& segs = t->segments;

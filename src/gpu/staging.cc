@@ -76,17 +76,10 @@ StagingRing::StagingRing(uint32_t slots, uint64_t capacity, uint32_t max_fragmen
 StagingRing::~StagingRing() {
   const CudaApi* a = cuda();
   if (!a) return;
-  if (flagged_any_)
-    for (CUstream st : streams_)
-      if (st) a->cuStreamSynchronize(st);  // flagged copies have no event to wait on
-  for (StagingSlot& s : slots_) {
-    for (auto& d : s.per_device) {
-      if (d.event) {
-        a->cuEventSynchronize(d.event);  // nothing may still be copying into memory freed below
-        a->cuEventDestroy(d.event);
-      }
-    }
-  }
+  wait_all();  // nothing may still be copying into memory freed below
+  for (StagingSlot& s : slots_)
+    for (auto& d : s.per_device)
+      if (d.event) a->cuEventDestroy(d.event);
   for (CUstream st : streams_)
     if (st) a->cuStreamDestroy(st);
   for (const Scratch& sc : scratch_)
