@@ -77,9 +77,6 @@ Loaded& loaded() {
     // Optional: the VMM API (sharing memory from cuMemCreate; CudaApi::has_vmm).
     auto maybe = [lib](const char* name, auto& fn) { fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name)); };
     maybe("cuMemRetainAllocationHandle", a.cuMemRetainAllocationHandle);
-    maybe("cuStreamWriteValue32_v2", a.cuStreamWriteValue32);
-    maybe("cuMemHostGetDevicePointer_v2", a.cuMemHostGetDevicePointer);
-    maybe("cuStreamQuery", a.cuStreamQuery);
     maybe("cuMemExportToShareableHandle", a.cuMemExportToShareableHandle);
     maybe("cuMemImportFromShareableHandle", a.cuMemImportFromShareableHandle);
     maybe("cuMemRelease", a.cuMemRelease);

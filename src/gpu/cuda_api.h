@@ -58,10 +58,6 @@ struct CudaApi {
   CUresult (*cuEventDestroy)(CUevent);
   CUresult (*cuEventElapsedTime)(float*, CUevent, CUevent);  // ms (optional: may be null)
   CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);  // any direction (UVA)
-  // Optional (null where the driver lacks them): a staging copy's end as a flag the GPU writes.
-  CUresult (*cuStreamWriteValue32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
-  CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned) = nullptr;
-  CUresult (*cuStreamQuery)(CUstream) = nullptr;
   CUresult (*cuMemcpy)(CUdeviceptr, CUdeviceptr, size_t);
   CUresult (*cuModuleLoadData)(CUmodule*, const void*);
   CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);

@@ -10,20 +10,6 @@
 namespace tether::gpu {
 namespace {
 
-// Unanswered flag polls between two asks of the stream for an error (a failed copy never writes its flag).
-constexpr uint32_t kErrorCheck = 64;
-constexpr uint64_t kFlagStride = 64;   // bytes between two slots' flags
-constexpr uint64_t kFlagPage = 4096;   // after the slots' buffers: every slot's flag
-
-// Off until measured on a GPU (NOTES.md, session 28): TETHER_X_COPY_FLAGS=1 turns it on.
-bool flags_wanted() {
-  static const bool on = [] {
-    const char* v = std::getenv("TETHER_X_COPY_FLAGS");
-    return v && std::string(v) == "1";
-  }();
-  return on;
-}
-
 // TETHER_KERNEL_STAGING=direct (default): the copy kernel touches the pinned slot itself;
 // =scratch: the slot is copied to/from device memory by the copy engine around the kernel.
 bool direct_kernel() {
@@ -95,22 +81,16 @@ Status StagingRing::prepare(int device) {
     if (Status st = use_device(device); !st.is_ok()) return st;  // pinned allocations need a context
     const uint64_t stride = this->stride();
     void* p = nullptr;
-    if (Status st = cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&p, stride * slots_.size() + kFlagPage, kHostAllocPortable | kHostAllocDeviceMap));
+    if (Status st = cuda_check("cuMemHostAlloc", a->cuMemHostAlloc(&p, stride * slots_.size(), kHostAllocPortable | kHostAllocDeviceMap));
         !st.is_ok())
       return st;
     block_ = static_cast<uint8_t*>(p);
-    flags_ = flags_wanted() && a->cuStreamWriteValue32 && a->cuMemHostGetDevicePointer && a->cuStreamQuery &&
-             slots_.size() * kFlagStride <= kFlagPage;
     for (size_t i = 0; i < slots_.size(); ++i) {
       StagingSlot& s = slots_[i];
       s.table = std::make_unique<uint64_t[]>(size_t(max_fragments_) * 3);
       s.host = block_ + i * stride;
       s.capacity = capacity_;
       s.per_device.resize(size_t(device_count()));
-      s.flag = reinterpret_cast<uint32_t*>(block_ + stride * slots_.size() + i * kFlagStride);
-      __atomic_store_n(s.flag, 0u, __ATOMIC_RELAXED);
-      // Portable and mapped: one address for every GPU (unified addressing).
-      if (flags_ && a->cuMemHostGetDevicePointer(&s.flag_dev, s.flag, 0) != kCudaSuccess) flags_ = false;
     }
   }
   for (StagingSlot& s : slots_)
@@ -164,6 +144,7 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
   if (n > max_fragments_) return Status(Code::kInternal, "staging: too many fragments for one chunk");
   if (Status st = ready(s, device); !st.is_ok()) return st;
   const CudaApi* a = cuda();
+  auto& d = s.per_device[size_t(device)];
   const CUstream stream = streams_[size_t(device)];
   s.device = device;
   auto host_at = [&](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(s.host + f.offset); };
@@ -216,36 +197,7 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
       TETHER_CUDA_TRY(mode == Unpack::kHost ? "cuMemcpy" : "cuMemcpyAsync", r);
     }
   }
-  return mark(s, device, stream);
-}
-
-// Marks the end of the copies just issued on `s`: its flag where the ring uses flags, else its event.
-Status StagingRing::mark(StagingSlot& s, int device, CUstream stream) {
-  const CudaApi* a = cuda();
-  if (flags_) {
-    if (a->cuStreamWriteValue32(stream, s.flag_dev, s.seq + 1, 0) == kCudaSuccess) {
-      ++s.seq;
-      s.flagged = true;
-      flagged_any_ = true;
-      s.polls = 0;
-      return Status::ok();
-    }
-    flags_ = false;  // refused (no stream memory operations here): events from now on
-  }
-  s.flagged = false;
-  return cuda_check("cuEventRecord", a->cuEventRecord(s.per_device[size_t(device)].event, stream));
-}
-
-Result<bool> StagingRing::flag_done(StagingSlot& s) {
-  if (__atomic_load_n(s.flag, __ATOMIC_ACQUIRE) == s.seq) return true;
-  if (++s.polls % kErrorCheck != 0) return false;
-  // A copy that failed never writes its flag: the stream reports the error. A stream that finished
-  // everything wrote it (stream order), so the flag is read once more.
-  const CUresult r = cuda()->cuStreamQuery(streams_[size_t(s.device)]);
-  if (r == kCudaNotReady) return false;
-  if (r != kCudaSuccess) return Status(Code::kInternal, cuda_error("cuStreamQuery", r));
-  if (__atomic_load_n(s.flag, __ATOMIC_ACQUIRE) == s.seq) return true;
-  return Status(Code::kInternal, "staging: a finished copy's flag was not written");
+  return cuda_check("cuEventRecord", a->cuEventRecord(d.event, stream));
 }
 
 Status StagingRing::pack(StagingSlot* slot, int device, const Fragment* frags, uint32_t n, Unpack mode) {
@@ -259,9 +211,6 @@ Status StagingRing::unpack(StagingSlot* slot, int device, const Fragment* frags,
 void StagingRing::wait_all() {
   const CudaApi* a = cuda();
   if (!a) return;
-  if (flagged_any_)
-    for (CUstream st : streams_)
-      if (st) a->cuStreamSynchronize(st);  // flagged copies have no event to wait on
   for (StagingSlot& s : slots_)
     for (auto& d : s.per_device)
       if (d.event) a->cuEventSynchronize(d.event);
@@ -269,7 +218,6 @@ void StagingRing::wait_all() {
 
 Result<bool> StagingRing::done(StagingSlot* slot) {
   if (slot->device < 0) return true;
-  if (slot->flagged) return flag_done(*slot);
   const CudaApi* a = cuda();
   const CUresult r = a->cuEventQuery(slot->per_device[size_t(slot->device)].event);
   if (r == kCudaNotReady) return false;

@@ -1,8 +1,7 @@
 // Staging: pinned host bounce buffers for transports that cannot touch GPU memory, and the copies
 // in and out of them. A lane owns one StagingRing for sending and one for receiving; a slot is
 // reused only after the copy out of (or into) it has completed — its CUDA event says so (the seeds'
-// irecv_consumed rule), or (TETHER_X_COPY_FLAGS=1) a flag in pinned memory the GPU writes after the copy
-// (no driver call to poll it). A ring's pinned memory is one allocation, made by prepare() (a lane does
+// irecv_consumed rule). A ring's pinned memory is one allocation, made by prepare() (a lane does
 // that before its first GPU chunk where it can: pinning costs about a millisecond per MiB) or else at
 // the first acquire; nothing here allocates after that, except the ring's stream and the slots'
 // events on a new device.
@@ -44,12 +43,6 @@ struct StagingSlot {
   };
   std::vector<PerDevice> per_device;
   std::unique_ptr<uint64_t[]> table;  // (src, dst, len) triples of the kernel launch, built here
-  // A copy marked by a flag (StagingRing::flags_): the GPU writes `seq` to `*flag` once it is done.
-  bool flagged = false;
-  uint32_t seq = 0;
-  uint32_t* flag = nullptr;   // pinned; read with an acquire load
-  CUdeviceptr flag_dev = 0;   // the same word, as the GPU addresses it
-  uint32_t polls = 0;         // unanswered polls of the flag (every kErrorCheck-th asks the stream for errors)
 };
 
 class StagingRing {
@@ -89,8 +82,6 @@ class StagingRing {
 
  private:
   Status ready(StagingSlot& s, int device);
-  Status mark(StagingSlot& s, int device, CUstream stream);
-  Result<bool> flag_done(StagingSlot& s);
   uint64_t stride() const { return (capacity_ + 4095) & ~uint64_t(4095); }  // bytes between slots' buffers
   Status copy(StagingSlot& s, int device, const Fragment* frags, uint32_t n, Unpack mode, bool to_slot);
   Result<CUdeviceptr> scratch_for(int device, uint64_t bytes);
@@ -99,14 +90,7 @@ class StagingRing {
   uint64_t capacity_;
   std::vector<StagingSlot> slots_;
   SlotRuns runs_;  // which slots are taken (a copy in flight or bytes still needed), in runs
-  uint8_t* block_ = nullptr;  // every slot's buffer, one pinned allocation, and a page of the slots' flags
-  // Copies end with a flag the GPU writes, polled with a load, instead of a CUDA event polled with
-  // cuEventQuery: inside `tether bench` every driver call of 8 lanes' threads took 2-5 x its idle time
-  // (a copy launch 10-22 us against 2.5-4.5), and the polls were most of the calls (PERFORMANCE.md,
-  // session 28). Only with TETHER_X_COPY_FLAGS=1 (an experiment, not yet run on a GPU), and never where
-  // the driver lacks stream memory operations.
-  bool flags_ = false;
-  bool flagged_any_ = false;  // some copy was marked by a flag: wait_all() and the destructor sync the streams
+  uint8_t* block_ = nullptr;  // every slot's buffer, one pinned allocation
   // One stream per device for the whole ring: a lane's copies run in the order it issued them, so its
   // first chunk is done first instead of sharing the copy engine with the lane's later ones.
   std::vector<CUstream> streams_;
