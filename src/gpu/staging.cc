@@ -10,17 +10,21 @@
 namespace tether::gpu {
 namespace {
 
-// TETHER_KERNEL_STAGING=direct (default): the copy kernel touches the pinned slot itself;
-// =scratch: the slot is copied to/from device memory by the copy engine around the kernel.
-bool direct_kernel() {
-  static const bool direct = [] {
+// Kernel-mode copies (several fragments) stage through device scratch memory: the copy engine moves the
+// slot's bytes across PCIe and the kernel only touches GPU memory. Two processes' kernels on one GPU take
+// turns, so a kernel reading or writing pinned memory over PCIe (TETHER_KERNEL_STAGING=direct) held the
+// GPU ~10 x longer; scratch moved 4,096 x 16 KiB GPU writes 1.18-1.32 x faster and reads 1.12 x
+// (PERFORMANCE.md, session 29).
+bool scratch_staging() {
+  static const bool scratch = [] {
     const char* v = std::getenv("TETHER_KERNEL_STAGING");
-    return !(v && std::string(v) == "scratch");
+    return !(v && std::string(v) == "direct");
   }();
-  return direct;
+  return scratch;
 }
 
-
+// CUDA_ERROR_OUT_OF_MEMORY: a scratch buffer the GPU has no room for (its copies go direct instead).
+constexpr CUresult kCudaOutOfMemory = 2;
 }  // namespace
 
 Result<Unpack> parse_unpack(const std::string& name) {
@@ -120,14 +124,16 @@ Status StagingRing::ready(StagingSlot& s, int device) {
   return Status::ok();
 }
 
-// The ring's scratch buffer on `device`, at least `bytes` long. One per ring and device is enough: every
-// copy of the ring on that device runs on one stream, so a chunk's copy and kernel are done with it
-// before the next chunk's start. It grows (rarely: a two-slot batch after one-slot ones) once the
-// stream has finished with the smaller one.
+// The ring's scratch buffer on `device`, at least `bytes` long, or 0 where the GPU had no memory for
+// it (the ring's kernel-mode copies on that device then go direct; it does not ask again). One per ring
+// and device is enough: every copy of the ring on that device runs on one stream, so a chunk's copy and
+// kernel are done with it before the next chunk's start. It grows (rarely: a two-slot batch after
+// one-slot ones) once the stream has finished with the smaller one.
 Result<CUdeviceptr> StagingRing::scratch_for(int device, uint64_t bytes) {
   const CudaApi* a = cuda();
   if (scratch_.size() <= size_t(device)) scratch_.resize(size_t(device) + 1);
   Scratch& sc = scratch_[size_t(device)];
+  if (sc.refused) return CUdeviceptr(0);
   if (sc.bytes >= bytes) return sc.ptr;
   if (sc.ptr) {
     TETHER_CUDA_TRY("cuStreamSynchronize", a->cuStreamSynchronize(streams_[size_t(device)]));
@@ -135,7 +141,13 @@ Result<CUdeviceptr> StagingRing::scratch_for(int device, uint64_t bytes) {
     sc = Scratch{};
   }
   const uint64_t size = (bytes + stride() - 1) / stride() * stride();
-  TETHER_CUDA_TRY("cuMemAlloc", a->cuMemAlloc(&sc.ptr, size));
+  const CUresult r = a->cuMemAlloc(&sc.ptr, size);
+  if (r == kCudaOutOfMemory) {
+    sc = Scratch{};
+    sc.refused = true;
+    return CUdeviceptr(0);
+  }
+  TETHER_CUDA_TRY("cuMemAlloc", r);
   sc.bytes = size;
   return sc.ptr;
 }
@@ -149,45 +161,32 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
   s.device = device;
   auto host_at = [&](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(s.host + f.offset); };
   auto ptr = [](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(f.ptr); };
-  if (mode == Unpack::kKernel && n > 1 && direct_kernel()) {
-    // The kernel reads (unpack) or writes (gather) the pinned slot itself over PCIe: one launch, no
-    // copy through device scratch memory.
-    uint64_t* table = s.table.get();
-    for (uint32_t i = 0; i < n; ++i) {
-      table[3 * i + 0] = to_slot ? ptr(frags[i]) : host_at(frags[i]);
-      table[3 * i + 1] = to_slot ? host_at(frags[i]) : ptr(frags[i]);
-      table[3 * i + 2] = frags[i].length;
-    }
-    if (Status st = launch_copy(device, stream, table, n); !st.is_ok()) return st;
-  } else if (mode == Unpack::kKernel && n > 1) {
+  if (mode == Unpack::kKernel && n > 1) {
     if (Status st = copy_kernel(device); !st.is_ok()) return st;
     uint64_t begin = UINT64_MAX, extent = 0;  // only [begin, extent) of the slot moves
     for (uint32_t i = 0; i < n; ++i) {
       begin = std::min(begin, frags[i].offset);
       extent = std::max(extent, frags[i].offset + frags[i].length);
     }
-    auto scratch = scratch_for(device, extent);
-    if (!scratch.is_ok()) return scratch.status();
-    const CUdeviceptr base = scratch.value();
+    CUdeviceptr base = 0;  // the slot's twin in device memory; 0: the kernel touches the pinned slot itself
+    if (scratch_staging()) {
+      auto scratch = scratch_for(device, extent);
+      if (!scratch.is_ok()) return scratch.status();
+      base = scratch.value();
+    }
+    auto slot_at = [&](const Fragment& f) { return base ? base + f.offset : host_at(f); };
     uint64_t* table = s.table.get();
     for (uint32_t i = 0; i < n; ++i) {
-      table[3 * i + 0] = to_slot ? ptr(frags[i]) : base + frags[i].offset;
-      table[3 * i + 1] = to_slot ? base + frags[i].offset : ptr(frags[i]);
+      table[3 * i + 0] = to_slot ? ptr(frags[i]) : slot_at(frags[i]);
+      table[3 * i + 1] = to_slot ? slot_at(frags[i]) : ptr(frags[i]);
       table[3 * i + 2] = frags[i].length;
     }
-    if (!to_slot) {
-      if (Status st = cuda_check("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(base + begin, reinterpret_cast<CUdeviceptr>(s.host + begin),
-                                                                           extent - begin, stream));
-          !st.is_ok())
-        return st;
-    }
+    const CUdeviceptr host = reinterpret_cast<CUdeviceptr>(s.host + begin);
+    if (base && !to_slot)
+      TETHER_CUDA_TRY("cuMemcpyAsync(chunk to GPU)", a->cuMemcpyAsync(base + begin, host, extent - begin, stream));
     if (Status st = launch_copy(device, stream, table, n); !st.is_ok()) return st;
-    if (to_slot) {
-      if (Status st = cuda_check("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(s.host + begin), base + begin,
-                                                                            extent - begin, stream));
-          !st.is_ok())
-        return st;
-    }
+    if (base && to_slot)
+      TETHER_CUDA_TRY("cuMemcpyAsync(chunk to host)", a->cuMemcpyAsync(host, base + begin, extent - begin, stream));
   } else {
     for (uint32_t i = 0; i < n; ++i) {
       const CUdeviceptr dst = to_slot ? host_at(frags[i]) : ptr(frags[i]);

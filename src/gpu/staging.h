@@ -94,10 +94,11 @@ class StagingRing {
   // One stream per device for the whole ring: a lane's copies run in the order it issued them, so its
   // first chunk is done first instead of sharing the copy engine with the lane's later ones.
   std::vector<CUstream> streams_;
-  // Per device, the scratch buffer of kernel-mode copies with TETHER_KERNEL_STAGING=scratch (scratch_for).
+  // Per device, the scratch buffer of kernel-mode copies (scratch_for; none with TETHER_KERNEL_STAGING=direct).
   struct Scratch {
     CUdeviceptr ptr = 0;
     uint64_t bytes = 0;
+    bool refused = false;  // cuMemAlloc found no room: this ring's kernel-mode copies on the device go direct
   };
   std::vector<Scratch> scratch_;
 };

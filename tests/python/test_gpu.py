@@ -159,30 +159,52 @@ def test_small_gpu_blocks_travel_two_chunks_per_batch(pair, lk, rk):
     assert_bytes_equal(np.frombuffer(c.call("get", "dst"), np.uint8), expect.reshape(-1))
 
 
-def test_scratch_staging_carries_two_chunk_batches(children):
-    """With TETHER_KERNEL_STAGING=scratch on both sides the gather and unpack kernels work on a device-memory
-    twin of the pinned slot: a two-chunk batch spans two slots there too. 256 x 16 KiB GPU blocks, GPU to
-    GPU between two processes in two batches, shuffled, every byte."""
-    if not _kernels:
-        pytest.skip(f"unpack=kernel unavailable: {_kwhy}")
-    env = {"TETHER_UNPACK": "kernel", "TETHER_KERNEL_STAGING": "scratch"}
+def _two_batch_write(children, env, seed, fill_receiver_gpu=False):
+    """256 x 16 KiB GPU blocks, GPU to GPU between two processes with `env` on both sides, shuffled, in
+    two kWriteBatch frames (each a gather and an unpack kernel launch); every byte. With
+    `fill_receiver_gpu` the receiver takes its GPU's memory first (after a contiguous warm-up write into
+    another region, which readies the staging rings), so it finds no room for a scratch buffer (nor does
+    the sender, where both share one GPU)."""
     sender, receiver = children("sender", env=env), children("receiver", env=env)
     blocks, bs = 256, 16 * 1024
     n = blocks * bs
     target = receiver.call("endpoint", transport="tcp")["metadata"]
     sender.call("endpoint", transport="tcp")
     desc = receiver.call("register", "dst", n, device=_dev("gpu0"))
-    sender.call("register", "src", n, fill=("seed", 45), device=_dev(GPU.kind("gpu1")))
+    sender.call("register", "src", n, fill=("seed", seed), device=_dev(GPU.kind("gpu1")))
     sender.call("connect", target)
     assert sender.call("transport") == "tcp"
-    order = np.random.default_rng(9).permutation(blocks)
+    if fill_receiver_gpu:
+        warm = receiver.call("register", "warm", n, device=_dev("gpu0"))
+        assert sender.call("write", "src", warm)[0] == "ok"
+        taken, free = receiver.call("fill_gpu", _dev("gpu0"), timeout=120)
+        assert free < 2 * MiB, f"took {taken} bytes of GPU memory, {free} still free"
+    order = np.random.default_rng(seed).permutation(blocks)
     before = sender.call("stats")["chunks_sent"]
     assert sender.call("writev", [("src", int(i) * bs, int(j) * bs, bs) for i, j in enumerate(order)], desc)[0] == "ok"
     assert sender.call("stats")["chunks_sent"] - before == 2
-    want = rand_bytes(45, n).reshape(blocks, bs)
+    if fill_receiver_gpu:
+        receiver.call("free_gpu")
+    want = rand_bytes(seed, n).reshape(blocks, bs)
     expect = np.empty_like(want)
     expect[order] = want
     assert_bytes_equal(np.frombuffer(receiver.call("get", "dst"), np.uint8), expect.reshape(-1))
+
+
+def test_direct_staging_carries_two_chunk_batches(children):
+    """With TETHER_KERNEL_STAGING=direct the gather and unpack kernels read and write the pinned slots
+    over PCIe (the default stages through device scratch memory); a two-chunk batch spans two slots."""
+    if not _kernels:
+        pytest.skip(f"unpack=kernel unavailable: {_kwhy}")
+    _two_batch_write(children, {"TETHER_UNPACK": "kernel", "TETHER_KERNEL_STAGING": "direct"}, 45)
+
+
+def test_scattered_blocks_land_when_the_gpu_has_no_room_for_scratch(children):
+    """Kernel-mode staging copies through a device scratch buffer; a GPU with no memory left for one (a
+    serving engine took it) sends the ring's copies direct instead, and nothing is lost."""
+    if not _kernels:
+        pytest.skip(f"unpack=kernel unavailable: {_kwhy}")
+    _two_batch_write(children, {"TETHER_UNPACK": "kernel"}, 48, fill_receiver_gpu=True)
 
 
 def test_long_frames_from_a_hand_made_peer_of_a_gpu_target(endpoints):

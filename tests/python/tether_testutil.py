@@ -655,6 +655,33 @@ class _Agent:
         self.regions[name] = self.ep.register(t)
         return self.regions[name].descriptor()
 
+    def cmd_fill_gpu(self, device):
+        """Takes GPU `device`'s memory with cuMemAlloc until none is left (held until free_gpu): what a
+        serving engine that reserved the GPU leaves. Returns (bytes taken, bytes still free)."""
+        import ctypes as C
+        import torch
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=f"cuda:{device}")  # the primary context, current on this thread
+        cu = C.CDLL("libcuda.so.1")
+        self.bg_state.setdefault("filler", [])
+        taken, step = 0, 1 << 30
+        while step >= 64 * 1024:
+            p = C.c_uint64()
+            if cu.cuMemAlloc_v2(C.byref(p), C.c_size_t(step)) == 0:
+                self.bg_state["filler"].append(p.value)
+                taken += step
+            else:
+                step //= 2
+        free, total = C.c_size_t(), C.c_size_t()
+        assert cu.cuMemGetInfo_v2(C.byref(free), C.byref(total)) == 0
+        return taken, free.value
+
+    def cmd_free_gpu(self):
+        import ctypes as C
+        cu = C.CDLL("libcuda.so.1")
+        for p in self.bg_state.pop("filler", []):
+            assert cu.cuMemFree_v2(C.c_uint64(p)) == 0
+
     def cmd_register_head(self, name, of, size):
         """Registers the first `size` bytes of GPU buffer `of` as a second region `name`: the same base,
         another size (for VMM memory, another span)."""
