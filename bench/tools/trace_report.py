@@ -6,6 +6,7 @@
     python3 bench/tools/trace_report.py /tmp/tr --gaps 50     # where a stalled transfer stopped
     python3 bench/tools/trace_report.py /tmp/tr --phases      # a transfer's milestones, µs after its post
     python3 bench/tools/trace_report.py /tmp/tr --sender-time # a staged sender's time: sendmsg, copy wait, idle
+    python3 bench/tools/trace_report.py /tmp/tr --reader-time # a receiving lane's time: in recv, between chunks
     python3 bench/tools/trace_report.py /tmp/tr --outliers 4  # transfer times; the slowest, lane by lane
 
 Every chunk is one (slot, gen) pair on both sides: the initiator pulls and sends it, the target reads
@@ -89,6 +90,12 @@ def main() -> int:
                     help="instead: per sending lane and transfer (percentiles), how many chunks it sent, time inside "
                          "sendmsg, waiting for a copy out of the GPU with nothing else to send, idle with nothing "
                          "asked of it, and when its last send ended (a staged read's target, a staged write's initiator)")
+    ap.add_argument("--reader-time", action="store_true",
+                    help="instead: per receiving lane and transfer (percentiles), how many chunks it landed, time "
+                         "from each header to its payload landed (inside recv), between one chunk landed and the "
+                         "next header (its own work on the last one, and waiting for bytes), and when its first "
+                         "header, last landing and last copy into the GPU happened (a read's initiator, a write's "
+                         "target)")
     ap.add_argument("--gaps", type=float, default=0.0,
                     help="instead: every silence longer than GAPS ms inside a transfer (post to wait() returning, "
                          "both processes' events), with the 30 events before it and 8 after (a stalled transfer)")
@@ -108,6 +115,8 @@ def main() -> int:
         return print_phases(procs, side, a.skip)
     if a.sender_time:
         return print_sender_time(procs, side, a.skip)
+    if a.reader_time:
+        return print_reader_time(procs, side, a.skip)
     if a.outliers:
         return print_outliers(procs, side, a.skip, a.outliers)
     t0 = min(r[0] for rows in procs.values() for r in rows)
@@ -292,6 +301,41 @@ def print_sender_time(procs, side, skip: float) -> int:
         print("no staged sends in these transfers (host memory has no copy steps)")
         return 1
     print(f"{n} transfers, {len(got['chunks'])} sending lanes: per lane and transfer")
+    print(f"{'':22} {'p10':>8} {'p50':>8} {'p90':>8}")
+    for name, v in got.items():
+        print(f"{name:22} {pct(v, .1):8.1f} {pct(v, .5):8.1f} {pct(v, .9):8.1f}")
+    return 0
+
+
+def print_reader_time(procs, side, skip: float) -> int:
+    """Where a receiving lane's time goes in each transfer: its chunks in header order. Header -> landed is
+    the payload's recv (the thread's copy out of the socket, and bytes not yet there); landed -> the next
+    header is the thread's work on the chunk it landed (answer, copy launch, polls) plus waiting for the
+    next one's bytes. A lane busy in recv end to end sets the pace; one with long gaps waits on its sender."""
+    got = collections.defaultdict(list)
+    n = 0
+    for t0, _, window in transfers(procs, side, skip):
+        n += 1
+        per = collections.defaultdict(lambda: collections.defaultdict(dict))  # (side, lane) -> chunk -> event -> ns
+        for (ns, event, lane, typ, slot, gen, _cpu), who in window:
+            if event in ("header", "landed", "unpacked") and TYPES.get(typ) in ("readresp", "senddata", "write", "batch"):
+                per[(who, lane)][(slot, gen)].setdefault(event, ns)
+        for chunks in per.values():
+            done = sorted((c for c in chunks.values() if "header" in c and "landed" in c), key=lambda c: c["header"])
+            if not done:
+                continue
+            got["chunks"].append(len(done))
+            got["inside recv µs"].append(sum(c["landed"] - c["header"] for c in done) / 1e3)
+            got["between chunks µs"].append(sum(b["header"] - a["landed"] for a, b in zip(done, done[1:])) / 1e3)
+            got["first header µs"].append((done[0]["header"] - t0) / 1e3)
+            got["last landed µs"].append((max(c["landed"] for c in done) - t0) / 1e3)
+            unpacked = [c["unpacked"] for c in done if "unpacked" in c]
+            if unpacked:
+                got["last copy in µs"].append((max(unpacked) - t0) / 1e3)
+    if not got:
+        print("no landed chunks in these transfers")
+        return 1
+    print(f"{n} transfers, {len(got['chunks'])} receiving lanes: per lane and transfer, µs from the post where it says so")
     print(f"{'':22} {'p10':>8} {'p50':>8} {'p90':>8}")
     for name, v in got.items():
         print(f"{name:22} {pct(v, .1):8.1f} {pct(v, .5):8.1f} {pct(v, .9):8.1f}")

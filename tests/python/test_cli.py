@@ -308,6 +308,24 @@ def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path
         assert any(c != "-" and all(part.replace(",", "").isdigit() for part in c.split("/")) for c in cells), row
 
 
+@pytest.mark.parametrize("mode", ["write", "read"])
+def test_trace_report_reader_time_splits_each_receiving_lane(tmp_path, mode):
+    """trace_report.py --reader-time: per receiving lane and transfer (a write's target, a read's initiator)
+    its chunks, the time from header to payload landed, the time between chunks, and when its first header
+    and last landing came. 2 MiB in 512 KiB chunks: 4 chunks a transfer, spread over the lanes."""
+    prefix, _init, _target = _traced_bench(tmp_path, "--transport", "tcp", "--sizes", "2M", "--chunk-bytes", "512K",
+                                           "--mode", mode, "--iters", "6", "--warmup", "1")
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "tools", "trace_report.py")
+    r = subprocess.run([sys.executable, tool, prefix, "--reader-time"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    head = r.stdout.splitlines()[0]
+    assert int(head.split()[0]) >= 6 and "receiving lanes" in head, r.stdout
+    rows = {line[:22].strip(): [float(x) for x in line[22:].split()] for line in r.stdout.splitlines()[2:]}
+    assert set(rows) == {"chunks", "inside recv µs", "between chunks µs", "first header µs", "last landed µs"}, r.stdout
+    assert 1 <= rows["chunks"][1] <= 4 and all(v >= 0 for vs in rows.values() for v in vs), r.stdout
+    assert rows["first header µs"][1] <= rows["last landed µs"][1], r.stdout
+
+
 def test_trace_report_outliers_lists_the_slowest_transfers_lane_by_lane(tmp_path):
     """trace_report.py --outliers N: the transfers' times, then the median transfer and the N slowest with
     a line per lane of each side (its events, when it was active, its CPUs, its longest silence): how a
