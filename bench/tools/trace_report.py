@@ -263,6 +263,24 @@ def print_phases(procs, side, skip: float) -> int:
     return 0 if n else 1
 
 
+def lane_chunks(window, events, types):
+    """A transfer's events `events` of frame types `types`, per lane of each side: (side, lane) -> (slot,
+    gen) -> event -> ns (its first)."""
+    per = collections.defaultdict(lambda: collections.defaultdict(dict))
+    for (ns, event, lane, typ, slot, gen, _cpu), who in window:
+        if event in events and TYPES.get(typ) in types:
+            per[(who, lane)][(slot, gen)].setdefault(event, ns)
+    return per
+
+
+def print_lane_table(title: str, got) -> None:
+    """A per-lane-and-transfer table: each row's p10 / p50 / p90."""
+    print(title)
+    print(f"{'':22} {'p10':>8} {'p50':>8} {'p90':>8}")
+    for name, v in got.items():
+        print(f"{name:22} {pct(v, .1):8.1f} {pct(v, .5):8.1f} {pct(v, .9):8.1f}")
+
+
 def print_sender_time(procs, side, skip: float) -> int:
     """Where a sending lane's time goes in each transfer: its staged chunks in send order; a chunk's send
     starts when both its copy is seen done and the chunk before is sent. Time between the previous send
@@ -272,10 +290,7 @@ def print_sender_time(procs, side, skip: float) -> int:
     n = 0
     for t0, _, window in transfers(procs, side, skip):
         n += 1
-        per = collections.defaultdict(lambda: collections.defaultdict(dict))  # (side, lane) -> chunk -> event -> ns
-        for (ns, event, lane, typ, slot, gen, _cpu), who in window:
-            if event in ("header", "pulled", "staged", "sent") and TYPES.get(typ) in ("readresp", "write", "batch"):
-                per[(who, lane)][(slot, gen)].setdefault(event, ns)
+        per = lane_chunks(window, ("header", "pulled", "staged", "sent"), ("readresp", "write", "batch"))
         for chunks in per.values():
             done = sorted((c for c in chunks.values() if "sent" in c and "staged" in c), key=lambda c: c["sent"])
             if not done:
@@ -300,10 +315,7 @@ def print_sender_time(procs, side, skip: float) -> int:
     if not got:
         print("no staged sends in these transfers (host memory has no copy steps)")
         return 1
-    print(f"{n} transfers, {len(got['chunks'])} sending lanes: per lane and transfer")
-    print(f"{'':22} {'p10':>8} {'p50':>8} {'p90':>8}")
-    for name, v in got.items():
-        print(f"{name:22} {pct(v, .1):8.1f} {pct(v, .5):8.1f} {pct(v, .9):8.1f}")
+    print_lane_table(f"{n} transfers, {len(got['chunks'])} sending lanes: per lane and transfer", got)
     return 0
 
 
@@ -316,10 +328,7 @@ def print_reader_time(procs, side, skip: float) -> int:
     n = 0
     for t0, _, window in transfers(procs, side, skip):
         n += 1
-        per = collections.defaultdict(lambda: collections.defaultdict(dict))  # (side, lane) -> chunk -> event -> ns
-        for (ns, event, lane, typ, slot, gen, _cpu), who in window:
-            if event in ("header", "landed", "unpacked") and TYPES.get(typ) in ("readresp", "senddata", "write", "batch"):
-                per[(who, lane)][(slot, gen)].setdefault(event, ns)
+        per = lane_chunks(window, ("header", "landed", "unpacked"), ("readresp", "senddata", "write", "batch"))
         for chunks in per.values():
             done = sorted((c for c in chunks.values() if "header" in c and "landed" in c), key=lambda c: c["header"])
             if not done:
@@ -335,10 +344,8 @@ def print_reader_time(procs, side, skip: float) -> int:
     if not got:
         print("no landed chunks in these transfers")
         return 1
-    print(f"{n} transfers, {len(got['chunks'])} receiving lanes: per lane and transfer, µs from the post where it says so")
-    print(f"{'':22} {'p10':>8} {'p50':>8} {'p90':>8}")
-    for name, v in got.items():
-        print(f"{name:22} {pct(v, .1):8.1f} {pct(v, .5):8.1f} {pct(v, .9):8.1f}")
+    print_lane_table(f"{n} transfers, {len(got['chunks'])} receiving lanes: per lane and transfer, µs from the post "
+                     "where it says so", got)
     return 0
 
 
