@@ -13,7 +13,10 @@ set -u
 ROUNDS=${1:-2}; CMD=$2; AB_ENV=${AB_ENV:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export COLUMNS=${COLUMNS:-220}  # wide enough that the table keeps its CPU% columns
-if [ -n "$AB_ENV" ]; then
+# AB_BUILT=1: both builds are in place from an earlier run of this script in the same call (tests ran between).
+if [ -n "${AB_BUILT:-}" ]; then
+  [ -n "$AB_ENV" ] || [ -d /tmp/ab-oldsite/tether ] || { echo "AB_BUILT but no old build in /tmp/ab-oldsite"; exit 1; }
+elif [ -n "$AB_ENV" ]; then
   python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 else
   [ -s .device/ab.patch ] || { echo "no .device/ab.patch: git diff BASE -- src include python > .device/ab.patch"; exit 1; }

@@ -108,7 +108,9 @@ def main() -> int:
     if not procs:
         print(f"no {a.prefix}.*.tsv files", file=sys.stderr)
         return 1
-    side = {p: ("I" if any(r[1] == "post" for r in rows) else "T") for p, rows in procs.items()}
+    # The initiator waits for its transfers; a pushed read's target also posts (the push it answers with).
+    mark = "waited" if any(r[1] == "waited" for rows in procs.values() for r in rows) else "post"
+    side = {p: ("I" if any(r[1] == mark for r in rows) else "T") for p, rows in procs.items()}
     if a.gaps:
         return print_gaps(procs, side, a.gaps)
     if a.phases:
@@ -188,7 +190,10 @@ def transfers(procs, side, skip: float):
     gen, cpu), side)) for every transfer posted after the first SKIP seconds and waited for."""
     evs = sorted((r, side[p]) for p, rows in procs.items() for r in rows)
     t_first = evs[0][0][0] if evs else 0
-    posts = [r[0] for r, w in evs if r[1] == "post" and r[0] - t_first >= skip * 1e9]
+    posts = [(r[0], w) for r, w in evs if r[1] == "post" and r[0] - t_first >= skip * 1e9]
+    # A pushed read's target posts too (the push); traces from before the initiator marked its pull have
+    # only the target's post.
+    posts = [t for t, w in posts if w == "I"] or [t for t, _ in posts]
     waits = [r[0] for r, w in evs if r[1] == "waited" and w == "I"]
     times = [r[0] for r, _ in evs]
     for t0 in posts:
@@ -233,7 +238,7 @@ def print_phases(procs, side, skip: float) -> int:
     """Where a transfer's wall time goes: start (before the target's first send), body, tail (after
     the target's last send). Milestones are µs after the post; a lane's last send is per lane, so
     "earliest lane done" against "latest lane done" is the lanes' imbalance."""
-    names = ["I first sent", "T first header", "T first staged", "T first sent", "earliest lane's T last sent",
+    names = ["T post (a pushed read)", "I first sent", "T first header", "T first staged", "T first sent", "earliest lane's T last sent",
              "latest lane's T last sent", "I last landed", "I last unpacked", "I last answered", "waited"]
     got = collections.defaultdict(list)
     for t0, t1, window in transfers(procs, side, skip):
@@ -244,7 +249,7 @@ def print_phases(procs, side, skip: float) -> int:
             last[key] = ns
             if key == "T sent":
                 lane_last[lane] = ns
-        mark = {"I first sent": first.get("I sent"), "T first header": first.get("T header"),
+        mark = {"T post (a pushed read)": first.get("T post"), "I first sent": first.get("I sent"), "T first header": first.get("T header"),
                 "T first staged": first.get("T staged"), "T first sent": first.get("T sent"),
                 "earliest lane's T last sent": min(lane_last.values()) if lane_last else None,
                 "latest lane's T last sent": max(lane_last.values()) if lane_last else None,

@@ -142,6 +142,23 @@ int32_t device_of(const Segment& g) {
   return g.local_region && g.local_region->kind == MemoryKind::kCuda ? g.local_region->device : -1;
 }
 bool remote_gpu(const Segment& g) { return g.remote && g.remote->kind == MemoryKind::kCuda; }
+
+// A pulled read's kPull frame (wire::FrameType::kPull): its one segment, the recv token in `slot`.
+void pull_frame(const TransferState& t, bool resent, ChunkOp* op) {
+  const Segment& g = t.segments[0];
+  *op = ChunkOp{};
+  wire::FrameHeader& h = op->hdr;
+  h.type = static_cast<uint8_t>(wire::FrameType::kPull);
+  h.flags = resent ? wire::kFlagResent : 0;
+  h.slot = uint32_t(t.msg_id);
+  h.region_id = g.region_id;
+  h.key = g.key;
+  h.desc_offset = g.desc_offset;
+  h.desc_length = g.desc_length;
+  h.offset = g.remote_offset;
+  h.length = g.length;
+  op->segment = &g;
+}
 }  // namespace
 
 Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, const char* noun, std::string notify) {
@@ -227,7 +244,7 @@ bool PeerState::pulls(const TransferState& t) const {
 
 void PeerState::pull(TransferState* t) {
   const Segment& g = t->segments[0];
-  wire::PullBody body{0, g.region_id, g.key, g.desc_offset, g.desc_length, g.remote_offset, g.length};
+  const int device = device_of(g);
   {
     std::lock_guard lock(mu_);
     if (failed_.load()) {
@@ -238,49 +255,66 @@ void PeerState::pull(TransferState* t) {
       t->msg_id = token;
       t->unit = info_.chunk_bytes;  // the sender cuts by the chunk size both sides agreed on
       t->placed.assign((g.length / t->unit + 64) / 64, 0);
-      matched_[token] = t;
-      body.token = token;
+      t->pulled = true;  // queued for its kPull frame; next_chunk() moves it to matched_
+      t->next_queued = nullptr;
+      if (queue_tail_) {
+        queue_tail_->next_queued = t;
+      } else {
+        queue_head_.store(t, std::memory_order_release);
+      }
+      queue_tail_ = t;
+      t = nullptr;
     }
   }
-  if (body.token == 0) {
+  if (t) {
     t->release();
     return;
   }
-  send_control(wire::ControlType::kPull, &body, sizeof body);
+  // One frame: the posting thread sends it itself where a lane is free (TcpTransport::wake), so no
+  // control thread stands between the post and the target's lanes (wire version 8).
+  endpoint_->wake_lanes(this, 1, device);
 }
 
-void PeerState::on_pull(const wire::PullBody& p) {
+bool PeerState::on_pull(const wire::FrameHeader& h) {
+  const uint32_t token = h.slot;
+  if (token == 0 || h.gen != 0 || h.status != 0 || !pull_reads_) return false;
+  const bool resent = h.flags & wire::kFlagResent;
   std::shared_ptr<RegionState> region;
-  Code c = endpoint_->registry().resolve(p.region_id, p.key, p.desc_offset, p.desc_length, p.offset, p.length,
-                                         false, &region);
-  if (c == Code::kOk && p.length == 0) c = Code::kInvalidArgument;
+  Code c = endpoint_->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, false,
+                                         &region);
+  if (c == Code::kOk && h.length == 0) c = Code::kInvalidArgument;
   auto t = std::make_shared<TransferState>();
+  bool again = false;  // a resent kPull for a read this side already pushes: its first copy got here
   if (c == Code::kOk) {
     t->op = OpKind::kSend;
     t->pushed = true;
-    t->msg_id = p.token;
-    t->bytes = p.length;
-    t->segments.push_back(Segment{region->base + p.offset, p.length, p.token, 0, 0, 0, 0, region.get(), nullptr});
+    t->msg_id = token;
+    t->bytes = h.length;
+    t->segments.push_back(Segment{region->base + h.offset, h.length, token, 0, 0, 0, 0, region.get(), nullptr});
     t->source = region;  // kept, not pinned: each chunk pins it (next_chunk)
     std::lock_guard lock(mu_);
     if (failed_.load()) {
       c = Code::kCancelled;
+    } else if (resent && pushes_.count(token)) {
+      again = true;
     } else if (pushes_.size() >= slots_.size() * 4) {  // a peer's pulls beyond what it could have asked by chunks
       c = Code::kResourceExhausted;
-    } else if (!pushes_.emplace(p.token, t.get()).second) {
+    } else if (!pushes_.emplace(token, t.get()).second) {
       c = Code::kInvalidArgument;  // a token it already pulls with
     }
   }
   if (region) region->unpin();  // resolve's pin: the check is done
+  if (again) return true;
   if (c != Code::kOk) {
     endpoint_->stats().rejected_requests.fetch_add(1, std::memory_order_relaxed);
-    wire::PullFailBody f{p.token, static_cast<uint8_t>(c), {}};
+    wire::PullFailBody f{token, static_cast<uint8_t>(c), {}};
     send_control(wire::ControlType::kPullFail, &f, sizeof f);
-    return;
+    return true;
   }
   endpoint_->stats().reads_pushed.fetch_add(1, std::memory_order_relaxed);
   start(t);  // no handle: `self` keeps it until it finishes
   enqueue(t.get());
+  return true;
 }
 
 bool PeerState::pushes_from(const RegionState* region) const {
@@ -468,7 +502,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
     if (!resend_.empty()) {  // chunks of a lost lane go first: their transfers are the oldest
       const uint32_t idx = resend_.back();
       resend_.pop_back();
-      resend_count_.store(uint32_t(resend_.size()), std::memory_order_release);
+      publish_resends();
       Slot& s = slots_[idx];
       RegionState* pinned = pin(s.transfer);
       if (s.transfer->pushed && !pinned) {  // its region is gone: the chunk cannot be read again, answered here
@@ -491,8 +525,29 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
       s.transfer->lane_hint.store(lane, std::memory_order_relaxed);
       return true;
     }
+    while (!pull_resends_.empty()) {  // pulls whose lane died before the target's data came
+      const uint32_t token = pull_resends_.back();
+      pull_resends_.pop_back();
+      publish_resends();
+      auto it = matched_.find(token);
+      if (it == matched_.end() || !it->second->pulled) continue;  // finished or cancelled meanwhile
+      it->second->pull_lane = lane;
+      pull_frame(*it->second, true, op);
+      return true;
+    }
     TransferState* t = queue_head_.load(std::memory_order_relaxed);
-    if (!t || free_slots_.empty()) return false;
+    if (!t) return false;
+    if (t->pulled) {  // one kPull frame, no slot: the target's kSendData chunks are its answer
+      queue_head_.store(t->next_queued, std::memory_order_release);
+      if (!t->next_queued) queue_tail_ = nullptr;
+      t->next_queued = nullptr;
+      matched_[uint32_t(t->msg_id)] = t;
+      t->pull_lane = lane;
+      t->lane_hint.store(lane, std::memory_order_relaxed);
+      pull_frame(*t, false, op);
+      return true;
+    }
+    if (free_slots_.empty()) return false;
     RegionState* pinned = pin(t);
     if (t->pushed && !pinned) {  // deregistered mid-read: no further chunk; its hold is ours to release
       queue_head_.store(t->next_queued, std::memory_order_release);
@@ -775,7 +830,13 @@ void PeerState::release_lane(uint32_t lane, Code code) {
       s.transfer = nullptr;
       free_slots_.push_back(i);
     }
-    resend_count_.store(uint32_t(resend_.size()), std::memory_order_release);
+    if (survivors)  // a pull that went on this lane may never have reached the target: sent again
+      for (const auto& [token, t] : matched_)
+        if (t->pulled && t->pull_lane == lane) {
+          pull_resends_.push_back(token);
+          ++moved;
+        }
+    publish_resends();
     lane_inflight_[lane] = 0;
     lane_bytes_[lane].store(0, std::memory_order_relaxed);
   }
@@ -964,14 +1025,6 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
       }
       return;
     }
-    case wire::ControlType::kPull: {
-      if (length != sizeof(wire::PullBody)) break;
-      wire::PullBody p;
-      std::memcpy(&p, body, sizeof p);
-      if (p.token == 0 || !pull_reads_) break;  // only transports that send a chunk's pin (TxItem::pin)
-      on_pull(p);
-      return;
-    }
     case wire::ControlType::kPullFail: {
       if (length != sizeof(wire::PullFailBody)) break;
       wire::PullFailBody f;
@@ -1140,7 +1193,8 @@ void PeerState::fail(Status s) {
       free_slots_.push_back(i);
     }
     resend_.clear();
-    resend_count_.store(0, std::memory_order_release);
+    pull_resends_.clear();  // their reads are in matched_, released above
+    publish_resends();
     awaiting_cts_.clear();
     posted_recvs_.clear();
     unexpected_.clear();

@@ -117,6 +117,9 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
                          uint8_t** dest, TransferState** recv, int* device);
   // A chunk of a recv is in place; counted once even if it arrived twice (resent after a lost answer).
   void send_data_placed(TransferState* recv, uint64_t offset, uint64_t length);
+  // Target side of a kPull frame (a read this side pushes, Caps::pull_reads): checks the range as a
+  // kReadReq's, then starts the send, or answers kPullFail. False: malformed (the caller drops the peer).
+  bool on_pull(const wire::FrameHeader& h);
   // A lane died with a kSendData chunk half received: the sender resends it, unless the peer is gone.
   void abandon_send_data(TransferState* recv);
   // A lane's socket failed. Link-level failures (connection lost, timeout) kill only the lane while
@@ -197,11 +200,11 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   wire::CtsBody match(TransferState* recv, const wire::RtsBody& rts, TransferState** release_now);
   Status chunk_error(const Slot& s, uint8_t status) const;
   Status refusal(const char* what, uint64_t bytes, uint8_t status) const;
-  // A read the target pushes (Caps::pull_reads): one kPull instead of a request per chunk; the target's
-  // lanes move it as a send, this side lands it as a matched recv.
+  // A read the target pushes (Caps::pull_reads): one kPull frame instead of a request per chunk; the
+  // target's lanes move it as a send, this side lands it as a matched recv.
   bool pulls(const TransferState& t) const;
   void pull(TransferState* t);
-  void on_pull(const wire::PullBody& p);  // target side: check the range, start the send
+
   void push_stopped(TransferState* t);     // its region was deregistered: fail it, tell the reader
   Status notify_too_large(size_t bytes) const;
   // `chunk`, or for a staged GPU read (tcp) a smaller one that pipelines (pipelined_chunk, peer.cc).
@@ -232,7 +235,9 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   std::vector<uint8_t> lane_dead_;
   uint32_t live_lanes_;
   std::vector<uint32_t> resend_;         // slots whose lane died, for the next lane with room (capacity: all slots)
-  std::atomic<uint32_t> resend_count_{0};
+  std::vector<uint32_t> pull_resends_;   // tokens of pulled reads whose kPull went on a lane that died
+  std::atomic<uint32_t> resend_count_{0};  // resend_ + pull_resends_ (has_work() reads it without the lock)
+  void publish_resends() { resend_count_.store(uint32_t(resend_.size() + pull_resends_.size()), std::memory_order_release); }
   std::unique_ptr<LinkCounters[]> lane_counters_;
   std::unique_ptr<std::atomic<uint64_t>[]> lane_bytes_;  // written under mu_
 

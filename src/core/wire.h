@@ -16,9 +16,10 @@
 namespace tether::wire {
 
 constexpr uint32_t kMagic = 0x52485454;  // "TTHR"
-constexpr uint16_t kVersion = 7;  // 3: ClientHello::transports; 4: max_notify in both hellos, NotifyAckBody;
+constexpr uint16_t kVersion = 8;  // 3: ClientHello::transports; 4: max_notify in both hellos, NotifyAckBody;
                                   // 5: tcp carries kReadBatch; 6: tcp GPU write batches of two chunks;
-                                  // 7: kPull / kPullFail / kPullCancel (reads the target pushes)
+                                  // 7: kPull / kPullFail / kPullCancel (reads the target pushes);
+                                  // 8: kPull is a data frame (FrameType), no longer a control message
 
 // ---- handshake (every socket, control or data) ----
 // A transport's bit in ClientHello::transports (0 for a name not listed).
@@ -92,6 +93,10 @@ enum class FrameType : uint8_t {
                    // region_id = fragment count, length = bytes asked, the Fragments follow, no payload;
                    // answered by one kReadResp carrying the fragments' bytes in table order (ipc: its
                    // own frame)
+  kPull = 8,       // a read the target pushes (Caps::pull_reads): send [offset, +length) of the region as
+                   // kSendData for recv token `slot` (gen 0, no payload, no answer; checked as a kReadReq
+                   // header is; a refusal comes back as ControlType::kPullFail). kFlagResent: sent again
+                   // after its lane died; a target already pushing that token ignores it.
 };
 
 // One small write inside a kWriteBatch frame; checked like a kWrite header.
@@ -104,7 +109,8 @@ struct Fragment {
 };
 constexpr uint32_t kMaxFragments = 128;  // per kWriteBatch (tcp: and kReadBatch) frame
 // A chunk sent again on another lane after its first lane died. The target treats a resent kSendData
-// for a message it already completed as done (its first copy was placed; only the answer was lost).
+// for a message it already completed as done (its first copy was placed; only the answer was lost), and
+// a resent kPull for a read it already pushes as said.
 constexpr uint16_t kFlagResent = 1;
 constexpr uint16_t kKnownFlags = kFlagResent;
 
@@ -130,7 +136,8 @@ enum class ControlType : uint8_t {
   kRts = 4,         // ready to send: u64 msg id, u64 tag, u64 length
   kCts = 5,         // clear to send: u64 msg id, u32 token, u8 status
   kCancel = 6,      // u32 token: the sender withdrew the message this CTS was for
-  kPull = 7,        // PullBody: push this range of your region to me as kSendData for recv `token` (a read)
+  // 7 was kPull before version 8 (now FrameType::kPull, on a lane: no control thread on either side
+  // between the read's post and the target's lanes).
   kPullFail = 8,    // PullFailBody: the range a kPull named is refused (a tether::Code)
   kPullCancel = 9,  // u32 token: the reader cancelled the pulled read; stop sending it
 };
@@ -142,15 +149,12 @@ struct ControlHeader {
 struct RtsBody { uint64_t msg_id, tag, length; };
 struct NotifyAckBody { uint64_t id; uint8_t status; uint8_t pad[7]; };
 struct CtsBody { uint64_t msg_id; uint32_t token; uint8_t status; uint8_t pad[3]; };
-// A read the target pushes (Caps::pull_reads): checked as a kReadReq header would be, then sent as a send.
-struct PullBody { uint32_t token, region_id; uint64_t key, desc_offset, desc_length, offset, length; };
 struct PullFailBody { uint32_t token; uint8_t status; uint8_t pad[3]; };
 #pragma pack(pop)
 
 static_assert(sizeof(ClientHello) == 4 + 2 + 1 + 1 + 16 + 16 + 8 + 4 + 4 + 4 + 32 + 64 + 8 + 1 + 4);
 static_assert(sizeof(ServerHello) == 4 + 2 + 1 + 1 + 16 + 16 + 32 + 4 + 32 + 64 + 4 + 8 + 4);
 static_assert(sizeof(NotifyAckBody) == 16);
-static_assert(sizeof(PullBody) == 48);
 static_assert(sizeof(ClientProof) == 32 + 16 + 4 + 4);
 static_assert(sizeof(FrameHeader) == 56);
 static_assert(sizeof(Fragment) == 48);

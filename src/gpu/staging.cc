@@ -25,6 +25,28 @@ bool scratch_staging() {
 
 // CUDA_ERROR_OUT_OF_MEMORY: a scratch buffer the GPU has no room for (its copies go direct instead).
 constexpr CUresult kCudaOutOfMemory = 2;
+
+// EXPERIMENT (TETHER_X_SHARED_STREAM = tx | both): plain copies of every ring in the process share one
+// stream per device and direction, so lanes' copies finish in the order they were issued (a lane's first
+// chunk ahead of another lane's second) instead of in waves across the copy engines.
+bool shared_stream_wanted(bool to_slot) {
+  static const int mode = [] {
+    const char* v = std::getenv("TETHER_X_SHARED_STREAM");
+    const std::string m = v ? v : "";
+    return m == "both" ? 2 : m == "tx" ? 1 : 0;
+  }();
+  return mode == 2 || (mode == 1 && to_slot);
+}
+Result<CUstream> shared_stream(int device, bool to_slot) {
+  static std::mutex mu;
+  static std::vector<CUstream> streams[2];
+  std::lock_guard lock(mu);
+  auto& v = streams[to_slot ? 1 : 0];
+  if (v.size() <= size_t(device)) v.resize(size_t(device) + 1, nullptr);
+  if (!v[size_t(device)])  // never destroyed: the process's last rings may be torn down after CUDA is
+    TETHER_CUDA_TRY("cuStreamCreate", cuda()->cuStreamCreate(&v[size_t(device)], kStreamNonBlocking));
+  return v[size_t(device)];
+}
 }  // namespace
 
 Result<Unpack> parse_unpack(const std::string& name) {
@@ -157,7 +179,12 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
   if (Status st = ready(s, device); !st.is_ok()) return st;
   const CudaApi* a = cuda();
   auto& d = s.per_device[size_t(device)];
-  const CUstream stream = streams_[size_t(device)];
+  CUstream stream = streams_[size_t(device)];
+  if (!(mode == Unpack::kKernel && n > 1) && shared_stream_wanted(to_slot)) {
+    auto st = shared_stream(device, to_slot);
+    if (!st.is_ok()) return st.status();
+    stream = st.value();
+  }
   s.device = device;
   auto host_at = [&](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(s.host + f.offset); };
   auto ptr = [](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(f.ptr); };

@@ -22,8 +22,8 @@ def control(kind: int, body: bytes) -> bytes:
     return struct.pack("<IB3x", len(body), kind) + body
 
 
-def frame(kind: int, length: int, region=RID, key=KEY, offset=0, desc=(0, REGION), slot=0, flags=0) -> bytes:
-    return (struct.pack("<BBHII", kind, 0, flags, slot, 1) + region + key +
+def frame(kind: int, length: int, region=RID, key=KEY, offset=0, desc=(0, REGION), slot=0, flags=0, gen=1) -> bytes:
+    return (struct.pack("<BBHII", kind, 0, flags, slot, gen) + region + key +
             struct.pack("<QQQQ", desc[0], desc[1], offset, length))
 
 
@@ -59,10 +59,10 @@ def seeds() -> dict[str, bytes]:
     msgs = [control(1, b""), control(2, struct.pack("<Q", 1) + b"hello"),
             control(3, struct.pack("<QB7x", 1, 0)), control(4, struct.pack("<QQQ", 1, 0, 4096)),
             control(5, struct.pack("<QIB3x", 1, 0, 0)), control(6, struct.pack("<I", 0)),
-            # wire v7: a pulled read of the target region (token, region, key, desc offset/length, offset,
-            # length), its refusal (not ours to send: a protocol error) and its cancel
-            control(7, struct.pack("<I", 5) + RID + KEY + struct.pack("<QQQQ", 0, REGION, 100, 4096)),
-            control(8, struct.pack("<IB3x", 5, 2)), control(9, struct.pack("<I", 5))]
+            # a pulled read's refusal (not ours to send: a protocol error) and its cancel; 7 (kPull before
+            # wire v8, now a frame) is no control message any more
+            control(8, struct.pack("<IB3x", 5, 2)), control(9, struct.pack("<I", 5)),
+            control(7, struct.pack("<I", 5) + RID + KEY + struct.pack("<QQQQ", 0, REGION, 100, 4096))]
     for i, m in enumerate(msgs):
         s[f"ctl_{i}"] = bytes([CONTROL]) + m
     s["ctl_all"] = bytes([CONTROL]) + b"".join(msgs)
@@ -77,6 +77,8 @@ def seeds() -> dict[str, bytes]:
                           fragment(1000, 8))
     s["fr_read_batch_bad"] = (bytes([FRAMES]) + frame(7, 99, region=struct.pack("<I", 3)) + fragment(0, 16) +
                               fragment(1000, 0) + fragment(70000, 8))
+    s["fr_pull"] = bytes([FRAMES]) + frame(8, 4096, offset=100, slot=5, gen=0)  # wire v8: token in slot
+    s["fr_pull_resent"] = bytes([FRAMES]) + frame(8, 4096, slot=5, gen=0) + frame(8, 4096, slot=5, flags=1, gen=0)
     s["fr_ack"] = bytes([FRAMES]) + frame(2, 0)
     s["fr_resent"] = bytes([FRAMES]) + frame(1, 4, flags=1) + b"abcd"
     s["fr_two"] = bytes([FRAMES]) + frame(1, 4) + b"abcd" + frame(3, 4, offset=4)

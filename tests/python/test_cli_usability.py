@@ -398,7 +398,8 @@ def test_bench_ceiling_beside_tether(tmp_path):
     (c,) = doc["ceilings"]
     assert c["streams"] == 2 and c["gbps"] > 0 and c["chunk_bytes"] == 1 << 20
     (x,) = doc["results"]
-    assert x["ceiling_gbps"] == c["gbps"] and x["of_ceiling"] == pytest.approx(x["gbps"] / c["gbps"], rel=1e-3)
+    # of_ceiling is rounded to 4 decimals (bench.py): at a small ratio that is more than a relative 1e-3
+    assert x["ceiling_gbps"] == c["gbps"] and x["of_ceiling"] == pytest.approx(x["gbps"] / c["gbps"], abs=5e-5)
     assert x["cpu_s_per_gb"] > 0
     assert "of ceiling" in r.stdout and "2 streams (tether's lanes)" in r.stdout
     assert f"{x['gbps'] / c['gbps']:.2f}" in cells(r.stdout)

@@ -1,9 +1,10 @@
-"""Pulled reads (wire::kPull, wire version 7), the target's side, from a hand-made peer: a large tcp read
-with GPU memory on either side is asked for in one control message and the target pushes it as kSendData
-chunks. Every check a kReadReq header meets applies to the kPull body; a refusal comes back as kPullFail
-with the tether::Code; a malformed one drops that peer only; a region deregistered while a reader that
-does not take its bytes holds a pushed chunk is let go after deregister_timeout_ms, that peer cut off.
-The initiator's side (which reads are pulled, the bytes, cancel) runs in test_gpu.py."""
+"""Pulled reads (wire::FrameType::kPull, wire version 8), the target's side, from a hand-made peer: a large
+tcp read with GPU memory on either side is asked for in one kPull frame on a lane and the target pushes it
+as kSendData chunks. Every check a kReadReq header meets applies to the kPull; a refusal comes back as
+kPullFail (control) with the tether::Code; a malformed one drops that peer only; a kPull sent again after
+its lane died (kFlagResent) is ignored while its token is pushed; a region deregistered while a reader
+that does not take its bytes holds a pushed chunk is let go after deregister_timeout_ms, that peer cut off.
+The initiator's side: test_pull_initiator.py (CPU) and test_gpu.py."""
 from __future__ import annotations
 
 import socket
@@ -19,19 +20,21 @@ from tether_testutil import (DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID,
                              get_u64, poisoned, rand_bytes, raw_peer, recv_exact, wait_until)
 
 CONTROL = struct.Struct("<IB3x")              # wire::ControlHeader: body length, type
-PULL = struct.Struct("<IIQQQQQ")              # wire::PullBody: token, region_id, key, desc_offset, desc_length, offset, length
 PULL_FAIL = struct.Struct("<IB3x")            # wire::PullFailBody: token, status
-KPULL, KPULL_FAIL, KHEARTBEAT = 7, 8, 1       # wire::ControlType
-KSEND_DATA = 5                                # wire::FrameType
+KPULL_FAIL, KHEARTBEAT = 8, 1                 # wire::ControlType
+KOLD_CONTROL_PULL = 7                         # wire::ControlType 7: kPull before wire version 8
+KSEND_DATA, KPULL = 5, 8                      # wire::FrameType
+RESENT = 1                                    # wire::kFlagResent
 NOT_FOUND, ACCESS_DENIED, OUT_OF_RANGE, INVALID, EXHAUSTED = 2, 3, 4, 1, 13  # tether::Code
 T = 10
 
 
-def pull(token: int, desc: bytes, offset: int, length: int, key_xor: int = 0, region_id: int | None = None) -> bytes:
+def pull(token: int, desc: bytes, offset: int, length: int, key_xor: int = 0, region_id: int | None = None,
+         flags: int = 0, gen: int = 0) -> bytes:
+    """A kPull frame (for a data socket): the recv token in `slot`, the range as a kReadReq names it."""
     rid = struct.unpack_from("<I", desc, DESC_REGION_ID)[0] if region_id is None else region_id
-    body = PULL.pack(token, rid, get_u64(desc, DESC_KEY) ^ key_xor, get_u64(desc, DESC_OFFSET),
-                     get_u64(desc, DESC_LENGTH), offset, length)
-    return CONTROL.pack(len(body), KPULL) + body
+    return FRAME.pack(KPULL, 0, flags, token, gen, rid, get_u64(desc, DESC_KEY) ^ key_xor, get_u64(desc, DESC_OFFSET),
+                      get_u64(desc, DESC_LENGTH), offset, length)
 
 
 def control_messages(s: socket.socket, want: int, timeout: float = T) -> list:
@@ -77,10 +80,10 @@ def raw(endpoints):
 def test_a_pulled_read_is_pushed_as_send_data(raw):
     server, src, region, (ctl, data) = raw
     desc = region.descriptor()
-    ctl.sendall(pull(7, desc, 1000, len(src) - 1000))
+    data.sendall(pull(7, desc, 1000, len(src) - 1000))
     assert_bytes_equal(np.frombuffer(take_pushed(data, 7, len(src) - 1000), np.uint8), src[1000:])
     assert server.stats()["reads_pushed"] == 1
-    ctl.sendall(pull(8, desc, 0, 1))  # a second, under another token, once the first is done
+    data.sendall(pull(8, desc, 0, 1))  # a second, under another token, once the first is done
     assert take_pushed(data, 8, 1) == src[:1].tobytes()
     assert server.stats()["reads_pushed"] == 2
 
@@ -92,21 +95,21 @@ def test_a_refused_pull_answers_its_code_and_sends_nothing(raw, case, code):
     desc = region.descriptor()
     msg = {"key": pull(9, desc, 0, 4096, key_xor=1), "range": pull(9, desc, len(src) - 10, 11),
            "region": pull(9, desc, 0, 4096, region_id=999), "empty": pull(9, desc, 0, 0)}[case]
-    ctl.sendall(msg)
+    data.sendall(msg)
     [(kind, body)] = control_messages(ctl, 1)
     assert kind == KPULL_FAIL and PULL_FAIL.unpack(body) == (9, code), (kind, body)
     data.settimeout(0.2)
     with pytest.raises(socket.timeout):
         data.recv(1)
     assert server.stats()["reads_pushed"] == 0 and server.stats()["rejected_requests"] == 1
-    ctl.sendall(pull(10, desc, 0, 4096))  # the peer is still served
+    data.sendall(pull(10, desc, 0, 4096))  # the peer is still served
     assert take_pushed(data, 10, 4096) == src[:4096].tobytes()
 
 
 def test_a_token_already_pulling_is_refused(raw):
     server, src, region, (ctl, data) = raw
     desc = region.descriptor()
-    ctl.sendall(pull(11, desc, 0, len(src)) + pull(11, desc, 0, 10))
+    data.sendall(pull(11, desc, 0, len(src)) + pull(11, desc, 0, 10))
     [(kind, body)] = control_messages(ctl, 1)
     assert kind == KPULL_FAIL and PULL_FAIL.unpack(body) == (11, INVALID)
     assert_bytes_equal(np.frombuffer(take_pushed(data, 11, len(src)), np.uint8), src)
@@ -116,7 +119,7 @@ def test_pulls_beyond_the_bound_are_refused(raw):
     """A peer cannot queue unbounded pushes: past four times its chunk slots they are refused, nothing lost."""
     server, src, region, (ctl, data) = raw
     desc = region.descriptor()
-    ctl.sendall(b"".join(pull(100 + i, desc, i, 1) for i in range(6000)))  # never acked, so never finished
+    data.sendall(b"".join(pull(100 + i, desc, i, 1) for i in range(6000)))  # never acked, so never finished
     fails = []
     while not fails:
         kind, body = control_messages(ctl, 1)[0]
@@ -126,10 +129,36 @@ def test_pulls_beyond_the_bound_are_refused(raw):
     assert 0 < server.stats()["reads_pushed"] < 6000
 
 
-@pytest.mark.parametrize("body", [b"\x00" * 47, PULL.pack(0, 1, 0, 0, 0, 0, 1)], ids=["short", "token-0"])
-def test_a_malformed_pull_drops_only_that_peer(endpoints, body):
-    assert_drops_only_that_peer(endpoints, lambda socks: socks[0].sendall(CONTROL.pack(len(body), KPULL) + body),
-                                "a malformed kPull", seed=72, timeout=T)
+def test_a_resent_pull_is_ignored_while_its_token_is_pushed(raw):
+    """The reader's lane died after it sent a kPull; it sends the kPull again (kFlagResent) on another lane.
+    A target that got the first pushes the read once; one that did not starts it then."""
+    server, src, region, (ctl, data) = raw
+    desc = region.descriptor()
+    data.sendall(pull(12, desc, 0, len(src)) + pull(12, desc, 0, len(src), flags=RESENT))
+    assert_bytes_equal(np.frombuffer(take_pushed(data, 12, len(src)), np.uint8), src)
+    data.settimeout(0.3)
+    with pytest.raises(socket.timeout):  # nothing more: no second push, no refusal
+        data.recv(1)
+    with pytest.raises(socket.timeout):  # nor a refusal
+        control_messages(ctl, 1, timeout=0.3)
+    assert server.stats()["reads_pushed"] == 1 and server.stats()["rejected_requests"] == 0
+    data.sendall(pull(13, desc, 5, 4096, flags=RESENT))  # a resent kPull whose first never arrived
+    assert take_pushed(data, 13, 4096) == src[5:4101].tobytes()
+    assert server.stats()["reads_pushed"] == 2
+
+
+@pytest.mark.parametrize("case", ["token-0", "gen", "status", "control"])
+def test_a_malformed_pull_drops_only_that_peer(endpoints, case):
+    """A kPull with token 0, a generation or a status (fields a request never carries), or the control
+    message kPull was before wire version 8: that peer is dropped, nothing else."""
+    if case == "control":
+        body = struct.pack("<IIQQQQQ", 5, 1, 0, 0, 0, 0, 1)
+        send = lambda socks: socks[0].sendall(CONTROL.pack(len(body), KOLD_CONTROL_PULL) + body)  # noqa: E731
+    else:
+        msg = FRAME.pack(KPULL, 1 if case == "status" else 0, 0, 0 if case == "token-0" else 5,
+                         1 if case == "gen" else 0, 1, 0, 0, 0, 0, 1)
+        send = lambda socks: socks[1].sendall(msg)  # noqa: E731
+    assert_drops_only_that_peer(endpoints, send, "a malformed kPull", seed=72, timeout=T)
 
 
 def test_deregister_while_a_puller_stalls(endpoints):
@@ -145,7 +174,7 @@ def test_deregister_while_a_puller_stalls(endpoints):
     ctl, data = raw_peer(server.address, lanes=1)
     try:
         assert wait_until(lambda: len(server.peers()) == 1, 5)
-        ctl.sendall(pull(5, region.descriptor(), 0, len(src)))
+        data.sendall(pull(5, region.descriptor(), 0, len(src)))
         assert wait_until(lambda: server.stats()["reads_pushed"] == 1, 5)
         time.sleep(0.2)  # the lane fills the socket
         t0 = time.monotonic()
@@ -201,7 +230,7 @@ def test_a_pushed_chunk_is_resent_when_its_lane_dies(endpoints):
         assert wait_until(lambda: len(server.peers()) == 1, 5)
         got = np.zeros(len(src), np.uint8)
         have: set = set()
-        ctl.sendall(pull(3, region.descriptor(), 0, len(src)))
+        lane1.sendall(pull(3, region.descriptor(), 0, len(src)))
         h = FRAME.unpack(recv_exact(lane0, FRAME.size))  # one chunk on lane 0, never acked: then it dies
         assert h[0] == KSEND_DATA, h
         lane0.close()

@@ -27,7 +27,7 @@ MiB = 1 << 20
 
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
-WIRE_VERSION = 7                   # wire::kVersion
+WIRE_VERSION = 8                   # wire::kVersion
 CLIENT_HELLO_SIZE = 169
 SERVER_HELLO_SIZE = 188  # then offers_length bytes of transport offers (control sockets)
 CLIENT_PROOF_SIZE = 56
@@ -331,13 +331,14 @@ def read_server_hello(s: socket.socket) -> dict:
     return h
 
 
-def server_hello(host_id: bytes, offers: dict, version: int = WIRE_VERSION, name: bytes = b"fake") -> bytes:
+def server_hello(host_id: bytes, offers: dict, version: int = WIRE_VERSION, name: bytes = b"fake",
+                 endpoint_id: Optional[bytes] = None) -> bytes:
     """A ServerHello (188 bytes) and its transport offers, as a (possibly hostile) listener sends them:
     magic u32, version u16, status u8, has_token u8, endpoint id 16, nonce 16, proof 32, peer timeout
     ms u32, host id 32, name 64, offers length u32, chunk bytes u64, max notification u32; then per
     offer: name length u8, name, length u32, bytes."""
     raw = b"".join(bytes([len(k)]) + k.encode() + struct.pack("<I", len(v)) + v for k, v in offers.items())
-    msg = struct.pack("<IHBB16s16s32sI32s64sIQI", WIRE_MAGIC, version, 0, 0, os.urandom(16), os.urandom(16),
+    msg = struct.pack("<IHBB16s16s32sI32s64sIQI", WIRE_MAGIC, version, 0, 0, endpoint_id or os.urandom(16), os.urandom(16),
                       bytes(32), 10000, host_id, name.ljust(64, b"\0")[:64], len(raw), 0, 1 << 20)
     assert len(msg) == SERVER_HELLO_SIZE
     return msg + raw

@@ -269,6 +269,7 @@ bool NetLane::on_header(RxPosted& r) {
       return true;
     case FrameType::kWriteBatch:  // never sent to us: Caps::batch_fragments is 0
     case FrameType::kReadBatch:   // nor this: Caps::batch_reads is false
+    case FrameType::kPull:        // nor this: Caps::pull_reads is false
       break;
   }
   return protocol_error("a frame of unknown type");

@@ -722,6 +722,9 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
       return true;
     }
     case FrameType::kReadBatch: return on_read_batch(l, ep);
+    case FrameType::kPull:
+      if (!l.peer->on_pull(h)) return protocol_error("a malformed kPull");
+      return true;
   }
   return protocol_error("a frame of unknown type");
 }

@@ -1,0 +1,144 @@
+"""Pulled reads (wire::FrameType::kPull, wire version 8), the initiator's side, on the CPU: a read is pulled
+when GPU memory is on either side, which the initiator learns from the descriptor's memory kind. A
+descriptor whose kind byte says GPU, for a region the target holds in host memory, takes the whole pulled
+path here: the kPull frame leaves on a lane (from the posting thread where one is free), the target pushes
+the range as kSendData, cancel stops it. A hand-made target closes the lane its kPull came on before
+pushing anything: the initiator sends the kPull again, flagged resent, on the surviving lane, and the read
+completes byte for byte. The target's side is test_pull.py; GPU memory on the device, test_gpu.py."""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+import tether
+from tether_testutil import (CLIENT_HELLO_SIZE, CLIENT_PROOF_SIZE, FRAME, KACK, MiB, assert_bytes_equal,
+                             assert_poison, parse_client_hello, poisoned, rand_bytes, recv_exact, server_hello,
+                             wait_until)
+
+KSEND_DATA, KPULL = 5, 8     # wire::FrameType
+RESENT = 1                   # wire::kFlagResent
+KIND_AT = 5                  # EncodedDescriptor::kind (src/core/region.cc): 0 host, 1 GPU
+DESCRIPTOR = struct.Struct("<IBBH16sIiQQQQ")  # magic, version, kind, reserved, endpoint, region, device, offset, length, key, reserved2
+T = 10
+
+
+def as_gpu(desc: bytes) -> bytes:
+    """The same descriptor claiming GPU memory: the initiator pulls what it reads through it."""
+    return desc[:KIND_AT] + b"\x01" + desc[KIND_AT + 1:]
+
+
+def test_a_read_of_gpu_memory_goes_as_one_pull(endpoints):
+    """The pulled path end to end against a real target: the bytes, one push per read (reads_pushed), no
+    request per chunk; cancelled mid-way it ends cancelled or whole and the next read is whole."""
+    server = endpoints(name="server")
+    client = endpoints(name="client", channels=2, chunk_bytes=64 << 10, transport="tcp")
+    n = 8 * MiB + 4321
+    src = rand_bytes(81, n)
+    desc = as_gpu(server.register(src).descriptor())
+    peer = client.connect(server.metadata(), timeout=5)
+    dst = poisoned(n + 100)
+    region = client.register(dst)
+    peer.read(region, desc, local_offset=100).wait(T)
+    assert_poison(dst[:100])
+    assert_bytes_equal(dst[100:], src)
+    assert server.stats()["reads_pushed"] == 1
+    # pushed by the target, not answered requests (its counter moves once sendmsg returns: maybe after our wait)
+    assert wait_until(lambda: server.stats()["chunks_sent"] >= n // (64 << 10), 5), server.stats()["chunks_sent"]
+    t = peer.read(region, desc, local_offset=100)
+    t.cancel()
+    try:
+        t.wait(T)
+    except tether.TetherError as e:
+        assert "cancelled" in str(e), e
+    dst[:] = 0xEE
+    peer.read(region, desc, local_offset=100).wait(T)
+    assert_bytes_equal(dst[100:], src)
+    pushed = server.stats()["reads_pushed"]
+    peer.read(region, server.register(src).descriptor(), local_offset=100).wait(T)  # host memory: requests
+    assert server.stats()["reads_pushed"] == pushed
+
+
+class FakeTarget:
+    """A hand-made tcp listener: completes the handshake of a control socket and its data sockets, then
+    the test speaks the lanes' frames itself."""
+
+    def __init__(self):
+        self.eid, self.host = os.urandom(16), os.urandom(32)
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.control, self.lanes, self.error = None, [], None
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _handshake(self, offers: dict) -> tuple[socket.socket, dict, int]:
+        conn, _ = self.listener.accept()
+        raw = recv_exact(conn, CLIENT_HELLO_SIZE)
+        hello = parse_client_hello(raw)
+        lane, lanes = struct.unpack_from("<II", raw, 48)
+        conn.sendall(server_hello(self.host, offers, endpoint_id=self.eid))
+        proof = recv_exact(conn, CLIENT_PROOF_SIZE)
+        recv_exact(conn, struct.unpack_from("<I", proof, 52)[0])  # the connector's offer
+        conn.sendall(struct.pack("<BBH4x", 0, 0, 0))  # ServerDone: accepted, no NIC list
+        return conn, hello, lanes
+
+    def _accept(self):
+        try:
+            self.control, _, lanes = self._handshake({"tcp": b""})
+            self.lanes = [self._handshake({})[0] for _ in range(lanes)]
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def descriptor(self, region_id: int, length: int, key: int) -> bytes:
+        return DESCRIPTOR.pack(0x44525454, 1, 1, 0, self.eid, region_id, 0, 0, length, key, 0)
+
+    def close(self):
+        for s in [self.control, *self.lanes, self.listener]:
+            if s:
+                s.close()
+
+
+def next_frame(socks: list, timeout: float = T) -> tuple[socket.socket, tuple]:
+    ready, _, _ = select.select(socks, [], [], timeout)
+    assert ready, "no frame came"
+    return ready[0], FRAME.unpack(recv_exact(ready[0], FRAME.size))
+
+
+def test_a_pull_whose_lane_dies_is_sent_again_on_another(endpoints):
+    fake = FakeTarget()
+    try:
+        client = endpoints(name="client", channels=2, chunk_bytes=64 << 10)
+        peer = client.connect(fake.address, timeout=5)
+        fake.thread.join(5)
+        assert fake.error is None and len(fake.lanes) == 2, fake.error
+        n, unit = 1 * MiB + 77, 64 << 10
+        payload = rand_bytes(82, n)
+        dst = poisoned(n)
+        t = peer.read(client.register(dst), fake.descriptor(7, n, 0x5A5A))
+        first, f = next_frame(fake.lanes)
+        kind, status, flags, token, gen, rid, key, doff, dlen, offset, length = f
+        assert (kind, status, flags, gen, rid, key, doff, dlen, offset, length) == \
+            (KPULL, 0, 0, 0, 7, 0x5A5A, 0, n, 0, n), f
+        first.close()  # its lane dies before any byte of the read moved
+        other = fake.lanes[1 - fake.lanes.index(first)]
+        _, again = next_frame([other])
+        assert again == (KPULL, 0, RESENT, token, 0, 7, 0x5A5A, 0, n, 0, n), again
+        for i, off in enumerate(range(0, n, unit)):  # the push, as a target's lanes send it
+            m = min(unit, n - off)
+            other.sendall(FRAME.pack(KSEND_DATA, 0, 0, i, 1, token, unit, 0, 0, off, m) + payload[off:off + m].tobytes())
+            _, ack = next_frame([other])
+            assert ack[:5] == (KACK, 0, 0, i, 1), ack
+        t.wait(T)
+        assert_bytes_equal(dst, payload)
+        lanes = client.stats()["lanes"]
+        assert wait_until(lambda: sum(not x["alive"] for x in client.stats()["lanes"]) == 1, 5), lanes
+        assert sum(x["resends"] for x in client.stats()["lanes"]) == 1, client.stats()["lanes"]
+    finally:
+        fake.close()
