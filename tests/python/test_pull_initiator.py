@@ -4,7 +4,8 @@ descriptor whose kind byte says GPU, for a region the target holds in host memor
 path here: the kPull frame leaves on a lane (from the posting thread where one is free), the target pushes
 the range as kSendData, cancel stops it. A hand-made target closes the lane its kPull came on before
 pushing anything: the initiator sends the kPull again, flagged resent, on the surviving lane, and the read
-completes byte for byte. The target's side is test_pull.py; GPU memory on the device, test_gpu.py."""
+completes byte for byte. Data a target pushes after the read was cancelled is refused and lands nowhere.
+The target's side is test_pull.py; GPU memory on the device, test_gpu.py."""
 from __future__ import annotations
 
 import os
@@ -140,5 +141,39 @@ def test_a_pull_whose_lane_dies_is_sent_again_on_another(endpoints):
         lanes = client.stats()["lanes"]
         assert wait_until(lambda: sum(not x["alive"] for x in client.stats()["lanes"]) == 1, 5), lanes
         assert sum(x["resends"] for x in client.stats()["lanes"]) == 1, client.stats()["lanes"]
+    finally:
+        fake.close()
+
+
+def test_data_for_a_cancelled_pull_is_refused_and_lands_nowhere(endpoints):
+    """The reader cancels a pulled read (kPullCancel on the control socket); a target the cancel reached
+    too late (it travels on another socket than the kPull) pushes anyway: each chunk is answered with
+    kNotFound and no byte of it lands; the read ends cancelled, the peer keeps working."""
+    fake = FakeTarget()
+    try:
+        client = endpoints(name="client", channels=2, chunk_bytes=64 << 10)
+        peer = client.connect(fake.address, timeout=5)
+        fake.thread.join(5)
+        assert fake.error is None and len(fake.lanes) == 2, fake.error
+        n, unit = 512 << 10, 64 << 10
+        dst = poisoned(n)
+        t = peer.read(client.register(dst), fake.descriptor(9, n, 0x77))
+        lane, f = next_frame(fake.lanes)
+        assert f[0] == KPULL, f
+        token = f[3]
+        t.cancel()
+        with pytest.raises(tether.TetherError, match="cancelled"):
+            t.wait(T)
+        while True:  # the cancel reaches the target: [length u32, type u8, pad 3], heartbeats (1) skipped
+            length, kind = struct.unpack("<IB3x", recv_exact(fake.control, 8))
+            body = recv_exact(fake.control, length)
+            if kind != 1:
+                break
+        assert (kind, body) == (9, struct.pack("<I", token)), (kind, body)
+        lane.sendall(FRAME.pack(KSEND_DATA, 0, 0, 3, 1, token, unit, 0, 0, 0, unit) + bytes([0xAB]) * unit)
+        _, ack = next_frame([lane])
+        assert ack[:5] == (KACK, 2, 0, 3, 1), ack  # kNotFound: the token is no longer ours
+        assert_poison(dst)
+        assert all(x["alive"] for x in client.stats()["lanes"]) and len(client.peers()) == 1
     finally:
         fake.close()
