@@ -255,14 +255,10 @@ void PeerState::pull(TransferState* t) {
       t->msg_id = token;
       t->unit = info_.chunk_bytes;  // the sender cuts by the chunk size both sides agreed on
       t->placed.assign((g.length / t->unit + 64) / 64, 0);
-      t->pulled = true;  // queued for its kPull frame; next_chunk() moves it to matched_
-      t->next_queued = nullptr;
-      if (queue_tail_) {
-        queue_tail_->next_queued = t;
-      } else {
-        queue_head_.store(t, std::memory_order_release);
-      }
-      queue_tail_ = t;
+      t->pulled = true;
+      matched_[token] = t;
+      pulls_out_.emplace_back(token, false);  // its kPull frame, for the next lane that looks (next_chunk)
+      publish_resends();
       t = nullptr;
     }
   }
@@ -493,7 +489,22 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
   TransferState* drained = nullptr;
   {
     std::unique_lock lock(mu_);
-    if (lane_dead_[lane] || lane_inflight_[lane] >= lane_window_) return false;
+    if (lane_dead_[lane]) return false;
+    // Pulls first: a kPull takes no slot and gets no answer, so neither a full window nor a transfer
+    // queued ahead of it holds it back (a read's start would wait on another transfer's chunks).
+    while (!pulls_out_.empty()) {
+      const auto [token, resent] = pulls_out_.front();
+      pulls_out_.pop_front();
+      publish_resends();
+      auto it = matched_.find(token);
+      if (it == matched_.end() || !it->second->pulled) continue;  // finished, failed or cancelled meanwhile
+      TransferState* t = it->second;
+      t->pull_lane = lane;
+      t->lane_hint.store(lane, std::memory_order_relaxed);
+      pull_frame(*t, resent, op);
+      return true;
+    }
+    if (lane_inflight_[lane] >= lane_window_) return false;
     // A pushed send's chunk reads the region it names: pinned while the transport reads it (as a read's
     // answer is), so deregister waits for chunks being sent, never for a stalled reader's answers.
     auto pin = [&](TransferState* t) -> RegionState* {
@@ -525,29 +536,8 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
       s.transfer->lane_hint.store(lane, std::memory_order_relaxed);
       return true;
     }
-    while (!pull_resends_.empty()) {  // pulls whose lane died before the target's data came
-      const uint32_t token = pull_resends_.back();
-      pull_resends_.pop_back();
-      publish_resends();
-      auto it = matched_.find(token);
-      if (it == matched_.end() || !it->second->pulled) continue;  // finished or cancelled meanwhile
-      it->second->pull_lane = lane;
-      pull_frame(*it->second, true, op);
-      return true;
-    }
     TransferState* t = queue_head_.load(std::memory_order_relaxed);
-    if (!t) return false;
-    if (t->pulled) {  // one kPull frame, no slot: the target's kSendData chunks are its answer
-      queue_head_.store(t->next_queued, std::memory_order_release);
-      if (!t->next_queued) queue_tail_ = nullptr;
-      t->next_queued = nullptr;
-      matched_[uint32_t(t->msg_id)] = t;
-      t->pull_lane = lane;
-      t->lane_hint.store(lane, std::memory_order_relaxed);
-      pull_frame(*t, false, op);
-      return true;
-    }
-    if (free_slots_.empty()) return false;
+    if (!t || free_slots_.empty()) return false;
     RegionState* pinned = pin(t);
     if (t->pushed && !pinned) {  // deregistered mid-read: no further chunk; its hold is ours to release
       queue_head_.store(t->next_queued, std::memory_order_release);
@@ -833,7 +823,8 @@ void PeerState::release_lane(uint32_t lane, Code code) {
     if (survivors)  // a pull that went on this lane may never have reached the target: sent again
       for (const auto& [token, t] : matched_)
         if (t->pulled && t->pull_lane == lane) {
-          pull_resends_.push_back(token);
+          t->pull_lane = UINT32_MAX;
+          pulls_out_.emplace_back(token, true);
           ++moved;
         }
     publish_resends();
@@ -1193,7 +1184,7 @@ void PeerState::fail(Status s) {
       free_slots_.push_back(i);
     }
     resend_.clear();
-    pull_resends_.clear();  // their reads are in matched_, released above
+    pulls_out_.clear();  // their reads are in matched_, released above
     publish_resends();
     awaiting_cts_.clear();
     posted_recvs_.clear();

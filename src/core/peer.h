@@ -235,9 +235,11 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   std::vector<uint8_t> lane_dead_;
   uint32_t live_lanes_;
   std::vector<uint32_t> resend_;         // slots whose lane died, for the next lane with room (capacity: all slots)
-  std::vector<uint32_t> pull_resends_;   // tokens of pulled reads whose kPull went on a lane that died
-  std::atomic<uint32_t> resend_count_{0};  // resend_ + pull_resends_ (has_work() reads it without the lock)
-  void publish_resends() { resend_count_.store(uint32_t(resend_.size() + pull_resends_.size()), std::memory_order_release); }
+  // kPull frames to send: (token, resent). Their reads are in matched_ from the post on; a pull whose lane
+  // died before its read completed comes back resent.
+  std::deque<std::pair<uint32_t, bool>> pulls_out_;
+  std::atomic<uint32_t> resend_count_{0};  // resend_ + pulls_out_ (has_work() reads it without the lock)
+  void publish_resends() { resend_count_.store(uint32_t(resend_.size() + pulls_out_.size()), std::memory_order_release); }
   std::unique_ptr<LinkCounters[]> lane_counters_;
   std::unique_ptr<std::atomic<uint64_t>[]> lane_bytes_;  // written under mu_
 

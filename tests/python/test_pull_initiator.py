@@ -4,7 +4,8 @@ descriptor whose kind byte says GPU, for a region the target holds in host memor
 path here: the kPull frame leaves on a lane (from the posting thread where one is free), the target pushes
 the range as kSendData, cancel stops it. A hand-made target closes the lane its kPull came on before
 pushing anything: the initiator sends the kPull again, flagged resent, on the surviving lane, and the read
-completes byte for byte. Data a target pushes after the read was cancelled is refused and lands nowhere.
+completes byte for byte. Data a target pushes after the read was cancelled is refused and lands nowhere;
+a pull leaves even while unanswered writes fill every lane's window.
 The target's side is test_pull.py; GPU memory on the device, test_gpu.py."""
 from __future__ import annotations
 
@@ -175,5 +176,36 @@ def test_data_for_a_cancelled_pull_is_refused_and_lands_nowhere(endpoints):
         assert ack[:5] == (KACK, 2, 0, 3, 1), ack  # kNotFound: the token is no longer ours
         assert_poison(dst)
         assert all(x["alive"] for x in client.stats()["lanes"]) and len(client.peers()) == 1
+    finally:
+        fake.close()
+
+
+def test_a_pull_is_not_held_back_by_a_full_window(endpoints):
+    """Writes the target never answers fill every lane's window of chunks; a pull takes no chunk slot and
+    gets no answer, so it still leaves at once."""
+    fake = FakeTarget()
+    try:
+        client = endpoints(name="client", channels=2, chunk_bytes=64 << 10)
+        peer = client.connect(fake.address, timeout=5)
+        fake.thread.join(5)
+        assert fake.error is None and len(fake.lanes) == 2, fake.error
+        src = client.register(rand_bytes(83, 16 * MiB))
+        w = peer.write(src, fake.descriptor(1, 16 * MiB, 0x11))  # 256 chunks: far more than the windows hold
+        writes = 0
+        while writes < 8:  # the windows are taken (their chunks read and never answered)
+            lane, f = next_frame(fake.lanes)
+            assert f[0] == 1, f  # kWrite
+            recv_exact(lane, f[10])
+            writes += 1
+        t = peer.read(client.register(poisoned(1 * MiB)), fake.descriptor(2, 1 * MiB, 0x22))
+        while True:
+            lane, f = next_frame(fake.lanes, timeout=5)
+            if f[0] == KPULL:
+                break
+            assert f[0] == 1, f
+            recv_exact(lane, f[10])
+        assert f[5:] == (2, 0x22, 0, 1 * MiB, 0, 1 * MiB), f
+        t.cancel()
+        w.cancel()
     finally:
         fake.close()
