@@ -25,7 +25,7 @@ import glob
 import signal
 import sys
 
-TYPES = {1: "write", 2: "ack", 3: "readreq", 4: "readresp", 5: "senddata", 6: "batch", 7: "readbatch"}
+TYPES = {1: "write", 2: "ack", 3: "readreq", 4: "readresp", 5: "senddata", 6: "batch", 7: "readbatch", 8: "pull"}
 
 
 def load(prefix: str):
