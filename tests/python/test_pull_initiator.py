@@ -15,7 +15,6 @@ import socket
 import struct
 import threading
 
-import numpy as np
 import pytest
 
 import tether
@@ -107,105 +106,98 @@ class FakeTarget:
                 s.close()
 
 
+@pytest.fixture
+def linked(endpoints):
+    """(the hand-made target, an endpoint connected to it over two lanes of 64 KiB chunks, its peer)."""
+    target = FakeTarget()
+    try:
+        client = endpoints(name="client", channels=2, chunk_bytes=64 << 10)
+        peer = client.connect(target.address, timeout=5)
+        target.thread.join(5)
+        assert target.error is None and len(target.lanes) == 2, target.error
+        yield target, client, peer
+    finally:
+        target.close()
+
+
 def next_frame(socks: list, timeout: float = T) -> tuple[socket.socket, tuple]:
     ready, _, _ = select.select(socks, [], [], timeout)
     assert ready, "no frame came"
     return ready[0], FRAME.unpack(recv_exact(ready[0], FRAME.size))
 
 
-def test_a_pull_whose_lane_dies_is_sent_again_on_another(endpoints):
-    fake = FakeTarget()
-    try:
-        client = endpoints(name="client", channels=2, chunk_bytes=64 << 10)
-        peer = client.connect(fake.address, timeout=5)
-        fake.thread.join(5)
-        assert fake.error is None and len(fake.lanes) == 2, fake.error
-        n, unit = 1 * MiB + 77, 64 << 10
-        payload = rand_bytes(82, n)
-        dst = poisoned(n)
-        t = peer.read(client.register(dst), fake.descriptor(7, n, 0x5A5A))
-        first, f = next_frame(fake.lanes)
-        kind, status, flags, token, gen, rid, key, doff, dlen, offset, length = f
-        assert (kind, status, flags, gen, rid, key, doff, dlen, offset, length) == \
-            (KPULL, 0, 0, 0, 7, 0x5A5A, 0, n, 0, n), f
-        first.close()  # its lane dies before any byte of the read moved
-        other = fake.lanes[1 - fake.lanes.index(first)]
-        _, again = next_frame([other])
-        assert again == (KPULL, 0, RESENT, token, 0, 7, 0x5A5A, 0, n, 0, n), again
-        for i, off in enumerate(range(0, n, unit)):  # the push, as a target's lanes send it
-            m = min(unit, n - off)
-            other.sendall(FRAME.pack(KSEND_DATA, 0, 0, i, 1, token, unit, 0, 0, off, m) + payload[off:off + m].tobytes())
-            _, ack = next_frame([other])
-            assert ack[:5] == (KACK, 0, 0, i, 1), ack
-        t.wait(T)
-        assert_bytes_equal(dst, payload)
-        lanes = client.stats()["lanes"]
-        assert wait_until(lambda: sum(not x["alive"] for x in client.stats()["lanes"]) == 1, 5), lanes
-        assert sum(x["resends"] for x in client.stats()["lanes"]) == 1, client.stats()["lanes"]
-    finally:
-        fake.close()
+def test_a_pull_whose_lane_dies_is_sent_again_on_another(linked):
+    fake, client, peer = linked
+    n, unit = 1 * MiB + 77, 64 << 10
+    payload = rand_bytes(82, n)
+    dst = poisoned(n)
+    t = peer.read(client.register(dst), fake.descriptor(7, n, 0x5A5A))
+    first, f = next_frame(fake.lanes)
+    kind, status, flags, token, gen, rid, key, doff, dlen, offset, length = f
+    assert (kind, status, flags, gen, rid, key, doff, dlen, offset, length) == \
+        (KPULL, 0, 0, 0, 7, 0x5A5A, 0, n, 0, n), f
+    first.close()  # its lane dies before any byte of the read moved
+    other = fake.lanes[1 - fake.lanes.index(first)]
+    _, again = next_frame([other])
+    assert again == (KPULL, 0, RESENT, token, 0, 7, 0x5A5A, 0, n, 0, n), again
+    for i, off in enumerate(range(0, n, unit)):  # the push, as a target's lanes send it
+        m = min(unit, n - off)
+        other.sendall(FRAME.pack(KSEND_DATA, 0, 0, i, 1, token, unit, 0, 0, off, m) + payload[off:off + m].tobytes())
+        _, ack = next_frame([other])
+        assert ack[:5] == (KACK, 0, 0, i, 1), ack
+    t.wait(T)
+    assert_bytes_equal(dst, payload)
+    lanes = client.stats()["lanes"]
+    assert wait_until(lambda: sum(not x["alive"] for x in client.stats()["lanes"]) == 1, 5), lanes
+    assert sum(x["resends"] for x in client.stats()["lanes"]) == 1, client.stats()["lanes"]
 
 
-def test_data_for_a_cancelled_pull_is_refused_and_lands_nowhere(endpoints):
+def test_data_for_a_cancelled_pull_is_refused_and_lands_nowhere(linked):
     """The reader cancels a pulled read (kPullCancel on the control socket); a target the cancel reached
     too late (it travels on another socket than the kPull) pushes anyway: each chunk is answered with
     kNotFound and no byte of it lands; the read ends cancelled, the peer keeps working."""
-    fake = FakeTarget()
-    try:
-        client = endpoints(name="client", channels=2, chunk_bytes=64 << 10)
-        peer = client.connect(fake.address, timeout=5)
-        fake.thread.join(5)
-        assert fake.error is None and len(fake.lanes) == 2, fake.error
-        n, unit = 512 << 10, 64 << 10
-        dst = poisoned(n)
-        t = peer.read(client.register(dst), fake.descriptor(9, n, 0x77))
-        lane, f = next_frame(fake.lanes)
-        assert f[0] == KPULL, f
-        token = f[3]
-        t.cancel()
-        with pytest.raises(tether.TetherError, match="cancelled"):
-            t.wait(T)
-        while True:  # the cancel reaches the target: [length u32, type u8, pad 3], heartbeats (1) skipped
-            length, kind = struct.unpack("<IB3x", recv_exact(fake.control, 8))
-            body = recv_exact(fake.control, length)
-            if kind != 1:
-                break
-        assert (kind, body) == (9, struct.pack("<I", token)), (kind, body)
-        lane.sendall(FRAME.pack(KSEND_DATA, 0, 0, 3, 1, token, unit, 0, 0, 0, unit) + bytes([0xAB]) * unit)
-        _, ack = next_frame([lane])
-        assert ack[:5] == (KACK, 2, 0, 3, 1), ack  # kNotFound: the token is no longer ours
-        assert_poison(dst)
-        assert all(x["alive"] for x in client.stats()["lanes"]) and len(client.peers()) == 1
-    finally:
-        fake.close()
+    fake, client, peer = linked
+    n, unit = 512 << 10, 64 << 10
+    dst = poisoned(n)
+    t = peer.read(client.register(dst), fake.descriptor(9, n, 0x77))
+    lane, f = next_frame(fake.lanes)
+    assert f[0] == KPULL, f
+    token = f[3]
+    t.cancel()
+    with pytest.raises(tether.TetherError, match="cancelled"):
+        t.wait(T)
+    while True:  # the cancel reaches the target: [length u32, type u8, pad 3], heartbeats (1) skipped
+        length, kind = struct.unpack("<IB3x", recv_exact(fake.control, 8))
+        body = recv_exact(fake.control, length)
+        if kind != 1:
+            break
+    assert (kind, body) == (9, struct.pack("<I", token)), (kind, body)
+    lane.sendall(FRAME.pack(KSEND_DATA, 0, 0, 3, 1, token, unit, 0, 0, 0, unit) + bytes([0xAB]) * unit)
+    _, ack = next_frame([lane])
+    assert ack[:5] == (KACK, 2, 0, 3, 1), ack  # kNotFound: the token is no longer ours
+    assert_poison(dst)
+    assert all(x["alive"] for x in client.stats()["lanes"]) and len(client.peers()) == 1
 
 
-def test_a_pull_is_not_held_back_by_a_full_window(endpoints):
+def test_a_pull_is_not_held_back_by_a_full_window(linked):
     """Writes the target never answers fill every lane's window of chunks; a pull takes no chunk slot and
     gets no answer, so it still leaves at once."""
-    fake = FakeTarget()
-    try:
-        client = endpoints(name="client", channels=2, chunk_bytes=64 << 10)
-        peer = client.connect(fake.address, timeout=5)
-        fake.thread.join(5)
-        assert fake.error is None and len(fake.lanes) == 2, fake.error
-        src = client.register(rand_bytes(83, 16 * MiB))
-        w = peer.write(src, fake.descriptor(1, 16 * MiB, 0x11))  # 256 chunks: far more than the windows hold
-        writes = 0
-        while writes < 8:  # the windows are taken (their chunks read and never answered)
-            lane, f = next_frame(fake.lanes)
-            assert f[0] == 1, f  # kWrite
-            recv_exact(lane, f[10])
-            writes += 1
-        t = peer.read(client.register(poisoned(1 * MiB)), fake.descriptor(2, 1 * MiB, 0x22))
-        while True:
-            lane, f = next_frame(fake.lanes, timeout=5)
-            if f[0] == KPULL:
-                break
-            assert f[0] == 1, f
-            recv_exact(lane, f[10])
-        assert f[5:] == (2, 0x22, 0, 1 * MiB, 0, 1 * MiB), f
-        t.cancel()
-        w.cancel()
-    finally:
-        fake.close()
+    fake, client, peer = linked
+    src = client.register(rand_bytes(83, 16 * MiB))
+    w = peer.write(src, fake.descriptor(1, 16 * MiB, 0x11))  # 256 chunks: far more than the windows hold
+    writes = 0
+    while writes < 8:  # the windows are taken (their chunks read and never answered)
+        lane, f = next_frame(fake.lanes)
+        assert f[0] == 1, f  # kWrite
+        recv_exact(lane, f[10])
+        writes += 1
+    t = peer.read(client.register(poisoned(1 * MiB)), fake.descriptor(2, 1 * MiB, 0x22))
+    while True:
+        lane, f = next_frame(fake.lanes, timeout=5)
+        if f[0] == KPULL:
+            break
+        assert f[0] == 1, f
+        recv_exact(lane, f[10])
+    assert f[5:] == (2, 0x22, 0, 1 * MiB, 0, 1 * MiB), f
+    t.cancel()
+    w.cancel()
