@@ -8,6 +8,7 @@
     python3 bench/tools/trace_report.py /tmp/tr --sender-time # a staged sender's time: sendmsg, copy wait, idle
     python3 bench/tools/trace_report.py /tmp/tr --reader-time # a receiving lane's time: in recv, between chunks
     python3 bench/tools/trace_report.py /tmp/tr --outliers 4  # transfer times; the slowest, lane by lane
+    python3 bench/tools/trace_report.py /tmp/tr --timeline 0.5 # the median transfer, every event lane by lane
 
 Every chunk is one (slot, gen) pair on both sides: the initiator pulls and sends it, the target reads
 its header and lands it, and the answer (ack or read response) goes back. The events of one chunk,
@@ -103,6 +104,10 @@ def main() -> int:
                     help="instead: the transfers' times (percentiles, a histogram), then the median one and the N "
                          "slowest lane by lane: events, first and last (µs after the post), the CPUs its thread ran "
                          "on, and its longest silence (which lane stopped, and after what)")
+    ap.add_argument("--timeline", type=float, default=None, metavar="Q",
+                    help="instead: the transfer at quantile Q of the transfers' times (0.5: the median), every "
+                         "event of both sides lane by lane, µs after its post (how session 30 found a read's "
+                         "first copies out of the GPU finishing in two waves)")
     a = ap.parse_args()
     procs = load(a.prefix)
     if not procs:
@@ -121,6 +126,8 @@ def main() -> int:
         return print_reader_time(procs, side, a.skip)
     if a.outliers:
         return print_outliers(procs, side, a.skip, a.outliers)
+    if a.timeline is not None:
+        return print_timeline(procs, side, a.skip, a.timeline)
     t0 = min(r[0] for rows in procs.values() for r in rows)
     posts = sorted(r[0] for rows in procs.values() for r in rows if r[1] == "post")
     since = posts[-a.last] if a.last and len(posts) >= a.last else 0
@@ -266,6 +273,29 @@ def print_phases(procs, side, skip: float) -> int:
         if v:
             print(f"{name:32} {len(v):5d} {pct(v, .1):8.1f} {pct(v, .5):8.1f} {pct(v, .9):8.1f}")
     return 0 if n else 1
+
+
+def print_timeline(procs, side, skip: float, q: float) -> int:
+    """One transfer (at quantile q of their times), each side's lanes and threads on a line apiece: every
+    event as "event type slot.gen @µs" (µs after the post), a thread's wake-ups as "wake @µs"."""
+    xs = sorted(transfers(procs, side, skip), key=lambda x: x[1] - x[0])
+    if not xs:
+        print("no transfers")
+        return 1
+    t0, t1, window = xs[min(len(xs) - 1, max(0, int(q * len(xs))))]
+    print(f"the transfer at quantile {q} of {len(xs)}: {(t1 - t0) / 1e3:.0f} µs (µs after its post; slot.gen)")
+    rows = collections.defaultdict(list)
+    for (ns, event, lane, typ, slot, gen, _cpu), who in window:
+        at = f"@{(ns - t0) / 1e3:.0f}"
+        if event in ("post", "waited"):
+            rows[(who, "op", 0)].append(f"{event} {at}")
+        elif event == "wake":
+            rows[(who, "thread", lane)].append(f"wake {at}")
+        else:
+            rows[(who, "lane", lane)].append(f"{event} {TYPES.get(typ, typ)} {slot}.{gen} {at}")
+    for (who, kind, n), evs in sorted(rows.items()):
+        print(f"{who} {kind} {n}: " + ", ".join(evs))
+    return 0
 
 
 def lane_chunks(window, events, types):

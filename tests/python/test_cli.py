@@ -349,6 +349,33 @@ def test_trace_report_outliers_lists_the_slowest_transfers_lane_by_lane(tmp_path
             assert mine and all(" cpus " in row and "longest silence" in row for row in mine), r.stdout
 
 
+def test_trace_report_timeline_prints_one_transfer_lane_by_lane(tmp_path):
+    """trace_report.py --timeline Q: the transfer at quantile Q of their times, both sides' events lane by
+    lane in µs after its post: every chunk the initiator sent of a tcp write is landed by the target on the
+    same line's lane number, and the waiter's return closes it."""
+    prefix, _init, _target = _traced_bench(tmp_path, "--transport", "tcp", "--sizes", "2M", "--chunk-bytes", "512K",
+                                           "--iters", "6", "--warmup", "1")
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "tools", "trace_report.py")
+    r = subprocess.run([sys.executable, tool, prefix, "--timeline", "0.5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    total = float(lines[0].split(": ")[1].split(" µs")[0])
+    assert lines[0].startswith("the transfer at quantile 0.5 of ") and total > 0, r.stdout
+    events = {}  # (side, lane) -> [(event, type, slot.gen, µs)]
+    for line in lines[1:]:
+        who, kind, n = line.split(":")[0].split()
+        for ev in line.split(": ", 1)[1].split(", "):
+            parts = ev.split()
+            events.setdefault((who, kind, int(n)), []).append((parts[0], *parts[1:-1], float(parts[-1][1:])))
+    sent = {(lane, e[2]) for (who, kind, lane), evs in events.items() if who == "I" and kind == "lane"
+            for e in evs if e[:2] == ("sent", "write")}
+    landed = {(lane, e[2]) for (who, kind, lane), evs in events.items() if who == "T" and kind == "lane"
+              for e in evs if e[:2] == ("landed", "write")}
+    assert len(sent) == 4 and sent == landed, r.stdout  # 2 MiB in 512 KiB chunks, each on one lane pair
+    assert events[("I", "op", 0)][-1][0] == "waited" and events[("I", "op", 0)][-1][-1] == pytest.approx(total, abs=1)
+    assert all(0 <= e[-1] <= total + 1 for evs in events.values() for e in evs), r.stdout
+
+
 def test_rows_the_hypervisor_took_cpu_time_from_are_named_under_the_table():
     """A row during whose timed pass the hypervisor took >= 1 % of the machine's CPU time (/proc/stat's
     steal, bench.stolen_seconds) is named in the caption with its share; on the GPU host the rows that ran
