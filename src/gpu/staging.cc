@@ -43,7 +43,7 @@ Result<CUstream> shared_stream(int device, bool to_slot) {
   std::lock_guard lock(mu);
   auto& v = streams[to_slot ? 1 : 0];
   if (v.size() <= size_t(device)) v.resize(size_t(device) + 1, nullptr);
-  if (!v[size_t(device)])  // never destroyed: the process's last rings may be torn down after CUDA is
+  if (!v[size_t(device)])  // never destroyed: rings may still copy on it until the process exits
     TETHER_CUDA_TRY("cuStreamCreate", cuda()->cuStreamCreate(&v[size_t(device)], kStreamNonBlocking));
   return v[size_t(device)];
 }
