@@ -255,7 +255,6 @@ void PeerState::pull(TransferState* t) {
       t->msg_id = token;
       t->unit = info_.chunk_bytes;  // the sender cuts by the chunk size both sides agreed on
       t->placed.assign((g.length / t->unit + 64) / 64, 0);
-      t->pulled = true;
       matched_[token] = t;
       pulls_out_.emplace_back(token, false);  // its kPull frame, for the next lane that looks (next_chunk)
       publish_resends();
@@ -497,7 +496,7 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
       pulls_out_.pop_front();
       publish_resends();
       auto it = matched_.find(token);
-      if (it == matched_.end() || !it->second->pulled) continue;  // finished, failed or cancelled meanwhile
+      if (it == matched_.end()) continue;  // finished, failed or cancelled meanwhile
       TransferState* t = it->second;
       t->pull_lane = lane;
       t->lane_hint.store(lane, std::memory_order_relaxed);
@@ -822,7 +821,7 @@ void PeerState::release_lane(uint32_t lane, Code code) {
     }
     if (survivors)  // a pull that went on this lane may never have reached the target: sent again
       for (const auto& [token, t] : matched_)
-        if (t->pulled && t->pull_lane == lane) {
+        if (t->pull_lane == lane) {  // recvs in matched_ never set it
           t->pull_lane = UINT32_MAX;
           pulls_out_.emplace_back(token, true);
           ++moved;

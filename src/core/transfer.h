@@ -57,8 +57,7 @@ struct TransferState {
   uint64_t tag = 0;
   uint64_t msg_id = 0;                 // send: RTS id; recv and pulled read: token; pushed: the puller's token
   bool pushed = false;                 // a send this side runs for a peer's pulled read (no handle, no count)
-  bool pulled = false;                 // a read the target pushes (one kPull frame; in matched_ from the post)
-  uint32_t pull_lane = UINT32_MAX;     // pulled: the lane its kPull frame went on, none yet (peer lock)
+  uint32_t pull_lane = UINT32_MAX;     // a pulled read: the lane its kPull frame went on, none yet (peer lock)
   std::shared_ptr<RegionState> source; // pushed: the region its chunks read, each pinned only while sent
   std::atomic<uint64_t> received{0};   // recv: payload bytes placed so far
   uint64_t unit = 0;                   // recv: the sender's chunk size; placed: one bit per chunk (peer lock)

@@ -1,6 +1,7 @@
 #include "gpu/staging.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -38,14 +39,19 @@ bool shared_stream_wanted(bool to_slot) {
   return mode == 2 || (mode == 1 && to_slot);
 }
 Result<CUstream> shared_stream(int device, bool to_slot) {
-  static std::mutex mu;
-  static std::vector<CUstream> streams[2];
-  std::lock_guard lock(mu);
-  auto& v = streams[to_slot ? 1 : 0];
-  if (v.size() <= size_t(device)) v.resize(size_t(device) + 1, nullptr);
-  if (!v[size_t(device)])  // never destroyed: rings may still copy on it until the process exits
-    TETHER_CUDA_TRY("cuStreamCreate", cuda()->cuStreamCreate(&v[size_t(device)], kStreamNonBlocking));
-  return v[size_t(device)];
+  constexpr int kMaxDevices = 64;
+  static std::atomic<CUstream> streams[2][kMaxDevices];  // never destroyed: copies may run until exit
+  static std::mutex create;
+  if (device < 0 || device >= kMaxDevices) return Status(Code::kInvalidArgument, "GPU " + std::to_string(device));
+  std::atomic<CUstream>& slot = streams[to_slot ? 1 : 0][device];
+  if (CUstream st = slot.load(std::memory_order_acquire)) return st;  // every copy after the first: no lock
+  std::lock_guard lock(create);
+  if (!slot.load(std::memory_order_relaxed)) {
+    CUstream st = nullptr;
+    TETHER_CUDA_TRY("cuStreamCreate", cuda()->cuStreamCreate(&st, kStreamNonBlocking));
+    slot.store(st, std::memory_order_release);
+  }
+  return slot.load(std::memory_order_relaxed);
 }
 }  // namespace
 

@@ -9,7 +9,7 @@ import struct
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from tether_testutil import client_hello, client_proof, server_hello  # noqa: E402
+from tether_testutil import client_hello, client_proof, descriptor, server_hello  # noqa: E402
 
 HANDSHAKE, CONTROL, FRAMES, DECODERS, LISTENER, IPC_LANE, IPC_RING = range(7)
 HOST = b"tthr-HST" + b"\0" * 24
@@ -87,7 +87,7 @@ def seeds() -> dict[str, bytes]:
                       for n, v in ((b"tcp", b""), (b"ipc", ipc_offer + b"tether-ipc-0123456789abcdef")))
     s["dec_offers"] = bytes([DECODERS]) + offers
     s["dec_nics"] = bytes([DECODERS]) + b"eth0 10.0.0.2/24\nib0 fe80::1/64\n"
-    desc = struct.pack("<4sBBH16sIiQQQQ", b"TTRD", 1, 0, 0, b"\0" * 16, 1, -1, 0, REGION, 0, 0)  # region.cc
+    desc = descriptor(b"\0" * 16, 1, REGION, 0)
     s["dec_descriptor"] = bytes([DECODERS]) + desc + b"ext"
     # 4: a listener's answers to the target's connect
     sh_tcp = server_hello(bytes(32), {"tcp": b""})

@@ -18,20 +18,18 @@ import threading
 import pytest
 
 import tether
-from tether_testutil import (CLIENT_HELLO_SIZE, CLIENT_PROOF_SIZE, FRAME, KACK, MiB, assert_bytes_equal,
-                             assert_poison, parse_client_hello, poisoned, rand_bytes, recv_exact, server_hello,
-                             wait_until)
+from tether_testutil import (CLIENT_HELLO_SIZE, CLIENT_PROOF_SIZE, DESC_KIND, FRAME, KACK, MiB, assert_bytes_equal,
+                             assert_poison, descriptor, parse_client_hello, poisoned, rand_bytes, recv_exact,
+                             server_hello, wait_until)
 
 KSEND_DATA, KPULL = 5, 8     # wire::FrameType
 RESENT = 1                   # wire::kFlagResent
-KIND_AT = 5                  # EncodedDescriptor::kind (src/core/region.cc): 0 host, 1 GPU
-DESCRIPTOR = struct.Struct("<IBBH16sIiQQQQ")  # magic, version, kind, reserved, endpoint, region, device, offset, length, key, reserved2
 T = 10
 
 
 def as_gpu(desc: bytes) -> bytes:
     """The same descriptor claiming GPU memory: the initiator pulls what it reads through it."""
-    return desc[:KIND_AT] + b"\x01" + desc[KIND_AT + 1:]
+    return desc[:DESC_KIND] + b"\x01" + desc[DESC_KIND + 1:]
 
 
 def test_a_read_of_gpu_memory_goes_as_one_pull(endpoints):
@@ -98,7 +96,7 @@ class FakeTarget:
             self.error = e
 
     def descriptor(self, region_id: int, length: int, key: int) -> bytes:
-        return DESCRIPTOR.pack(0x44525454, 1, 1, 0, self.eid, region_id, 0, 0, length, key, 0)
+        return descriptor(self.eid, region_id, length, key, kind=1, device=0)
 
     def close(self):
         for s in [self.control, *self.lanes, self.listener]:

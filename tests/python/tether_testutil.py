@@ -42,10 +42,18 @@ SOCKET_DATA = 2
 # Descriptor layout (64 bytes): magic u32, version u8, kind u8, reserved u16, endpoint id 16 B,
 # region_id u32 @24, device i32 @28, offset u64 @32, length u64 @40, key u64 @48, reserved u64 @56.
 DESC_SIZE = 64
+DESC_KIND = 5  # 0 host memory, 1 GPU
 DESC_REGION_ID = 24
 DESC_OFFSET = 32
 DESC_LENGTH = 40
 DESC_KEY = 48
+DESCRIPTOR = struct.Struct("<4sBBH16sIiQQQQ")  # src/core/region.cc, EncodedDescriptor
+
+
+def descriptor(endpoint: bytes, region_id: int, length: int, key: int, kind: int = 0, device: int = -1,
+               offset: int = 0) -> bytes:
+    """A descriptor (no transport extensions) as a peer that owns the region would send it."""
+    return DESCRIPTOR.pack(b"TTRD", 1, kind, 0, endpoint, region_id, device, offset, length, key, 0)
 
 
 # --------------------------------------------------------------------------- transports
