@@ -108,6 +108,20 @@ constexpr uint64_t kTableBytes = uint64_t(wire::kMaxFragments) * sizeof(wire::Fr
 
 enum class RxState { kHeader, kPayload, kDiscard };
 
+// EXPERIMENT (TETHER_X_FIRST_COPIES=1): a lane that has a chunk to send does not start the copy of its
+// next one while another lane of this process has nothing to send but copies it waits for. At a
+// transfer's start the eight lanes' first copies out of the GPU finished in two waves (four lanes at
+// ≈ 60-110 µs, four at ≈ 250-300) because the early lanes' second copies shared the copy engines with
+// the late lanes' first (PERFORMANCE.md, session 30).
+bool first_copies_wanted() {
+  static const bool on = [] {
+    const char* v = std::getenv("TETHER_X_FIRST_COPIES");
+    return v && std::string(v) == "1";
+  }();
+  return on;
+}
+std::atomic<int> g_starving{0};  // lanes whose every queued item waits for its copy out of the GPU
+
 using sys::cpu_relax;
 
 // Single producer (the lane's rx, on its progress thread), single consumer (whoever owns tx).
@@ -203,6 +217,15 @@ struct Lane {
   std::atomic<uint32_t> gpu_inflight{0};  // staged copies in flight: the progress thread polls them (or naps)
   std::atomic<uint64_t> gpu_steps{0};     // staged copies started + finished: a turn that moved it did work
   std::atomic<bool> small_copy{false};    // the latest staged copy moved at most kSmallCopy bytes
+  bool starving = false;                  // tx owner: counted in g_starving (TETHER_X_FIRST_COPIES)
+
+  // TETHER_X_FIRST_COPIES: whether this lane has queued items but none it could send yet.
+  void note_starving() {
+    const bool now = tx_count > 0 && tx_unstaged == tx_count;
+    if (now == starving) return;
+    starving = now;
+    g_starving.fetch_add(now ? 1 : -1, std::memory_order_relaxed);
+  }
 
   void copy_started(uint64_t bytes) {
     gpu_inflight.fetch_add(1, std::memory_order_relaxed);
@@ -340,7 +363,10 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     // chunks wait; later ones are copied while the one before is sent (issue 20, PERFORMANCE.md).
     // (A lane writing holds at most three of its eight tx slots here, so a free run of two for a batch is
     // there and contiguous chunks do not wait on it; staged read answers it also serves may hold more.)
-    while (l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && l.tx_unstaged == 0 &&
+    // TETHER_X_FIRST_COPIES: a lane with something to send leaves the copy engines to lanes with nothing.
+    const bool yield_copies = first_copies_wanted() && l.tx_count > 0 && !l.starving &&
+                              g_starving.load(std::memory_order_relaxed) > 0;
+    while (!yield_copies && l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && l.tx_unstaged == 0 &&
            (!l.tx_stage || l.tx_stage->has_free(kGpuBatchChunks)) && l.peer->next_chunk(l.index, &op)) {
       TxItem it{op.hdr, op.payload, op.length, op.pin};  // a pushed send's chunk: unpinned once sent
       it.device = op.payload || op.fragments ? op.device : -1;
@@ -397,6 +423,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         add(it.payload, it.length);
       }
     }
+    if (first_copies_wanted()) l.note_starving();
     if (niov == 0) {  // the head waits for its GPU copy; the progress thread polls it
       copy_wait = true;
       break;
@@ -445,6 +472,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       }
     }
   }
+  if (first_copies_wanted()) l.note_starving();
   // A head waiting for its copy out of the GPU needs no EPOLLOUT when the thread naps between polls of
   // that copy: a writable socket would end every nap at once (level-triggered).
   l.tx_backlog.store(l.tx_count > 0 && !(copy_wait && ep->config().staging_nap_us), std::memory_order_relaxed);
@@ -1247,6 +1275,8 @@ void ProgressThread::retire(Lane& l) {
     if (it.batch) it.batch->release();
   }
   l.tx_count = 0;
+  l.tx_unstaged = 0;
+  l.note_starving();  // no longer counted in g_starving
   TxItem a;
   while (l.answers.pop(&a)) {
     if (a.pin) a.pin->unpin();
