@@ -1,7 +1,6 @@
 #include "gpu/staging.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -26,33 +25,6 @@ bool scratch_staging() {
 
 // CUDA_ERROR_OUT_OF_MEMORY: a scratch buffer the GPU has no room for (its copies go direct instead).
 constexpr CUresult kCudaOutOfMemory = 2;
-
-// EXPERIMENT (TETHER_X_SHARED_STREAM = tx | both): plain copies of every ring in the process share one
-// stream per device and direction, so lanes' copies finish in the order they were issued (a lane's first
-// chunk ahead of another lane's second) instead of in waves across the copy engines.
-bool shared_stream_wanted(bool to_slot) {
-  static const int mode = [] {
-    const char* v = std::getenv("TETHER_X_SHARED_STREAM");
-    const std::string m = v ? v : "";
-    return m == "both" ? 2 : m == "tx" ? 1 : 0;
-  }();
-  return mode == 2 || (mode == 1 && to_slot);
-}
-Result<CUstream> shared_stream(int device, bool to_slot) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<CUstream> streams[2][kMaxDevices];  // never destroyed: copies may run until exit
-  static std::mutex create;
-  if (device < 0 || device >= kMaxDevices) return Status(Code::kInvalidArgument, "GPU " + std::to_string(device));
-  std::atomic<CUstream>& slot = streams[to_slot ? 1 : 0][device];
-  if (CUstream st = slot.load(std::memory_order_acquire)) return st;  // every copy after the first: no lock
-  std::lock_guard lock(create);
-  if (!slot.load(std::memory_order_relaxed)) {
-    CUstream st = nullptr;
-    TETHER_CUDA_TRY("cuStreamCreate", cuda()->cuStreamCreate(&st, kStreamNonBlocking));
-    slot.store(st, std::memory_order_release);
-  }
-  return slot.load(std::memory_order_relaxed);
-}
 }  // namespace
 
 Result<Unpack> parse_unpack(const std::string& name) {
@@ -185,12 +157,7 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
   if (Status st = ready(s, device); !st.is_ok()) return st;
   const CudaApi* a = cuda();
   auto& d = s.per_device[size_t(device)];
-  CUstream stream = streams_[size_t(device)];
-  if (!(mode == Unpack::kKernel && n > 1) && shared_stream_wanted(to_slot)) {
-    auto st = shared_stream(device, to_slot);
-    if (!st.is_ok()) return st.status();
-    stream = st.value();
-  }
+  const CUstream stream = streams_[size_t(device)];
   s.device = device;
   auto host_at = [&](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(s.host + f.offset); };
   auto ptr = [](const Fragment& f) { return reinterpret_cast<CUdeviceptr>(f.ptr); };

@@ -108,19 +108,20 @@ constexpr uint64_t kTableBytes = uint64_t(wire::kMaxFragments) * sizeof(wire::Fr
 
 enum class RxState { kHeader, kPayload, kDiscard };
 
-// EXPERIMENT (TETHER_X_FIRST_COPIES=1): a lane that has a chunk to send does not start the copy of its
-// next one while another lane of this process has nothing to send but copies it waits for. At a
-// transfer's start the eight lanes' first copies out of the GPU finished in two waves (four lanes at
-// ≈ 60-110 µs, four at ≈ 250-300) because the early lanes' second copies shared the copy engines with
-// the late lanes' first (PERFORMANCE.md, session 30).
-bool first_copies_wanted() {
+// First copies first: a lane that has a chunk to send starts no copy of its next one out of a GPU while
+// another lane of this process waits for its copy out of that GPU with nothing to send. Without it a
+// transfer's eight first 1 MiB copies finished in two waves (four lanes at ≈ 60-110 µs, four at ≈ 250-300):
+// the early lanes' second copies took the copy engines from the late lanes' first (PERFORMANCE.md,
+// sessions 30-31). TETHER_X_FIRST_COPIES=0 turns it off, for A/B runs.
+bool first_copies() {
   static const bool on = [] {
     const char* v = std::getenv("TETHER_X_FIRST_COPIES");
-    return v && std::string(v) == "1";
+    return !(v && std::string(v) == "0");
   }();
   return on;
 }
-std::atomic<int> g_starving{0};  // lanes whose every queued item waits for its copy out of the GPU
+constexpr int kMaxGpus = 64;
+std::atomic<int> g_starving[kMaxGpus];  // per GPU: lanes whose every queued item waits for its copy out of it
 
 using sys::cpu_relax;
 
@@ -217,14 +218,21 @@ struct Lane {
   std::atomic<uint32_t> gpu_inflight{0};  // staged copies in flight: the progress thread polls them (or naps)
   std::atomic<uint64_t> gpu_steps{0};     // staged copies started + finished: a turn that moved it did work
   std::atomic<bool> small_copy{false};    // the latest staged copy moved at most kSmallCopy bytes
-  bool starving = false;                  // tx owner: counted in g_starving (TETHER_X_FIRST_COPIES)
+  int stage_device = -1;                  // tx owner: the GPU of the latest copy out of one
+  int starving_on = -1;                   // tx owner: the GPU whose g_starving counts this lane, or -1
 
-  // TETHER_X_FIRST_COPIES: whether this lane has queued items but none it could send yet.
+  // Counts the lane in g_starving while it holds items but none it could send yet (first copies first).
   void note_starving() {
-    const bool now = tx_count > 0 && tx_unstaged == tx_count;
-    if (now == starving) return;
-    starving = now;
-    g_starving.fetch_add(now ? 1 : -1, std::memory_order_relaxed);
+    const int now = tx_count > 0 && tx_unstaged == tx_count ? stage_device : -1;
+    if (now == starving_on) return;
+    if (starving_on >= 0) g_starving[starving_on].fetch_sub(1, std::memory_order_relaxed);
+    if (now >= 0) g_starving[now].fetch_add(1, std::memory_order_relaxed);
+    starving_on = now;
+  }
+  // Whether to leave the copy engines of its GPU to lanes that wait for their first copy.
+  bool yield_copies() const {
+    return first_copies() && tx_count > 0 && starving_on < 0 && stage_device >= 0 &&
+           g_starving[stage_device].load(std::memory_order_relaxed) > 0;
   }
 
   void copy_started(uint64_t bytes) {
@@ -326,6 +334,7 @@ bool stage_tx(Lane& l, core::EndpointImpl* ep, TxItem& it, Status* error) {
   it.device = -1;
   it.staged = false;
   ++l.tx_unstaged;
+  if (st->device >= 0 && st->device < kMaxGpus) l.stage_device = st->device;
   l.copy_started(it.length);
   return true;
 }
@@ -363,9 +372,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     // chunks wait; later ones are copied while the one before is sent (issue 20, PERFORMANCE.md).
     // (A lane writing holds at most three of its eight tx slots here, so a free run of two for a batch is
     // there and contiguous chunks do not wait on it; staged read answers it also serves may hold more.)
-    // TETHER_X_FIRST_COPIES: a lane with something to send leaves the copy engines to lanes with nothing.
-    const bool yield_copies = first_copies_wanted() && l.tx_count > 0 && !l.starving &&
-                              g_starving.load(std::memory_order_relaxed) > 0;
+    const bool yield_copies = l.yield_copies();  // first copies first
     while (!yield_copies && l.tx_unsent + queued < limit && l.tx_count < kTxRing / 2 && l.tx_unstaged == 0 &&
            (!l.tx_stage || l.tx_stage->has_free(kGpuBatchChunks)) && l.peer->next_chunk(l.index, &op)) {
       TxItem it{op.hdr, op.payload, op.length, op.pin};  // a pushed send's chunk: unpinned once sent
@@ -423,7 +430,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
         add(it.payload, it.length);
       }
     }
-    if (first_copies_wanted()) l.note_starving();
+    if (first_copies()) l.note_starving();
     if (niov == 0) {  // the head waits for its GPU copy; the progress thread polls it
       copy_wait = true;
       break;
@@ -472,7 +479,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       }
     }
   }
-  if (first_copies_wanted()) l.note_starving();
+  if (first_copies()) l.note_starving();
   // A head waiting for its copy out of the GPU needs no EPOLLOUT when the thread naps between polls of
   // that copy: a writable socket would end every nap at once (level-triggered).
   l.tx_backlog.store(l.tx_count > 0 && !(copy_wait && ep->config().staging_nap_us), std::memory_order_relaxed);
