@@ -1,11 +1,11 @@
 #include "gpu/staging.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <memory>
 #include <mutex>
 
 #include "gpu/copy_kernel.h"
+#include "sys/env.h"
 
 namespace tether::gpu {
 namespace {
@@ -16,10 +16,7 @@ namespace {
 // GPU ~10 x longer; scratch moved 4,096 x 16 KiB GPU writes 1.18-1.32 x faster and reads 1.12 x
 // (PERFORMANCE.md, session 29).
 bool scratch_staging() {
-  static const bool scratch = [] {
-    const char* v = std::getenv("TETHER_KERNEL_STAGING");
-    return !(v && std::string(v) == "direct");
-  }();
+  static const bool scratch = !sys::env_is("TETHER_KERNEL_STAGING", "direct");
   return scratch;
 }
 

@@ -21,6 +21,7 @@
 #include "core/trace.h"
 #include "gpu/staging.h"
 #include "sys/cpu.h"
+#include "sys/env.h"
 #include "sys/thread_name.h"
 #include "transport/frame_target.h"
 
@@ -114,10 +115,7 @@ enum class RxState { kHeader, kPayload, kDiscard };
 // the early lanes' second copies took the copy engines from the late lanes' first (PERFORMANCE.md,
 // sessions 30-31). TETHER_X_FIRST_COPIES=0 turns it off, for A/B runs.
 bool first_copies() {
-  static const bool on = [] {
-    const char* v = std::getenv("TETHER_X_FIRST_COPIES");
-    return !(v && std::string(v) == "0");
-  }();
+  static const bool on = !sys::env_is("TETHER_X_FIRST_COPIES", "0");
   return on;
 }
 constexpr int kMaxGpus = 64;
