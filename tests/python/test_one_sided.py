@@ -5,7 +5,9 @@ real processes each time; random data, poisoned destinations, every byte checked
 """
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 
 import tether
 from tether_testutil import (
-    DESC_KEY, MiB, assert_bytes_equal, assert_poison, get_u64, poisoned, rand_bytes, set_u64, wait_error, wait_until,
+    DESC_KEY, POISON as POISON_BYTE, MiB, assert_bytes_equal, assert_poison, get_u64, poisoned, rand_bytes, set_u64, wait_error, wait_until,
 )
 
 T = 20.0
@@ -191,3 +193,124 @@ def test_a_killed_target_fails_writes_without_a_hang(ipc_target):
     e = wait_error(peer.write(rs, desc, length=64), timeout=10)
     assert isinstance(e, tether.TetherError), repr(e)
     assert time.monotonic() - t0 < 10
+
+
+# -- deregister() against one-sided copies that stall or stop (docs/RELIABILITY.md, "One-sided writes")
+
+def _userfault():
+    import userfault
+    why = userfault.why_unavailable()
+    if why:
+        pytest.skip(why)
+    return userfault
+
+
+def _granted_writer(children, me, rd, name):
+    """A child connected to `me` that holds a grant for `rd`'s descriptor (its second write went one-sided)."""
+    c = children(name)
+    c.call("endpoint", name="I")
+    assert c.call("connect", me.metadata()) == "T"
+    c.call("register", "warm", 8, fill=("seed", 11))
+    for _ in range(2):
+        assert c.call("write", "warm", rd.descriptor(), length=8)[0] == "ok"
+    assert c.call("stats")["ipc_one_sided_chunks"] == 1
+    return c
+
+
+@pytest.mark.budget(60)
+def test_a_slow_source_page_lands_nothing_after_deregister(children):
+    """The writer's own source page faults for 2 s (userfaultfd) in the middle of a one-sided write.
+    deregister() must return at once, and the write must land nothing then or later: its copy came
+    from a locked buffer filled before the writer claimed its hazard, so the fault stalled no copy."""
+    uf = _userfault()
+    me = tether.Endpoint(name="T")
+    pager = None
+    try:
+        dst = poisoned(MAX)
+        rd = me.register(dst)
+        c = _granted_writer(children, me, rd, "slow-source")
+        _, fd, addr = c.call("register_slow", "slow", MAX)
+        content = rand_bytes(12, MAX)
+        pager = uf.Pager(uf.take_fd(c.pid, fd), addr, lambda off: bytes(content[off:off + uf.PAGE]))
+        pager.arm(2.0)
+        c.start("write", "slow", rd.descriptor(), length=MAX)
+        assert pager.wait_fault(0, 10), "the writer never touched its source"
+        time.sleep(0.2)  # it sits in the fault
+        t0 = time.monotonic()
+        me.deregister(rd)
+        took = time.monotonic() - t0
+        dst[:] = 0xEE
+        status, detail = c.result(20)
+        time.sleep(0.3)
+        assert_poison(dst, "a region deregistered while a write's source page was slow", value=0xEE)
+        assert status in ("RegionNotFound", "AccessDenied"), (status, detail)
+        assert took < 1.0, f"deregister() waited {took:.2f} s for a copy that had not begun"
+    finally:
+        if pager:
+            pager.close()
+        me.close()
+
+
+@pytest.mark.budget(60)
+def test_deregister_waits_for_a_copy_in_progress(children):
+    """A one-sided write is inside its copy, stalled on a page of the target's own region that arrives
+    after 2 s (longer than deregister_timeout_ms). deregister() waits for that copy to end instead of
+    giving up at its timeout; after it returns nothing lands."""
+    uf = _userfault()
+    me = tether.Endpoint(name="T", deregister_timeout=0.5)
+    slow = uf.SlowMemory(2 * MAX)
+    pager = uf.Pager(slow.fd, slow.addr, lambda off: bytes([POISON_BYTE]) * uf.PAGE)
+    try:
+        rd = me.register(slow.array)
+        slow.array[:MAX] = POISON_BYTE  # the first half present; the second faults when written
+        c = _granted_writer(children, me, rd, "copy-in-progress")
+        c.call("register", "src", MAX, fill=("seed", 13))
+        seen = len(pager.faults)
+        pager.arm(2.0)
+        c.start("write", "src", rd.descriptor(), remote_offset=MAX, length=MAX)
+        assert pager.wait_fault(seen, 10), "the write never reached the slow page"
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        me.deregister(rd)
+        took = time.monotonic() - t0
+        landed = slow.array[MAX:].copy()
+        slow.array[:] = 0xEE
+        c.result(20)
+        time.sleep(0.3)
+        assert_poison(slow.array, "a region after deregister() returned", value=0xEE)
+        assert pager.served_slow is not None and t0 + took >= pager.served_slow, \
+            "deregister() returned while the copy was still stalled"
+        assert_bytes_equal(landed, rand_bytes(13, MAX), "the write deregister() waited for")
+    finally:
+        pager.close()
+        me.close()
+
+
+@pytest.mark.budget(90)
+@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
+def test_a_stopped_or_killed_writer_lands_nothing_after_deregister(children, sig):
+    """A child streams one-sided writes into our region and is stopped (continued 1.5 s later) or
+    killed at a random moment; we deregister. Whenever deregister() returns, nothing lands after it,
+    however long the writer was stopped. Five rounds."""
+    rng = np.random.default_rng(14 if sig == "SIGSTOP" else 15)
+    for round_ in range(5):
+        me = tether.Endpoint(name="T", deregister_timeout=0.3)
+        try:
+            dst = poisoned(MAX)
+            rd = me.register(dst)
+            c = _granted_writer(children, me, rd, f"writer-{round_}")
+            c.call("register", "src", 4 * KiB, fill=("seed", 16))
+            assert c.call("start_stream", "write", "src", rd.descriptor(), 4 * KiB)
+            time.sleep(float(rng.uniform(0.01, 0.1)))
+            c.kill(getattr(signal, sig))
+            timer = threading.Timer(1.5, lambda: os.kill(c.pid, signal.SIGCONT)) if sig == "SIGSTOP" else None
+            if timer:
+                timer.start()
+            me.deregister(rd)
+            dst[:] = 0xEE
+            if timer:
+                timer.join()
+            time.sleep(0.3)
+            assert_poison(dst, f"round {round_}: a region deregistered under a {sig}ed writer", value=0xEE)
+        finally:
+            me.close()

@@ -613,6 +613,16 @@ class _Agent:
         self.regions[name] = self.ep.register(obj, readonly=readonly)
         return self.regions[name].descriptor()
 
+    def cmd_register_slow(self, name, size):
+        """Host memory whose pages fault to a userfaultfd (tests/python/userfault.py) that the test
+        process serves (no page is present until then). Returns (descriptor, uffd number, address)."""
+        from userfault import SlowMemory
+        m = SlowMemory(size)
+        self.buffers[name] = m.array
+        self.regions[name] = self.ep.register(m.array)
+        self.bg_state.setdefault("slow", []).append(m)  # kept until exit
+        return self.regions[name].descriptor(), m.fd, m.addr
+
     def cmd_register_vmm(self, name, size, device, pieces=3, fill=("poison", POISON)):
         """GPU memory from CUDA's VMM API as KV-cache pools make it: `pieces` physical allocations
         (cuMemCreate, shareable as POSIX fds) mapped back to back into one reserved range, seen by torch

@@ -7,6 +7,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -43,11 +45,12 @@ using wire::FrameType;
 namespace ipc {
 
 constexpr uint32_t kHelloMagic = 0x43504954;  // "TIPC"
-constexpr uint16_t kIpcVersion = 7;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
+constexpr uint16_t kIpcVersion = 8;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
                                      // 4: host reads copied by the initiator (kReadReq with kCma);
                                      // 5: the connector opens the lanes, to the listener (same host proven);
                                      // 6: message rings at the end of each bounce segment (ring.h);
-                                     // 7: grants and one-sided small ops (one_sided.h)
+                                     // 7: grants and one-sided small ops (one_sided.h);
+                                     // 8: Hello::mapped_at (a one-sided write clears its hazard itself)
 constexpr const char* kSocketPrefix = "tether-ipc-";  // every endpoint's lane socket: this and 16 hex digits
 constexpr int kSocketBuffer = 1 << 20;        // frames in flight per lane are bounded by the window
 constexpr size_t kMaxParked = 1024;            // lane sockets accepted and not yet claimed by a handshake
@@ -84,6 +87,7 @@ struct Hello {
   uint64_t cookie_addr;  // 8 bytes at this address in the sender hold `cookie`: the CMA probe
   uint64_t cookie;
   uint64_t challenge;    // stage 1: the challenge from the listener's offer for this session
+  uint64_t mapped_at;    // stages 2, 3: where the sender mapped the receiver's bounce segment
 };
 #pragma pack(pop)
 static_assert(sizeof(Frame) == 160);
@@ -97,7 +101,7 @@ constexpr uint8_t kRelease = 0x41;
 // on success n BatchEntry (the fragment as asked, `addr` and `ref` where it lies, `pad` its Where:
 // kCuda, kCma = an address in the target, kShm = an offset in the initiator's segment), then the CudaRefs.
 constexpr uint8_t kReadBatchAnswer = 0x42;
-static_assert(sizeof(Hello) == 48);
+static_assert(sizeof(Hello) == 56);
 
 struct IpcPeer {
   uint64_t session = 0;
@@ -107,6 +111,7 @@ struct IpcPeer {
   uint64_t cookie = 0;               // the other side probes this
   Segment own;                       // our chunks' bounce slots (used when !out_cma)
   Segment theirs;                    // the other side's, mapped (their kShm chunks)
+  uint64_t own_there = 0;            // where the other process mapped `own` (Hello::mapped_at)
   std::unique_ptr<CmaMover> cma;     // set when our probe of the other side worked
   std::unique_ptr<ShmMover> shm;
   // Our chunks are described by address. Set by the listener's lane 0 from the connector's verdict
@@ -356,6 +361,30 @@ void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
   p.answer(q.lane, q.slot, q.gen, ok ? 0 : uint8_t(Code::kInternal));
 }
 
+// This thread's locked buffer for one-sided writes (one_sided.h), holding a copy of `src`; null when
+// it cannot be had (the write then goes as a request). Kept for the thread's life: allocated once.
+const uint8_t* bounce(const uint8_t* src, uint64_t len) {
+  struct Buffer {
+    uint8_t* p = nullptr;
+    uint64_t n = 0;
+    ~Buffer() { if (p) ::munmap(p, n); }
+  };
+  thread_local Buffer b;
+  if (b.n < len) {
+    if (b.p) ::munmap(b.p, b.n);
+    b.n = (std::max<uint64_t>(len, 64 << 10) + 4095) & ~uint64_t(4095);
+    void* m = ::mmap(nullptr, b.n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    b.p = m == MAP_FAILED ? nullptr : static_cast<uint8_t*>(m);
+    if (!b.p) {
+      b.n = 0;
+      return nullptr;
+    }
+    (void)::mlock(b.p, b.n);  // where RLIMIT_MEMLOCK refuses, the pages stay resident unless swapped out
+  }
+  std::memcpy(b.p, src, len);
+  return b.p;
+}
+
 // A small chunk of a descriptor the target granted us (one_sided.h): we move it ourselves and answer
 // it here. kAsk: no grant (the request asks for one); kNo: it goes as a request (a copy that failed
 // goes too: the target's answer says what is wrong).
@@ -373,8 +402,12 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
   if (g.gpu != gpu || (g.readonly && !read) || h.offset < h.desc_offset || h.offset - h.desc_offset > h.desc_length ||
       h.length > h.desc_length - (h.offset - h.desc_offset) || p.failed())
     return OneSided::kNo;
+  // A host write copies out of a locked buffer filled before the hazard: a fault of the source
+  // (swap-in, userfaultfd, a slow file mapping) must not stall a copy the target waits for.
+  const uint8_t* src = op.payload;
+  if (!gpu && !read && !(src = bounce(op.payload, h.length))) return OneSided::kNo;
   bool gone = false;
-  OneSidedInitiator::Context* c = ip.os->enter(h.region_id, &gone);
+  OneSidedInitiator::Context* c = ip.os->enter(h.region_id, read && !gpu, &gone);
   if (!c) {
     if (!gone) return OneSided::kNo;
     ip.os->forget(h.region_id);  // deregistered there (or the peer ends): the request finds out which
@@ -382,8 +415,17 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
   }
   bool ok;
   const uint64_t at = g.base + h.offset;
-  if (!gpu) {
-    ok = (read ? ip.cma->pull(at, op.local, h.length) : ip.cma->push(op.payload, at, h.length)) == 0;
+  if (!gpu && read) {
+    // The target does not wait for a read's hazard: what we read counts only if the region was still
+    // live once the copy ended.
+    ok = ip.cma->pull(at, op.local, h.length) == 0;
+    if (ok && !ip.os->live(h.region_id)) {
+      ip.os->leave(c);
+      ip.os->forget(h.region_id);
+      return OneSided::kAsk;
+    }
+  } else if (!gpu) {
+    ok = ip.cma->push_then_clear(src, at, h.length, ip.os->hazard_there(c)) == 0;
   } else {
     auto map = ip.imports->get(g.ref, op.device);
     ok = map.is_ok() && at <= map.value()->size && h.length <= map.value()->size - at;
@@ -1189,6 +1231,12 @@ bool make_rings(IpcPeer& ip, uint32_t lanes, std::string* why) {
   return true;
 }
 
+// Where the other process maps our one-sided page (0: not known yet).
+uint64_t page_there(const IpcPeer& ip) {
+  if (ip.own_there == 0 || !ip.os_own) return 0;
+  return ip.own_there + uint64_t(reinterpret_cast<const uint8_t*>(ip.os_own) - ip.own.base());
+}
+
 // Decides, from our probe of the other side, how we serve its chunks; false (and *why) when the
 // configuration forbids the outcome.
 bool probe_other(IpcPeer& ip, const Hello& theirs, int host_mode, std::string* why) {
@@ -1250,6 +1298,8 @@ bool finish_listener_setup(Lane& l, int host_mode) {
     fail_peer(p, Code::kUnavailable, why);
     return false;
   }
+  ip.own_there = m.mapped_at;
+  if (ip.os) ip.os->set_ours_there(page_there(ip));
   ip.sending.store(true, std::memory_order_seq_cst);
   pump_all(ip, p);  // chunks posted while we were setting up
   return true;
@@ -1527,12 +1577,21 @@ void IpcTransport::deregister_region(RegionState& region) {
     }
   }
   for (auto& [ip, peer] : peers) {
-    if (!ip->os_own || revoke(*ip->os_own, *ip->os_theirs, region.id, ip->pid, endpoint_->config().deregister_timeout_ms))
-      continue;
-    // Its process stopped in the middle of a copy into the region: that copy can still land when it
-    // runs again (ARCHITECTURE.md, "One-sided small ops"); we stop waiting and drop the peer.
-    peer->fail(Status(Code::kConnectionLost, "peer '" + peer->info().name + "' was copying into region " +
-                                                 std::to_string(region.id) + " while it was deregistered and did not finish"));
+    if (!ip->os_own) continue;
+    // A copy that may still land is waited for as long as its process lives (one_sided.h); past
+    // deregister_timeout_ms the peer is dropped meanwhile, so its transfers end.
+    struct Slow {
+      PeerState* peer;
+      uint32_t region;
+    } slow{peer.get(), region.id};
+    (void)revoke(*ip->os_own, *ip->os_theirs, region.id, ip->pid, endpoint_->config().deregister_timeout_ms,
+                 [](void* arg) {
+                   auto* s = static_cast<Slow*>(arg);
+                   s->peer->fail(Status(Code::kConnectionLost,
+                                        "peer '" + s->peer->info().name + "' held a one-sided copy into region " +
+                                            std::to_string(s->region) + " while it was deregistered (stopped?)"));
+                 },
+                 &slow);
   }
   ipc::Frame f{};
   if (!ipc::region_ref(region, &f.cuda)) return;
@@ -1774,6 +1833,7 @@ Status IpcTransport::attach_listener(const std::shared_ptr<PeerState>& peer, std
   }
   Hello m2 = hello(*ip, 2, 0, lanes);
   m2.verdict = ip->cma != nullptr;
+  m2.mapped_at = reinterpret_cast<uint64_t>(ip->theirs.base());
   ip->ready.store(true, std::memory_order_seq_cst);  // before the connector can have our answer
   if (!send_msg(fds[0], &m2, sizeof m2, ip->own.fd())) { cleanup(); return errno_status(Code::kConnectionLost, "ipc setup"); }
   peer->lane_fds = fds;  // the peer owns them now: fail() shuts them down, its destructor closes them
@@ -1821,6 +1881,8 @@ Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, st
   if (!why.empty()) { cleanup(); return Status(Code::kUnavailable, why); }
   Hello m3 = hello(*ip, 3, 0, lanes);
   m3.verdict = ip->cma != nullptr;
+  m3.mapped_at = reinterpret_cast<uint64_t>(ip->theirs.base());
+  ip->own_there = m2.mapped_at;
   ip->ready.store(true, std::memory_order_seq_cst);
   ip->sending.store(true, std::memory_order_seq_cst);
   if (!send_msg(ip->fds[0], &m3, sizeof m3, -1)) { cleanup(); return Status(Code::kConnectionLost, "ipc setup: the peer is gone"); }
@@ -1847,7 +1909,7 @@ Status IpcTransport::start_lanes(const std::shared_ptr<PeerState>& peer, const s
   ip->imports = std::make_unique<CudaImports>(ip->pid, &endpoint_->stats().ipc_cuda_opens);
   ip->ep = endpoint_;
   ip->one_sided_max = endpoint_->config().ipc_one_sided_bytes;
-  if (ip->one_sided_max > 0) ip->os = std::make_unique<OneSidedInitiator>(ip->os_theirs, ip->os_own);
+  if (ip->one_sided_max > 0) ip->os = std::make_unique<OneSidedInitiator>(ip->os_theirs, ip->os_own, page_there(*ip));
   ip->completer = completer_.get();
   peer->transport_state = ip;
   std::lock_guard lock(mu_);

@@ -1,10 +1,13 @@
 #include "transport/ipc/one_sided.h"
 
+#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <chrono>
 #include <thread>
 
@@ -21,12 +24,28 @@ int64_t steady_ms() {
   return duration_cast<milliseconds>(steady_clock::now().time_since_epoch()).count();
 }
 
-bool process_gone(pid_t pid) { return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH; }
+// The process has exited (or been reaped): none of its threads can copy any more. A zombie counts.
+bool process_exited(pid_t pid) {
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  char path[64], buf[256];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return true;
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return true;
+  buf[n] = 0;
+  const char* paren = std::strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces and parentheses
+  return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+}
 
+// Whether a hazard of the peer may still copy into `region` (0: into anything). A host read's hazard
+// never writes to us. The kernel clears a write's hazard byte by byte after its copy: a value that is
+// neither 0 nor `region` is such a clearing, after the bytes landed.
 bool holds(const OneSidedPage& theirs, uint32_t region) {
   for (const auto& h : theirs.hazard) {
     const uint64_t r = h.region.load(std::memory_order_seq_cst);
-    if (r != 0 && (region == 0 || r == region)) return true;
+    if (r != 0 && !(r & kReadHazard) && (region == 0 || r == region)) return true;
   }
   return false;
 }
@@ -41,21 +60,31 @@ bool mark_live(OneSidedPage& ours, uint32_t region) {
   return slot.compare_exchange_strong(expect, region, std::memory_order_seq_cst) || expect == region;
 }
 
-bool revoke(OneSidedPage& ours, const OneSidedPage& theirs, uint32_t region, pid_t pid, uint32_t timeout_ms) {
-  const int64_t deadline_ms = steady_ms() + timeout_ms;
+bool revoke(OneSidedPage& ours, const OneSidedPage& theirs, uint32_t region, pid_t pid, uint32_t slow_ms,
+            void (*on_slow)(void*), void* arg) {
+  const int64_t slow_at = steady_ms() + slow_ms;
   if (region == 0) {
     ours.closed.store(1, std::memory_order_seq_cst);
   } else {
     uint64_t expect = region;
     ours.live[region % kLiveSlots].compare_exchange_strong(expect, 0, std::memory_order_seq_cst);
   }
-  // A copy holds its hazard for microseconds; only a process stopped in the middle of one holds it
-  // longer, and its copy would land after it runs again: we wait for it as long as we are allowed.
+  // A hazard is held for one copy that cannot wait on a fault of the initiator's memory; only a
+  // thread stopped between its claim and its system call holds it longer, and it copies once it runs
+  // again: we wait for it or for its process to end, never against a clock (one_sided.h).
+  bool slow = false;
   for (uint32_t turn = 0; holds(theirs, region); ++turn) {
-    if (process_gone(pid)) return true;
-    if (steady_ms() >= deadline_ms) return false;
-    if (turn < 64) sched_yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (turn < 64) {
+      sched_yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(turn < 2048 ? 50 : 1000));
+    if (pid > 0 && turn % 16 == 0 && process_exited(pid)) return true;
+    if (!slow && steady_ms() >= slow_at) {
+      slow = true;
+      if (on_slow) on_slow(arg);
+      if (pid <= 0) return false;  // cannot tell whether it still lives: give up, as before
+    }
   }
   return true;
 }
@@ -81,7 +110,7 @@ void OneSidedInitiator::forget(uint32_t region) {
     if (g.region == region) g.region = 0;
 }
 
-OneSidedInitiator::Context* OneSidedInitiator::enter(uint32_t region, bool* gone) {
+OneSidedInitiator::Context* OneSidedInitiator::enter(uint32_t region, bool read, bool* gone) {
   *gone = false;
   // Threads start their search at different contexts, so two rarely meet on one.
   static std::atomic<uint32_t> next{0};
@@ -92,13 +121,23 @@ OneSidedInitiator::Context* OneSidedInitiator::enter(uint32_t region, bool* gone
     if (!k.busy.exchange(true, std::memory_order_acquire)) c = &k;
   }
   if (!c) return nullptr;
-  ours_->hazard[c->index].region.store(region, std::memory_order_seq_cst);
-  if (target_->closed.load(std::memory_order_seq_cst) == 0 &&
-      target_->live[region % kLiveSlots].load(std::memory_order_seq_cst) == region)
-    return c;
+  ours_->hazard[c->index].region.store(region | (read ? kReadHazard : 0), std::memory_order_seq_cst);
+  if (live(region)) return c;
   *gone = true;
   leave(c);
   return nullptr;
+}
+
+bool OneSidedInitiator::live(uint32_t region) const {
+  return target_->closed.load(std::memory_order_seq_cst) == 0 &&
+         target_->live[region % kLiveSlots].load(std::memory_order_seq_cst) == region;
+}
+
+uint64_t OneSidedInitiator::hazard_there(const Context* c) const {
+  const uint64_t there = ours_there_.load(std::memory_order_relaxed);
+  if (there == 0) return 0;
+  return there + uint64_t(reinterpret_cast<const uint8_t*>(&ours_->hazard[c->index].region) -
+                                reinterpret_cast<const uint8_t*>(ours_));
 }
 
 void OneSidedInitiator::leave(Context* c) {

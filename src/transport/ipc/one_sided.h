@@ -13,8 +13,19 @@
 //   target:    (deregister) live slot := 0, or (peer ends) closed := 1; then wait until no hazard of
 //              that peer names the region (every hazard, when closing).
 // Both sides use sequentially consistent operations, so either the initiator sees the region gone
-// and does not copy, or the target sees the hazard and waits for the copy to end. The wait is
-// bounded by deregister_timeout_ms and ends early when the peer's process is gone.
+// and does not copy, or the target sees the hazard and waits for the copy to end. The target waits
+// as long as the hazard's process lives, never against a clock: a copy that may still land is never
+// raced by a timeout. Three rules keep that wait short:
+//  - a host write copies out of a locked bounce buffer the initiator filled before it claimed its
+//    hazard, so no fault of the initiator's source memory (swap-in, a slow file mapping, userfaultfd)
+//    can stall a copy inside the hazard;
+//  - the same process_vm_writev that lands the bytes then clears the hazard (a second iovec into the
+//    target's mapping of our page), so a process stopped after its copy holds no hazard;
+//  - a host read marks its hazard kReadHazard, which the target does not wait for: the reader checks
+//    the region is still live after its copy and discards what it read otherwise.
+// What remains is a thread stopped (SIGSTOP, a debugger) in the few instructions between its claim
+// and its system call: it may copy when it runs again, and no system call lets the target revoke
+// another process's cross-memory attach, so deregister() waits for it (docs/RELIABILITY.md).
 #pragma once
 #include <sys/types.h>
 
@@ -38,6 +49,8 @@ constexpr uint32_t kGrantCache = 64;    // descriptors an initiator remembers gr
 // back to back would run one after another, where as requests the lanes' threads copy them side by
 // side (docs/PERFORMANCE.md, "One-sided small ops").
 constexpr uint64_t kOneSidedGpuMax = 8 << 10;
+// A hazard naming a region for a host read: the target need not wait for it (the reader re-checks).
+constexpr uint64_t kReadHazard = uint64_t(1) << 63;
 
 // Each side's page pair, just before its message rings; the other side maps it.
 struct OneSidedPage {
@@ -72,17 +85,23 @@ struct Grant {
 // when its slot holds another region (that region keeps it; this one stays two-sided).
 bool mark_live(OneSidedPage& ours, uint32_t region);
 // Unmarks `region` (0: closes the page for every region), then waits until the peer's hazards in
-// `theirs` let go of it (0: of everything), at most `timeout_ms` or until process `pid` is gone.
-// False when it gave up waiting.
-bool revoke(OneSidedPage& ours, const OneSidedPage& theirs, uint32_t region, pid_t pid, uint32_t timeout_ms);
+// `theirs` let go of it (0: of everything) or process `pid` has exited. After `slow_ms` it calls
+// `on_slow` once (the caller drops the peer) and goes on waiting; only where the process cannot be
+// seen (pid 0: another pid namespace) does it give up then and return false.
+bool revoke(OneSidedPage& ours, const OneSidedPage& theirs, uint32_t region, pid_t pid, uint32_t slow_ms,
+            void (*on_slow)(void*) = nullptr, void* arg = nullptr);
 
 // Initiator side, one per peer.
 class OneSidedInitiator {
  public:
-  // Both pages: the target's (read) and our own (our hazards).
-  OneSidedInitiator(const OneSidedPage* target, OneSidedPage* ours) : target_(target), ours_(ours) {
+  // Both pages: the target's (read) and our own (our hazards); `ours_there`: where the target maps
+  // our page (0: unknown, the hazard is then cleared by us alone).
+  OneSidedInitiator(const OneSidedPage* target, OneSidedPage* ours, uint64_t ours_there)
+      : target_(target), ours_(ours), ours_there_(ours_there) {
     for (uint32_t i = 0; i < kHazards; ++i) ctx_[i].index = i;
   }
+  // The listener learns `ours_there` after its lanes started, before it sends anything.
+  void set_ours_there(uint64_t at) { ours_there_.store(at, std::memory_order_relaxed); }
   // The grant covering the chunk `h` describes, if we have one.
   bool find(const wire::FrameHeader& h, Grant* out) const;
   void remember(const Grant& g);
@@ -94,14 +113,19 @@ class OneSidedInitiator {
     uint32_t index = 0;
     std::unique_ptr<CudaLane> cuda;
   };
-  // A free context with its hazard naming `region`, if the region is still live for us; nullptr
-  // when none is free or the grant is gone (`*gone` then says which).
-  Context* enter(uint32_t region, bool* gone);
+  // A free context with its hazard naming `region` (a host read's: `read`), if the region is still
+  // live for us; nullptr when none is free or the grant is gone (`*gone` then says which).
+  Context* enter(uint32_t region, bool read, bool* gone);
   void leave(Context* c);
+  // Whether `region` is still live for us (a host read checks it after its copy).
+  bool live(uint32_t region) const;
+  // Where the target maps `c`'s hazard (0: unknown): a host write clears it in its own system call.
+  uint64_t hazard_there(const Context* c) const;
 
  private:
   const OneSidedPage* target_;
   OneSidedPage* ours_;
+  std::atomic<uint64_t> ours_there_;
   mutable std::mutex mu_;  // the cache; held for a lookup or an update, never across a copy
   Grant cache_[kGrantCache];
   Context ctx_[kHazards];
