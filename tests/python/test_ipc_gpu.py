@@ -5,6 +5,9 @@ destinations, every byte; the handle cache (no reopen; a freed and reallocated a
 a deregistered region is refused. Needs CUDA and torch with a GPU; skipped otherwise, saying why.
 With one GPU the GPU0<->GPU1 pairings run GPU0->GPU0 between two processes (CUDA IPC on one device;
 GpuEnv.pairs)."""
+import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -338,3 +341,27 @@ def test_vmm_memory(children, lk, rk, how):
         want = rand_bytes(5, n)
         for _, lo, ro, ln in entries:
             assert_bytes_equal(got[ro:ro + ln], want[lo:lo + ln], f"block at {lo} of a VMM region and its head")
+
+
+@pytest.mark.parametrize("block", [4096, 64 * 1024], ids=["waited-by-poster", "completer"])
+def test_deregister_under_a_stopped_one_sided_gpu_writer(pair, block):
+    """As above, but the child is SIGSTOPped mid-stream (its completer too, with copies queued on the
+    GPU) and continued 1.5 s later: whenever deregister() returns, nothing lands after it."""
+    local, peer, c = pair
+    size = 64 * 1024
+    dst = local.region("dst", "gpu0", size)
+    c.call("register", "s", size, fill=("seed", 52), device=GPU.other)
+    assert c.call("start_stream", "write", "s", dst.descriptor(), block, accepted=True)
+    deadline = time.monotonic() + 10
+    while c.call("stats")["ipc_one_sided_chunks"] < 200 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    c.kill(signal.SIGSTOP)
+    timer = threading.Timer(1.5, lambda: os.kill(c.pid, signal.SIGCONT))
+    timer.start()
+    local.ep.deregister(dst)
+    local.mem["dst"].fill_(0xEE)
+    torch.cuda.synchronize(0)
+    timer.join()
+    time.sleep(0.3)
+    torch.cuda.synchronize(0)
+    assert_poison(local.get("dst"), "a deregistered GPU region under a stopped writer", value=0xEE)
