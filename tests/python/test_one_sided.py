@@ -220,8 +220,8 @@ def _granted_writer(children, me, rd, name):
 @pytest.mark.budget(60)
 def test_a_slow_source_page_lands_nothing_after_deregister(children):
     """The writer's own source page faults for 2 s (userfaultfd) in the middle of a one-sided write.
-    deregister() must return at once, and the write must land nothing then or later: its copy came
-    from a locked buffer filled before the writer claimed its hazard, so the fault stalled no copy."""
+    deregister() must return at once, and the write must land nothing then or later: the writer brings
+    its source pages in before it claims its hazard, so the fault stalled no copy the target waits for."""
     uf = _userfault()
     me = tether.Endpoint(name="T")
     pager = None

@@ -7,8 +7,6 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -361,28 +359,16 @@ void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
   p.answer(q.lane, q.slot, q.gen, ok ? 0 : uint8_t(Code::kInternal));
 }
 
-// This thread's locked buffer for one-sided writes (one_sided.h), holding a copy of `src`; null when
-// it cannot be had (the write then goes as a request). Kept for the thread's life: allocated once.
-const uint8_t* bounce(const uint8_t* src, uint64_t len) {
-  struct Buffer {
-    uint8_t* p = nullptr;
-    uint64_t n = 0;
-    ~Buffer() { if (p) ::munmap(p, n); }
-  };
-  thread_local Buffer b;
-  if (b.n < len) {
-    if (b.p) ::munmap(b.p, b.n);
-    b.n = (std::max<uint64_t>(len, 64 << 10) + 4095) & ~uint64_t(4095);
-    void* m = ::mmap(nullptr, b.n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    b.p = m == MAP_FAILED ? nullptr : static_cast<uint8_t*>(m);
-    if (!b.p) {
-      b.n = 0;
-      return nullptr;
-    }
-    (void)::mlock(b.p, b.n);  // where RLIMIT_MEMLOCK refuses, the pages stay resident unless swapped out
-  }
-  std::memcpy(b.p, src, len);
-  return b.p;
+// Brings every page of `src` in before a one-sided write claims its hazard (one_sided.h): a fault of
+// the source (swap-in, userfaultfd, a slow file mapping) then stalls the writer, not a copy the
+// target's deregister() waits for. One load per page.
+void fault_in(const uint8_t* src, uint64_t len) {
+  const uint64_t page = 4096;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(src) & ~(page - 1);
+  uint8_t sink = 0;
+  for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(src) + len; a += page)
+    sink ^= *reinterpret_cast<const volatile uint8_t*>(std::max(a, reinterpret_cast<uintptr_t>(src)));
+  asm volatile("" : : "r"(sink));
 }
 
 // A small chunk of a descriptor the target granted us (one_sided.h): we move it ourselves and answer
@@ -402,10 +388,7 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
   if (g.gpu != gpu || (g.readonly && !read) || h.offset < h.desc_offset || h.offset - h.desc_offset > h.desc_length ||
       h.length > h.desc_length - (h.offset - h.desc_offset) || p.failed())
     return OneSided::kNo;
-  // A host write copies out of a locked buffer filled before the hazard: a fault of the source
-  // (swap-in, userfaultfd, a slow file mapping) must not stall a copy the target waits for.
-  const uint8_t* src = op.payload;
-  if (!gpu && !read && !(src = bounce(op.payload, h.length))) return OneSided::kNo;
+  if (!gpu && !read) fault_in(op.payload, h.length);
   bool gone = false;
   OneSidedInitiator::Context* c = ip.os->enter(h.region_id, read && !gpu, &gone);
   if (!c) {
@@ -425,7 +408,7 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
       return OneSided::kAsk;
     }
   } else if (!gpu) {
-    ok = ip.cma->push_then_clear(src, at, h.length, ip.os->hazard_there(c)) == 0;
+    ok = ip.cma->push_then_clear(op.payload, at, h.length, ip.os->hazard_there(c)) == 0;
   } else {
     auto map = ip.imports->get(g.ref, op.device);
     ok = map.is_ok() && at <= map.value()->size && h.length <= map.value()->size - at;

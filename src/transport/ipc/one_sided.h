@@ -15,10 +15,10 @@
 // Both sides use sequentially consistent operations, so either the initiator sees the region gone
 // and does not copy, or the target sees the hazard and waits for the copy to end. The target waits
 // as long as the hazard's process lives, never against a clock: a copy that may still land is never
-// raced by a timeout. Three rules keep that wait short:
-//  - a host write copies out of a locked bounce buffer the initiator filled before it claimed its
-//    hazard, so no fault of the initiator's source memory (swap-in, a slow file mapping, userfaultfd)
-//    can stall a copy inside the hazard;
+// raced by a timeout. Three rules keep that wait to the length of one small copy:
+//  - a host write brings its source pages in (one load per page) before it claims its hazard, so a
+//    fault of the initiator's source memory (swap-in, a slow file mapping, userfaultfd) stalls the
+//    writer before its hazard, not a copy the target waits for;
 //  - the same process_vm_writev that lands the bytes then clears the hazard (a second iovec into the
 //    target's mapping of our page), so a process stopped after its copy holds no hazard;
 //  - a host read marks its hazard kReadHazard, which the target does not wait for: the reader checks
