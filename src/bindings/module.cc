@@ -229,7 +229,7 @@ NB_MODULE(_tether, m) {
       .def("set", [](Config& c, const std::string& option, const std::string& value) { check(c.set(option, value)); },
            "option"_a, "value"_a, "Sets an option from its text as a TETHER_* variable's is parsed (keyword units: "
            "seconds for timeouts); InvalidArgument names the option")
-      .def("get", &Config::get, "option"_a)
+      .def("get", [](const Config& c, const std::string& option) { return c.get(option); }, "option"_a)
       .def_rw("host", &Config::host)
       .def_rw("port", &Config::port)
       .def_rw("channels", &Config::channels)
