@@ -16,7 +16,7 @@ Remote = Union[bytes, str, _tether.RemoteRegion]  # str: a descriptor's .hex() t
 # TETHER_* environment override). Options of kind "seconds" are given in seconds, stored in milliseconds.
 _TABLE = [o for o in _tether.options() if o["keyword"]]
 _OPTIONS = {o["keyword"]: o["keyword"] for o in _TABLE if o["kind"] != "seconds"}
-_SECONDS = {o["keyword"]: o["keyword"] + "_ms" for o in _TABLE if o["kind"] == "seconds"}
+_SECONDS = {o["keyword"] for o in _TABLE if o["kind"] == "seconds"}  # field: keyword + "_ms"
 
 
 def _set_option(cfg: "_tether.Config", key: str, field: str, value: Any) -> None:

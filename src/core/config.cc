@@ -195,7 +195,10 @@ bool parse_value(const Option& o, std::string_view text, bool env, Config* c) {
   switch (o.kind) {
     case Kind::kText: break;
     case Kind::kChoice: ok = is_choice(o.choices, text); break;
-    case Kind::kBool: ok = sys::parse_bool(text, &b), n = b; break;
+    case Kind::kBool:
+      ok = sys::parse_bool(text, &b);
+      n = b;
+      break;
     case Kind::kCount: ok = sys::parse_uint(text, max, &n); break;
     case Kind::kSize: ok = sys::parse_size(text, max, &n); break;
     case Kind::kSeconds: ok = sys::parse_duration(text, env ? 1e3 : 1e6, 1e3, max, &n); break;

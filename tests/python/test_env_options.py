@@ -183,8 +183,9 @@ def test_readme_option_table_is_the_option_table():
         f"stale in README: {sorted(set(documented) - set(table), key=str)}")
 
 
-def _nixl_plugin_ready() -> str:
-    """Why the NIXL test cannot run here, or "" (our plugin then sits in the installed NIXL's folder)."""
+def _nixl_plugin_dir(folder: Path) -> str:
+    """Why the NIXL test cannot run here, or "" once `folder` holds this build's plugin (a folder of our
+    own: NIXL's shared one may meanwhile get another build's plugin from another test run)."""
     try:
         import tether.nixl as tn
         info = tn.nixl_installed()
@@ -194,7 +195,7 @@ def _nixl_plugin_ready() -> str:
         return "NIXL is not installed"
     if tn.plugin_path() is None:
         return "tether was built without NIXL headers"
-    tn.install(info["plugin_dir"])
+    tn.install(str(folder))
     return ""
 
 
@@ -212,16 +213,17 @@ else:
 
 
 @pytest.mark.budget(90)
-def test_nixl_backend_parameters_and_variables_use_the_same_parser():
-    why = _nixl_plugin_ready()
+def test_nixl_backend_parameters_and_variables_use_the_same_parser(tmp_path):
+    why = _nixl_plugin_dir(tmp_path)
     if why:
         pytest.skip(why)
 
     def create(*params, env=None):
         e = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
-        r = subprocess.run([sys.executable, "-c", NIXL_CREATE, *params], env=dict(e, NIXL_LOG_LEVEL="WARN", **(env or {})),
-                           capture_output=True, text=True, timeout=60)
-        return r.stdout.strip().splitlines()[-1], r.stdout + r.stderr
+        e.update(NIXL_LOG_LEVEL="WARN", NIXL_PLUGIN_DIR=str(tmp_path), **(env or {}))
+        r = subprocess.run([sys.executable, "-c", NIXL_CREATE, *params], env=e, capture_output=True, text=True,
+                           timeout=60)
+        return (r.stdout.strip().splitlines() or [""])[-1], r.stdout + r.stderr
 
     outcome, log = create("chunk_bytes=4M", "peer_timeout=2.5s", "disable_ipc=yes")
     assert outcome == "CREATED", log
