@@ -1,5 +1,6 @@
-// Every knob of an Endpoint. Each field has a TETHER_* environment override,
-// applied by Config::from_env() on top of the defaults (explicit options win over both).
+// Every knob of an Endpoint. Each field has a TETHER_* environment override, applied by
+// Config::from_env() on top of the defaults (explicit options win over both). The option table with a
+// help line per knob is in src/core/config.cc (Config::options()).
 // Defaults are the measured ones recorded in docs/PERFORMANCE.md.
 #pragma once
 #include <cstdint>
@@ -81,8 +82,13 @@ struct Config {
   uint32_t fabric_delivery_complete = 1;  // TETHER_FABRIC_DELIVERY_COMPLETE: 0 = never ask it (writes then
                                           // end with a one-byte flush read; for providers and tests)
 
-  // Defaults overridden by TETHER_* variables that are set.
-  static Config from_env();
+  // Defaults overridden by the TETHER_* variables that are set and not empty, each parsed as its keyword
+  // is by set() (sizes with K/M/G units, booleans, durations; *_MS variables count milliseconds). A value
+  // its option does not accept is kInvalidArgument naming the variable, its value and what it accepts.
+  static Result<Config> from_env();
+  // The process-wide knobs (environment only: TETHER_TRACE, TETHER_KERNEL_STAGING, ...) checked the
+  // same way; Endpoint::create calls it.
+  static Status check_process_env();
   // Sets one option by the name Python's tether.Endpoint(...) keyword has ("channels", "peer_timeout"
   // in seconds, ...), from its text: kInvalidArgument names the option and what was wrong.
   Status set(std::string_view option, std::string_view value);
@@ -90,6 +96,13 @@ struct Config {
   std::string get(std::string_view option) const;
   // Every option name set() accepts, in declaration order.
   static std::vector<std::string> option_names();
+  // The option table: every knob, with its keyword ("" for a process-wide one), variable, kind (text,
+  // choice, bool, count, size, seconds, microseconds), default here, allowed values (choice), help line,
+  // and what its variable accepts.
+  struct OptionInfo {
+    std::string keyword, env, kind, default_value, choices, help, accepts;
+  };
+  static std::vector<OptionInfo> options();
 };
 
 }  // namespace tether

@@ -12,34 +12,20 @@ from tether import _tether
 
 Remote = Union[bytes, str, _tether.RemoteRegion]  # str: a descriptor's .hex() text
 
-# Constructor options -> Config fields (each also has a TETHER_* environment override).
-_OPTIONS = {
-    "host": "host", "port": "port", "channels": "channels",
-    "sockets_per_channel": "sockets_per_channel", "chunk_bytes": "chunk_bytes",
-    "window": "window", "socket_buffer": "socket_buffer", "spin_us": "spin_us",
-    "busy_poll_us": "busy_poll_us", "staging_nap_us": "staging_nap_us", "wait_nap_us": "wait_nap_us",
-    "auth_token": "auth_token", "name": "name", "transport": "transport",
-    "net_plugin": "net_plugin", "net_comms": "net_comms", "net_bindings": "net_bindings", "unpack": "unpack",
-    "nics": "nics", "control_nic": "control_nic", "tx_cpus": "tx_cpus", "rx_cpus": "rx_cpus",
-    "pin_threads": "pin_threads",
-    "disable_ipc": "disable_ipc", "ipc_host": "ipc_host", "ipc_gpu_chunk_bytes": "ipc_gpu_chunk_bytes",
-    "ipc_one_sided_bytes": "ipc_one_sided_bytes",
-    "fabric_library": "fabric_library", "fabric_provider": "fabric_provider",
-    "fabric_domains": "fabric_domains", "fabric_rails": "fabric_rails",
-    "fabric_delivery_complete": "fabric_delivery_complete", "fabric_busy_poll": "fabric_busy_poll",
-    "notify_max_bytes": "notify_max_bytes", "notify_queue_peer_bytes": "notify_queue_peer_bytes",
-    "notify_queue_bytes": "notify_queue_bytes",
-}
-_SECONDS = {  # options given in seconds, stored in milliseconds
-    "connect_timeout": "connect_timeout_ms", "peer_timeout": "peer_timeout_ms",
-    "heartbeat": "heartbeat_ms", "handshake_timeout": "handshake_timeout_ms",
-    "lane_timeout": "lane_timeout_ms", "deregister_timeout": "deregister_timeout_ms",
-}
+# Constructor options -> Config fields, from the option table (src/core/config.cc; each also has a
+# TETHER_* environment override). Options of kind "seconds" are given in seconds, stored in milliseconds.
+_TABLE = [o for o in _tether.options() if o["keyword"]]
+_OPTIONS = {o["keyword"]: o["keyword"] for o in _TABLE if o["kind"] != "seconds"}
+_SECONDS = {o["keyword"] for o in _TABLE if o["kind"] == "seconds"}  # field: keyword + "_ms"
 
 
 def _set_option(cfg: "_tether.Config", key: str, field: str, value: Any) -> None:
     """Sets one Config field; a value of the wrong type or range is InvalidArgument naming the option
-    (nanobind's own conversion error names neither)."""
+    (nanobind's own conversion error names neither). Text is parsed as the option's TETHER_* variable is
+    ("4M", "yes", "2.5s"), by the same C++ parser."""
+    if isinstance(value, str):
+        cfg.set(key, value)
+        return
     try:
         setattr(cfg, field, value)
     except (TypeError, ValueError, OverflowError):
@@ -47,6 +33,26 @@ def _set_option(cfg: "_tether.Config", key: str, field: str, value: Any) -> None
         want = ("True or False" if isinstance(current, bool) else "a string" if isinstance(current, str)
                 else "a non-negative integer in range")
         raise _tether.InvalidArgument(f"option {key}: expected {want}, got {value!r}") from None
+
+
+def _config(options: dict) -> "_tether.Config":
+    """The Config an Endpoint with these keywords gets: defaults, then TETHER_* variables (a bad one is
+    InvalidArgument naming it), then the keywords (None keeps the lower layers)."""
+    cfg = _tether.Config.from_env()
+    for key, value in options.items():
+        if value is None:
+            continue
+        if key in _OPTIONS:
+            _set_option(cfg, key, _OPTIONS[key], value)
+        elif key in _SECONDS:
+            if not isinstance(value, str):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                    raise _tether.InvalidArgument(f"{key} is in seconds: expected a number >= 0, got {value!r}")
+                value = format(value, "f") if isinstance(value, float) else str(value)
+            cfg.set(key, value)  # rounded to milliseconds as the variable's text is; inf is refused there
+        else:
+            raise TypeError(f"Endpoint() got an unknown option {key!r}")
+    return cfg
 
 
 _U64 = 1 << 64
@@ -391,10 +397,12 @@ class _InstanceOrClass:
 class Endpoint:
     """One per process. Listens, accepts peers by itself, owns regions, peers and progress threads.
 
-    Options (each with a TETHER_* environment override): host, port, channels, sockets_per_channel,
-    chunk_bytes, window, socket_buffer, spin_us, busy_poll_us, staging_nap_us, wait_nap_us, auth_token, name, transport,
+    Options (each with a TETHER_* environment override; `tether._tether.options()` lists them with a
+    help line, README "Options" too): host, port, channels, sockets_per_channel, chunk_bytes, window,
+    socket_buffer, spin_us, busy_poll_us, staging_nap_us, wait_nap_us, auth_token, name, transport,
     net_plugin, net_comms, net_bindings, unpack, and in seconds connect_timeout, peer_timeout, heartbeat,
-    handshake_timeout.
+    handshake_timeout, ... Text values are parsed as the variables are: sizes "4M", booleans "yes",
+    durations "2.5s".
     """
 
     def __init__(self, host: Optional[str] = None, port: Optional[int] = None, **options: Any):
@@ -402,19 +410,7 @@ class Endpoint:
         `port` (default 0: an ephemeral port; `address` says which). `options` are the keywords listed
         in the class docstring (README "Options"); each defaults to its TETHER_* environment variable,
         else to the measured default. An unknown option raises TypeError."""
-        cfg = _tether.Config.from_env()
-        options.update({k: v for k, v in (("host", host), ("port", port)) if v is not None})
-        for key, value in options.items():
-            if value is None:
-                continue
-            if key in _OPTIONS:
-                _set_option(cfg, key, _OPTIONS[key], value)
-            elif key in _SECONDS:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                    raise _tether.InvalidArgument(f"{key} is in seconds: expected a number >= 0, got {value!r}")
-                _set_option(cfg, key, _SECONDS[key], int(value * 1000))
-            else:
-                raise TypeError(f"Endpoint() got an unknown option {key!r}")
+        cfg = _config(dict(options, **{k: v for k, v in (("host", host), ("port", port)) if v is not None}))
         self.config = cfg
         self._ep = _tether.Endpoint.create(cfg)
         self._regions: dict[int, Region] = {}

@@ -225,7 +225,11 @@ NB_MODULE(_tether, m) {
 
   nb::class_<Config>(m, "Config")
       .def(nb::init<>())
-      .def_static("from_env", &Config::from_env)
+      .def_static("from_env", [] { return take(Config::from_env()); })
+      .def("set", [](Config& c, const std::string& option, const std::string& value) { check(c.set(option, value)); },
+           "option"_a, "value"_a, "Sets an option from its text as a TETHER_* variable's is parsed (keyword units: "
+           "seconds for timeouts); InvalidArgument names the option")
+      .def("get", [](const Config& c, const std::string& option) { return c.get(option); }, "option"_a)
       .def_rw("host", &Config::host)
       .def_rw("port", &Config::port)
       .def_rw("channels", &Config::channels)
@@ -467,6 +471,23 @@ NB_MODULE(_tether, m) {
     const bool cuda = tether::gpu::cuda(&why) != nullptr;
     const bool kernels = tether::gpu::kernels_available(&kwhy);
     return nb::make_tuple(cuda, why, tether::gpu::device_count(), kernels, kwhy);
+  });
+  // The option table (src/core/config.cc): one dict per knob. The Endpoint keywords, the tests and the
+  // README's option table are derived from it.
+  m.def("options", [] {
+    nb::list out;
+    for (const Config::OptionInfo& o : Config::options()) {
+      nb::dict d;
+      d["keyword"] = o.keyword.empty() ? nb::none() : nb::cast(o.keyword);
+      d["env"] = o.env;
+      d["kind"] = o.kind;
+      d["default"] = o.default_value;
+      d["choices"] = o.choices;
+      d["help"] = o.help;
+      d["accepts"] = o.accepts;
+      out.append(d);
+    }
+    return out;
   });
   // What the C++ side decides for a Config on this host: NICs, their order, the control NIC, where
   // progress threads run, and (with a device's PCI path / NUMA node) the NIC ranking. The doctor shows it.

@@ -1,119 +1,271 @@
 #include "tether/config.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <thread>
 #include <variant>
 
+#include "sys/env.h"
+
 namespace tether {
 namespace {
 
-// One option: its keyword (Python's tether.Endpoint, NIXL backend parameters), its environment
-// variable and its field. Keywords of *_ms fields take seconds, as Python's do; variables milliseconds.
-using Field = std::variant<std::string Config::*, uint16_t Config::*, uint32_t Config::*, uint64_t Config::*,
-                           bool Config::*>;
+// What a value is, and so which parser reads it (sys/env.h). kSeconds fields hold milliseconds: their
+// keyword counts seconds (as Python's does), their *_MS variable milliseconds; both take "ms"/"s" units.
+enum class Kind { kText, kChoice, kBool, kCount, kSize, kSeconds, kMicros };
+
+using Field = std::variant<std::monostate, std::string Config::*, uint16_t Config::*, uint32_t Config::*,
+                           uint64_t Config::*, bool Config::*>;
+
+// One knob: its keyword (Python's tether.Endpoint, NIXL backend parameters; nullptr for a process-wide
+// knob read from the environment only), its variable, its field, its kind and a help line.
 struct Option {
   const char* keyword;
   const char* env;
   Field field;
-  bool seconds = false;
+  Kind kind;
+  const char* help;
+  const char* choices = nullptr;  // kChoice: the values, comma-separated ("" = the default, always)
+  const char* fallback = "";      // process-wide knobs: the default
 };
 
-const Option kOptions[] = {
-    {"host", "TETHER_HOST", &Config::host},
-    {"port", "TETHER_PORT", &Config::port},
-    {"channels", "TETHER_CHANNELS", &Config::channels},
-    {"sockets_per_channel", "TETHER_SOCKETS_PER_CHANNEL", &Config::sockets_per_channel},
-    {"chunk_bytes", "TETHER_CHUNK_BYTES", &Config::chunk_bytes},
-    {"window", "TETHER_WINDOW", &Config::window},
-    {"socket_buffer", "TETHER_SOCKET_BUFFER", &Config::socket_buffer},
-    {"connect_timeout", "TETHER_CONNECT_TIMEOUT_MS", &Config::connect_timeout_ms, true},
-    {"peer_timeout", "TETHER_PEER_TIMEOUT_MS", &Config::peer_timeout_ms, true},
-    {"heartbeat", "TETHER_HEARTBEAT_MS", &Config::heartbeat_ms, true},
-    {"handshake_timeout", "TETHER_HANDSHAKE_TIMEOUT_MS", &Config::handshake_timeout_ms, true},
-    {"spin_us", "TETHER_SPIN_US", &Config::spin_us},
-    {"busy_poll_us", "TETHER_BUSY_POLL_US", &Config::busy_poll_us},
-    {"staging_nap_us", "TETHER_STAGING_NAP_US", &Config::staging_nap_us},
-    {"wait_nap_us", "TETHER_WAIT_NAP_US", &Config::wait_nap_us},
-    {"auth_token", "TETHER_AUTH_TOKEN", &Config::auth_token},
-    {"name", "TETHER_NAME", &Config::name},
-    {"unpack", "TETHER_UNPACK", &Config::unpack},
-    {"transport", "TETHER_TRANSPORT", &Config::transport},
-    {"net_plugin", "TETHER_NET_PLUGIN", &Config::net_plugin},
-    {"net_comms", "TETHER_NET_COMMS", &Config::net_comms},
-    {"net_bindings", "TETHER_NET_BINDINGS", &Config::net_bindings},
-    {"nics", "TETHER_NICS", &Config::nics},
-    {"control_nic", "TETHER_CONTROL_NIC", &Config::control_nic},
-    {"tx_cpus", "TETHER_TX_CPUS", &Config::tx_cpus},
-    {"rx_cpus", "TETHER_RX_CPUS", &Config::rx_cpus},
-    {"pin_threads", "TETHER_PIN_THREADS", &Config::pin_threads},
-    {"lane_timeout", "TETHER_LANE_TIMEOUT_MS", &Config::lane_timeout_ms, true},
-    {"deregister_timeout", "TETHER_DEREGISTER_TIMEOUT_MS", &Config::deregister_timeout_ms, true},
-    {"notify_max_bytes", "TETHER_NOTIFY_MAX_BYTES", &Config::notify_max_bytes},
-    {"notify_queue_peer_bytes", "TETHER_NOTIFY_QUEUE_PEER_BYTES", &Config::notify_queue_peer_bytes},
-    {"notify_queue_bytes", "TETHER_NOTIFY_QUEUE_BYTES", &Config::notify_queue_bytes},
-    {"disable_ipc", "TETHER_DISABLE_IPC", &Config::disable_ipc},
-    {"ipc_host", "TETHER_IPC_HOST", &Config::ipc_host},
-    {"ipc_gpu_chunk_bytes", "TETHER_IPC_GPU_CHUNK_BYTES", &Config::ipc_gpu_chunk_bytes},
-    {"ipc_one_sided_bytes", "TETHER_IPC_ONE_SIDED_BYTES", &Config::ipc_one_sided_bytes},
-    {"fabric_library", "TETHER_LIBFABRIC_SO", &Config::fabric_library},
-    {"fabric_provider", "TETHER_FABRIC_PROVIDER", &Config::fabric_provider},
-    {"fabric_domains", "TETHER_FABRIC_DOMAINS", &Config::fabric_domains},
-    {"fabric_rails", "TETHER_FABRIC_RAILS", &Config::fabric_rails},
-    {"fabric_busy_poll", "TETHER_FABRIC_BUSY_POLL", &Config::fabric_busy_poll},
-    {"fabric_delivery_complete", "TETHER_FABRIC_DELIVERY_COMPLETE", &Config::fabric_delivery_complete},
+using C = Config;
+constexpr Option kOptions[] = {
+    {"host", "TETHER_HOST", &C::host, Kind::kText, "listen address; 0.0.0.0 for every interface"},
+    {"port", "TETHER_PORT", &C::port, Kind::kCount, "listen port; 0 = ephemeral"},
+    {"channels", "TETHER_CHANNELS", &C::channels, Kind::kCount,
+     "progress threads; lanes per peer = channels x sockets_per_channel (default: half the CPUs, 4 to 16)"},
+    {"sockets_per_channel", "TETHER_SOCKETS_PER_CHANNEL", &C::sockets_per_channel, Kind::kCount,
+     "data sockets each progress thread drives per peer"},
+    {"chunk_bytes", "TETHER_CHUNK_BYTES", &C::chunk_bytes, Kind::kSize, "unit of pipelining and scheduling"},
+    {"window", "TETHER_WINDOW", &C::window, Kind::kCount, "chunks in flight (unacknowledged) per peer"},
+    {"socket_buffer", "TETHER_SOCKET_BUFFER", &C::socket_buffer, Kind::kSize,
+     "SO_SNDBUF/SO_RCVBUF of each data socket; 0 = the kernel's default"},
+    {"connect_timeout", "TETHER_CONNECT_TIMEOUT_MS", &C::connect_timeout_ms, Kind::kSeconds,
+     "connect() gives up after this long"},
+    {"peer_timeout", "TETHER_PEER_TIMEOUT_MS", &C::peer_timeout_ms, Kind::kSeconds,
+     "a peer silent this long is declared dead"},
+    {"heartbeat", "TETHER_HEARTBEAT_MS", &C::heartbeat_ms, Kind::kSeconds, "interval of keep-alive messages"},
+    {"handshake_timeout", "TETHER_HANDSHAKE_TIMEOUT_MS", &C::handshake_timeout_ms, Kind::kSeconds,
+     "unfinished incoming handshakes are dropped after this long"},
+    {"spin_us", "TETHER_SPIN_US", &C::spin_us, Kind::kMicros,
+     "wait() on a small transfer spins this long before sleeping"},
+    {"busy_poll_us", "TETHER_BUSY_POLL_US", &C::busy_poll_us, Kind::kMicros,
+     "wait() on any transfer, and an ipc lane after each message, spins this long before sleeping "
+     "(default 1000 on 8 or more CPUs, else 0)"},
+    {"staging_nap_us", "TETHER_STAGING_NAP_US", &C::staging_nap_us, Kind::kMicros,
+     "a tcp thread waiting only on staged GPU copies sleeps this long between polls of them; 0 spins"},
+    {"wait_nap_us", "TETHER_WAIT_NAP_US", &C::wait_nap_us, Kind::kMicros,
+     "with busy polling on, wait() on a tcp transfer of 4 MiB or more naps this long instead of spinning; 0 spins"},
+    {"auth_token", "TETHER_AUTH_TOKEN", &C::auth_token, Kind::kText,
+     "shared secret peers must prove they hold; empty = no authentication"},
+    {"name", "TETHER_NAME", &C::name, Kind::kText, "name shown to peers; empty = host:pid"},
+    {"unpack", "TETHER_UNPACK", &C::unpack, Kind::kChoice,
+     "how received GPU chunks are unpacked; empty = kernel when built, else d2d", "kernel,d2d,host"},
+    {"transport", "TETHER_TRANSPORT", &C::transport, Kind::kChoice,
+     "auto = the best both sides offer", "auto,tcp,ipc,fabric,netplugin"},
+    {"net_plugin", "TETHER_NET_PLUGIN", &C::net_plugin, Kind::kText,
+     "path of an NCCL net plugin for the netplugin transport (docs/NETPLUGIN.md)"},
+    {"net_comms", "TETHER_NET_COMMS", &C::net_comms, Kind::kCount,
+     "netplugin lanes per peer; 0 = one per plugin device, at least 2"},
+    {"net_bindings", "TETHER_NET_BINDINGS", &C::net_bindings, Kind::kText,
+     "\"nic:cpus;nic:cpus\": CPUs of the thread serving each netplugin device"},
+    {"nics", "TETHER_NICS", &C::nics, Kind::kText, "data NICs in order, \"eth1,eth2\"; empty = every NIC that is up"},
+    {"control_nic", "TETHER_CONTROL_NIC", &C::control_nic, Kind::kText,
+     "NIC of the control connection; empty = that of the listen or target address"},
+    {"tx_cpus", "TETHER_TX_CPUS", &C::tx_cpus, Kind::kText,
+     "\"eth1:8-21;eth2:22-35\": CPUs of the progress threads serving each NIC"},
+    {"rx_cpus", "TETHER_RX_CPUS", &C::rx_cpus, Kind::kText, "same form as tx_cpus; a thread drives both directions"},
+    {"pin_threads", "TETHER_PIN_THREADS", &C::pin_threads, Kind::kBool,
+     "pin progress threads to CPUs local to their NIC"},
+    {"lane_timeout", "TETHER_LANE_TIMEOUT_MS", &C::lane_timeout_ms, Kind::kSeconds,
+     "data unacknowledged this long kills a lane; its chunks move to the others"},
+    {"deregister_timeout", "TETHER_DEREGISTER_TIMEOUT_MS", &C::deregister_timeout_ms, Kind::kSeconds,
+     "an ipc peer still holding a region this long after deregister() is disconnected"},
+    {"notify_max_bytes", "TETHER_NOTIFY_MAX_BYTES", &C::notify_max_bytes, Kind::kSize,
+     "largest notification accepted, at most 1 MiB"},
+    {"notify_queue_peer_bytes", "TETHER_NOTIFY_QUEUE_PEER_BYTES", &C::notify_queue_peer_bytes, Kind::kSize,
+     "unread notifications kept from one peer"},
+    {"notify_queue_bytes", "TETHER_NOTIFY_QUEUE_BYTES", &C::notify_queue_bytes, Kind::kSize,
+     "unread notifications kept from all peers together"},
+    {"disable_ipc", "TETHER_DISABLE_IPC", &C::disable_ipc, Kind::kBool, "never offer ipc; same-host peers use tcp"},
+    {"ipc_host", "TETHER_IPC_HOST", &C::ipc_host, Kind::kChoice,
+     "host memory over ipc: cma (cross-memory attach), shm, or auto (cma where the kernel allows it)", "auto,cma,shm"},
+    {"ipc_gpu_chunk_bytes", "TETHER_IPC_GPU_CHUNK_BYTES", &C::ipc_gpu_chunk_bytes, Kind::kSize,
+     "chunk size over ipc when both ends are GPU memory"},
+    {"ipc_one_sided_bytes", "TETHER_IPC_ONE_SIDED_BYTES", &C::ipc_one_sided_bytes, Kind::kSize,
+     "ipc writes and reads up to this size of a granted descriptor are moved by the initiator itself; 0 = off"},
+    {"fabric_library", "TETHER_LIBFABRIC_SO", &C::fabric_library, Kind::kText,
+     "path of libfabric; empty = the system's libfabric.so.1"},
+    {"fabric_provider", "TETHER_FABRIC_PROVIDER", &C::fabric_provider, Kind::kText,
+     "libfabric provider (cxi, efa, verbs, tcp, shm); empty = the first of cxi, efa, verbs, tcp"},
+    {"fabric_domains", "TETHER_FABRIC_DOMAINS", &C::fabric_domains, Kind::kText,
+     "comma-separated fabric domains (NICs) to use; empty = all"},
+    {"fabric_rails", "TETHER_FABRIC_RAILS", &C::fabric_rails, Kind::kCount, "at most this many fabric rails; 0 = all"},
+    {"fabric_busy_poll", "TETHER_FABRIC_BUSY_POLL", &C::fabric_busy_poll, Kind::kBool,
+     "fabric progress threads never sleep in the completion queue (always on for shm)"},
+    {"fabric_delivery_complete", "TETHER_FABRIC_DELIVERY_COMPLETE", &C::fabric_delivery_complete, Kind::kBool,
+     "ask the provider for delivery-complete writes; off: writes end with a one-byte flush read"},
+    // Process-wide, environment only: read once by the code they steer.
+    {nullptr, "TETHER_TRACE", {}, Kind::kText,
+     "file prefix: record every chunk's steps to <prefix>.<pid>.tsv (bench/tools/trace_report.py)"},
+    {nullptr, "TETHER_LIBCUDA_SO", {}, Kind::kText, "path of the CUDA driver library; empty = libcuda.so.1"},
+    {nullptr, "TETHER_KERNEL_STAGING", {}, Kind::kChoice,
+     "kernel-mode GPU copies stage through device scratch memory, or read and write pinned memory directly",
+     "scratch,direct", "scratch"},
+    {nullptr, "TETHER_X_FIRST_COPIES", {}, Kind::kBool,
+     "A/B switch: tcp lanes start no further copy out of a GPU while another waits for its first", nullptr, "1"},
+    {nullptr, "TETHER_FABRIC_STAGE_HOST", {}, Kind::kBool,
+     "test knob: fabric treats host regions like GPU memory on providers without FI_HMEM", nullptr, "0"},
+    {nullptr, "TETHER_NET_FAULT", {}, Kind::kChoice,
+     "test fault: netplugin hands receives back before their unpack", "consume_early"},
 };
 
-// Strict: the whole text must be a number in the field's range.
-template <typename T>
-bool parse_uint(std::string_view text, T* out) {
-  if (text.empty() || text.size() > 24) return false;
-  const std::string s(text);
-  if (!std::isdigit(static_cast<unsigned char>(s[0]))) return false;  // strtoull would take "-1" and " 1"
-  errno = 0;
-  char* end = nullptr;
-  const unsigned long long v = std::strtoull(s.c_str(), &end, 0);
-  if (errno != 0 || *end != '\0' || v > std::numeric_limits<T>::max()) return false;
-  *out = static_cast<T>(v);
-  return true;
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kText: return "text";
+    case Kind::kChoice: return "choice";
+    case Kind::kBool: return "bool";
+    case Kind::kCount: return "count";
+    case Kind::kSize: return "size";
+    case Kind::kSeconds: return "seconds";
+    case Kind::kMicros: return "microseconds";
+  }
+  return "";
 }
 
-bool parse_bool(std::string_view text, bool* out) {
-  if (text == "1" || text == "true" || text == "True" || text == "yes") return *out = true, true;
-  if (text == "0" || text == "false" || text == "False" || text == "no") return *out = false, true;
-  return false;
-}
-
-// Seconds (a decimal number) into whole milliseconds.
-bool parse_seconds_ms(std::string_view text, uint32_t* out) {
-  if (text.empty() || text.size() > 24) return false;
-  const std::string s(text);
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  if (*end != '\0' || !std::isfinite(v) || v < 0 || v * 1000.0 > double(std::numeric_limits<uint32_t>::max())) return false;
-  *out = static_cast<uint32_t>(std::llround(v * 1000.0));
-  return true;
-}
-
-// Environment variables keep their historic leniency (strtoull, milliseconds for *_MS).
-void apply_env(Config& c, const Option& o) {
-  const char* v = std::getenv(o.env);
-  if (!v) return;
-  std::visit([&](auto member) {
-    using T = std::remove_reference_t<decltype(c.*member)>;
-    if constexpr (std::is_same_v<T, std::string>) {
-      c.*member = v;
-    } else if (*v) {
-      c.*member = static_cast<T>(std::strtoull(v, nullptr, 0));
+// The largest value the row's field holds.
+uint64_t field_max(const Option& o) {
+  return std::visit([](auto member) -> uint64_t {
+    using M = decltype(member);
+    if constexpr (std::is_same_v<M, std::monostate> || std::is_same_v<M, std::string Config::*>) {
+      return 0;
+    } else {
+      using T = std::remove_cvref_t<decltype(std::declval<Config&>().*member)>;
+      return std::numeric_limits<T>::max();
     }
   }, o.field);
 }
 
+// "kernel, d2d or host"
+std::string choice_list(const char* choices) {
+  std::string s;
+  for (const char* p = choices; *p; ++p) s += *p == ',' ? std::string(std::strchr(p + 1, ',') ? ", " : " or ") : std::string(1, *p);
+  return s;
+}
+
+bool is_choice(const char* choices, std::string_view text) {
+  std::string_view all(choices);
+  for (size_t start = 0; start <= all.size();) {
+    const size_t end = std::min(all.find(',', start), all.size());
+    if (all.substr(start, end - start) == text) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+// What the row accepts, as the end of "...: expected <this>". `env`: the text came from the variable.
+std::string expected(const Option& o, bool env) {
+  const uint64_t max = field_max(o);
+  switch (o.kind) {
+    case Kind::kText: return "text";
+    case Kind::kChoice: return choice_list(o.choices);
+    case Kind::kBool: return "true or false (or 1/0, yes/no, on/off)";
+    case Kind::kCount: return "a whole number from 0 to " + std::to_string(max);
+    case Kind::kSize:
+      return std::string("a size in bytes") + (max < UINT64_MAX ? " up to " + std::to_string(max) : "") +
+             " (e.g. 4194304, 4M, 4MiB)";
+    case Kind::kSeconds:
+      return env ? "a duration in milliseconds (e.g. 2500, 2500ms, 2.5s)" : "a duration in seconds (e.g. 2.5, 2500ms, 2.5s)";
+    case Kind::kMicros: return "a duration in microseconds (e.g. 50, 50us, 0.05ms)";
+  }
+  return "";
+}
+
+// Parses `text` by the row's kind; stores it in c's field when the row has one. False: refused,
+// nothing stored.
+bool parse_value(const Option& o, std::string_view text, bool env, Config* c) {
+  uint64_t n = 0;
+  bool b = false;
+  const uint64_t max = field_max(o);
+  bool ok = true;
+  switch (o.kind) {
+    case Kind::kText: break;
+    case Kind::kChoice: ok = is_choice(o.choices, text); break;
+    case Kind::kBool:
+      ok = sys::parse_bool(text, &b);
+      n = b;
+      break;
+    case Kind::kCount: ok = sys::parse_uint(text, max, &n); break;
+    case Kind::kSize: ok = sys::parse_size(text, max, &n); break;
+    case Kind::kSeconds: ok = sys::parse_duration(text, env ? 1e3 : 1e6, 1e3, max, &n); break;
+    case Kind::kMicros: ok = sys::parse_duration(text, 1, 1, max, &n); break;
+  }
+  if (!ok) return false;
+  std::visit([&](auto member) {
+    using M = decltype(member);
+    if constexpr (std::is_same_v<M, std::string Config::*>) {
+      c->*member = std::string(text);
+    } else if constexpr (!std::is_same_v<M, std::monostate>) {
+      using T = std::remove_cvref_t<decltype(c->*member)>;
+      c->*member = static_cast<T>(n);
+    }
+  }, o.field);
+  return true;
+}
+
+// The value as the message shows it: one line, bounded.
+std::string shown(std::string_view v) {
+  std::string s(v.substr(0, 80));
+  for (char& ch : s)
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+  return v.size() > 80 ? s + "..." : s;
+}
+
+// kInvalidArgument: "TETHER_CHUNK_BYTES='4Q': expected a size in bytes (e.g. 4194304, 4M, 4MiB)".
+Status refused(const std::string& what, const Option& o, std::string_view value, bool env) {
+  return Status(Code::kInvalidArgument, what + "='" + shown(value) + "': expected " + expected(o, env));
+}
+
+const Option* by_env(const char* name) {
+  for (const Option& o : kOptions)
+    if (std::strcmp(o.env, name) == 0) return &o;
+  return nullptr;
+}
+
+const Option* by_keyword(std::string_view keyword) {
+  for (const Option& o : kOptions)
+    if (o.keyword && keyword == o.keyword) return &o;
+  return nullptr;
+}
+
+// A set, non-empty variable (an empty one counts as unset, as an empty NIXL parameter does).
+const char* env_value(const Option& o) {
+  const char* v = std::getenv(o.env);
+  return v && *v ? v : nullptr;
+}
+
+// A process-wide knob's text: its variable's if the row accepts it, else the row's default.
+std::string knob_text(const char* name) {
+  const Option* o = by_env(name);
+  if (!o) return {};
+  const char* v = env_value(*o);
+  Config scratch;
+  return v && parse_value(*o, v, true, &scratch) ? std::string(v) : std::string(o->fallback);
+}
+
 }  // namespace
+
+namespace sys {
+bool env_flag(const char* name) {
+  bool b = false;
+  return parse_bool(knob_text(name), &b) && b;
+}
+std::string env_text(const char* name) { return knob_text(name); }
+}  // namespace sys
 
 uint32_t default_channels() {
   const unsigned n = std::thread::hardware_concurrency();
@@ -125,28 +277,55 @@ uint32_t default_channels() {
 // MiB; spinning pays only where cores are plentiful, as CUDA's own default scheduling assumes.
 uint32_t default_busy_poll_us() { return std::thread::hardware_concurrency() >= 8 ? 1000 : 0; }
 
-Config Config::from_env() {
+Result<Config> Config::from_env() {
   Config c;
-  for (const Option& o : kOptions) apply_env(c, o);
+  for (const Option& o : kOptions) {
+    const char* v = env_value(o);
+    if (v && !parse_value(o, v, true, &c)) return refused(o.env, o, v, true);
+  }
   return c;
+}
+
+Status Config::check_process_env() {
+  Config scratch;
+  for (const Option& o : kOptions) {
+    const char* v = o.keyword ? nullptr : env_value(o);
+    if (v && !parse_value(o, v, true, &scratch)) return refused(o.env, o, v, true);
+  }
+  return Status::ok();
 }
 
 std::vector<std::string> Config::option_names() {
   std::vector<std::string> out;
-  for (const Option& o : kOptions) out.emplace_back(o.keyword);
+  for (const Option& o : kOptions)
+    if (o.keyword) out.emplace_back(o.keyword);
+  return out;
+}
+
+std::vector<Config::OptionInfo> Config::options() {
+  const Config defaults;
+  std::vector<OptionInfo> out;
+  for (const Option& o : kOptions)
+    out.push_back({o.keyword ? o.keyword : "", o.env, kind_name(o.kind),
+                   o.keyword ? defaults.get(o.keyword) : o.fallback, o.choices ? o.choices : "", o.help,
+                   expected(o, true)});
   return out;
 }
 
 std::string Config::get(std::string_view option) const {
-  for (const Option& o : kOptions) {
-    if (option != o.keyword) continue;
-    return std::visit([&](auto member) -> std::string {
+  const Option* o = by_keyword(option);
+  if (!o) return {};
+  return std::visit([&](auto member) -> std::string {
+    using M = decltype(member);
+    if constexpr (std::is_same_v<M, std::monostate>) {
+      return {};
+    } else {
       using T = std::remove_cvref_t<decltype(this->*member)>;
       if constexpr (std::is_same_v<T, std::string>) {
         return this->*member;
       } else if constexpr (std::is_same_v<T, bool>) {
         return this->*member ? "1" : "0";
-      } else if (o.seconds) {
+      } else if (o->kind == Kind::kSeconds) {
         std::string s = std::to_string(double(this->*member) / 1000.0);
         s.erase(s.find_last_not_of('0') + 1);  // "2.500000" -> "2.5", "5.000000" -> "5."
         if (s.back() == '.') s.pop_back();
@@ -154,37 +333,21 @@ std::string Config::get(std::string_view option) const {
       } else {
         return std::to_string(this->*member);
       }
-    }, o.field);
-  }
-  return {};
+    }
+  }, o->field);
 }
 
 Status Config::set(std::string_view option, std::string_view value) {
-  const Option* o = nullptr;
-  for (const Option& x : kOptions)
-    if (option == x.keyword) o = &x;
-  if (!o) return Status(Code::kInvalidArgument, "unknown option '" + std::string(option) + "'");
-  bool ok = false;
-  const char* expected = "";
-  std::visit([&](auto member) {
-    using T = std::remove_cvref_t<decltype(this->*member)>;
-    if constexpr (std::is_same_v<T, std::string>) {
-      this->*member = std::string(value);
-      ok = true;
-    } else if constexpr (std::is_same_v<T, bool>) {
-      ok = parse_bool(value, &(this->*member));
-      expected = "0/1 or true/false";
-    } else if constexpr (std::is_same_v<T, uint32_t>) {
-      ok = o->seconds ? parse_seconds_ms(value, &(this->*member)) : parse_uint(value, &(this->*member));
-      expected = o->seconds ? "a number of seconds" : "a non-negative integer";
-    } else {
-      ok = parse_uint(value, &(this->*member));
-      expected = "a non-negative integer in range";
-    }
-  }, o->field);
-  if (!ok)
-    return Status(Code::kInvalidArgument,
-                  "option " + std::string(option) + ": expected " + expected + ", got '" + std::string(value) + "'");
+  const Option* o = by_keyword(option);
+  if (!o) return Status(Code::kInvalidArgument, "unknown option '" + shown(option) + "'");
+  if (o->kind == Kind::kChoice && value.empty()) {  // "" is the default, as an unset variable
+    const Config defaults;
+    std::visit([&](auto member) {
+      if constexpr (std::is_same_v<decltype(member), std::string Config::*>) this->*member = defaults.*member;
+    }, o->field);
+    return Status::ok();
+  }
+  if (!parse_value(*o, value, false, this)) return refused("option " + std::string(option), *o, value, false);
   return Status::ok();
 }
 

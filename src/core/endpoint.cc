@@ -79,6 +79,7 @@ struct EndpointImpl::Pending {
 EndpointImpl::EndpointImpl(const Config& config, const EndpointId& id) : config_(config), id_(id), registry_(id) {}
 
 Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config) {
+  if (Status s = Config::check_process_env(); !s.is_ok()) return s;
   if (config.chunk_bytes == 0 || config.window == 0 || config.channels == 0 || config.sockets_per_channel == 0)
     return Status(Code::kInvalidArgument, "chunk_bytes, window, channels and sockets_per_channel must be positive");
   if (uint64_t(config.channels) * config.sockets_per_channel > kMaxLanes)

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "core/lanes.h"
+#include "sys/env.h"
 
 namespace tether::core::trace {
 namespace {
@@ -32,9 +33,8 @@ struct Buffer {
   FILE* file = nullptr;  // opened by the first flush; each flush appends what was recorded since
   uint64_t flushed = 0;  // records written to it so far
   Buffer() {
-    const char* p = std::getenv("TETHER_TRACE");
-    if (!p || !*p) return;
-    prefix = p;
+    prefix = sys::env_text("TETHER_TRACE");
+    if (prefix.empty()) return;
     records = std::make_unique<Record[]>(kCapacity);
     g_on = true;
   }

@@ -8,6 +8,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "sys/env.h"
+
 namespace tether::gpu {
 namespace {
 
@@ -32,8 +34,8 @@ Loaded& loaded() {
   static Loaded& l = *new Loaded;
   static std::once_flag once;
   std::call_once(once, [] {
-    const char* env = std::getenv("TETHER_LIBCUDA_SO");
-    const char* path = env && *env ? env : "libcuda.so.1";
+    const std::string env = sys::env_text("TETHER_LIBCUDA_SO");
+    const char* path = env.empty() ? "libcuda.so.1" : env.c_str();
     void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
       l.why = std::string("no CUDA driver (") + path + ": " + dlerror() + ")";

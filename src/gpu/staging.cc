@@ -16,7 +16,7 @@ namespace {
 // GPU ~10 x longer; scratch moved 4,096 x 16 KiB GPU writes 1.18-1.32 x faster and reads 1.12 x
 // (PERFORMANCE.md, session 29).
 bool scratch_staging() {
-  static const bool scratch = !sys::env_is("TETHER_KERNEL_STAGING", "direct");
+  static const bool scratch = sys::env_text("TETHER_KERNEL_STAGING") != "direct";
   return scratch;
 }
 

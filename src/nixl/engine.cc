@@ -39,8 +39,10 @@ const RemoteMD* as_remote(const nixlBackendMD* md) {
 // name; a plugin endpoint listens on every interface unless told otherwise (NIXL agents talk across
 // hosts; same-host peers still connect over loopback).
 Result<Config> config_from(const nixlBackendInitParams* init) {
-  Config c = Config::from_env();
-  if (!std::getenv("TETHER_HOST")) c.host = "0.0.0.0";
+  Result<Config> env = Config::from_env();
+  if (!env.is_ok()) return env.status();
+  Config c = env.take();
+  if (const char* h = std::getenv("TETHER_HOST"); !h || !*h) c.host = "0.0.0.0";
   if (init->customParams) {
     for (const auto& [key, value] : *init->customParams) {
       if (key == "name") return Status(Code::kInvalidArgument, "option name: the agent's name is the endpoint's name");

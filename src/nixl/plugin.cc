@@ -51,8 +51,9 @@ const char* plugin_version() { return TETHER_VERSION; }
 // Every tether option with its value here (TETHER_* variables over the defaults), as
 // get_plugin_params("TETHER") shows them; auth_token is never shown. An empty value keeps the default.
 nixl_b_params_t backend_options() {
-  Config c = Config::from_env();
-  if (!std::getenv("TETHER_HOST")) c.host = "0.0.0.0";
+  Result<Config> env = Config::from_env();  // a bad variable: the defaults here; creating a backend says why
+  Config c = env.is_ok() ? env.take() : Config();
+  if (const char* h = std::getenv("TETHER_HOST"); !h || !*h) c.host = "0.0.0.0";
   nixl_b_params_t out;
   for (const std::string& name : Config::option_names())
     if (name != "name") out[name] = name == "auth_token" ? std::string() : c.get(name);

@@ -26,6 +26,7 @@
 #include "transport/fabric/libfabric.h"
 #include "transport/fabric/rail.h"
 #include "transport/fabric/stage.h"
+#include "sys/env.h"
 
 namespace tether::transport::fabric {
 
@@ -373,10 +374,7 @@ class FabricTransportImpl final : public Transport {
   // Test knob TETHER_FABRIC_STAGE_HOST=1: host regions are treated like device memory on a provider
   // without FI_HMEM (not registered; reached through staging and two-sided messages), so that path
   // runs for real on machines without a GPU.
-  const bool stage_host_ = [] {
-    const char* v = std::getenv("TETHER_FABRIC_STAGE_HOST");
-    return v && *v && std::string(v) != "0";
-  }();
+  const bool stage_host_ = sys::env_flag("TETHER_FABRIC_STAGE_HOST");
   std::mutex open_mu_;
   bool opened_ = false;
   Status open_status_;

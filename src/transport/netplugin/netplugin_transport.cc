@@ -17,6 +17,7 @@
 #include "sys/net.h"
 #include "sys/thread_name.h"
 #include "transport/netplugin/bindings.h"
+#include "sys/env.h"
 
 namespace tether::transport {
 
@@ -157,7 +158,7 @@ struct NetPeerLanes {
 NetpluginTransport::NetpluginTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
   const Config& cfg = endpoint->config();
   // Fault injection for the tests, not a tuning knob: hands receives back before their unpack.
-  if (const char* f = std::getenv("TETHER_NET_FAULT")) consume_early_ = std::string(f) == "consume_early";
+  consume_early_ = sys::env_text("TETHER_NET_FAULT") == "consume_early";
   if (cfg.net_plugin.empty()) {
     unavailable_ = "TETHER_NET_PLUGIN is not set (path of an NCCL net plugin, e.g. libnccl-net.so)";
     return;

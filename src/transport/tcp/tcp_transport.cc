@@ -115,7 +115,7 @@ enum class RxState { kHeader, kPayload, kDiscard };
 // the early lanes' second copies took the copy engines from the late lanes' first (PERFORMANCE.md,
 // sessions 30-31). TETHER_X_FIRST_COPIES=0 turns it off, for A/B runs.
 bool first_copies() {
-  static const bool on = !sys::env_is("TETHER_X_FIRST_COPIES", "0");
+  static const bool on = sys::env_flag("TETHER_X_FIRST_COPIES");
   return on;
 }
 constexpr int kMaxGpus = 64;
