@@ -72,7 +72,7 @@ def test_the_declarations_agree_with_a_nixl_tree(tmp_path):
     if not (NIXL_TREE / "src" / "api" / "cpp" / "backend" / "backend_plugin.h").exists():
         pytest.skip(f"no NIXL source tree at {NIXL_TREE}")
     out = _build_abi_test(tmp_path, str(NIXL_TREE))
-    assert f"NIXL plugin built against the NIXL headers in {NIXL_TREE.resolve()}" in out, out[-3000:]
+    assert f"NIXL plugin built against the NIXL headers in {NIXL_TREE}" in out, out[-3000:]
 
 
 def test_a_nixl_src_that_is_no_nixl_tree_is_refused(tmp_path):
