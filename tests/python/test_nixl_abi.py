@@ -34,9 +34,12 @@ needs_build_tools = pytest.mark.skipif(
     reason="cmake or GoogleTest (libgtest-dev) not installed")
 
 
-def _build_abi_test(build: Path, nixl_src: str) -> str:
-    """Configures a build with TETHER_NIXL_SRC=nixl_src, builds and runs tether_nixl_abi_test; returns
-    CMake's configure output."""
+PLUGIN_OBJECTS = [f"CMakeFiles/plugin_TETHER.dir/src/nixl/{f}.cc.o" for f in ("engine", "plugin")]
+
+
+def _build_abi_test(build: Path, nixl_src: str, objects: bool = False) -> str:
+    """Configures a build with TETHER_NIXL_SRC=nixl_src, builds and runs tether_nixl_abi_test (and, with
+    `objects`, compiles the plugin's two sources); returns CMake's configure output."""
     build.mkdir(parents=True, exist_ok=True)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     env = dict(os.environ, TETHER_NIXL_SRC=nixl_src)
@@ -44,7 +47,8 @@ def _build_abi_test(build: Path, nixl_src: str) -> str:
                         "-DTETHER_BUILD_TESTS=ON", "-DTETHER_CUDA=OFF"], cwd=build, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    b = subprocess.run(["cmake", "--build", ".", "--target", "tether_nixl_abi_test"], cwd=build,
+    targets = ["tether_nixl_abi_test"] + (PLUGIN_OBJECTS if objects else [])
+    b = subprocess.run(["cmake", "--build", ".", "--target", *targets], cwd=build,
                        capture_output=True, text=True, timeout=300)
     assert b.returncode == 0, "the ABI checks do not compile:\n" + b.stdout[-5000:] + b.stderr[-3000:]
     t = subprocess.run([str(build / "tether_nixl_abi_test")], capture_output=True, text=True, timeout=60)
@@ -68,11 +72,38 @@ def test_a_plain_build_uses_tethers_declarations(tmp_path):
 @needs_build_tools
 def test_the_declarations_agree_with_a_nixl_tree(tmp_path):
     """The same checks compiled against NIXL's own headers: the numbers in checks.h and the slots in
-    nixl_abi_test.cc hold for them too, so the declarations and NIXL's headers describe one ABI."""
+    nixl_abi_test.cc hold for them too; and the plugin's sources compile to the same functions, with the
+    same machine code, against NIXL's headers as against tether's declarations: one ABI."""
+    if shutil.which("ninja") is None or shutil.which("objdump") is None:
+        pytest.skip("needs ninja (object-file targets) and objdump")
     if not (NIXL_TREE / "src" / "api" / "cpp" / "backend" / "backend_plugin.h").exists():
         pytest.skip(f"no NIXL source tree at {NIXL_TREE}")
-    out = _build_abi_test(tmp_path, str(NIXL_TREE))
+    out = _build_abi_test(tmp_path / "tree", str(NIXL_TREE), objects=True)
     assert f"NIXL plugin built against the NIXL headers in {NIXL_TREE}" in out, out[-3000:]
+    _build_abi_test(tmp_path / "ours", "", objects=True)
+    for obj in PLUGIN_OBJECTS:
+        tree, ours = _functions(tmp_path / "tree" / obj), _functions(tmp_path / "ours" / obj)
+        assert sorted(ours) == sorted(tree), f"{obj}: other functions or signatures"
+        differ = [name for name in tree if tree[name] != ours[name]]
+        assert not differ, f"{obj}: other machine code in {differ[:5]}"
+
+
+def _functions(obj: Path) -> dict[str, list[str]]:
+    """An object file's functions (mangled names) and their instructions, with addresses and offsets
+    into sections left out (they move with function order, which is no part of the ABI)."""
+    out = subprocess.run(["objdump", "-d", "-r", "--no-show-raw-insn", str(obj)], capture_output=True, text=True,
+                         check=True).stdout
+    funcs: dict[str, list[str]] = {}
+    cur = None
+    for line in out.splitlines():
+        m = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if m:
+            cur = funcs.setdefault(m.group(1), [])
+        elif cur is not None and line.strip() and not line.startswith("Disassembly of section"):
+            line = re.sub(r"^\s*[0-9a-f]+:\s*", "", line)
+            line = re.sub(r"[0-9a-f]+ <([^>+]*)(\+0x[0-9a-f]+)?>", r"<\1>", line)
+            cur.append(re.sub(r"(\.text[.\w]*)\+0x[0-9a-f]+", r"\1", line))
+    return funcs
 
 
 def test_a_nixl_src_that_is_no_nixl_tree_is_refused(tmp_path):
