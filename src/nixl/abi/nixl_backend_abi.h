@@ -7,8 +7,8 @@
 // functions, the enum values, and the plugin descriptor that nixl_plugin_init() returns. Nothing here is
 // NIXL's text; inline helpers NIXL offers that tether does not use are left out (they are not ABI).
 //
-// Matches: NIXL 1.4.1 and 1.5.1 (the nixl-cu13 wheels on PyPI) and NIXL main at 8770b655 (2026-08-21),
-// whose backend headers equal release/1.4.1's. Checked (2026-11-28) by
+// Matches: NIXL 1.4.1 and 1.5.1 (the nixl-cu13 wheels on PyPI) and the headers of NIXL main at 8770b655
+// (2026-08-21). Checked (2026-11-28) by
 //  - the virtual table of nixlBackendEngine in each wheel's libplugin_UCX.so (readelf relocations + nm):
 //    the same 27 slots, in the order below, in both;
 //  - libnixl.so's code in both wheels: nixlAgent::createBackend fills nixlBackendInitParams at offsets
@@ -17,7 +17,8 @@
 //    functions at 0x08..0x30; the backend loader accepts api_version 1 only;
 //  - nixl/abi/checks.h: sizes and offsets, asserted at compile time against this file and against a
 //    real NIXL tree; tests/cpp/nixl_abi_test.cc: every virtual's slot; tests/python/test_nixl_abi.py:
-//    each installed wheel's slot order; tests/python/test_nixl.py: transfers through both wheels.
+//    each installed wheel's slot order, and the plugin's object code built from this file against the
+//    same built from a NIXL tree (identical); tests/python/test_nixl.py: transfers through both wheels.
 // Requires GCC's libstdc++ with the new std::string ABI (_GLIBCXX_USE_CXX11_ABI=1), as the wheels use.
 #pragma once
 #include <chrono>
