@@ -144,7 +144,7 @@ def nixl_plugin_ready(install: bool) -> str:
         return f"tether is not importable ({e})"
     st = tn.status(ask_nixl=False)
     if not st["plugin"]:
-        return "this tether was built without NIXL headers (no TETHER plugin)"
+        return "this tether was built without its NIXL plugin (TETHER_NIXL=OFF)"
     if not st["installed_copy_current"]:
         if not install:
             return "the TETHER plugin is not installed in NIXL's folder (tether nixl install)"

@@ -27,7 +27,7 @@ class NixlError(RuntimeError):
 
 
 def plugin_path() -> Optional[Path]:
-    """This package's libplugin_TETHER.so, or None where the build had no NIXL headers."""
+    """This package's libplugin_TETHER.so, or None where the build left it out (TETHER_NIXL=OFF)."""
     p = Path(__file__).resolve().parent / "plugins" / PLUGIN_NAME
     return p if p.is_file() else None
 
@@ -51,8 +51,8 @@ def install(plugin_dir: Optional[str] = None) -> Path:
     The copy is atomic (a process loading plugins sees the old file or the new one, never half)."""
     src = plugin_path()
     if src is None:
-        raise NixlError("this tether was built without NIXL headers, so it has no NIXL plugin: rebuild with "
-                        "TETHER_NIXL_SRC=<a NIXL source tree> pip install .")
+        raise NixlError("this tether was built without its NIXL plugin (CMake option TETHER_NIXL=OFF): "
+                        "rebuild with `pip install .`, which builds it by default")
     if plugin_dir is None:
         info = nixl_installed()
         if info is None:
@@ -126,7 +126,7 @@ def status(ask_nixl: bool = True) -> dict[str, Any]:
             out["installed_copy"] = str(copy)
             out["installed_copy_current"] = bool(ours) and filecmp.cmp(copy, ours, shallow=False)
     if not ours:
-        out["detail"] = "built without NIXL headers (TETHER_NIXL_SRC)"
+        out["detail"] = "built without the NIXL plugin (TETHER_NIXL=OFF): rebuild with `pip install .`"
     elif not info:
         out["detail"] = "NIXL is not installed (pip install nixl)"
     elif not out["installed_copy"]:

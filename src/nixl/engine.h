@@ -14,7 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backend/backend_engine.h"
+#include "nixl/backend_api.h"
 #include "tether/endpoint.h"
 
 namespace tether::nixl {

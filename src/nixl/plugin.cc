@@ -1,7 +1,7 @@
 // libplugin_TETHER.so: the entry points NIXL's plugin manager looks up, and the live-engine registry.
 #include <cstdlib>
 
-#include "backend/backend_plugin.h"
+#include "common/nixl_log.h"
 #include "nixl/engine.h"
 #include "nixl/registry.h"
 

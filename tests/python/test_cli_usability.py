@@ -409,7 +409,8 @@ def test_bench_ceiling_beside_tether(tmp_path):
 
 def test_nixl_src_set_later_wins_over_the_cached_value(tmp_path):
     """pip reuses its build folder, so TETHER_NIXL_SRC given to a later `pip install .` must win over
-    what an earlier configure cached (it did not: the reinstall silently built no NIXL plugin)."""
+    what an earlier configure cached (it did not: the reinstall silently built no NIXL plugin), and
+    setting it empty again goes back to tether's own declarations of NIXL's ABI."""
     import shutil
     if shutil.which("cmake") is None:
         pytest.skip("cmake not installed")
@@ -425,5 +426,7 @@ def test_nixl_src_set_later_wins_over_the_cached_value(tmp_path):
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         return r.stdout
 
-    assert "NIXL plugin not built" in run(str(tmp_path / "no-nixl-here"))
+    ours = "NIXL plugin built from tether's declarations of NIXL's backend ABI"
+    assert ours in run("")
     assert "NIXL plugin built against the NIXL headers in " + os.path.abspath(headers) in run(os.path.abspath(headers))
+    assert ours in run("")

@@ -137,7 +137,7 @@ def nixl_plugin():
     import tether.nixl as tn
     info = tn.nixl_installed()
     if tn.plugin_path() is None or info is None:
-        pytest.skip("tether was built without NIXL headers, or NIXL has no plugin folder")
+        pytest.skip("tether was built without its NIXL plugin (TETHER_NIXL=OFF), or NIXL has no plugin folder")
     tn.install(info["plugin_dir"])
 
 
