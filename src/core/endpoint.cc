@@ -165,6 +165,7 @@ void EndpointImpl::close() {
   }
   for (auto& p : all) p->fail(Status(Code::kCancelled, "endpoint closed"));
   for (auto& t : transports_) t->stop();  // lanes answer their in-flight chunks; every transfer finishes
+  for (auto& p : all) p->let_go_control();  // the lanes let go in stop(): each peer's sockets close now
   {
     std::lock_guard lock(peers_mu_);
     peers_.clear();
@@ -1133,7 +1134,10 @@ void EndpointImpl::reap() {
       }
     }
   }
-  for (auto& p : gone) ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p->control_fd, nullptr);
+  for (auto& p : gone) {
+    ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p->control_fd, nullptr);
+    p->let_go_control();  // fail() has shut its sockets down; this thread never reads them again
+  }
 }
 
 }  // namespace tether::core
@@ -1292,7 +1296,12 @@ std::string Peer::transport() const { return state_->info().transport; }
 EndpointId Peer::endpoint_id() const { return state_->info().endpoint; }
 bool Peer::connected() const { return !state_->failed(); }
 Status Peer::error() const { return state_->error(); }
-void Peer::close() { state_->fail(Status(Code::kCancelled, "peer closed locally")); }
+void Peer::close() {
+  state_->fail(Status(Code::kCancelled, "peer '" + state_->info().name + "' was closed locally"));
+  // Its sockets, segments and lane threads go as soon as every thread using them lets go: the control
+  // thread within a wake-up, lanes once they answered what they held (bounded: deregister_timeout).
+  (void)state_->wait_released(2000);
+}
 
 // Transfer
 bool Transfer::done() const { return state_->is_finished(); }

@@ -103,18 +103,64 @@ uint32_t PeerState::quietest_lane() const {
 }
 
 void PeerState::poll(uint32_t lane) {
-  if (!failed()) endpoint_->poll_lane(this, lane);
+  if (failed()) return;
+  if (Hold h{this}) endpoint_->poll_lane(this, lane);
 }
 
 void PeerState::help() {
-  if (!failed()) transport->help(this);
+  if (failed()) return;
+  if (Hold h{this}) transport->help(this);
 }
 
 PeerState::~PeerState() {
-  // Closed only here, once no thread can still hold the numbers (see TcpTransport retire()).
+  // What was never released (a peer dropped before it was published, or whose lanes never ran).
   if (control_fd >= 0) ::close(control_fd);
   for (int fd : lane_fds)
     if (fd >= 0) ::close(fd);
+}
+
+bool PeerState::hold() {
+  uint32_t n = holds_.load(std::memory_order_acquire);
+  while (n != 0)
+    if (holds_.compare_exchange_weak(n, n + 1, std::memory_order_acq_rel)) return true;
+  return false;
+}
+
+void PeerState::let_go() {
+  if (holds_.fetch_sub(1, std::memory_order_acq_rel) == 1) release_all();
+}
+
+void PeerState::let_go_control() {
+  if (!control_let_go_.exchange(true)) let_go();
+}
+
+void PeerState::release_all() {
+  // Nobody can use these numbers any more: every thread that could has let go, and hold() fails now.
+  if (control_fd >= 0) ::close(control_fd);
+  control_fd = -1;
+  for (int& fd : lane_fds) {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+  if (transport) transport->detach(*this);
+  std::string().swap(ctl_in);
+  std::string().swap(ctl_pending);
+  {
+    std::lock_guard lock(mu_);  // only lanes use the chunk slots, and posts check failed_ first
+    std::vector<Slot>().swap(slots_);
+    std::vector<uint32_t>().swap(free_slots_);
+    std::vector<uint32_t>().swap(resend_);
+  }
+  {
+    std::lock_guard lock(released_mu_);
+    released_.store(true, std::memory_order_release);
+  }
+  released_cv_.notify_all();
+}
+
+bool PeerState::wait_released(int64_t timeout_ms) {
+  std::unique_lock lock(released_mu_);
+  return released_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return released(); });
 }
 
 Status PeerState::error() const {
@@ -1197,10 +1243,13 @@ void PeerState::fail(Status s) {
     t->release();  // the hold; chunks on lanes are answered by release_lane()
   }
   for (TransferState* t : finish) t->finish(s);
-  // Wake every thread that owns one of our sockets: they see the shutdown and let go.
-  if (control_fd >= 0) ::shutdown(control_fd, SHUT_RDWR);
-  for (int fd : lane_fds)
-    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+  // Wake every thread that owns one of our sockets: they see the shutdown and let go. Held, so that
+  // Endpoint::close, having failed every peer, cannot release them under a fail() still shutting down.
+  if (Hold h{this}) {
+    if (control_fd >= 0) ::shutdown(control_fd, SHUT_RDWR);
+    for (int fd : lane_fds)
+      if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+  }
   endpoint_->peer_failed(this);
 }
 

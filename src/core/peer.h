@@ -3,6 +3,7 @@
 // and failure handling. Transports move frames; everything else about a transfer lives here.
 #pragma once
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -157,6 +158,29 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   bool pushes_from(const RegionState* region) const;
   // Fails the peer once: every transfer still using it ends with `s`, sockets are shut down.
   void fail(Status s);
+
+  // ---- who may still touch the peer's sockets and its transport state (docs/ARCHITECTURE.md, "Shutdown")
+  // Each such thread holds the peer: the control side (one hold, let go by the control thread once
+  // fail() shut the sockets down and it stopped reading the control socket, or by Endpoint::close),
+  // each lane's thread (from attach until it retires the lane) and any other thread for one call into
+  // the transport (Hold). The last to let go closes the sockets and has the transport drop its state:
+  // a closed peer frees all of it at once, whoever keeps a Peer handle, and no descriptor number is
+  // reused while a thread could still use it.
+  bool hold();      // false once everything was let go (a failed peer's resources are gone)
+  void let_go();
+  void let_go_control();            // the control side's hold; once
+  bool released() const { return released_.load(std::memory_order_acquire); }
+  bool wait_released(int64_t timeout_ms);  // true once released
+  class Hold {
+   public:
+    explicit Hold(PeerState* p) : p_(p->hold() ? p : nullptr) {}
+    ~Hold() { if (p_) p_->let_go(); }
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+    explicit operator bool() const { return p_ != nullptr; }
+   private:
+    PeerState* p_;
+  };
   // Called by TransferState when its last chunk is answered.
   void transfer_drained(TransferState* t);
   void count_finished(bool ok);
@@ -224,6 +248,12 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   const uint32_t lane_window_;
   std::atomic<bool> failed_{false};
   std::atomic<int64_t> last_heard_ms_;
+  std::atomic<uint32_t> holds_{1};  // the control side's; lanes and calls add theirs (hold())
+  std::atomic<bool> control_let_go_{false};
+  void release_all();               // the last hold went: close the sockets, drop the transport's state
+  std::atomic<bool> released_{false};  // release_all() finished
+  std::mutex released_mu_;
+  std::condition_variable released_cv_;
 
   mutable std::mutex mu_;  // never held across a system call
   Status error_;

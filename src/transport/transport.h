@@ -102,6 +102,9 @@ class Transport {
   // finish from the calling thread what would otherwise finish on another thread and be handed back
   // (ipc: one-sided GPU copies), so a lone op stays on one core. Never blocks; cheap when idle.
   virtual void help(core::PeerState* peer) { (void)peer; }
+  // The peer's last hold went (PeerState::hold: its lanes retired, the control side and every caller
+  // let go): drop what the transport keeps for it (peer.transport_state), which no thread uses now.
+  virtual void detach(core::PeerState& peer) { (void)peer; }
   // Stops every progress thread; lanes answer what they had in flight with kCancelled.
   virtual void stop() = 0;
 };

@@ -352,11 +352,12 @@ void count_one_sided(IpcPeer& ip, bool read, uint64_t length) {
 // A one-sided GPU copy the completer saw finish (or fail: the chunk fails, as no copy can be undone).
 void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
   auto& p = *static_cast<PeerState*>(q.peer.get());
-  auto& ip = *static_cast<IpcPeer*>(p.transport_state.get());  // set once at attach, never reset
+  auto& ip = *static_cast<IpcPeer*>(p.transport_state.get());  // kept by the hold one_sided() took
   if (ok) count_one_sided(ip, q.read, q.length);
   const auto type = uint8_t(q.read ? FrameType::kReadReq : FrameType::kWrite);
   trace::mark(trace::Event::kAnswered, q.lane, type, q.slot, q.gen);
   p.answer(q.lane, q.slot, q.gen, ok ? 0 : uint8_t(Code::kInternal));
+  p.let_go();
 }
 
 // Brings every page of `src` in before a one-sided write claims its hazard (one_sided.h): a fault of
@@ -431,7 +432,9 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
           q.gen = h.gen;
           q.length = h.length;
           q.read = read;
+          (void)p.hold();  // the caller holds the peer: this cannot fail; finish_one_sided lets go
           if (ip.completer->push(std::move(q))) return OneSided::kMoved;  // it leaves the hazard
+          p.let_go();
           ok = c->cuda->wait(mp.device).is_ok();  // the completer is full: wait here
         }
       } else {
@@ -1405,7 +1408,8 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
   }
   l->cuda.reset();  // waits for its streams
   p.release_lane(l->index, Code::kConnectionLost);  // after fail(): nothing new can be pulled
-  // Let go at once, so a dead peer's sockets and segments go with it; the thread is joined later.
+  // Let go at once, so a dead peer's sockets and segments go with it (the last hold closes them, even
+  // while the application keeps a Peer handle); the thread is joined within a tick.
   // Never the endpoint's last reference: close() joins every lane thread before it lets go.
   std::shared_ptr<PeerState> peer;
   std::shared_ptr<IpcPeer> ip;
@@ -1414,6 +1418,9 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
     peer.swap(l->peer);
     ip.swap(l->ip);
   }
+  peer->let_go();
+  ip.reset();
+  peer.reset();
   l->finished.store(true, std::memory_order_release);
 }
 
@@ -1556,9 +1563,14 @@ void IpcTransport::deregister_region(RegionState& region) {
     for (auto& l : lanes_) {
       if (l->index != 0) continue;
       std::lock_guard ll(l->mu);
-      if (l->ip && l->ip->ready.load(std::memory_order_acquire)) peers.emplace_back(l->ip, l->peer);  // past setup
+      // Past setup, and held: its lane sockets stay open while we send on them below.
+      if (l->ip && l->ip->ready.load(std::memory_order_acquire) && l->peer->hold()) peers.emplace_back(l->ip, l->peer);
     }
   }
+  struct LetGo {
+    decltype(peers)& all;
+    ~LetGo() { for (auto& [ip, peer] : all) peer->let_go(); }
+  } let_go{peers};
   for (auto& [ip, peer] : peers) {
     if (!ip->os_own) continue;
     // A copy that may still land is waited for as long as its process lives (one_sided.h); past
@@ -1735,6 +1747,8 @@ void IpcTransport::abandon(uint64_t session) {
 // Control thread, every tick: lanes of handshakes that never came, or came and failed, are closed.
 void IpcTransport::tick(int64_t now_ms) {
   if (rendezvous_) rendezvous_->drain(now_ms, endpoint_->config().handshake_timeout_ms);
+  std::lock_guard lock(mu_);
+  if (!stopped_) reap_finished();  // lane threads of peers that ended: their stacks go now, not at the next connect
 }
 
 Status IpcTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>&, std::string_view remote_offer,
@@ -1898,6 +1912,7 @@ Status IpcTransport::start_lanes(const std::shared_ptr<PeerState>& peer, const s
   std::lock_guard lock(mu_);
   if (stopped_) return Status(Code::kCancelled, "endpoint closed");  // the peer closes the fds
   for (auto& l : made) {
+    (void)peer->hold();  // the lane thread's; it lets go as it ends
     l->thread = std::thread(lane_main, l.get(), endpoint_, host_mode_);
     lanes_.push_back(std::move(l));
   }
@@ -1925,6 +1940,8 @@ void IpcTransport::wake(PeerState* peer, uint64_t, int) {
   if (!ip || !ip->sending.load(std::memory_order_seq_cst)) return;  // setup pumps when it finishes
   pump_all(*ip, *peer, /*one_round=*/true);
 }
+
+void IpcTransport::detach(PeerState& peer) { peer.transport_state.reset(); }
 
 void IpcTransport::stop() {
   std::vector<std::shared_ptr<Lane>> all;

@@ -53,6 +53,7 @@ class IpcTransport final : public Transport {
                 std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
   void wake(core::PeerState* peer, uint64_t chunks, int device) override;
   void help(core::PeerState* peer) override;
+  void detach(core::PeerState& peer) override;
   void stop() override;
 
  private:

@@ -1287,8 +1287,10 @@ void ProgressThread::retire(Lane& l) {
     if (a.batch) a.batch->release();
   }
   l.peer->release_lane(l.index, Code::kConnectionLost);
-  // tx stays owned: the lane is dead. The fd is closed with the PeerState, so its number is not
-  // reused while other threads may still shut it down.
+  // tx and rx stay owned: the lane is dead and no other thread touches its socket. The fd is closed
+  // when the peer's last hold goes (PeerState::hold), so its number is not reused while another
+  // thread may still shut it down.
+  l.peer->let_go();
 }
 
 void ProgressThread::do_tx(Lane& l) {
@@ -1362,6 +1364,7 @@ Status TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::v
       earlier = on_nic[size_t(path.nic)]++;
     }
     thread_of[i] = endpoint_->thread_for_lane(i, path.nic, earlier) % threads_.size();
+    (void)peer->hold();  // let go when its thread retires the lane (the control side holds the peer now)
     state->lanes.push_back(lane);
     lanes.push_back(std::move(lane));
   }
@@ -1417,6 +1420,8 @@ void TcpTransport::poll(PeerState* peer, uint32_t lane) {
   // Answers this read produced (acks for the peer's own writes) go out from the progress thread.
   if (left || !l->answers.empty() || l->rx_paused.load(std::memory_order_relaxed)) l->thread->wake();
 }
+
+void TcpTransport::detach(PeerState& peer) { peer.transport_state.reset(); }
 
 void TcpTransport::stop() {
   if (stopped_.exchange(true)) return;

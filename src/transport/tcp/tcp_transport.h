@@ -33,6 +33,7 @@ class TcpTransport final : public Transport {
   Status register_region(core::RegionState& region, std::string* desc_ext) override;
   void wake(core::PeerState* peer, uint64_t chunks, int device) override;
   void poll(core::PeerState* peer, uint32_t lane) override;
+  void detach(core::PeerState& peer) override;
   void stop() override;
 
  private:
