@@ -26,6 +26,19 @@ struct Request : nixlBackendReqH {
   bool reported = false;              // its error was logged once
 };
 
+// A failed link's next connect starts no sooner than this after the previous one began, so callers
+// posting to an agent that is gone do not start a connect each.
+constexpr int64_t kRetryGapMs = 200;
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+bool usable(const Peer& p) { return p.state() && p.connected(); }
+
+// A transfer failed because the link did (the peer is gone or silent): the link reconnects.
+bool link_failed(Code c) { return c == Code::kConnectionLost || c == Code::kTimeout || c == Code::kProtocolError; }
+
 const LocalMD* as_local(const nixlBackendMD* md) {
   auto* l = static_cast<const LocalMD*>(md);
   return l && l->magic == LocalMD::kMagic ? l : nullptr;
@@ -101,20 +114,37 @@ TetherEngine::TetherEngine(const nixlBackendInitParams* init) : nixlBackendEngin
 
 TetherEngine::~TetherEngine() {
   live_engines().remove(this);
+  {
+    std::lock_guard lock(spent_mu_);
+    closing_ = true;
+  }
   if (endpoint_) endpoint_->close();  // fails what is in flight: connects in progress end soon
   std::vector<std::shared_ptr<Link>> links;
   {
     std::lock_guard lock(links_mu_);
     for (auto& [name, l] : links_) links.push_back(l);
-    links.insert(links.end(), retired_.begin(), retired_.end());
     links_.clear();
-    retired_.clear();
   }
-  for (auto& l : links)
-    if (l->connector.joinable()) l->connector.join();
+  std::vector<std::shared_ptr<Attempt>> attempts;
+  for (auto& l : links) {
+    std::lock_guard lock(l->mu);
+    l->dropped = true;
+    if (l->attempt) attempts.push_back(std::move(l->attempt));
+  }
+  {
+    std::lock_guard lock(spent_mu_);
+    for (auto& [l, a] : spent_) attempts.push_back(std::move(a));
+    spent_.clear();
+  }
+  for (auto& a : attempts)
+    if (a->thread.joinable()) a->thread.join();
 }
 
 void TetherEngine::close_for_exit() {
+  {
+    std::lock_guard lock(spent_mu_);
+    closing_ = true;
+  }
   if (endpoint_) endpoint_->close();
 }
 
@@ -214,19 +244,118 @@ std::shared_ptr<Link> TetherEngine::find_link(const std::string& agent) const {
 std::shared_ptr<Link> TetherEngine::start_link(const std::string& agent, const std::string& conn_info) {
   auto link = std::make_shared<Link>();
   link->agent = agent;
+  std::lock_guard lock(link->mu);
   link->conn_info = conn_info;
-  link->connector = std::thread([link, ep = endpoint_] {
-    auto r = ep->connect(link->conn_info);
-    std::lock_guard lock(link->mu);
-    if (r.is_ok()) {
-      link->peer = r.value();
-    } else {
-      link->error = r.status();
-    }
-    link->done = true;
-    link->cv.notify_all();
-  });
+  begin_attempt(link, true);  // connecting starts now, so the first transfer rarely waits for it
   return link;
+}
+
+void TetherEngine::begin_attempt(const std::shared_ptr<Link>& link, bool awaited) const {
+  if (link->attempt) {
+    if (link->attempt->over) {
+      link->attempt->thread.join();  // it only returns now
+    } else {
+      park(link, std::move(link->attempt));
+    }
+  }
+  auto a = std::make_shared<Attempt>();
+  link->attempt = a;
+  link->connecting = true;
+  link->awaited = awaited;
+  link->error = Status::ok();
+  link->tried_ms = now_ms();
+  Attempt* self = a.get();  // kept by the link or by spent_ until joined
+  a->thread = std::thread([link, self, ep = endpoint_, info = link->conn_info] {
+    auto r = ep->connect(info);
+    Peer stale;  // a connect nobody wants any more (the link was dropped, or its agent restarted)
+    {
+      std::lock_guard lock(link->mu);
+      if (link->attempt.get() == self && !link->dropped) {
+        link->connecting = false;
+        if (r.is_ok()) {
+          link->peer = r.value();
+          link->ever = true;
+        } else {
+          link->error = r.status();
+        }
+        link->cv.notify_all();
+      } else if (r.is_ok()) {
+        stale = r.value();
+      }
+      self->over = !stale.state();
+    }
+    if (!stale.state()) return;
+    stale.close();
+    std::lock_guard lock(link->mu);
+    self->over = true;
+  });
+}
+
+void TetherEngine::park(std::shared_ptr<Link> link, std::shared_ptr<Attempt> attempt) const {
+  std::lock_guard lock(spent_mu_);
+  spent_.emplace_back(std::move(link), std::move(attempt));
+}
+
+void TetherEngine::reap_spent() const {
+  std::vector<std::pair<std::shared_ptr<Link>, std::shared_ptr<Attempt>>> mine, left;
+  {
+    std::lock_guard lock(spent_mu_);
+    mine.swap(spent_);
+  }
+  for (auto& [link, a] : mine) {
+    bool over;
+    {
+      std::lock_guard lock(link->mu);
+      over = a->over;
+    }
+    if (over) {
+      a->thread.join();
+    } else {
+      left.emplace_back(std::move(link), std::move(a));
+    }
+  }
+  std::lock_guard lock(spent_mu_);
+  for (auto& e : left) spent_.push_back(std::move(e));
+}
+
+void TetherEngine::revive(const std::shared_ptr<Link>& link) const {
+  if (link->dropped || link->connecting || usable(link->peer)) return;
+  if (now_ms() - link->tried_ms < kRetryGapMs) return;
+  {
+    std::lock_guard lock(spent_mu_);
+    if (closing_) return;
+  }
+  if (link->peer.state())  // once per failure, not per attempt
+    NIXL_WARN << "TETHER: the link to agent '" << link->agent << "' failed (" << link->peer.error().to_string()
+              << "); reconnecting";
+  link->peer = Peer();  // failed: its sockets, segments and threads are already let go
+  begin_attempt(link, !link->ever);
+}
+
+Status TetherEngine::link_error(const Link& link) const {
+  if (link.connecting) return Status(Code::kConnectionLost, "the link to agent '" + link.agent + "' is reconnecting");
+  if (!link.error.is_ok()) return link.error;
+  if (link.peer.state()) return link.peer.error();
+  return Status(Code::kConnectionLost, "no link to agent '" + link.agent + "'");
+}
+
+void TetherEngine::drop(const std::shared_ptr<Link>& link) {
+  Peer peer;
+  {
+    std::lock_guard lock(link->mu);
+    link->dropped = true;
+    peer = link->peer;  // kept on the link: requests still holding it report why
+    if (link->attempt) {
+      if (link->attempt->over) {
+        link->attempt->thread.join();
+        link->attempt.reset();
+      } else {
+        park(link, std::move(link->attempt));  // never block here on a connect in progress
+      }
+    }
+    link->cv.notify_all();
+  }
+  if (usable(peer)) peer.close();  // its transfers end with Cancelled; its sockets and threads go now
 }
 
 nixl_status_t TetherEngine::loadRemoteConnInfo(const std::string& remote_agent, const std::string& remote_conn_info) {
@@ -235,23 +364,38 @@ nixl_status_t TetherEngine::loadRemoteConnInfo(const std::string& remote_agent, 
     NIXL_ERROR << "TETHER: connection info of agent '" << remote_agent << "': " << info.status().message();
     return NIXL_ERR_INVALID_PARAM;
   }
-  std::shared_ptr<Link> old;
+  reap_spent();
+  std::shared_ptr<Link> link;
   {
     std::lock_guard lock(links_mu_);
     auto it = links_.find(remote_agent);
-    if (it != links_.end()) {
-      if (it->second->conn_info == remote_conn_info) return NIXL_SUCCESS;
-      old = it->second;  // the agent restarted under the same name: a new endpoint
-      retired_.push_back(old);
+    if (it == links_.end()) {
+      links_[remote_agent] = start_link(remote_agent, remote_conn_info);
+      return NIXL_SUCCESS;
     }
-    // Connecting starts now, so the first transfer rarely waits for it.
-    links_[remote_agent] = start_link(remote_agent, remote_conn_info);
+    link = it->second;
   }
-  if (old) {
-    std::lock_guard lock(old->mu);
-    if (old->done && !old->error.is_ok()) return NIXL_SUCCESS;
-    if (old->done) old->peer.close();
+  Peer old;
+  {
+    std::lock_guard lock(link->mu);
+    if (link->conn_info == remote_conn_info) {
+      // The same agent: nothing to do while its link works; one that failed reconnects now, and the
+      // next prepXfer waits for that connect as after a first add.
+      if (link->connecting) {
+        link->awaited = true;
+      } else if (!usable(link->peer)) {
+        link->peer = Peer();
+        begin_attempt(link, true);
+      }
+      return NIXL_SUCCESS;
+    }
+    old = std::move(link->peer);  // the agent restarted under the same name: a new endpoint
+    link->peer = Peer();
+    link->conn_info = remote_conn_info;
+    link->ever = false;
+    begin_attempt(link, true);
   }
+  if (usable(old)) old.close();
   return NIXL_SUCCESS;
 }
 
@@ -260,12 +404,13 @@ nixl_status_t TetherEngine::connect(const std::string& remote_agent) {
     std::lock_guard lock(links_mu_);
     if (!links_.count(remote_agent)) links_[remote_agent] = start_link(remote_agent, endpoint_->metadata());
   }
-  auto p = peer_for(remote_agent);
+  auto p = peer_for(remote_agent, true);
   if (!p.is_ok()) NIXL_ERROR << "TETHER connect to agent '" << remote_agent << "': " << p.status().message();
   return to_nixl(p.status());
 }
 
 nixl_status_t TetherEngine::disconnect(const std::string& remote_agent) {
+  reap_spent();
   std::shared_ptr<Link> link;
   {
     std::lock_guard lock(links_mu_);
@@ -273,26 +418,25 @@ nixl_status_t TetherEngine::disconnect(const std::string& remote_agent) {
     if (it == links_.end()) return NIXL_SUCCESS;
     link = it->second;
     links_.erase(it);
-    retired_.push_back(link);  // joined at destruction: never block here on a connect in progress
   }
-  std::lock_guard lock(link->mu);
-  if (link->done && link->error.is_ok()) link->peer.close();  // its transfers end with Cancelled
+  drop(link);
   return NIXL_SUCCESS;
 }
 
-Result<Peer> TetherEngine::peer_for(const std::string& agent) const {
+Result<Peer> TetherEngine::peer_for(const std::string& agent, bool wait) const {
   std::shared_ptr<Link> link = find_link(agent);
   if (!link) return Status(Code::kNotFound, "no connection info loaded for agent '" + agent + "'");
   std::unique_lock lock(link->mu);
-  if (!link->done) {
+  if (usable(link->peer)) return link->peer;
+  revive(link);
+  if (link->connecting && (link->awaited || wait)) {
     // connect() itself ends by connect_timeout; the margin covers a slow handshake.
     const auto bound = std::chrono::milliseconds(endpoint_->config().connect_timeout_ms + 1000);
-    if (!link->cv.wait_for(lock, bound, [&] { return link->done; }))
+    if (!link->cv.wait_for(lock, bound, [&] { return !link->connecting || link->dropped; }))
       return Status(Code::kTimeout, "connecting to agent '" + agent + "' takes longer than connect_timeout");
   }
-  if (!link->error.is_ok()) return link->error;
-  if (!link->peer.connected()) return link->peer.error();
-  return link->peer;
+  if (usable(link->peer)) return link->peer;
+  return link_error(*link);
 }
 
 // ---------------------------------------------------------------- transfers
@@ -305,8 +449,18 @@ nixl_status_t TetherEngine::prepXfer(const nixl_xfer_op_t& operation, const nixl
   if (n != remote.descCount()) return NIXL_ERR_MISMATCH;
   auto p = peer_for(remote_agent);
   if (!p.is_ok()) {
-    NIXL_ERROR << "TETHER prepXfer to agent '" << remote_agent << "': " << p.status().message();
-    return to_nixl(p.status());
+    // A link that carried transfers before heals in the background: the request is prepared and its
+    // posts fail until the link is back (NIXL_ERR_REMOTE_DISCONNECT), so nobody has to re-add the agent.
+    std::shared_ptr<Link> link = find_link(remote_agent);
+    bool heals = false;
+    if (link) {
+      std::lock_guard lock(link->mu);
+      heals = link->ever && !link->dropped;
+    }
+    if (!heals) {
+      NIXL_ERROR << "TETHER prepXfer to agent '" << remote_agent << "': " << p.status().message();
+      return to_nixl(p.status());
+    }
   }
   // Grouped by (local region, remote region), in their first-seen order and keeping the order of
   // blocks inside a group (NIXL promises no order within a request): a KV-cache request spread over
@@ -364,11 +518,17 @@ nixl_status_t TetherEngine::postXfer(const nixl_xfer_op_t&, const nixl_meta_dlis
   auto* req = static_cast<Request*>(handle);
   if (req->posted && !req->transfer.done()) return NIXL_ERR_REPOST_ACTIVE;
   Peer peer;
+  Status why;
   {
-    std::lock_guard lock(req->link->mu);  // done and peer were set before prepXfer returned
-    peer = req->link->peer;
+    std::lock_guard lock(req->link->mu);
+    if (usable(req->link->peer)) {
+      peer = req->link->peer;
+    } else {
+      revive(req->link);  // never waits: the post fails now, a later one finds the link back
+      why = link_error(*req->link);
+    }
   }
-  if (!peer.connected()) return to_nixl(peer.error());
+  if (!peer.state()) return to_nixl(why);
   std::string notify = opt_args && opt_args->hasNotif ? frame(opt_args->notifMsg) : std::string();
   req->transfer = req->op == NIXL_WRITE ? peer.writev(req->runs.data(), req->runs.size(), std::move(notify))
                                         : peer.readv(req->runs.data(), req->runs.size(), std::move(notify));
@@ -385,6 +545,10 @@ nixl_status_t TetherEngine::checkXfer(nixlBackendReqH* handle) const {
   if (!s.is_ok() && !req->reported) {
     req->reported = true;
     NIXL_ERROR << "TETHER transfer to agent '" << req->link->agent << "': " << s.to_string();
+    if (link_failed(s.code())) {  // the link failed under it: reconnect now, so the next post finds it back
+      std::lock_guard lock(req->link->mu);
+      revive(req->link);
+    }
   }
   return to_nixl(s);
 }

@@ -41,17 +41,29 @@ struct RemoteMD : nixlBackendMD {
   static constexpr uint32_t kMagic = 0x524d4454;
 };
 
+// One connect running in the background (Endpoint::connect). Dropped only once its thread is joined.
+struct Attempt {
+  std::thread thread;
+  bool over = false;  // set under the link's mu as the thread's last act: join() returns at once
+};
+
 // The link to one agent: connected in the background from loadRemoteConnInfo (or connect() to
-// ourselves), waited for by whatever needs it first.
+// ourselves), waited for by whatever needs it first. A link whose peer failed heals: whatever finds
+// it failed (a transfer, a prepXfer, add_remote_agent) starts the next attempt from the stored
+// connection info (docs/NIXL.md, "Links heal").
 struct Link {
   std::string agent;
-  std::string conn_info;
-  std::mutex mu;
+  std::mutex mu;  // guards everything below
   std::condition_variable cv;
-  bool done = false;       // the connect attempt ended (peer or error set)
-  Peer peer;
-  Status error;
-  std::thread connector;
+  std::string conn_info;
+  std::shared_ptr<Attempt> attempt;  // the latest; its thread is joined (or parked) before the next starts
+  bool connecting = false;  // `attempt` still runs
+  bool awaited = false;     // callers wait for it: a first connect, or one add_remote_agent asked for
+  bool ever = false;        // a connect succeeded once: a failure since heals without anyone waiting
+  bool dropped = false;     // disconnected: an attempt that ends now closes what it got
+  int64_t tried_ms = 0;     // when the latest attempt started
+  Peer peer;                // the latest attempt's (empty until one succeeded)
+  Status error;             // the latest attempt's failure
 };
 
 class TetherEngine final : public nixlBackendEngine {
@@ -93,10 +105,23 @@ class TetherEngine final : public nixlBackendEngine {
   void close_for_exit();
 
  private:
-  // The link to `agent`, connected (waits for a connect in progress, bounded by connect_timeout).
-  Result<Peer> peer_for(const std::string& agent) const;
+  // The link to `agent`, connected. Waits (bounded by connect_timeout) for an attempt in progress that
+  // callers await, or with `wait` for any; a failed link starts its next attempt (revive).
+  Result<Peer> peer_for(const std::string& agent, bool wait = false) const;
   std::shared_ptr<Link> find_link(const std::string& agent) const;
   std::shared_ptr<Link> start_link(const std::string& agent, const std::string& conn_info);
+  // Starts a connect for `link` (its mu held); the previous attempt's thread is joined, or parked
+  // until it ends (it may be connecting to an agent that restarted).
+  void begin_attempt(const std::shared_ptr<Link>& link, bool awaited) const;
+  // The link's peer failed, or its last connect did: the next attempt starts, unless one runs, the
+  // link was dropped, the engine closes, or the last attempt began under kRetryGapMs ago (mu held).
+  void revive(const std::shared_ptr<Link>& link) const;
+  // Why the link cannot carry a transfer now (mu held).
+  Status link_error(const Link& link) const;
+  // Takes a link out of use (disconnect): closes its peer, joins or parks its attempt.
+  void drop(const std::shared_ptr<Link>& link);
+  void park(std::shared_ptr<Link> link, std::shared_ptr<Attempt> attempt) const;
+  void reap_spent() const;  // joins parked attempts that are over
   // Wire form of a notification: 'N', the sender's name length (u16), the name, the message.
   std::string frame(const std::string& msg) const;
 
@@ -104,7 +129,9 @@ class TetherEngine final : public nixlBackendEngine {
   std::string frame_prefix_;
   mutable std::mutex links_mu_;
   std::unordered_map<std::string, std::shared_ptr<Link>> links_;
-  std::vector<std::shared_ptr<Link>> retired_;  // disconnected links whose connect may still run
+  mutable std::mutex spent_mu_;  // taken after a link's mu, never before
+  mutable std::vector<std::pair<std::shared_ptr<Link>, std::shared_ptr<Attempt>>> spent_;  // parked attempts
+  bool closing_ = false;         // (spent_mu_) the endpoint closes: no new attempt
 
  public:
   TetherEngine* next_live = nullptr;  // the registry of live engines (plugin.cc)

@@ -147,6 +147,36 @@ class _Side:
     def cmd_release_dlist(self, key: str):
         self.agent.release_dlist_handle(self.dlists.pop(key))
 
+    def cmd_churn(self, metadata: bytes, remote: tuple, src: str, first: int, count: int, block: int) -> dict:
+        """`count` rounds of add_remote_agent / one WRITE of block i of `src` to block i of `remote`
+        (addr, len, dev) / remove_remote_agent, i from `first`, as an engine adding and dropping peers
+        does: this process's (fds, threads, RSS) before and after, and the seconds the rounds took."""
+        mem, addr, size, dev = self._mem(src)
+        raddr, _, rdev = remote
+        n = size // block
+        rows = np.zeros((n, 3), dtype=np.uint64)
+        rows[:, 0] = addr + np.arange(n, dtype=np.uint64) * block
+        rows[:, 1] = block
+        rows[:, 2] = dev
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem)
+        before, t0 = _usage(), time.monotonic()
+        for i in range(first, first + count):
+            name = self.agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            far = self.agent.prep_xfer_dlist(name, np.array([[raddr + i * block, block, rdev]], dtype=np.uint64), "DRAM")
+            h = self.agent.make_prepped_xfer("WRITE", local, [i], far, [0])
+            state = self.agent.transfer(h)
+            while state == "PROC":
+                state = self.agent.check_xfer_state(h)
+            if state != "DONE":
+                raise AssertionError(f"round {i}: {state}")
+            self.agent.release_xfer_handle(h)
+            self.agent.release_dlist_handle(far)
+            self.agent.remove_remote_agent(name)
+        took = time.monotonic() - t0
+        self.agent.release_dlist_handle(local)
+        return {"before": before, "after": _usage(), "seconds": took}
+
     # -- notifications
     def cmd_send_notif(self, agent: str, msg: bytes):
         self.agent.send_notif(agent, notif_msg=msg)
@@ -175,6 +205,9 @@ class _Side:
         self.cmd_fill(name)
         return got
 
+    def cmd_usage(self) -> tuple:
+        return _usage()
+
     def cmd_stop_self(self):
         os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -183,6 +216,13 @@ class _Side:
         and transfers still alive: the exit path under test."""
         import sys
         sys.exit(code)
+
+
+def _usage() -> tuple:
+    """(open fds, threads, RSS bytes) of this process."""
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")), rss
 
 
 def _main(conn, env: dict) -> None:

@@ -1,0 +1,118 @@
+"""NIXL links over time, through NIXL's own Python API with backends=["TETHER"]: agents added, used and
+removed a thousand times leave nothing behind, and a link whose agent stopped answering for longer
+than peer_timeout heals by itself once it answers again (vLLM's NixlConnector never removes and
+re-adds an agent after an error). Two agents in two processes; random data, poisoned destinations.
+"""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from nixl_agent import AgentError
+from test_nixl import NO_NIXL, SITES, _bytes, _whole, link, nixl_site, spawn  # noqa: F401  (fixtures)
+from tether_testutil import MiB, fd_count, rand_bytes
+
+pytestmark = pytest.mark.skipif(not SITES, reason=NO_NIXL)
+
+
+@pytest.mark.budget(150)
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_add_write_remove_churn_leaves_nothing_behind(spawn, transport):
+    """1,000 rounds of add_remote_agent / WRITE / remove_remote_agent after 50 of warm-up: the initiator's
+    descriptors, threads and RSS stay flat, so do the target's descriptors, and every round's bytes landed."""
+    warm, rounds, block = 50, 1000, 256
+    a, b = spawn(), spawn()
+    a.call("create", "A", "TETHER", {"transport": transport})
+    b.call("create", "B", "TETHER", {"transport": transport})
+    size = (warm + rounds) * block
+    a.call("alloc", "src", size, seed=21)
+    b.call("alloc", "dst", size)
+    a.call("register", ["src"])
+    b.call("register", ["dst"])
+    md, dst = b.call("metadata"), b.call("addr", "dst")[1:]
+    a.call("churn", md, dst, "src", 0, warm, block, timeout=60)
+    b_before = b.call("usage")
+    r = a.call("churn", md, dst, "src", warm, rounds, block, timeout=120)
+    time.sleep(0.5)  # the target lets go of each link as it sees it closed
+    b_after = b.call("usage")
+    (fds0, threads0, rss0), (fds1, threads1, rss1) = r["before"], r["after"]
+    print(f"\n{transport}: {rounds} rounds in {r['seconds']:.1f} s ({rounds / r['seconds']:.0f}/s); initiator fds "
+          f"{fds0} -> {fds1}, threads {threads0} -> {threads1}, RSS {rss0 / MiB:.1f} -> {rss1 / MiB:.1f} MiB; "
+          f"target fds {b_before[0]} -> {b_after[0]}, threads {b_before[1]} -> {b_after[1]}, "
+          f"RSS {b_before[2] / MiB:.1f} -> {b_after[2] / MiB:.1f} MiB")
+    assert abs(fds1 - fds0) <= 2, f"initiator fds {fds0} -> {fds1} over {rounds} rounds"
+    assert threads1 <= threads0, f"initiator threads {threads0} -> {threads1} over {rounds} rounds"
+    assert rss1 <= rss0 + 8 * MiB, f"initiator RSS {rss0 / MiB:.1f} -> {rss1 / MiB:.1f} MiB over {rounds} rounds"
+    assert b_after[0] <= b_before[0] + 2, f"target fds {b_before[0]} -> {b_after[0]} over {rounds} rounds"
+    assert b_after[1] <= b_before[1] + 1, f"target threads {b_before[1]} -> {b_after[1]} over {rounds} rounds"
+    assert r["seconds"] < 60
+    assert _bytes(b, "dst").tobytes() == rand_bytes(21, size).tobytes()
+
+
+def _attempt(a, key: str, timeout: float) -> str:
+    """A fresh request on the prepared lists, posted and waited for: its final state (ERR:... if NIXL
+    raised); released after."""
+    a.call("xfer", key, "WRITE", "l", [0], "r", [0])
+    try:
+        state = a.call("post", key)
+        if state == "PROC":
+            state = a.call("wait", key, timeout)[0]
+    except AgentError as e:
+        state = "ERR:" + str(e).strip().splitlines()[-1][:120]
+    a.call("release", key)
+    return state
+
+
+@pytest.mark.budget(90)
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_link_heals_after_the_agent_was_stopped_past_peer_timeout(spawn, transport):
+    """B stopped 5 s with peer_timeout 3 s: A's transfers fail (by peer_timeout, then at once), never hang;
+    B continues: within connect_timeout a transfer succeeds, without remove/re-add, and the link stays up."""
+    params = {"transport": transport, "peer_timeout": "3", "heartbeat": "0.3", "connect_timeout": "5"}
+    a, b = spawn(), spawn()
+    a.call("create", "A", "TETHER", params)
+    b.call("create", "B", "TETHER", params)
+    size = MiB + 5
+    a.call("alloc", "src", size, seed=31)
+    b.call("alloc", "dst", size)
+    a.call("register", ["src"])
+    b.call("register", ["dst"])
+    link(a, b)
+    a.call("prep", "l", "NIXL_INIT_AGENT", _whole(a, "src"))
+    a.call("prep", "r", "B", _whole(b, "dst"))
+    assert _attempt(a, "w0", 10) == "DONE"
+    assert _bytes(b, "dst").tobytes() == rand_bytes(31, size).tobytes()
+    b.kill(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        a.call("fill", "src", seed=32)
+        state = _attempt(a, "w1", 20)
+        took = time.monotonic() - stopped
+        assert state.startswith("ERR") and took < 8, (state, took)
+        while time.monotonic() - stopped < 5:  # still stopped: each try fails at once
+            t0 = time.monotonic()
+            state = _attempt(a, "w2", 10)
+            assert state.startswith("ERR") and time.monotonic() - t0 < 1.5, (state, time.monotonic() - t0)
+            time.sleep(0.2)
+    finally:
+        b.kill(signal.SIGCONT)
+    resumed = time.monotonic()
+    seed, tries = 40, 0
+    while True:
+        b.call("fill", "dst")
+        a.call("fill", "src", seed=seed)
+        state = _attempt(a, "w3", 10)
+        tries += 1
+        if state == "DONE":
+            break
+        assert time.monotonic() - resumed < 5, f"no transfer succeeded within connect_timeout of B continuing: {state}"
+        seed += 1
+        time.sleep(0.05)
+    print(f"\n{transport}: healed {time.monotonic() - resumed:.2f} s after B continued, on try {tries}")
+    assert _bytes(b, "dst").tobytes() == rand_bytes(seed, size).tobytes()
+    b.call("fill", "dst")
+    a.call("fill", "src", seed=99)
+    assert _attempt(a, "w4", 10) == "DONE"
+    assert _bytes(b, "dst").tobytes() == rand_bytes(99, size).tobytes()
