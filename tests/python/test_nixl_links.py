@@ -52,9 +52,12 @@ def test_add_write_remove_churn_leaves_nothing_behind(spawn, transport):
 
 
 def _attempt(a, key: str, timeout: float) -> str:
-    """A fresh request on the prepared lists, posted and waited for: its final state (ERR:... if NIXL
-    raised); released after."""
-    a.call("xfer", key, "WRITE", "l", [0], "r", [0])
+    """A fresh request on the prepared lists, posted and waited for: its final state (ERR:... where
+    NIXL raised, making or posting it)."""
+    try:
+        a.call("xfer", key, "WRITE", "l", [0], "r", [0])
+    except AgentError as e:
+        return "ERR:" + str(e).strip().splitlines()[-1][:120]
     try:
         state = a.call("post", key)
         if state == "PROC":
