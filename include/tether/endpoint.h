@@ -167,7 +167,10 @@ class Peer {
   EndpointId endpoint_id() const;
   bool connected() const;
   Status error() const;  // why the peer is gone, ok while connected
-  void close();          // fails in-flight transfers with kCancelled and drops the link
+  // Fails in-flight transfers with kCancelled and drops the link: its sockets, segments and lane
+  // threads are let go before it returns (bounded wait), whoever else holds this handle; later posts
+  // fail with kCancelled ("peer 'x' was closed locally").
+  void close();
   const std::shared_ptr<core::PeerState>& state() const { return state_; }
 
  private:

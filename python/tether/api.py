@@ -296,7 +296,9 @@ class Peer:
         return self.read(*args, **kw).wait(timeout)
 
     def close(self) -> None:
-        """Drops the link; transfers still running on it fail with Cancelled."""
+        """Drops the link; transfers still running on it fail with Cancelled. Its sockets, shared
+        memory and threads are let go before this returns, though this object lives on; anything
+        posted on it afterwards fails with Cancelled."""
         self._p.close()
 
     def __eq__(self, other: object) -> bool:

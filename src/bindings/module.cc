@@ -337,7 +337,7 @@ NB_MODULE(_tether, m) {
       .def_prop_ro("transport", &Peer::transport)
       .def_prop_ro("connected", &Peer::connected)
       .def_prop_ro("error", [](const Peer& p) { return p.error().to_string(); })
-      .def("close", &Peer::close);
+      .def("close", [](Peer& p) { without_gil([&] { p.close(); return 0; }); });  // waits for its threads to let go
 
   nb::class_<Endpoint>(m, "Endpoint")
       .def_static("create", [](const Config& c) { return take(Endpoint::create(c)); })

@@ -567,6 +567,9 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
     }
     peers_[info.id] = peer;     // visible to peers() and deregister() at once
     to_adopt_.push_back(peer);  // the control thread starts reading its control socket
+    // Failed since attach (its lanes saw the other side leave): reap() may have looked for it before
+    // it was listed; listed again so it is reaped and its descriptors close.
+    if (peer->failed()) to_reap_.push_back(info.id);
   }
   wake_control();
   return Peer(peer);

@@ -119,3 +119,32 @@ def test_link_heals_after_the_agent_was_stopped_past_peer_timeout(spawn, transpo
     a.call("fill", "src", seed=99)
     assert _attempt(a, "w4", 10) == "DONE"
     assert _bytes(b, "dst").tobytes() == rand_bytes(99, size).tobytes()
+
+
+@pytest.mark.budget(90)
+def test_agent_restarted_under_the_same_name(spawn):
+    """B's process ends and a new one takes its name: A removes B (NIXL refuses other connection info for
+    a loaded agent) and adds the new one; the dead links' descriptors go, transfers reach each new process."""
+    a = spawn()
+    a.call("create", "A", "TETHER", {"transport": "tcp"})
+    a.call("alloc", "src", 4096, seed=51)
+    a.call("register", ["src"])
+    a.call("prep", "l", "NIXL_INIT_AGENT", _whole(a, "src"))
+    fds = []
+    for life in range(4):
+        b = spawn()
+        b.call("create", "B", "TETHER", {"transport": "tcp"})
+        b.call("alloc", "dst", 4096)
+        b.call("register", ["dst"])
+        assert a.call("add_remote", b.call("metadata")) == "B"
+        a.call("prep", f"r{life}", "B", _whole(b, "dst"))
+        a.call("xfer", "w", "WRITE", "l", [0], f"r{life}", [0])
+        assert a.call("run", "w")[0] == "DONE"
+        a.call("release", "w")
+        assert _bytes(b, "dst").tobytes() == rand_bytes(51, 4096).tobytes()
+        b.close()  # SIGKILL: its sockets close under A's link
+        time.sleep(0.3)
+        a.call("release_dlist", f"r{life}")
+        a.call("remove_remote", "B")
+        fds.append(a.call("usage")[0])
+    assert fds[-1] <= fds[0] + 2, f"A's descriptors over four lives of B: {fds}"
