@@ -145,7 +145,7 @@ void PeerState::release_all() {
   if (transport) transport->detach(*this);
   std::string().swap(ctl_in);
   std::string().swap(ctl_pending);
-  {
+  if (transport && transport->caps().lanes_hold) {
     std::lock_guard lock(mu_);  // only lanes use the chunk slots, and posts check failed_ first
     std::vector<Slot>().swap(slots_);
     std::vector<uint32_t>().swap(free_slots_);

@@ -333,6 +333,7 @@ void TetherEngine::revive(const std::shared_ptr<Link>& link) const {
 }
 
 Status TetherEngine::link_error(const Link& link) const {
+  if (link.dropped) return Status(Code::kCancelled, "agent '" + link.agent + "' was removed");
   if (link.connecting) return Status(Code::kConnectionLost, "the link to agent '" + link.agent + "' is reconnecting");
   if (!link.error.is_ok()) return link.error;
   if (link.peer.state()) return link.peer.error();

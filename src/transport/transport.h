@@ -44,6 +44,8 @@ struct Caps {
   bool pull_reads = false;      // large contiguous reads are pushed by the target (wire::kPull), moved as sends
   bool wait_naps = false;       // wait() on a large read naps (Config::wait_nap_us), on another large transfer
                                 // sleeps, instead of spinning: the transport's own threads land its chunks (tcp)
+  bool lanes_hold = false;      // each lane's thread holds its peer (PeerState::hold) until it retires the lane:
+                                // once the peer's last hold goes no lane reads its chunk slots, which are freed
 };
 
 class Transport {

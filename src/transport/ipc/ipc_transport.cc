@@ -432,9 +432,10 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
           q.gen = h.gen;
           q.length = h.length;
           q.read = read;
-          (void)p.hold();  // the caller holds the peer: this cannot fail; finish_one_sided lets go
-          if (ip.completer->push(std::move(q))) return OneSided::kMoved;  // it leaves the hazard
-          p.let_go();
+          if (p.hold()) {  // finish_one_sided lets go (the caller holds the peer too: this succeeds)
+            if (ip.completer->push(std::move(q))) return OneSided::kMoved;  // it leaves the hazard
+            p.let_go();
+          }
           ok = c->cuda->wait(mp.device).is_ok();  // the completer is full: wait here
         }
       } else {
@@ -1547,6 +1548,7 @@ Caps IpcTransport::caps() const {
   c.batch_fragments = kMaxBatch;
   c.batch_reads = true;
   c.gpu_chunk_bytes = endpoint_->config().ipc_gpu_chunk_bytes;
+  c.lanes_hold = true;  // attach() takes a hold per lane; retiring the lane lets go
   return c;
 }
 

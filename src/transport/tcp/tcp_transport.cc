@@ -1327,6 +1327,7 @@ Caps TcpTransport::caps() const {
   // Large reads staged through GPU memory are pushed by the target (wire::kPull, PeerState::pulls); a
   // pushed chunk keeps its region pinned until sent (TxItem::pin), as a read's answer does.
   c.pull_reads = true;
+  c.lanes_hold = true;  // attach() takes a hold per lane; retiring the lane lets go
   return c;
 }
 
