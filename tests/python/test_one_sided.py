@@ -243,6 +243,7 @@ def test_a_slow_source_page_lands_nothing_after_deregister(children):
         status, detail = c.result(20)
         time.sleep(0.3)
         assert_poison(dst, "a region deregistered while a write's source page was slow", value=0xEE)
+        print(f"slow source page: deregister() {took * 1e3:.1f} ms, the write {status}, nothing landed")
         assert status in ("RegionNotFound", "AccessDenied"), (status, detail)
         assert took < 1.0, f"deregister() waited {took:.2f} s for a copy that had not begun"
     finally:
@@ -281,6 +282,7 @@ def test_deregister_waits_for_a_copy_in_progress(children):
         assert pager.served_slow is not None and t0 + took >= pager.served_slow, \
             "deregister() returned while the copy was still stalled"
         assert_bytes_equal(landed, rand_bytes(13, MAX), "the write deregister() waited for")
+        print(f"copy in progress: deregister() waited {took:.2f} s for it (deregister_timeout 0.5 s), nothing landed after")
     finally:
         pager.close()
         me.close()
