@@ -163,16 +163,24 @@ def run_path(name, python, pythonpath, model, args, log_dir, log):
     return res
 
 
-def prepare(args, log):
-    """The venv (made once), the link to this tether and its plugin in the venv's NIXL, and the model."""
+class SetupError(RuntimeError):
+    """tether is missing here, or was built without its NIXL plugin."""
+
+
+def check_tether():
     try:
         import tether  # noqa: F401
         from tether.nixl import plugin_path
     except ImportError:
-        sys.exit("run.py: tether is not importable here: `pip install .` in the repository first")
+        raise SetupError("tether is not importable here: `pip install .` in the repository first") from None
     if plugin_path() is None:
-        sys.exit("run.py: this tether has no NIXL plugin (built without NIXL headers): rebuild it with "
-                 "TETHER_NIXL_SRC=<a NIXL source tree> pip install .")
+        raise SetupError("this tether has no NIXL plugin (built without NIXL headers): rebuild it with "
+                         "TETHER_NIXL_SRC=<a NIXL source tree> pip install .")
+
+
+def prepare(args, log):
+    """The venv (made once), the link to this tether and its plugin in the venv's NIXL, and the model."""
+    check_tether()
     venv = vllm_venv.ensure(Path(args.venv) if args.venv else None, log=log)
     work = Path(args.work or tempfile.mkdtemp(prefix="tether-vllm-"))
     pythonpath = vllm_venv.tether_link(work / "pythonpath")
@@ -200,7 +208,10 @@ def main(argv=None):
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    python, pythonpath, model, work = prepare(args, log)
+    try:
+        python, pythonpath, model, work = prepare(args, log)
+    except (SetupError, vllm_venv.VenvError) as e:
+        sys.exit(f"run.py: {e}")
     results, ok = {}, True
     for name in args.paths:
         log(f"[{name}] starting prefill and decode engines (logs under {work / 'logs' / name})")

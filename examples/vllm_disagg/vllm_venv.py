@@ -46,7 +46,7 @@ def ensure(venv: Path | None = None, log=print) -> Path:
     """Returns the venv's folder, making it first if it is not complete (a stamp file marks a done one)."""
     venv = venv or default_dir()
     stamp = venv / "tether-vllm-ready"
-    if stamp.is_file() and python_of(venv).is_file():
+    if ready(venv):
         return venv
     log(f"[venv] making {venv} (vLLM's CPU build and torch: a few GB, several minutes, once)")
     r = subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], capture_output=True, text=True)
@@ -85,3 +85,15 @@ def install_plugin(venv: Path, pythonpath: Path) -> str:
     if r.returncode != 0:
         raise VenvError(f"tether nixl install in {venv} failed: {(r.stderr or r.stdout).strip()}")
     return r.stdout.strip()
+
+
+def ready(venv: Path | None = None) -> bool:
+    venv = venv or default_dir()
+    return (venv / "tether-vllm-ready").is_file() and python_of(venv).is_file()
+
+
+if __name__ == "__main__":  # python examples/vllm_disagg/vllm_venv.py: make it (CI does, before the tests)
+    try:
+        print(ensure(log=lambda m: print(m, file=sys.stderr, flush=True)))
+    except VenvError as e:
+        sys.exit(f"vllm_venv: {e}")
