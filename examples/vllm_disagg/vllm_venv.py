@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,9 @@ def python_of(venv: Path) -> Path:
 
 
 def _pip(venv: Path, *args: str, log) -> None:
-    cmd = [str(python_of(venv)), "-m", "pip", "install", "-q", *args]
+    # TETHER_VLLM_PIP_ARGS: extra pip arguments, e.g. an index serving torch's +cpu wheels
+    extra = shlex.split(os.environ.get("TETHER_VLLM_PIP_ARGS", ""))
+    cmd = [str(python_of(venv)), "-m", "pip", "install", "-q", *extra, *args]
     log(f"[venv] pip install {' '.join(args)}")
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if r.returncode != 0:
