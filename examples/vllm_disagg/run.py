@@ -107,7 +107,7 @@ def fault(pr, sig, seed, max_tokens, bound_s):
 
 def faults(pr, seed, max_tokens, peer_timeout_s):
     """SIGSTOP (bounded by tether's peer_timeout), then SIGKILL. After a failed pull vLLM keeps the prefill's
-    agent, whose peer tether has declared dead, so every later pull from that prefill fails too: the
+    agent and the plugin keeps its peer dead, so every later pull from that prefill fails too: the
     prefill is restarted (new engine id) between the two, and one normal request checks the new pair."""
     out = [fault(pr, signal.SIGSTOP, seed, max_tokens, peer_timeout_s + 20)]
     pr.restart_prefill()
