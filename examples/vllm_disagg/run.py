@@ -174,8 +174,8 @@ def check_tether():
     except ImportError:
         raise SetupError("tether is not importable here: `pip install .` in the repository first") from None
     if plugin_path() is None:
-        raise SetupError("this tether has no NIXL plugin (built without NIXL headers): rebuild it with "
-                         "TETHER_NIXL_SRC=<a NIXL source tree> pip install .")
+        raise SetupError("this tether was built without its NIXL plugin (CMake option TETHER_NIXL=OFF): "
+                         "rebuild it with `pip install .`, which builds it by default")
 
 
 def prepare(args, log):
