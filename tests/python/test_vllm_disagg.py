@@ -84,9 +84,15 @@ def test_vllm_decode_tokens_equal_over_tether(setup, transport):
         assert [r["prompt_tokens"] for r in res["rows"] if r["case"] == "one"] == list(run.LENGTHS)
         stop, kill = run.faults(pr, seed=13, max_tokens=MAX_TOKENS, peer_timeout_s=PEER_TIMEOUT_S)
         print(run.table(f"TETHER-{transport} faults", dict(res, rows=[], faults=[stop, kill])))
-        assert stop["signal"] == "SIGSTOP" and stop["finish"] == "error", stop
-        # tether counts peer_timeout from the last heartbeat (1 s apart) it heard, not from the stop
-        assert (PEER_TIMEOUT_S - 1.5) * 1e3 <= stop["ms"] <= (PEER_TIMEOUT_S + 10) * 1e3, stop
+        assert stop["signal"] == "SIGSTOP" and run.fault_ok(stop), stop
+        if transport == "tcp" or stop["finish"] == "error":
+            # tcp needs the prefill's threads: the request fails once tether's peer_timeout declares it
+            # dead, counted from the last heartbeat (1 s apart) it heard, not from the stop
+            assert stop["finish"] == "error", stop
+            assert (PEER_TIMEOUT_S - 1.5) * 1e3 <= stop["ms"] <= (PEER_TIMEOUT_S + 10) * 1e3, stop
+        else:
+            # ipc reads blocks of at most ipc_one_sided_bytes itself, from the stopped process's memory
+            assert stop["finish"] == "length" and stop["equal"] and stop["ms"] < PEER_TIMEOUT_S * 1e3, stop
         assert stop["after_restart_equal"], "a restarted prefill serves the decode again"
         assert kill["signal"] == "SIGKILL" and kill["finish"] == "error", kill
         assert kill["ms"] < 5e3, kill
