@@ -88,9 +88,9 @@ def scenario(pr, seed, max_tokens, log):
 
 def fault(pr, sig, seed, max_tokens, bound_s):
     """Prefill one prompt, stop or kill the prefill process, then decode it. The request must end within
-    bound_s, never hang: with an error, or with the right tokens (over ipc, blocks of at most
-    `ipc_one_sided_bytes` are read one-sided, from the stopped process's memory, without its threads).
-    Returns {"signal", "finish", "ms", "equal"}."""
+    bound_s, never hang: with an error, or with the right tokens (a stopped prefill's KV can still arrive:
+    over ipc, blocks of at most `ipc_one_sided_bytes` are read from its memory without its threads).
+    Returns {"signal", "finish", "ms", "equal", "kv_bytes" (NIXL's count, None: no READ finished)}."""
     p = prompts(seed)[200]
     ref = pr.prefill.call({"op": "generate", "max_tokens": max_tokens, "prompts": [p]})[0]["tokens"]
     pre = pr.prefill.call({"op": "prefill", "prompts": [p]})[0]
@@ -100,7 +100,7 @@ def fault(pr, sig, seed, max_tokens, bound_s):
         d = pr.decode.call({"op": "decode", "max_tokens": max_tokens, "deadline_s": bound_s,
                             "requests": [{"prompt": p, "kv_transfer_params": pre["kv_transfer_params"]}]},
                            timeout=bound_s + 30)[0]
-        res = {"finish": d["finish"], "ms": d["total_ms"], "equal": d["tokens"] == ref}
+        res = {"finish": d["finish"], "ms": d["total_ms"], "equal": d["tokens"] == ref, "kv_bytes": d["kv_bytes"]}
     except EngineError as e:
         res = {"finish": f"no answer: {str(e).splitlines()[0]}", "ms": (time.monotonic() - t0) * 1e3,
                "equal": False}
@@ -145,7 +145,8 @@ def table(name, res):
         lines.append(f"  {r['case']:<9} {r['prompt_tokens']:>10} {fmt(r['kv_bytes'], ','):>10} "
                      f"{fmt(r['xfer_ms'], '.3f'):>12} {fmt(r['ttft_ms'], '.1f'):>14}  {eq}")
     for f in res.get("faults", []):
-        done = f" (tokens equal: {'yes' if f['equal'] else 'no'})" if f["finish"] == "length" else ""
+        done = (f" (tokens equal: {'yes' if f['equal'] else 'no'}; KV bytes read: {fmt(f.get('kv_bytes'), ',')})"
+                if f["finish"] == "length" else "")
         lines.append(f"  prefill {f['signal']}: decode request finished '{f['finish']}'{done} after {f['ms']:.0f} ms"
                      + (f"; a restarted prefill's next request equal: {'yes' if f['after_restart_equal'] else 'no'}"
                         if "after_restart_equal" in f else ""))
