@@ -134,6 +134,69 @@ class Pair:
             raise
         return time.monotonic() - t0
 
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                os.kill(self.p.pid, signal.SIGCONT)
+                self.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.p.stdin.flush()
+                self.p.wait(timeout=20)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                self.p.kill()
+                self.p.wait()
+        self.log.close()
+
+
+def engine_env(python, pythonpath, transport, peer_timeout_s, threads):
+    """The environment both engines run under: the engine core in the process, few threads, a small KV
+    cache, each its own NIXL side-channel port, and tether's transport and peer timeout."""
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": str(pythonpath),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine core in this process: steps are ours to drive
+        "VLLM_CPU_KVCACHE_SPACE": "1",           # GiB of KV cache per engine
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
+        "TETHER_HOST": "127.0.0.1",
+        "TETHER_PEER_TIMEOUT_MS": str(int(peer_timeout_s * 1000)),
+        "TQDM_DISABLE": "1",
+    })
+    if transport:
+        env["TETHER_TRANSPORT"] = transport
+    env.pop("TETHER_NIXL_ALT", None)
+    return env
+
+
+class Pair:
+    """Prefill and decode engines, both started at once; `close()` ends both."""
+
+    def __init__(self, python, pythonpath, model, backend, transport, log_dir: Path, peer_timeout_s=10.0,
+                 threads=1, start_timeout=300.0):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.base = engine_env(python, pythonpath, transport, peer_timeout_s, threads)
+        self.args = (python, model, backend, log_dir)
+        self.start_timeout = start_timeout
+        self.procs = [self._proc("prefill"), self._proc("decode")]
+        self.prefill, self.decode = self.procs
+        self.startup_s = self._wait(self.procs)
+
+    def _proc(self, role, n=1):
+        env = dict(self.base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+        python, model, backend, log_dir = self.args
+        return Proc(role, python, model, backend, env, log_dir, n)
+
+    def _wait(self, procs):
+        t0 = time.monotonic()
+        try:
+            for p in procs:
+                p.recv(max(1.0, self.start_timeout - (time.monotonic() - t0)))
+        except Exception:
+            self.close()
+            raise
+        return time.monotonic() - t0
+
     def restart_prefill(self):
         """A new prefill process under a new engine id and side-channel port (the decode handshakes with it
         afresh); the old one is ended first. Returns its start-up seconds."""

@@ -8,9 +8,6 @@
 #include "nixl/registry.h"
 
 namespace tether::nixl {
-namespace {
-
-constexpr char kNotifTag = 'N';
 
 // A prepared transfer: its blocks grouped into runs per (local region, remote region), each run
 // holding its own copies of the region handles, so a post never reads NIXL's metadata objects.
@@ -24,7 +21,18 @@ struct Request : nixlBackendReqH {
   Transfer transfer;
   bool posted = false;
   bool reported = false;              // its error was logged once
+  // Posted while its link was reconnecting: it goes once the link is back, and fails once an attempt
+  // begun after the post has failed or connect_timeout has passed (checkXfer drives it).
+  bool waiting = false;
+  uint64_t ended_at_post = 0;         // Link::ended when it was posted
+  int64_t wait_until_ms = 0;
+  std::string notify;                 // framed, for the post it waits to make
+  Status failed;                      // why its wait for the link ended without a transfer
 };
+
+namespace {
+
+constexpr char kNotifTag = 'N';
 
 // A failed link's next connect starts no sooner than this after the previous one began, so callers
 // posting to an agent that is gone do not start a connect each.
@@ -272,6 +280,7 @@ void TetherEngine::begin_attempt(const std::shared_ptr<Link>& link, bool awaited
       std::lock_guard lock(link->mu);
       if (link->attempt.get() == self && !link->dropped) {
         link->connecting = false;
+        ++link->ended;
         if (r.is_ok()) {
           link->peer = r.value();
           link->ever = true;
@@ -517,30 +526,61 @@ nixl_status_t TetherEngine::postXfer(const nixl_xfer_op_t&, const nixl_meta_dlis
                                      const std::string&, nixlBackendReqH*& handle,
                                      const nixl_opt_b_args_t* opt_args) const {
   auto* req = static_cast<Request*>(handle);
-  if (req->posted && !req->transfer.done()) return NIXL_ERR_REPOST_ACTIVE;
+  if (req->posted && (req->waiting || !req->transfer.done())) return NIXL_ERR_REPOST_ACTIVE;
+  req->notify = opt_args && opt_args->hasNotif ? frame(opt_args->notifMsg) : std::string();
+  req->posted = true;
+  req->reported = false;
+  req->waiting = true;
+  {
+    std::lock_guard lock(req->link->mu);
+    req->ended_at_post = req->link->ended;
+  }
+  req->wait_until_ms = now_ms() + int64_t(endpoint_->config().connect_timeout_ms);
+  return checkXfer(handle);
+}
+
+// A post that waits for its link: starts the transfer once the link is usable (a failed link is asked
+// to reconnect, never waited for here), or fails once a reconnect begun after the post has failed, the
+// link was removed, or connect_timeout has passed. So the first transfer after a peer came back
+// succeeds, and one to a peer that is gone fails as soon as a connect to it does.
+nixl_status_t TetherEngine::start_waiting(Request& req) const {
   Peer peer;
   Status why;
   {
-    std::lock_guard lock(req->link->mu);
-    if (usable(req->link->peer)) {
-      peer = req->link->peer;
+    std::lock_guard lock(req.link->mu);
+    Link& link = *req.link;
+    if (usable(link.peer)) {
+      peer = link.peer;
     } else {
-      revive(req->link);  // never waits: the post fails now, a later one finds the link back
-      why = link_error(*req->link);
+      revive(req.link);
+      const bool tried = link.ended > req.ended_at_post && !link.connecting;
+      if (link.dropped || tried || now_ms() >= req.wait_until_ms) why = link_error(link);
     }
   }
-  if (!peer.state()) return to_nixl(why);
-  std::string notify = opt_args && opt_args->hasNotif ? frame(opt_args->notifMsg) : std::string();
-  req->transfer = req->op == NIXL_WRITE ? peer.writev(req->runs.data(), req->runs.size(), std::move(notify))
-                                        : peer.readv(req->runs.data(), req->runs.size(), std::move(notify));
-  req->posted = true;
-  req->reported = false;
-  return checkXfer(handle);
+  if (!peer.state()) {
+    if (why.is_ok()) return NIXL_IN_PROG;
+    req.waiting = false;
+    req.transfer = Transfer();
+    req.reported = true;
+    NIXL_ERROR << "TETHER transfer to agent '" << req.link->agent << "': " << why.to_string();
+    req.failed = why;
+    return to_nixl(why);
+  }
+  req.waiting = false;
+  req.failed = Status::ok();
+  req.transfer = req.op == NIXL_WRITE ? peer.writev(req.runs.data(), req.runs.size(), std::move(req.notify))
+                                      : peer.readv(req.runs.data(), req.runs.size(), std::move(req.notify));
+  return NIXL_SUCCESS;
 }
 
 nixl_status_t TetherEngine::checkXfer(nixlBackendReqH* handle) const {
   auto* req = static_cast<Request*>(handle);
   if (!req->posted) return NIXL_ERR_NOT_POSTED;
+  if (req->waiting) {
+    const nixl_status_t st = start_waiting(*req);
+    if (st != NIXL_SUCCESS) return st;
+  }
+  if (!req->failed.is_ok()) return to_nixl(req->failed);
   if (!req->transfer.poll()) return NIXL_IN_PROG;
   const Status s = req->transfer.status();
   if (!s.is_ok() && !req->reported) {
@@ -556,7 +596,7 @@ nixl_status_t TetherEngine::checkXfer(nixlBackendReqH* handle) const {
 
 nixl_status_t TetherEngine::releaseReqH(nixlBackendReqH* handle) const {
   auto* req = static_cast<Request*>(handle);
-  if (req->posted) req->transfer.cancel();  // no effect once done; never blocks
+  if (req->posted && !req->waiting && req->transfer.state()) req->transfer.cancel();  // no effect once done; never blocks
   delete req;
   return NIXL_SUCCESS;
 }

@@ -62,9 +62,12 @@ struct Link {
   bool ever = false;        // a connect succeeded once: a failure since heals without anyone waiting
   bool dropped = false;     // disconnected: an attempt that ends now closes what it got
   int64_t tried_ms = 0;     // when the latest attempt started
+  uint64_t ended = 0;       // attempts that have ended (a post waiting for the link counts them)
   Peer peer;                // the latest attempt's (empty until one succeeded)
   Status error;             // the latest attempt's failure
 };
+
+struct Request;  // a prepared transfer (engine.cc)
 
 class TetherEngine final : public nixlBackendEngine {
  public:
@@ -118,6 +121,8 @@ class TetherEngine final : public nixlBackendEngine {
   void revive(const std::shared_ptr<Link>& link) const;
   // Why the link cannot carry a transfer now (mu held).
   Status link_error(const Link& link) const;
+  // A post waiting for its link to come back: starts it, keeps it waiting (NIXL_IN_PROG) or fails it.
+  nixl_status_t start_waiting(Request& req) const;
   // Takes a link out of use (disconnect): closes its peer, joins or parks its attempt.
   void drop(const std::shared_ptr<Link>& link);
   void park(std::shared_ptr<Link> link, std::shared_ptr<Attempt> attempt) const;

@@ -71,8 +71,9 @@ def _attempt(a, key: str, timeout: float) -> str:
 @pytest.mark.budget(90)
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
 def test_link_heals_after_the_agent_was_stopped_past_peer_timeout(spawn, transport):
-    """B stopped 5 s with peer_timeout 3 s: A's transfers fail (by peer_timeout, then at once), never hang;
-    B continues: within connect_timeout a transfer succeeds, without remove/re-add, and the link stays up."""
+    """B stopped with peer_timeout 3 s: A's transfer fails by peer_timeout, never hangs. A transfer posted
+    while B is still stopped waits for the link (at most connect_timeout) and completes once B continues,
+    without remove/re-add; the link stays up after."""
     params = {"transport": transport, "peer_timeout": "3", "heartbeat": "0.3", "connect_timeout": "5"}
     a, b = spawn(), spawn()
     a.call("create", "A", "TETHER", params)
@@ -94,26 +95,20 @@ def test_link_heals_after_the_agent_was_stopped_past_peer_timeout(spawn, transpo
         state = _attempt(a, "w1", 20)
         took = time.monotonic() - stopped
         assert state.startswith("ERR") and took < 8, (state, took)
-        while time.monotonic() - stopped < 5:  # still stopped: each try fails at once
-            t0 = time.monotonic()
-            state = _attempt(a, "w2", 10)
-            assert state.startswith("ERR") and time.monotonic() - t0 < 1.5, (state, time.monotonic() - t0)
-            time.sleep(0.2)
+        seed = 40
+        a.call("fill", "src", seed=seed)
+        a.call("xfer", "w2", "WRITE", "l", [0], "r", [0])
+        posted = time.monotonic()
+        assert a.call("post", "w2") in ("PROC", "DONE")
+        time.sleep(1.0)
     finally:
         b.kill(signal.SIGCONT)
     resumed = time.monotonic()
-    seed, tries = 40, 0
-    while True:
-        b.call("fill", "dst")
-        a.call("fill", "src", seed=seed)
-        state = _attempt(a, "w3", 10)
-        tries += 1
-        if state == "DONE":
-            break
-        assert time.monotonic() - resumed < 5, f"no transfer succeeded within connect_timeout of B continuing: {state}"
-        seed += 1
-        time.sleep(0.05)
-    print(f"\n{transport}: healed {time.monotonic() - resumed:.2f} s after B continued, on try {tries}")
+    state = a.call("wait", "w2", 10)[0]
+    a.call("release", "w2")
+    assert state == "DONE", f"the transfer posted while B was stopped did not complete once it continued: {state}"
+    print(f"\n{transport}: the transfer posted while B was stopped completed "
+          f"{time.monotonic() - resumed:.2f} s after B continued ({resumed - posted:.2f} s after its post)")
     assert _bytes(b, "dst").tobytes() == rand_bytes(seed, size).tobytes()
     b.call("fill", "dst")
     a.call("fill", "src", seed=99)
