@@ -4,7 +4,10 @@ so on every call, and a connect to something that is not tether naming where it 
 Real sockets, random data, poisoned destinations, every byte checked."""
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -14,6 +17,8 @@ import tether
 from tether_testutil import KiB, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error
 
 T = 20.0
+TETHER_PATH = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the source tree
 
 
 @pytest.fixture(params=["tcp", "ipc"])
@@ -140,3 +145,36 @@ def test_a_listener_that_never_answers_the_handshake_is_named(endpoints):
     msg = str(e.value)
     assert msg.startswith(f"connect to {where}: "), msg
     assert "never answered the handshake" in msg and "is a tether endpoint listening there" in msg, msg
+
+
+def _readme_blocks(title: str) -> list:
+    """The ```python blocks of the README section `## title`."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+
+
+@pytest.mark.budget(90)
+def test_the_readme_examples_run_as_pasted(tmp_path):
+    """The README's usage example could not run (one block for two processes, helpers never defined):
+    its quick start, its two-process pair and its tour now run as they are written."""
+    env = dict(os.environ, PYTHONPATH=TETHER_PATH)
+    for title in ("Quick start", "More of the API"):
+        (code,) = _readme_blocks(title)
+        assert len(code.splitlines()) <= 25, f"{title}: more than a screen"
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, f"{title}:\n{r.stdout}{r.stderr}"
+    target, initiator = _readme_blocks("Two processes")
+    (tmp_path / "target.py").write_text(target)
+    (tmp_path / "initiator.py").write_text(initiator)
+    t = subprocess.Popen([sys.executable, "target.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = t.stdout.readline().split()
+        r = subprocess.run([sys.executable, "initiator.py", *line], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        out = t.stdout.readline()  # the target reports the notification, then serves on until stopped
+    finally:
+        t.kill()
+        t.wait(10)
+    assert "sent b'layer-7'; the buffer starts [7 7 7 7]" in out, out
