@@ -11,7 +11,7 @@ the session goes on to the next test and prints its summary. How the watchdog st
 3. a test that no signal and no endpoint reaches ends the run: one line naming it, every thread's stack.
 
 Lab harnesses (`@pytest.mark.lab`: the tools under bench/ that run real benchmark rounds for minutes)
-are left out unless asked for: `pytest -m lab`.
+are left out unless asked for: `pytest -m lab`, or their file named (tests/python/test_lab_tools.py).
 """
 from __future__ import annotations
 
@@ -38,12 +38,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Lab harnesses run when asked: -m naming them, or their file or test named on the command line."""
     if "lab" in (config.option.markexpr or ""):
         return
-    lab = [it for it in items if it.get_closest_marker("lab")]
+    named = {os.path.abspath(a.split("::")[0]) for a in config.args}
+    lab = [it for it in items if it.get_closest_marker("lab") and str(it.path) not in named]
     if lab:
         config.hook.pytest_deselected(items=lab)
-        items[:] = [it for it in items if not it.get_closest_marker("lab")]
+        items[:] = [it for it in items if it not in lab]
 
 
 class _Watch:

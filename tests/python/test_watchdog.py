@@ -41,9 +41,8 @@ def _pytest(tmp_path, *args):
     shutil.copy(os.path.join(HERE, "..", "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_suite.py").write_text(SUITE)
     env = dict(os.environ, PYTHONPATH=TETHER_PATH)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:timeout",
-                           "test_suite.py", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=100)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:timeout", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
 
 
 @pytest.mark.budget(120)
@@ -65,5 +64,8 @@ def test_an_overrun_fails_that_test_alone_and_the_session_goes_on(tmp_path):
 
 @pytest.mark.budget(60)
 def test_lab_harnesses_run_only_when_asked(tmp_path):
+    """Left out of a plain run (above), they run with -m lab or when named."""
     r = _pytest(tmp_path, "-m", "lab")
     assert r.returncode == 0 and "1 passed, 3 deselected" in r.stdout, r.stdout + r.stderr
+    r = _pytest(tmp_path, "test_suite.py::test_lab_harness")
+    assert r.returncode == 0 and "1 passed in" in r.stdout, r.stdout + r.stderr
