@@ -167,6 +167,16 @@ def _remote(r: Remote) -> _tether.RemoteRegion:
     return _tether.RemoteRegion(bytes(r))
 
 
+def _rest(local: "Region", offset: Any) -> int:
+    """The default length of write/read: the local region from `offset` to its end (0 past its end, which
+    the core then refuses as out of range, naming both ranges)."""
+    try:
+        return max(0, local._r.size - offset)
+    except TypeError:
+        _check_u64(local_offset=offset)
+        raise
+
+
 Offsets = Union[Sequence[int], np.ndarray]
 
 
@@ -221,31 +231,38 @@ class Peer:
 
     def write(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
               length: Optional[int] = None, notify: Optional[bytes] = None) -> Transfer:
-        """Local [local_offset, +length) -> remote [remote_offset, +length). Default length: the
-        rest of the remote range. `notify` reaches the target only after the data is in place."""
-        if length is None or isinstance(remote, str):
+        """Local [local_offset, +length) -> remote [remote_offset, +length): exactly `length` bytes, or
+        OutOfRange naming both ranges where either side is too short (nothing moves). Default length:
+        the rest of the local region (`local.size - local_offset`), which the remote range must hold
+        from `remote_offset` on. `remote`: a descriptor (bytes, its .hex() text, or a RemoteRegion).
+        `notify` reaches the target only after the data is in place."""
+        if isinstance(remote, str):
             remote = _remote(remote)
         if length is None:
-            length = remote.length - remote_offset
+            length = _rest(local, local_offset)
         notify = _notify_arg(notify)
         return Transfer(_u64_args(lambda: self._p.write(local._r, local_offset, remote, remote_offset, length, notify),
                                   local_offset=local_offset, remote_offset=remote_offset, length=length))
 
     def read(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
              length: Optional[int] = None, notify: Optional[bytes] = None) -> Transfer:
-        """Remote [remote_offset, +length) -> local [local_offset, +length). `notify` reaches the
-        target once every byte has arrived here (it may then reuse its memory)."""
-        if length is None or isinstance(remote, str):
+        """Remote [remote_offset, +length) -> local [local_offset, +length): exactly `length` bytes, or
+        OutOfRange naming both ranges (nothing moves). Default length: the rest of the local region
+        (`local.size - local_offset`), which the remote range must hold from `remote_offset` on.
+        `notify` reaches the target once every byte has arrived here (it may then reuse its memory)."""
+        if isinstance(remote, str):
             remote = _remote(remote)
         if length is None:
-            length = remote.length - remote_offset
+            length = _rest(local, local_offset)
         notify = _notify_arg(notify)
         return Transfer(_u64_args(lambda: self._p.read(local._r, local_offset, remote, remote_offset, length, notify),
                                   local_offset=local_offset, remote_offset=remote_offset, length=length))
 
     def writev(self, entries: Sequence[Tuple[Region, int, Remote, int, int]],
                notify: Optional[bytes] = None) -> Transfer:
-        """Many (local region, local offset, remote, remote offset, length) as one transfer."""
+        """Many (local region, local offset, remote, remote offset, length) as one transfer; a remote is
+        a descriptor as for `write` (bytes, .hex() text or RemoteRegion). Exactly the lengths given move,
+        or nothing does: OutOfRange names the entry and both of its ranges."""
         return Transfer(self._p.writev(entries, _notify_arg(notify)))
 
     def readv(self, entries: Sequence[Tuple[Region, int, Remote, int, int]],
@@ -417,7 +434,14 @@ class Endpoint:
         self._ep = _tether.Endpoint.create(cfg)
         self._regions: dict[int, Region] = {}
         self._lock = threading.Lock()
+        self._closed = False
         _live.add(self)
+
+    def _open(self) -> "_tether.Endpoint":
+        """The C++ endpoint, or Cancelled once close() ran: every call on a closed endpoint says so."""
+        if self._closed:
+            raise _tether.Cancelled("endpoint closed")
+        return self._ep
 
     @property
     def address(self) -> str:
@@ -431,19 +455,20 @@ class Endpoint:
     def metadata(self) -> bytes:
         """Bytes (binary, not text) another endpoint passes to connect(). Over a text channel send
         `metadata().hex()` and pass `bytes.fromhex(text)` (or base64). "host:port" also connects."""
-        return self._ep.metadata()
+        return self._open().metadata()
 
     def connect(self, target: Union[bytes, str], timeout: Optional[float] = None) -> Peer:
         """Connects to metadata bytes (or their `.hex()` text) or "host:port". Raises ConnectionLost,
         AuthError, ..."""
         if isinstance(target, str):
             target = _metadata_text(target)
-        return Peer(self._ep.connect(bytes(target), -1.0 if timeout is None else float(timeout)))
+        return Peer(self._open().connect(bytes(target), -1.0 if timeout is None else float(timeout)))
 
     def register(self, obj: Any, *, readonly: Optional[bool] = None, device: Optional[int] = None) -> Region:
         """Registers host or GPU memory: a numpy array or any buffer-protocol / DLPack object, a GPU
         tensor or array (torch, cupy: anything with __cuda_array_interface__), or (pointer, nbytes).
         A raw pointer is GPU memory when `device` is given or CUDA says so; host memory otherwise."""
+        self._open()
         if isinstance(obj, tuple):
             if len(obj) != 2:
                 raise _tether.InvalidArgument("expected (pointer, nbytes)")
@@ -467,30 +492,32 @@ class Endpoint:
 
     def deregister(self, region: Region) -> None:
         """Withdraws the region; waits for accesses in flight, then releases the object."""
-        self._ep.deregister(region._r)
+        self._open().deregister(region._r)
         with self._lock:
             self._regions.pop(region.id, None)
 
     def notifications(self, timeout: float = 0) -> list[Notification]:
         """What arrived since the last call, and from whom; waits up to `timeout` s for the first."""
-        return [Notification(*n) for n in self._ep.notifications(float(timeout))]
+        return [Notification(*n) for n in self._open().notifications(float(timeout))]
 
     def peers(self) -> list[Peer]:
         """Every connected peer: those this endpoint connected to and those that connected to it.
         A target sees a peer only once the other side's connect() has returned (empty before)."""
-        return [Peer(p) for p in self._ep.peers()]
+        return [Peer(p) for p in self._open().peers()]
 
     def stats(self) -> dict:
-        return self._ep.stats()
+        return self._open().stats()
 
     @_InstanceOrClass
     def transports(self) -> dict[str, str]:
         """Every transport this build knows -> why it cannot be used here ("" when it can).
         Also on the class: `tether.Endpoint.transports(**options)` asks a short-lived endpoint."""
-        return dict(self._ep.transports())
+        return dict(self._open().transports())
 
     def close(self) -> None:
-        """Idempotent. Transfers still running fail with Cancelled."""
+        """Idempotent. Transfers still running fail with Cancelled; from then on every call on this
+        endpoint or its peers raises Cancelled ("endpoint closed")."""
+        self._closed = True
         self._ep.close()
         with self._lock:
             self._regions.clear()

@@ -14,6 +14,7 @@ import os
 import platform
 import resource
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
@@ -454,6 +455,10 @@ def _local_server(conn, options: dict) -> None:
         channel = PipeChannel(conn)
         conn.send(ep.metadata())
         serve(ep, channel)
+    except (BenchError, EOFError, OSError, KeyboardInterrupt):
+        # The pipe to the bench's main process broke: it was killed (kill -TERM/-9) or interrupted. One
+        # line, not this process's traceback; its own exit says the rest.
+        print("tether bench: the bench's main process went away; its server process stops too", file=sys.stderr)
     finally:
         ep.close()
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+import textwrap
 import traceback
 from typing import Optional
 
@@ -21,13 +22,24 @@ DEFAULT_CHECK_ITERS = 5  # checked operations per case: enough to catch a mispla
 UNPACK = ("kernel", "d2d", "host")
 MODES = ("write", "read", "send")
 
-EPILOG = """\
-units: sizes take binary suffixes K, M, G (1K = 1024 bytes; KiB, MiB, GiB are the same);
-GB/s is 10^9 bytes per second (the JSON key gbps), bytes per op = size x num_iovs;
-p50/p99 are per-op latencies in microseconds (lat_p50_us, lat_p99_us).
-Knobs given as comma lists (--channels, --sockets-per-channel, --chunk-bytes, --window, --unpack)
-sweep: every combination runs. Expected failures print one line; --debug (or TETHER_DEBUG=1)
-prints the traceback too."""
+# One paragraph per line: the help wraps each at the terminal's width (_Wrapping).
+EPILOG = "\n".join([
+    "units: sizes take binary suffixes K, M, G (1K = 1024 bytes; KiB, MiB, GiB are the same); GB/s is 10^9 "
+    "bytes per second (the JSON key gbps), bytes per op = size x num_iovs; p50/p99 are per-op latencies in "
+    "microseconds (lat_p50_us, lat_p99_us).",
+    "Knobs given as comma lists (--channels, --sockets-per-channel, --chunk-bytes, --window, --unpack) sweep: "
+    "every combination runs.",
+    "Expected failures print one line; --debug (or TETHER_DEBUG=1) prints the traceback too.",
+])
+
+
+class _Wrapping(argparse.HelpFormatter):
+    """Wraps the description and the epilog at the terminal's width (COLUMNS when piped, else 80), each
+    line of them a paragraph of its own."""
+
+    def _fill_text(self, text, width, indent):
+        return "\n".join(textwrap.fill(par, width, initial_indent=indent, subsequent_indent=indent) if par else ""
+                         for par in text.splitlines())
 
 
 def _csv(kind, what: str = "value"):
@@ -96,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", parents=[common], help="measure transfers between two local processes",
                        description="Measure transfers between two local processes (or two hosts: --role). "
                                    "Prints a table; --json keeps every figure.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EPILOG, formatter_class=_Wrapping)
     b.add_argument("--transport", default="auto", choices=["auto", "tcp", "ipc", "fabric", "netplugin"],
                    help="the transport to measure (default auto: ipc between two processes of one host, "
                         "tcp between hosts)")

@@ -85,9 +85,19 @@ nb::bytes as_bytes(const std::string& s) { return nb::bytes(s.data(), s.size());
 // it holds never moves). The pointer lives as long as `o` and `parsed`.
 const RemoteRegion* remote_of(nb::handle o, std::deque<RemoteRegion>& parsed) {
   if (nb::isinstance<RemoteRegion>(o)) return nb::inst_ptr<RemoteRegion>(o);
+  nb::object hex;  // a descriptor that crossed a text channel as .hex(), as write() and read() take it
+  if (PyUnicode_Check(o.ptr())) {
+    hex = nb::steal(PyObject_CallMethod(reinterpret_cast<PyObject*>(&PyBytes_Type), "fromhex", "O", o.ptr()));
+    if (!hex.is_valid()) {
+      PyErr_Clear();
+      raise(Status(Code::kInvalidArgument, "a descriptor is bytes (or their .hex() text); got other text "
+                                           "(base64 must be decoded first)"));
+    }
+    o = hex;
+  }
   if (PyBytes_Check(o.ptr()))
     return &parsed.emplace_back(take(RemoteRegion::parse(std::string_view(PyBytes_AS_STRING(o.ptr()), size_t(PyBytes_GET_SIZE(o.ptr()))))));
-  raise(Status(Code::kInvalidArgument, "remote must be descriptor bytes or a RemoteRegion"));
+  raise(Status(Code::kInvalidArgument, "remote must be descriptor bytes, their .hex() text or a RemoteRegion"));
 }
 
 RemoteRegion parse_remote(const nb::object& o) {

@@ -411,6 +411,18 @@ Status client_handshake(int fd, const wire::ClientHello& ch, const std::string& 
 
 }  // namespace
 
+namespace {
+// A control handshake that failed names where it went; one that timed out says what that usually means.
+Status at_address(const Status& s, const std::string& host, uint16_t port) {
+  const std::string where = host.find(':') != std::string::npos ? "[" + host + "]:" + std::to_string(port)
+                                                                 : host + ":" + std::to_string(port);
+  if (s.code() == Code::kTimeout)
+    return Status(s.code(), "connect to " + where + ": it accepted the connection but never answered the handshake; "
+                            "is a tether endpoint listening there (or something else, on the wrong port)?");
+  return Status(s.code(), "connect to " + where + ": " + s.message());
+}
+}  // namespace
+
 Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeout_ms) {
   if (closing_.load()) return Status(Code::kCancelled, "endpoint closed");
   const int64_t deadline = sys::now_ms() + (timeout_ms < 0 ? int64_t(config_.connect_timeout_ms) : timeout_ms);
@@ -514,7 +526,7 @@ Result<Peer> EndpointImpl::connect(std::string_view target_bytes, int64_t timeou
     ch.lane = lane == 0 ? 0 : lane - 1;
     Status s = client_handshake(fd.value(), ch, config_.auth_token, deadline, &sh, lane == 0 ? Chooser(choose) : Chooser(),
                                 lane == 0 ? &nic_text : nullptr);
-    if (!s.is_ok()) return failed(s);
+    if (!s.is_ok()) return failed(lane == 0 ? at_address(s, t.host, t.port) : s);
     if (lane == 0) {
       const std::string peer_ip = sys::remote_addr(fd.value());
       const bool same = std::memcmp(sh.host_id, host_id_.data(), 32) == 0;
@@ -609,6 +621,7 @@ std::vector<std::pair<std::string, std::string>> EndpointImpl::transport_status(
 }
 
 Result<Region> EndpointImpl::register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly) {
+  if (closing_.load()) return Status(Code::kCancelled, "endpoint closed");
   if (ptr && size > 0) {
     // Ask CUDA what the memory is: a GPU range must lie in one allocation of the GPU it claims.
     auto info = gpu::pointer_info(ptr);

@@ -207,8 +207,25 @@ void pull_frame(const TransferState& t, bool resent, ChunkOp* op) {
 }
 }  // namespace
 
+namespace {
+// Both ranges, whichever side is short: the caller sees what it asked to move where (error path only).
+std::string out_of_range(const Block& b, uint64_t local_size, uint64_t remote_size) {
+  auto range = [&](const char* side, uint64_t offset) {
+    return std::string(side) + " range [" + std::to_string(offset) + ", +" + std::to_string(b.length) + ")";
+  };
+  const std::string local = range("local", b.local_offset), remote = range("remote", b.remote_offset);
+  if (!in_bounds(b.local_offset, b.length, local_size))
+    return local + " exceeds local region of " + std::to_string(local_size) + " bytes (" + remote + " of the descriptor's " +
+           std::to_string(remote_size) + " bytes)";
+  return remote + " exceeds the descriptor's " + std::to_string(remote_size) + " bytes (" + local +
+         " of a local region of " + std::to_string(local_size) + " bytes)";
+}
+}  // namespace
+
 Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, const char* noun, std::string notify) {
   const bool write = op == OpKind::kWrite;
+  // A closed endpoint (or a dead link) says so, before its cleared regions could answer for it.
+  if (failed()) return invalid(shared_from_this(), op, error());
   if (notify.size() > info_.max_notify) return invalid(shared_from_this(), op, notify_too_large(notify.size()));
   size_t total = 0;
   for (size_t r = 0; r < nruns; ++r) total += runs[r].n;
@@ -247,14 +264,8 @@ Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, cons
     proto.remote = &t->remotes.back();
     for (size_t j = 0; j < run.n; ++j) {  // every block's bounds, before any byte moves
       const Block& b = run.blocks[j];
-      if (!in_bounds(b.local_offset, b.length, l->size))
-        return refuse(first + j, Code::kOutOfRange, "local range [" + std::to_string(b.local_offset) + ", +" +
-                                                        std::to_string(b.length) + ") exceeds local region of " +
-                                                        std::to_string(l->size) + " bytes");
-      if (!in_bounds(b.remote_offset, b.length, rr.length))
-        return refuse(first + j, Code::kOutOfRange, "remote range [" + std::to_string(b.remote_offset) + ", +" +
-                                                        std::to_string(b.length) + ") exceeds the descriptor's " +
-                                                        std::to_string(rr.length) + " bytes");
+      if (!in_bounds(b.local_offset, b.length, l->size) || !in_bounds(b.remote_offset, b.length, rr.length))
+        return refuse(first + j, Code::kOutOfRange, out_of_range(b, l->size, rr.length));
       if (b.length == 0) continue;
       Segment& s = t->segments.emplace_back(proto);
       s.local = l->base + b.local_offset;
@@ -374,6 +385,7 @@ void PeerState::push_stopped(TransferState* t) {
 }
 
 Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
+  if (failed()) return invalid(shared_from_this(), OpKind::kSend, error());
   const auto& l = local.state();
   if (!l || !l->live.load()) return invalid(shared_from_this(), OpKind::kSend, Status(Code::kNotFound, "send: local region is not registered"));
   if (!in_bounds(offset, length, l->size))
@@ -406,6 +418,7 @@ Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t len
 }
 
 Transfer PeerState::post_recv(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
+  if (failed()) return invalid(shared_from_this(), OpKind::kRecv, error());
   const auto& l = local.state();
   if (!l || !l->live.load()) return invalid(shared_from_this(), OpKind::kRecv, Status(Code::kNotFound, "recv: local region is not registered"));
   if (l->readonly) return invalid(shared_from_this(), OpKind::kRecv, Status(Code::kAccessDenied, "recv into a read-only region"));
@@ -442,6 +455,7 @@ Transfer PeerState::post_recv(const Region& local, uint64_t offset, uint64_t len
 }
 
 Transfer PeerState::post_notify(std::string data) {
+  if (failed()) return invalid(shared_from_this(), OpKind::kNotify, error());
   if (data.size() > info_.max_notify) return invalid(shared_from_this(), OpKind::kNotify, notify_too_large(data.size()));
   auto t = std::make_shared<TransferState>();
   t->op = OpKind::kNotify;

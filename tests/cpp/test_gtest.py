@@ -29,7 +29,7 @@ def _build_and_run(folder: str, cmake_args: list, env=None) -> subprocess.Comple
                           timeout=600)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.budget(600)
 @needs_cmake
 @needs_gtest
 def test_cpp_unit_tests():
@@ -41,7 +41,7 @@ def test_cpp_unit_tests():
 SANITIZER_REPORTS = {"thread": "WARNING: ThreadSanitizer", "address": "ERROR: AddressSanitizer"}
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.budget(900)
 @needs_cmake
 @needs_gtest
 @pytest.mark.parametrize("sanitizer", ["thread", "address"])

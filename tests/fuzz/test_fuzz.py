@@ -91,7 +91,7 @@ def run(seconds: int, corpus: Path, extra=()) -> tuple[int, str, dict]:
 FUZZ_SECONDS = int(os.environ.get("TETHER_FUZZ_SECONDS", "60"))
 
 
-@pytest.mark.timeout(FUZZ_SECONDS + 900)  # the build (≈ 3 min on 2 cores) and the fuzzer's own run
+@pytest.mark.budget(FUZZ_SECONDS + 900)  # the build (≈ 3 min on 2 cores) and the fuzzer's own run
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
 def test_fuzz_endpoint_bounded():
     seconds = FUZZ_SECONDS

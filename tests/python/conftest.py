@@ -1,12 +1,7 @@
-"""Fixtures for the tether tests: endpoint pairs, child processes, and a per-test watchdog.
-
-The watchdog bounds every test even without pytest-timeout: if a test runs longer than its
-budget (default 45 s; `@pytest.mark.budget(seconds)` changes it), faulthandler dumps every
-thread's stack and ends the run (a hang is a failure, never a stuck CI job).
-"""
+"""Fixtures for the tether tests: endpoint pairs and child processes. Every test's budget (the
+watchdog) and the default selection live in tests/conftest.py."""
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
 
@@ -16,8 +11,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tether  # noqa: E402
 from tether_testutil import Child, MiB, rand_bytes  # noqa: E402
 
-DEFAULT_BUDGET_S = 45.0
-
 # Configurations exercised by the correctness tests, on each transport that can carry a pair in
 # one process (auto picks ipc for same-host peers; tcp must keep passing the same tests).
 _SHAPES = {
@@ -26,37 +19,6 @@ _SHAPES = {
     "chunk64k": dict(chunk_bytes=64 << 10),
 }
 CONFIGS = {f"{t}-{name}": dict(shape, transport=t) for t in ("tcp", "ipc") for name, shape in _SHAPES.items()}
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "budget(seconds): wall-clock budget of one test (watchdog)")
-
-
-_REAL_STDERR = []
-
-
-def _real_stderr(config):
-    """The terminal's stderr even while pytest captures fd 2 (else the dump would be lost)."""
-    if not _REAL_STDERR:
-        f = sys.__stderr__
-        try:
-            capman = config.pluginmanager.getplugin("capturemanager")
-            fd = capman._global_capturing.err.targetfd_save  # pytest internals; fallback below
-            f = os.fdopen(os.dup(fd), "w")
-        except Exception:  # noqa: BLE001
-            pass
-        _REAL_STDERR.append(f)
-    return _REAL_STDERR[0]
-
-
-@pytest.fixture(autouse=True)
-def _watchdog(request):
-    m = request.node.get_closest_marker("budget")
-    budget = float(m.args[0]) if m else DEFAULT_BUDGET_S
-    out = _real_stderr(request.config)
-    faulthandler.dump_traceback_later(budget, exit=True, file=out)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture

@@ -430,3 +430,54 @@ def test_nixl_src_set_later_wins_over_the_cached_value(tmp_path):
     assert ours in run("")
     assert "NIXL plugin built against the NIXL headers in " + os.path.abspath(headers) in run(os.path.abspath(headers))
     assert ours in run("")
+
+
+@pytest.mark.budget(60)
+def test_bench_help_wraps_at_the_terminal_width():
+    """`tether bench --help` printed its description and notes as written, lines up to 112 characters on
+    an 80-column terminal; now every part wraps at the width (COLUMNS when piped)."""
+    narrow = run_cli("bench", "--help", env={"COLUMNS": "80"})
+    wide = run_cli("bench", "--help", env={"COLUMNS": "200"})
+    assert narrow.returncode == 0 and wide.returncode == 0, narrow.stderr + wide.stderr
+    too_long = [line for line in narrow.stdout.splitlines() if len(line) > 80]
+    assert not too_long, too_long
+    assert "Measure transfers between two local processes (or two hosts: --role). Prints a table;" in wide.stdout
+    assert len(wide.stdout.splitlines()) < len(narrow.stdout.splitlines())
+    assert "every combination runs" in narrow.stdout and "TETHER_DEBUG=1) prints the" in narrow.stdout
+
+
+def _children(pid: int) -> list:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _sockets(pid: int) -> int:
+    try:
+        return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+@pytest.mark.budget(120)
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGKILL"])
+def test_killing_the_bench_leaves_one_line_from_its_server(sig):
+    """`kill -INT/-TERM/-9` of the bench's main process (not Ctrl-C, which reaches both) made its server
+    process print a 14-20 line traceback (BenchError: the bench server closed its pipe, BrokenPipeError)."""
+    p = subprocess.Popen([sys.executable, "-m", "tether", "bench", "--quiet", "--transport", "tcp", "--sizes", "64M",
+                          "--iters", "100000"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(_sockets(c) >= 3 for c in _children(p.pid)):  # the server listens and serves a peer
+            assert time.monotonic() < deadline and p.poll() is None, "the bench's server never came up"
+            time.sleep(0.1)
+        time.sleep(1)  # transfers under way
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=60)  # both ends of stderr closed: the server has ended too
+    finally:
+        p.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) <= 1, err
+    assert "Traceback" not in err, err

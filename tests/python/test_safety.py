@@ -166,11 +166,14 @@ def test_descriptor_grants_only_its_range(duo):
     assert_bytes_equal(dst[100:150], src[:50], "granted range")
     assert_poison(dst[:100], "before the granted range")
     assert_poison(dst[150:], "after the granted range")
-    # default length = the whole grant
-    t = peer.write(rs, d, local_offset=60)
+    # default length = the rest of the local region: 140 bytes do not fit the grant of 50, and none move
+    e = wait_error(peer.write(rs, d, local_offset=60), T)
+    assert isinstance(e, tether.OutOfRange) and "exceeds the descriptor's 50 bytes" in str(e), repr(e)
+    assert_bytes_equal(dst[100:150], src[:50])
+    t = peer.write(rs, d, local_offset=150)
     t.wait(T)
     assert t.bytes == 50
-    assert_bytes_equal(dst[100:150], src[60:110])
+    assert_bytes_equal(dst[100:150], src[150:200])
     assert_poison(dst[150:])
 
 

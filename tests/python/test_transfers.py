@@ -70,12 +70,16 @@ def test_sub_descriptor_offsets_are_relative(pair):
     assert_bytes_equal(dst[3334:7334], src[17:4017])
     assert_poison(dst[:3334])
     assert_poison(dst[7334:])
-    # Default length: the rest of the descriptor's range from remote_offset.
+    # Default length: the rest of the local region, which must fit from remote_offset on; a local
+    # region longer than what is left of the range fails whole (it used to move what fitted).
     big = rand_bytes(2, 9000)
-    t = peer.write(a.register(big), desc, remote_offset=8000)
+    e = wait_error(peer.write(a.register(big), desc, remote_offset=8000), T)
+    assert isinstance(e, tether.OutOfRange) and "remote range [8000, +9000)" in str(e), repr(e)
+    assert_poison(dst[7334:])
+    t = peer.write(a.register(big), desc, remote_offset=8000, local_offset=8000)
     t.wait(T)
     assert t.bytes == 1000
-    assert_bytes_equal(dst[11001:12001], big[:1000])
+    assert_bytes_equal(dst[11001:12001], big[8000:])
     assert_poison(dst[12001:])
 
 
@@ -85,7 +89,7 @@ def test_zero_length_write_and_read(pair):
     rs, rd, rk = a.register(src), b.register(dst), a.register(sink)
     for t in (peer.write(rs, rd.descriptor(), remote_offset=64, length=0),
               peer.read(rk, rd.descriptor(), remote_offset=64, length=0),
-              peer.write(rs, rd.descriptor(), remote_offset=64)):  # default length: 0 left
+              peer.write(rs, rd.descriptor(), local_offset=64)):  # default length: 0 left of the local region
         t.wait(T)
         assert t.status == "ok" and t.bytes == 0
     assert_poison(dst)
