@@ -13,7 +13,7 @@
 namespace tether {
 
 // Progress threads (channels) by default: half the CPUs, at least 4, at most 16. Measured: 4 is best on
-// 2 cores, 16 on a 32-core GPU host (docs/PERFORMANCE.md, "GPU memory over TCP").
+// 2 cores, 16 on a 32-core GPU host (docs/PERFORMANCE.md, "Defaults and why").
 uint32_t default_channels();
 uint32_t default_busy_poll_us();
 
@@ -52,7 +52,7 @@ struct Config {
   std::string tx_cpus;              // TETHER_TX_CPUS: "eth1:8-21;eth2:22-35" CPUs of the progress threads serving a NIC
   std::string rx_cpus;              // TETHER_RX_CPUS: same form; a progress thread drives both directions (union)
   uint32_t pin_threads = 1;         // TETHER_PIN_THREADS: 0 = never pin; 1 = pin to CPUs local to the thread's NIC
-  // Notifications a peer may leave unread here (docs/ARCHITECTURE.md, "Hostile peers"): one is at most
+  // Notifications a peer may leave unread here (docs/RELIABILITY.md, "The attacks, before and after"): one is at most
   // notify_max_bytes (peers learn it at connect and refuse larger ones before sending); what is queued
   // unread is bounded per peer and for the endpoint (each notification counts its bytes + 64). Over a
   // queue limit the sender's transfer fails with ResourceExhausted; nothing is dropped silently.
@@ -61,7 +61,7 @@ struct Config {
   uint64_t notify_queue_bytes = 64ull << 20;      // TETHER_NOTIFY_QUEUE_BYTES: unread, from all peers together
   // deregister() waits for accesses in flight; over ipc a peer reading a region copies it itself and
   // holds it until it says it is done: a peer whose process is stopped is disconnected at once, any
-  // other still holding it after this long too (docs/ARCHITECTURE.md, "Hostile peers").
+  // other still holding it after this long too (docs/RELIABILITY.md, "The promise in a long-running, elastic fleet").
   uint32_t deregister_timeout_ms = 1000;  // TETHER_DEREGISTER_TIMEOUT_MS
   uint32_t lane_timeout_ms = 5000;  // TETHER_LANE_TIMEOUT_MS: unacknowledged data this long kills a lane (its chunks move)
   bool disable_ipc = false;         // TETHER_DISABLE_IPC=1: never offer ipc (same-host peers use tcp)
@@ -71,7 +71,7 @@ struct Config {
                                             // descriptor the target granted are moved by the initiator
                                             // itself, no message (docs/ARCHITECTURE.md, "One-sided small ops"); 0 = off
   uint64_t ipc_gpu_chunk_bytes = 256 << 20;  // TETHER_IPC_GPU_CHUNK_BYTES: chunk size over ipc when both ends are
-                                            // GPU memory (measured on H200 NVLink: docs/PERFORMANCE.md, ipc)
+                                            // GPU memory (measured on H200 NVLink: docs/PERFORMANCE.md, "Defaults and why")
   // fabric transport (libfabric, loaded at run time)
   std::string fabric_library;       // TETHER_LIBFABRIC_SO: path of libfabric; "" = the system's libfabric.so.1
   std::string fabric_provider;      // TETHER_FABRIC_PROVIDER: cxi, efa, verbs, tcp, shm; "" = auto (cxi, efa, verbs, tcp)

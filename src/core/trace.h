@@ -1,5 +1,5 @@
-// A per-frame event trace, for finding where a transfer's time goes (issue 20: staging copies, socket
-// calls, wake-ups; tcp and ipc lanes mark their steps). Off unless TETHER_TRACE names a file prefix;
+// A per-frame event trace, for finding where a transfer's time goes (staging copies, socket calls,
+// wake-ups; tcp and ipc lanes mark their steps). Off unless TETHER_TRACE names a file prefix;
 // then each process records events into a preallocated buffer (no allocation, no lock, no I/O on the
 // path), and the control thread appends them to <prefix>.<pid>.tsv every tick (≤ 200 ms) and when an
 // endpoint closes: a process that never closes its endpoint (os._exit, NIXL's examples) loses only its

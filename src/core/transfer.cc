@@ -69,12 +69,11 @@ constexpr uint64_t kNapMinBytes = 4 << 20;
 
 // A large read's waiter sleeps in timed naps until the transfer is done (or the timeout passes). A
 // timer wakes the thread on its own CPU; a notify from a lane's thread needs a cross-CPU wake-up, which
-// costs ~100 us on the GPU host, hence spinning. But a spinner holds a core for the whole transfer
-// while every lane's thread lands and copies the read's chunks (tcp: 8 lanes' threads on each side of
-// a 16-core host). Measured: 16 MiB GPU reads 1.09-1.14 x, host reads 1.09-1.5 x, CPU-s/GB lower;
-// writes lost 2-7 % with naps (PERFORMANCE.md, session 17). A large write's waiter instead sleeps on the
-// condition variable at once: its end is an ack the lane's thread reads anyway (session 18: same rates,
-// fewer CPU-seconds per GB).
+// is slow, hence spinning. But a spinner holds a core for the whole transfer while every lane's thread
+// lands and copies the read's chunks (tcp: 8 lanes' threads on each side of a 16-core host), so naps
+// made large reads faster at less CPU, while writes lost with them (docs/PERFORMANCE.md, "Defaults and
+// why"). A large write's waiter instead sleeps on the condition variable at once: its end is an ack the
+// lane's thread reads anyway, so spinning first bought nothing but CPU-seconds.
 void TransferState::nap_until_done(std::chrono::steady_clock::time_point end, uint32_t nap_us) const {
   const int slack = ::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us would stretch every nap

@@ -2,7 +2,7 @@
 // and their sizes pinned by static_asserts so both sides agree byte for byte.
 //
 // Per peer there is one control socket (handshake, heartbeats, notifications, send/recv
-// rendezvous) and several data sockets carrying frames: a 64-byte FrameHeader, then
+// rendezvous) and several data sockets carrying frames: a 56-byte FrameHeader, then
 // `length` payload bytes for kWrite, kReadResp and kSendData.
 #pragma once
 #include <cstdint>

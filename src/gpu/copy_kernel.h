@@ -39,7 +39,7 @@ Status launch_copy_pieces(int device, CUstream stream, uint64_t src_base, uint64
 // u64 dst_off} at `meta`, memory the device can read (mapped pinned host memory, or its own); each
 // fragment at most `longest` bytes. Nothing is copied on the host: an experiment against the
 // parameter form above (bench/gpu/unpack_bench.py row "kernel-meta": half the host cost per launch,
-// slightly slower per operation; docs/PERFORMANCE.md), not used by a transport.
+// slightly slower per operation; docs/PERFORMANCE.md, "Tried and lost"), not used by a transport.
 Status launch_unpack_meta(int device, CUstream stream, CUdeviceptr meta, uint32_t n, uint64_t src_base, uint64_t dst_base,
                           uint64_t longest);
 

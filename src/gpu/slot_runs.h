@@ -2,8 +2,7 @@
 // through two neighbours as one buffer. A run never wraps past the last slot (its buffer must be one
 // piece of the ring's block). The lowest free run is taken, so a lane keeps reusing its few lowest slots
 // while their lines are still cached, where cycling through the whole ring (8 MiB per lane and
-// direction) touched cold memory: 16 MiB GPU reads and writes over tcp 1.02-1.11 x on nvidia-h100-x1,
-// 256 MiB level (PERFORMANCE.md, session 26). No CUDA here: tests/cpp/slot_runs_test.cc checks it.
+// direction) touched cold memory (docs/PERFORMANCE.md, "Defaults and why"). No CUDA here: tests/cpp/slot_runs_test.cc checks it.
 #pragma once
 #include <cstdint>
 #include <vector>

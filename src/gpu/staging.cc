@@ -13,8 +13,7 @@ namespace {
 // Kernel-mode copies (several fragments) stage through device scratch memory: the copy engine moves the
 // slot's bytes across PCIe and the kernel only touches GPU memory. Two processes' kernels on one GPU take
 // turns, so a kernel reading or writing pinned memory over PCIe (TETHER_KERNEL_STAGING=direct) held the
-// GPU ~10 x longer; scratch moved 4,096 x 16 KiB GPU writes 1.18-1.32 x faster and reads 1.12 x
-// (PERFORMANCE.md, session 29).
+// GPU far longer than one that stays in device memory (docs/PERFORMANCE.md, "Defaults and why").
 bool scratch_staging() {
   static const bool scratch = sys::env_text("TETHER_KERNEL_STAGING") != "direct";
   return scratch;

@@ -1,4 +1,4 @@
-// The unpack microbenchmark (issue 8's performance line): on one GPU, a chunk of shuffled pages in a
+// The unpack microbenchmark (is unpacking fast enough to stay off the netplugin's critical path?): on one GPU, a chunk of shuffled pages in a
 // bounce buffer is unpacked to a destination (a) by the shared copy kernel (one launch carrying the
 // descriptors: `kernel` as the netplugin unpacker does it, 32-bit offsets from the bounce buffer and
 // the destination; `kernel-wide` with 64-bit (src, dst, len) triples; `kernel-meta` reading the

@@ -195,7 +195,7 @@ def test_a_killed_target_fails_writes_without_a_hang(ipc_target):
     assert time.monotonic() - t0 < 10
 
 
-# -- deregister() against one-sided copies that stall or stop (docs/RELIABILITY.md, "One-sided writes")
+# -- deregister() against one-sided copies that stall or stop (docs/RELIABILITY.md, "The promise in a long-running, elastic fleet")
 
 def _userfault():
     import userfault

@@ -124,7 +124,7 @@ class CudaLane {
 };
 
 // Fragments in one ipc kWriteBatch, copied by one kernel launch: 4,096 blocks of 16 KiB go as four
-// batches on four lanes (with tcp's 128, as 32 launches each waited for: docs/PERFORMANCE.md, ipc).
+// batches on four lanes (with tcp's 128, as 32 launches each waited for: docs/PERFORMANCE.md, "Same host: ipc, GPU memory").
 constexpr uint32_t kMaxBatch = 1024;
 
 }  // namespace tether::transport::ipc

@@ -1298,9 +1298,9 @@ bool finish_listener_setup(Lane& l, int host_mode) {
 // follows soon, and a sleeping thread takes longer to wake than an NVLink copy of a few MiB takes
 // (docs/ARCHITECTURE.md, "Waking up"). Doorbells (one byte) only wake it.
 //
-// Polling lanes do not send queued chunks themselves: tried (session 5), it made lone and
-// many-in-flight transfers slower — packing a batch holds the peer's mutex, and lanes that met it
-// slept on it (docs/PERFORMANCE.md, "Session 5").
+// Polling lanes do not send queued chunks themselves: tried, it made lone and many-in-flight
+// transfers slower — packing a batch holds the peer's mutex, and lanes that met it slept on it
+// (docs/PERFORMANCE.md, "Tried and lost").
 constexpr ssize_t kRingBroken = -2;
 ssize_t next_msg(Lane& l, uint32_t busy_us, std::chrono::steady_clock::time_point* last) {
   using Clock = std::chrono::steady_clock;

@@ -47,7 +47,7 @@ constexpr uint32_t kGrantCache = 64;    // descriptors an initiator remembers gr
 // GPU chunks go one-sided only up to here when the posting thread waits for the copy itself (no
 // GpuCompleter: busy polling off): the copy and its wait take ~11 us whatever the size, so ops posted
 // back to back would run one after another, where as requests the lanes' threads copy them side by
-// side (docs/PERFORMANCE.md, "One-sided small ops").
+// side (docs/PERFORMANCE.md, "Defaults and why").
 constexpr uint64_t kOneSidedGpuMax = 8 << 10;
 // A hazard naming a region for a host read: the target need not wait for it (the reader re-checks).
 constexpr uint64_t kReadHazard = uint64_t(1) << 63;
@@ -133,7 +133,7 @@ class OneSidedInitiator {
 
 // Finishes one-sided GPU copies off the posting thread: the poster starts the copy and hands it
 // here; whoever polls the copies' events lets go of each hazard and answers the chunk, so ops posted
-// back to back copy side by side (docs/PERFORMANCE.md, "Asynchronous one-sided GPU copies"). A thread
+// back to back copy side by side (docs/PERFORMANCE.md, "Defaults and why"). A thread
 // waiting for a lone op polls its copy itself (help()), as UCX's progress does, so the op starts,
 // finishes and is answered on one core; the completer's own thread polls the rest (ops in flight), for
 // `busy_us` after the last copy, then sleeps.

@@ -1,7 +1,7 @@
 // CPU bindings per NIC, NCCL_GPUDIRECTTCPX_TX_BINDINGS style: "eth1:8-21,112-125;eth2:22-35".
 // TETHER_NET_BINDINGS pins the netplugin progress thread serving a plugin device (named by the
-// plugin's getProperties) to those CPUs. (The nics work, issue 6, has the same parser for TCP
-// threads in src/sys/topology; the two fold into one when both are on main.)
+// plugin's getProperties) to those CPUs. (src/sys/topology has a parser of the same
+// form for TCP threads; the two should fold into one.)
 #pragma once
 #include <map>
 #include <string>

@@ -54,8 +54,8 @@ constexpr uint64_t kSmallCopy = 256 << 10;    // staged copies up to this extend
 
 // Chunks' bytes a kWriteBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each batch is a
 // gather kernel on the sender and an unpack kernel on the receiver, and between two processes on one
-// GPU those take turns. Two chunks: the 4,096 x 16 KiB write 1.10x, 0.14 CPU-s/GB less (PERFORMANCE.md,
-// session 24). Both sides must agree (wire version 6): a receiver kills the lane on a longer batch.
+// GPU those take turns, so fewer, larger batches move scattered blocks faster and at less CPU per GB
+// (docs/PERFORMANCE.md, "Defaults and why"). Both sides must agree (wire version 6): a receiver kills the lane on a longer batch.
 constexpr uint32_t kGpuBatchChunks = 2;
 
 // Bytes in the socket's send queue (unsent or unacknowledged).
@@ -111,9 +111,9 @@ enum class RxState { kHeader, kPayload, kDiscard };
 
 // First copies first: a lane that has a chunk to send starts no copy of its next one out of a GPU while
 // another lane of this process waits for its copy out of that GPU with nothing to send. Without it a
-// transfer's eight first 1 MiB copies finished in two waves (four lanes at ≈ 60-110 µs, four at ≈ 250-300):
-// the early lanes' second copies took the copy engines from the late lanes' first (PERFORMANCE.md,
-// sessions 30-31). TETHER_X_FIRST_COPIES=0 turns it off, for A/B runs.
+// transfer's eight first copies finished in two waves, the late lanes' first copies far behind the
+// early ones: the early lanes' second copies took the copy engines from the late lanes' first
+// (docs/PERFORMANCE.md, "Defaults and why"). TETHER_X_FIRST_COPIES=0 turns it off, for A/B runs.
 bool first_copies() {
   static const bool on = sys::env_flag("TETHER_X_FIRST_COPIES");
   return on;
@@ -272,7 +272,7 @@ gpu::StagingRing& rx_ring(Lane& l, core::EndpointImpl* ep) {
 }
 
 // Pins a lane's staging for the GPUs in `gpus` (a bit per device) before its first GPU chunk, which
-// would otherwise pay for it (issue 20: ≈ 1 ms per MiB pinned, several ms on the first transfers).
+// would otherwise pay for it: pinning is slow, and the first transfers would carry its whole cost.
 // Skips a side another thread holds; that side prepares lazily. A failure here is met again, and
 // reported, by the first transfer that needs the ring.
 void prepare_staging(Lane& l, core::EndpointImpl* ep, uint64_t gpus) {
@@ -367,7 +367,7 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
     const uint64_t queued = l.peer->has_work() && l.peer->lane_bytes(l.index) >= limit ? kernel_queued(l.fd) : 0;
     // A lane stages one chunk at a time: all lanes' copies share the GPU's copy engines, so at the
     // start of a transfer each lane's first chunk is out sooner (and on the wire sooner) when second
-    // chunks wait; later ones are copied while the one before is sent (issue 20, PERFORMANCE.md).
+    // chunks wait; later ones are copied while the one before is sent (docs/PERFORMANCE.md, "Defaults and why").
     // (A lane writing holds at most three of its eight tx slots here, so a free run of two for a batch is
     // there and contiguous chunks do not wait on it; staged read answers it also serves may hold more.)
     const bool yield_copies = l.yield_copies();  // first copies first
@@ -434,8 +434,8 @@ bool drive_tx(Lane& l, core::EndpointImpl* ep, Status* error) {
       break;
     }
     // A copy just finished: start the next one (the pulls above) before this sendmsg, which on loopback
-    // moves the bytes to the receiver itself (70-300 us per chunk). Else each chunk's copy waited for the
-    // previous chunk's send and a staged lane sent at copy + send time per chunk (issue 20).
+    // moves the bytes to the receiver itself (as long as a copy, or longer). Else each chunk's copy waited for
+    // the previous chunk's send and a staged lane took copy + send time per chunk, not the larger of the two.
     if (staged_now) continue;
     msghdr msg{};
     msg.msg_iov = iov;
@@ -1137,8 +1137,8 @@ void ProgressThread::run() {
   auto last_event = Clock::now() - busy;
   // Staged GPU copies keep the thread polling, but a turn that found nothing to do (no socket event, no
   // byte moved, no copy started or finished) is followed by a nap of staging_nap_us, not a spin: 16
-  // lanes' threads spinning on 16 cores cost CPU-seconds per GB (issue 20's goal) and gained nothing
-  // over 8 us naps (PERFORMANCE.md, session 14).
+  // lanes' threads spinning on 16 cores cost CPU-seconds per GB and gained nothing over short naps
+  // (docs/PERFORMANCE.md, "Defaults and why").
   const uint32_t nap_us = ep_->config().staging_nap_us;
   if (nap_us) ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us slack would stretch a nap
   bool copies = false;  // the last turn left staged GPU copies in flight: the next one polls them
@@ -1205,15 +1205,15 @@ void ProgressThread::run() {
     if (staging) {
       // Copies in flight keep the thread polling them (`copies`): each chunk's next step (its copy done,
       // the next chunk to stage or to land) follows within microseconds, and a sleeping thread's wake-up
-      // there cost staged transfers 10-20 % (PERFORMANCE.md, session 9). Only copies of chunks up to
+      // there slowed staged transfers (docs/PERFORMANCE.md, "Tried and lost"). Only copies of chunks up to
       // 256 KiB (small transfers, and staged reads under two full chunks per lane, whose 256 KiB chunks
-      // lost 10 % without it: session 18; 16 MiB reads now move in 1 MiB chunks) keep it spinning after them:
-      // after larger ones every lane's thread spun for busy_poll_us at each transfer's end, 10-26 % more
-      // CPU-seconds per GB at the same rates (PERFORMANCE.md, session 18).
+      // were slower without it) keep it spinning after them: after larger ones every lane's thread spun
+      // for busy_poll_us at each transfer's end, more CPU-seconds per GB for the same rates
+      // (docs/PERFORMANCE.md, "Defaults and why").
       if (small_staging) last_event = Clock::now();
       // A turn that only polled the GPU (no socket event, no byte moved, no copy started or finished)
       // naps (above), or with staging_nap_us 0 lets another runnable thread on this core go first: 16
-      // lanes' threads polling copies share 16 cores with the kernel's TCP work (PERFORMANCE.md, session 12).
+      // lanes' threads polling copies share 16 cores with the kernel's TCP work.
       if (n == 0 && moved() == moved_before && copy_steps() == steps_before) {
         if (nap_us) napping = true;
         else sched_yield();
@@ -1221,7 +1221,7 @@ void ProgressThread::run() {
     } else if (n > 0 && busy.count() > 0) {
       // Otherwise only small traffic does: a host bulk flow's next event comes soon from its own
       // socket (data in, room to send), and a lane with unsent bytes is woken by EPOLLOUT; spinning
-      // through them cost 10-20 % more CPU per GB with no gain (PERFORMANCE.md, session 9).
+      // through them cost more CPU per GB with no gain (docs/PERFORMANCE.md, "Defaults and why").
       bool backlog = false;
       for (auto& l : lanes_) backlog |= l->tx_backlog.load(std::memory_order_relaxed);
       if (moved() - moved_before < kSpinAfterBytes && !backlog) last_event = Clock::now();
@@ -1317,7 +1317,8 @@ Caps TcpTransport::caps() const {
   c.batch_fragments = wire::kMaxFragments;
   // Reads are paced like writes (kLaneQueueChunks chunks' bytes per socket): a lane asks for more only
   // as answers come in, so a transfer's chunks spread over every lane and faster lanes still take more.
-  // Filling the window at once left a 16 MiB host read on 2 of its 4 lanes (PERFORMANCE.md, session 11).
+  // Filling the window at once left a large host read on a few of its lanes (docs/PERFORMANCE.md,
+  // "Defaults and why").
   c.read_depth = uint32_t(kLaneQueueChunks);
   c.wait_naps = true;  // every lane's answers are landed by its thread (ARCHITECTURE.md, "Waking up")
   // Small reads travel as kReadBatch chunks: one request and one answer for up to kMaxFragments blocks
