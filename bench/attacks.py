@@ -1,4 +1,4 @@
-"""The attacks of issue 17, measured (docs/RELIABILITY.md): each runs against a target endpoint in a
+"""The attacks a hostile or broken peer can make, measured (docs/RELIABILITY.md, "The attacks, before and after"): each runs against a target endpoint in a
 child process while a legitimate peer keeps writing 1 MiB to it, and reports what the target held
 (connections, descriptors, resident memory) before, during and after, and how long the legitimate
 write took alone and under attack. It asserts nothing: it runs the same on a build without the fixes.

@@ -1,5 +1,5 @@
 """Side by side, one run, one machine: tether's same-host transport (ipc) against a single-thread
-memcpy of the same size (issue 5's host-memory goal: 256 MiB write >= 0.9 x memcpy), and beside
+memcpy of the same size (the ipc host-memory goal: 256 MiB write >= 0.9 x memcpy), and beside
 ipc through shared memory (TETHER_IPC_HOST=shm) and tcp. Two processes (tether bench's LocalPair).
 
     python bench/compare_ipc.py [--check] [--json out.json]

@@ -1,5 +1,5 @@
 """Side by side, one run, one machine: tether over TCP loopback against iperf3 and a plain TCP
-ping-pong (issue 2's performance targets). Prints a table with the ratios.
+ping-pong (the host-memory tcp goals, docs/PERFORMANCE.md, "Host memory over TCP"). Prints a table with the ratios.
 
     python bench/compare_tcp.py [--json out.json]
 """

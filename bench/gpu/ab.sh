@@ -30,7 +30,7 @@ else
 fi
 for r in $(seq 1 "$ROUNDS"); do
   # Odd rounds run the new build first, even rounds the old: whichever runs second in a round has been
-  # a few % faster on the GPU host (PERFORMANCE.md, session 13), so a fixed order biases the verdict.
+  # faster on the GPU host (docs/PERFORMANCE.md, "How we measure"), so a fixed order biases the verdict.
   order="new old"; [ $((r % 2)) = 0 ] && order="old new"
   for v in $order; do
     envs=""

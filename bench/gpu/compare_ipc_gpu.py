@@ -2,7 +2,7 @@
 (GPU0 -> GPU0, two processes sharing it, on a one-GPU machine):
 1 MiB, 16 MiB, 256 MiB, 128 x 1.15 MB vectored, 4,096 x 16 KiB scattered vectored; connect time to a
 same-host peer; first write to a newly registered remote region (and from a new local allocation)
-against a warm one. Issue 5's goals are printed beside each row.
+against a warm one. The ipc GPU goals (docs/PERFORMANCE.md, "Same host: ipc, GPU memory") are printed beside each row.
 
     python bench/gpu/compare_ipc_gpu.py [--check] [--json out.json] [--channels N] [--gpu-chunk BYTES]
 

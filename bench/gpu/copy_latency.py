@@ -1,6 +1,6 @@
 """Latency of one small GPU-to-GPU copy and its wait, by every way the driver offers (ctypes to
 libcuda; torch only allocates). Why ipc's one-sided GPU chunks stop at 8 KiB: docs/PERFORMANCE.md,
-"One-sided small ops".   python3 bench/gpu/copy_latency.py [--iters N]"""
+"Defaults and why".   python3 bench/gpu/copy_latency.py [--iters N]"""
 import argparse
 import ctypes
 import time

@@ -5,7 +5,7 @@
 # GPUs (full mesh, NVLink) say "skipped".
 #   bash bench/gpu/final.sh                 every step
 #   bash bench/gpu/final.sh ipc_gpu mesh_sp  only the named steps (names below)
-#   bash bench/gpu/final.sh one_gpu par_tests   the one-GPU table (docs/PERFORMANCE.md) and every GPU test
+#   bash bench/gpu/final.sh one_gpu par_tests   the one-GPU table (docs/PERFORMANCE.md, "Same host: ipc, GPU memory") and every GPU test
 set -u
 STEPS=" $* "
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L=/tmp/tether-logs; mkdir -p "$L"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Full mesh on every visible GPU (issue 9): tether's GPU full mesh (all ordered pairs i>j at once,
+# Full mesh on every visible GPU (docs/PERFORMANCE.md, "Full mesh beside NCCL"): tether's GPU full mesh (all ordered pairs i>j at once,
 # GPU memory to GPU memory, every byte checked) over tcp and ipc, one process per GPU and one
 # process for all, beside NCCL all-pairs send/recv (default and socket transport forced) from the
 # same run. JSON and logs under $OUT; one short table last.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8 on the GPU machine: build, netplugin GPU tests, the unpack microbenchmark, and the full
+# The netplugin transport on the GPU machine: build, netplugin GPU tests, the unpack microbenchmark, and the full
 # transfer through the testnet plugin (GPU bounce pages) beside tcp. Logs under $OUT.
 # Usage: bash bench/gpu/netplugin_run.sh [tests|bench|all]
 set -u

@@ -30,7 +30,7 @@ t peers_gpu 420 python3 bench/peers/run.py --device gpu --only tether nixl-tethe
 t peers_cpu 420 python3 bench/peers/run.py --only tether nixl-tether-tcp nixl-tcp tether-ipc nixl-tether nixl-default --json "$OUT/peers_cpu.json"
 # Why NIXL/UCX with UCX_TLS=tcp does not start here: the driver alone, UCX's own log at info level.
 t ucx_tcp_diag 90 env UCX_LOG_LEVEL=info python3 bench/peers/nixl_driver.py tcp
-# Issue 19: the disaggregated-prefill example, its test (Llama on cuda:0 for all three paths) and a record.
+# The disaggregated-prefill example, its test (Llama on cuda:0 for all three paths) and a record.
 t disagg_test 300 $PT tests/python/test_disagg_prefill.py
 t disagg_run 240 python3 examples/disagg_prefill/run.py --verify-bytes --json "$OUT/disagg.json"
 t disagg_run_tcp 240 python3 examples/disagg_prefill/run.py --transport tcp --paths tether,nixl-TETHER --json "$OUT/disagg_tcp.json"

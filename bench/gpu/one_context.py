@@ -3,7 +3,7 @@
 `tether bench --transport tcp --device gpu` (two processes, two contexts on the same GPU). The same
 threads, sockets and staging run in both; what differs is whether the two sides' copies into and out
 of the GPU come from one context or from two that the GPU time-slices. A probe for the one-GPU device
-host (issue 20: where a staged GPU read's time goes), not a gate.
+host (where a staged GPU read's time goes), not a gate.
 
     python3 bench/gpu/one_context.py [--sizes 16M,256M] [--iters 20] [--mode read,write]
     python3 bench/gpu/one_context.py --sizes 16K --blocks 4096 --mode write   (scattered blocks)

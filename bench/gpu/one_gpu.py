@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The one-GPU table (issue 18): tether between two processes sharing GPU 0 (GPU0 -> GPU0), over tcp
+"""The one-GPU table: tether between two processes sharing GPU 0 (GPU0 -> GPU0), over tcp
 (staging through pinned host memory both ways, one PCIe link) and ipc (CUDA IPC on one device), with
 the ceilings measured in the same call: pinned copies each way, a device-to-device copy on GPU 0, and
 loopback TCP (bench/tools/tcp_ceiling.c, page-locked by cudaHostAlloc): each tcp row runs
 `tether bench --ceiling` (as many streams as tether's lanes, right after the row), and 8 streams once. Rows: 1 MiB, 16 MiB and 256 MiB writes one at a time, and the 4,096 x
 16 KiB scattered write (one vectored op), every one byte-checked (`tether bench --check`).
-Each step is bounded; the markdown table comes last (docs/PERFORMANCE.md, "One GPU").
+Each step is bounded; the markdown table comes last (docs/PERFORMANCE.md, "Same host: ipc, GPU memory", its GPU0 → GPU0 table).
 
     python3 bench/gpu/one_gpu.py [--remote-gpu 0] [--json out.json] [--step-timeout 150]
 """

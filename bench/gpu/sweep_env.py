@@ -11,7 +11,7 @@ first environment's, the rounds it won against it, and both processes' CPU-secon
 --ceiling STREAMS opens each round with a 1 s loopback ceiling (tcp_ceiling -n STREAMS): the GPU host has
 slow phases in which every build runs at a third to a half of its rate, and a round in one says little.
 Each run's line gives the share of the machine's CPU time the hypervisor took meanwhile (steal: the GPU
-host is a VM, and its half-rate rows came with it, PERFORMANCE.md session 20); --skip-steal PCT leaves out
+host is a VM, and its half-rate rows came with it, docs/PERFORMANCE.md, "How we measure"); --skip-steal PCT leaves out
 of the table every round in which some run's share exceeded PCT.
 --deadline S starts no round that would end after S seconds at the pace of the slowest round so far, and
 SIGTERM (`timeout` running out) stops at once: either way the table covers the whole rounds run (a

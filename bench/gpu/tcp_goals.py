@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 20's goals in one call: tether over tcp beside the loopback TCP ceiling at the same stream count.
+"""The tcp goals in one call (docs/PERFORMANCE.md, "GPU memory over TCP (staging)"): tether over tcp beside the loopback TCP ceiling at the same stream count.
 
     python3 bench/gpu/tcp_goals.py [--rounds 2] [--out DIR] [--env NAME=VALUE ...] [--host-only]
 
@@ -8,7 +8,7 @@ host memory 256 MiB write/read; GPU memory (GPU0 -> GPU0, two processes) 16 MiB,
 write/read; the 4,096 x 16 KiB scattered GPU write. Prints each goal with the figure, its ratio and
 whether it is met; CPU-seconds per GB are both processes together against the ceiling tool's.
 A goal is judged by the median of its rounds' ratios (rows of one call swing by 1.5-2 x between rounds:
-docs/PERFORMANCE.md, sessions 18-20). Beside it, the rate of the median transfer (size / p50 latency)
+docs/PERFORMANCE.md, "How we measure"). Beside it, the rate of the median transfer (size / p50 latency)
 against the same ceiling: the mean rate includes the multi-millisecond stalls of a thread the scheduler
 did not run, which the p50 leaves out; both are printed, the goal is read from the mean.
 

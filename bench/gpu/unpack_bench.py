@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 8's performance line: the unpack kernel on 4 MiB chunks of scattered 4 KiB fragments must
+"""Is the unpack fast enough to stay off the netplugin's critical path? The unpack kernel on 4 MiB chunks of scattered 4 KiB fragments must
 reach >= 70% of the device-to-device copy bandwidth measured in the same run.
 
 Rows: `kernel` (what the netplugin unpacker runs), `kernel-wide` (64-bit triples), `kernel-meta` (an

@@ -2,7 +2,7 @@
 """Runs `tether bench` N times and prints, per run, its rows beside what the kernel counted meanwhile:
 /proc/stat (user, sys, softirq, steal... in ticks), /proc/vmstat (page faults, THP, compaction),
 TCP counters (retransmissions, receive-queue pruning and collapsing, zero windows) and softnet drops.
-How session 20 tied the GPU host's half-rate rows to CPU steal (docs/PERFORMANCE.md).
+This is how the GPU host's half-rate rows were tied to CPU steal (docs/PERFORMANCE.md, "How we measure").
 
     python3 bench/tools/kernel_counters.py 8 --transport tcp --sizes 256M --mode write,read --ceiling --check
 

@@ -1,7 +1,6 @@
 /* launch_contention: what a staging copy's launch costs when N threads of one process each run a lane's
- * copy loop at once. Inside `tether bench` a 1 MiB cuMemcpyAsync took 10-22 us a call (TETHER_X_API_NS,
- * PERFORMANCE.md session 28) where one thread alone takes 2.5-4.5 us (bench/gpu/launch_cost.py); this
- * tells whether threads of one process slow each other's launches, and whether polling a flag the GPU
+ * copy loop at once. Inside `tether bench` a 1 MiB cuMemcpyAsync launch (TETHER_X_API_NS) took several
+ * times what one thread alone takes (bench/gpu/launch_cost.py); this tells whether threads of one process slow each other's launches, and whether polling a flag the GPU
  * writes instead of a CUDA event changes that.
  *
  * Each thread: its own non-blocking stream, BYTES of device memory and of pinned host memory (portable,

@@ -1,5 +1,5 @@
 /* tcp_ceiling: what the kernel's TCP alone moves over loopback with N streams, the ceiling that
- * tether's tcp transport is measured against (issue 20). Two processes (a sender and a receiver), one
+ * tether's tcp transport is measured against. Two processes (a sender and a receiver), one
  * thread per stream on each side, the socket options tether's tcp lanes use (src/sys/net.cc:
  * SO_SNDBUF/SO_RCVBUF set before connect/listen, TCP_NODELAY, O_NONBLOCK with poll() when the socket
  * is full or empty, TCP_USER_TIMEOUT and keepalive), and tether's framing: each chunk is one

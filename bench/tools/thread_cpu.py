@@ -8,7 +8,7 @@ in syscalls (send/recv, epoll) or in user space (polling, the CUDA driver). Thre
 
 /proc is sampled every --interval seconds; a thread's figure is its last sample, so one that ends
 between two samples loses at most an interval of time. With --gb (bytes moved, in 10^9), each figure
-is also given per GB. Linux only; a probe for issue 20 (where the CPU goes), not a gate.
+is also given per GB. Linux only; a probe of where the CPU goes, not a gate.
 """
 from __future__ import annotations
 

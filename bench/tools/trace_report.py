@@ -106,7 +106,7 @@ def main() -> int:
                          "on, and its longest silence (which lane stopped, and after what)")
     ap.add_argument("--timeline", type=float, default=None, metavar="Q",
                     help="instead: the transfer at quantile Q of the transfers' times (0.5: the median), every "
-                         "event of both sides lane by lane, µs after its post (how session 30 found a read's "
+                         "event of both sides lane by lane, µs after its post (it shows, e.g., a read's "
                          "first copies out of the GPU finishing in two waves)")
     a = ap.parse_args()
     procs = load(a.prefix)
@@ -386,7 +386,7 @@ def print_reader_time(procs, side, skip: float) -> int:
 
 def lane_balance(procs, side, n: int) -> None:
     """One line per transfer, µs from its post: a transfer ends with its slowest lane, so a lane that
-    starts late or pulls few chunks while others pull many shows here (a 16 MiB GPU read, session 11)."""
+    starts late or pulls few chunks while others pull many shows here (as a 16 MiB GPU read once did)."""
     init = [rows for p, rows in procs.items() if side[p] == "I"]
     target = [r for p, rows in procs.items() if side[p] == "T" for r in rows]
     if not init:

@@ -123,8 +123,8 @@ def cpu_seconds() -> float:
 
 def stolen_seconds() -> float:
     """CPU-seconds the hypervisor has held this machine's CPUs back so far (/proc/stat's steal; 0 where
-    there is none). On the GPU hosts, a VM, rows that ran at half their rate came with it (PERFORMANCE.md,
-    session 20): a figure taken while it grew measures the host as much as tether."""
+    there is none). On the GPU hosts, a VM, rows that ran at half their rate came with it (docs/PERFORMANCE.md,
+    "How we measure"): a figure taken while it grew measures the host as much as tether."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
@@ -696,7 +696,7 @@ def result_dict(r: Result) -> dict:
     return d
 
 
-# ---------------------------------------------------------------- the loopback TCP ceiling (issue 20)
+# ---------------------------------------------------------------- the loopback TCP ceiling
 # bench/tools/tcp_ceiling.c: N plain TCP streams over loopback with tether's socket options, chunk size
 # and framing, page-locked buffers, one thread per stream on each side; GB/s and CPU-s per GB.
 

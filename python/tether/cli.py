@@ -398,7 +398,7 @@ def bench(args) -> int:
             _err(console, "a GPU full mesh runs write and read (send needs a receiver per flow)")
             return 2
     # A case that cannot fit is refused before anything starts: a helper that dies allocating it
-    # would end the run half-way (issue 17).
+    # would end the run half-way, with nothing to show for the rows before it.
     too_big = B.memory_shortfall(capacity, *_buffers(role, device, args),
                                  what=f"{B.human(max(sizes))} x {max(args.num_iovs)} iovs")
     if too_big:
