@@ -2,7 +2,7 @@
 """Many NICs on one machine: two network namespaces joined by four veth pairs, each shaped with tc,
 one tether endpoint process in each; a large write striped over the four links, every byte checked.
 
-    sudo python3 bench/nics_bench.py                      # both issue-6 cases, 1 GiB, 3 runs each
+    sudo python3 bench/nics_bench.py                      # both cases, 1 GiB, 3 runs each
     sudo python3 bench/nics_bench.py --size 256M --runs 1 --cases 4x1g
     sudo python3 bench/nics_bench.py --stats              # per-NIC bytes of every run
 

@@ -212,7 +212,8 @@ TEST(Loopback, AuthTokenMustMatch) {
   EXPECT_EQ(none->connect(server->address()).status().code(), Code::kAuthFailed);
 }
 
-// Issue 17: a transport named in the Config must exist and work here; create() says so, not connect().
+// A transport named in the Config must exist and work here; create() says so, not connect(), so a
+// misconfiguration shows when the endpoint is made, not at the first peer.
 TEST(Loopback, CreateRefusesUnknownOrUnusableTransport) {
   Config c;
   c.transport = "fabirc";

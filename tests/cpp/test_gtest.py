@@ -48,7 +48,7 @@ SANITIZER_REPORTS = {"thread": "WARNING: ThreadSanitizer", "address": "ERROR: Ad
 def test_cpp_unit_tests_under_a_sanitizer(sanitizer):
     """The same tests built with -fsanitize=thread (data races between lane threads, waiters and the
     control thread) and -fsanitize=address (out-of-bounds, use after free, leaks), so CI fails on them
-    rather than waiting for a session to run the sanitizers by hand. Session 22's TSAN run found two
+    rather than waiting for someone to run the sanitizers by hand. Their first TSAN run found two
     races: a tcp progress thread reading a waiter's rx state unowned (a stale low mark could hold a
     staged payload's last bytes for epoll's 1 s), and the ipc verdict written while other lanes read it.
     tests/cpp/tsan.supp names the orderings TSAN cannot see (a socket's, a cross-memory attach's)."""

@@ -1,4 +1,4 @@
-// libFuzzer target: a listening endpoint fed what a hostile peer can send it (issue 17). The first
+// libFuzzer target: a listening endpoint fed what a hostile peer can send it (docs/RELIABILITY.md). The first
 // byte picks where the rest goes:
 //   0 handshake  the first bytes of a fresh TCP connection (ClientHello, ClientProof, offers, and
 //                control messages after a handshake that completes)

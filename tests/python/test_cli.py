@@ -328,7 +328,7 @@ def test_trace_report_reader_time_splits_each_receiving_lane(tmp_path, mode):
 def test_trace_report_outliers_lists_the_slowest_transfers_lane_by_lane(tmp_path):
     """trace_report.py --outliers N: the transfers' times, then the median transfer and the N slowest with
     a line per lane of each side (its events, when it was active, its CPUs, its longest silence): how a
-    16 MiB GPU read's rare multi-ms transfers were traced to one thread that did not run (session 19)."""
+    16 MiB GPU read's rare multi-ms transfers were traced to one thread that did not run."""
     prefix, _init, _target = _traced_bench(tmp_path, "--transport", "tcp", "--sizes", "2M", "--chunk-bytes", "512K",
                                            "--mode", "read", "--iters", "8", "--warmup", "1")
     tool = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "tools", "trace_report.py")
@@ -378,7 +378,7 @@ def test_trace_report_timeline_prints_one_transfer_lane_by_lane(tmp_path):
 def test_rows_the_hypervisor_took_cpu_time_from_are_named_under_the_table():
     """A row during whose timed pass the hypervisor took >= 1 % of the machine's CPU time (/proc/stat's
     steal, bench.stolen_seconds) is named in the caption with its share; on the GPU host the rows that ran
-    at half their rate came with it (session 20). Rows below the mark, and tables without any, say nothing."""
+    at half their rate came with it. Rows below the mark, and tables without any, say nothing."""
     def row(mode, size, steal):
         return B.Result(mode=mode, transport="tcp", device="cpu", size=size, num_iovs=1, iters=5, gbps=20.0,
                         lat_p50_us=10.0, lat_p99_us=12.0, cpu_client=700.0, cpu_server=650.0, check=None,

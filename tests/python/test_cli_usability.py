@@ -1,5 +1,5 @@
-"""A new user's first hour (issue 18) and a bench that never hangs on a dead helper (issue 17, item 4):
-readable tables at 80 columns, a bounded --check, help texts, sweeps, one-line failures, memory
+"""A new user's first hour and a bench that never hangs on a dead helper (docs/RELIABILITY.md,
+"The attacks, before and after", item 4): readable tables at 80 columns, a bounded --check, help texts, sweeps, one-line failures, memory
 refused up front, a dead server ending the run at once, Fortran-ordered arrays, the README's names."""
 import json
 import os
@@ -72,7 +72,7 @@ def _results(n=3, **kw):
 @pytest.mark.parametrize("width", [80, 60, 40])
 @pytest.mark.parametrize("mixed", [False, True], ids=["constant", "mixed"])
 def test_results_table_keeps_figures(width, mixed):
-    """The issue's figures (14.… GB/s, 190… µs, wri…, tra…) rendered at a narrow width: all whole."""
+    """Figures that were once cut (14.… GB/s, 190… µs, wri…, tra…) rendered at a narrow width: all whole."""
     from rich.console import Console
 
     rows = _results()
@@ -216,7 +216,7 @@ def test_refused_connection_is_one_line():
     assert r.returncode == 1 and "Traceback" in r.stderr
 
 
-# ---------------------------------------------------------------- issue 17 item 4: dead helpers, memory
+# ---------------------------------------------------------------- dead helpers, memory
 
 def _address_space(limit):
     def apply():
@@ -362,7 +362,7 @@ def test_hex_text_of_metadata_and_descriptors_is_accepted():
             peer.write(rs, "zz", length=4)
 
 
-# ---------------------------------------------------------------- issue 20: the loopback TCP ceiling
+# ---------------------------------------------------------------- the loopback TCP ceiling
 
 def test_tcp_ceiling_tool_runs():
     """bench/tools/tcp_ceiling.c, built (or found) as `tether bench --ceiling` finds it: N streams,

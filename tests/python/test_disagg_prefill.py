@@ -219,7 +219,7 @@ def _model_args() -> list[str]:
 @pytest.mark.budget(900)
 @pytest.mark.parametrize("path", ["tether", "nixl-TETHER", "nixl-UCX"])
 def test_example_llama(request, path):
-    """The issue's check: a Llama model's KV handed over; decode's greedy tokens equal model.generate
+    """The example's point: a Llama model's KV handed over; decode's greedy tokens equal model.generate
     in one process, for five prompts of different lengths in flight together, blocks byte for byte."""
     if path != "tether":
         request.getfixturevalue("nixl_plugin")

@@ -141,7 +141,9 @@ def test_process_wide_knobs_take_their_values(clean_env):
         clean_env.delenv(o["env"])
 
 
-def test_the_issues_three_examples(clean_env):
+def test_sizes_booleans_and_bad_numbers_from_the_environment(clean_env):
+    """The three everyday cases: a size with a unit and a boolean are taken; a bad whole number, or a bad
+    variable beside a good keyword, fails naming the variable and the form it expects."""
     clean_env.setenv("TETHER_CHUNK_BYTES", "4M")
     clean_env.setenv("TETHER_DISABLE_IPC", "true")
     with tether.Endpoint() as ep:

@@ -1,4 +1,4 @@
-"""GPU memory over the fabric transport (issue 7): two processes, transport="fabric". Where the provider
+"""GPU memory over the fabric transport: two processes, transport="fabric". Where the provider
 offers FI_HMEM, GPU regions are registered directly; without it (the device machine's distro
 libfabric, tcp;ofi_rxm) a GPU source or destination on the initiator goes through the lane's pinned
 staging slots, and a GPU target is reached by two-sided messages its CPU serves (copy through the

@@ -1,4 +1,4 @@
-"""GPU memory over TCP between two processes (issue 4): every pairing (GPU->GPU on different and on the
+"""GPU memory over TCP between two processes (staged through pinned host memory): every pairing (GPU->GPU on different and on the
 same GPU, host->GPU, GPU->host), every operation, each unpack mode; random data, poisoned
 destinations, every byte checked. Needs CUDA, torch with a GPU; skipped otherwise, saying why. With
 one GPU the GPU0->GPU1 pairings run GPU0->GPU0 between the two processes (GpuEnv.pairs)."""
@@ -31,7 +31,7 @@ class Local(LocalMemory):
     """This process's side: an endpoint and regions on host or GPU."""
 
     def __init__(self, mode):
-        super().__init__(tether.Endpoint(unpack=mode, transport="tcp"), _dev)  # GPU over TCP staging (issue 4)
+        super().__init__(tether.Endpoint(unpack=mode, transport="tcp"), _dev)  # GPU over TCP staging
 
 
 @pytest.fixture(params=MODES)
@@ -268,7 +268,7 @@ def test_send_recv(pair, lk, rk):
 @pytest.mark.parametrize("nap_us", [0, 300])
 def test_staging_nap(children, nap_us):
     """A progress thread whose lanes wait only on staged copies naps staging_nap_us between polls
-    (default 8); 0 spins, as before session 14. Both must move every byte, and naps far longer than a
+    (default 8); 0 spins instead. Both must move every byte, and naps far longer than a
     copy must only slow a transfer down, never stall it: a copy is polled again after every nap, a
     staged payload's SO_RCVLOWAT never asks for more than is still to come."""
     env = {"TETHER_STAGING_NAP_US": str(nap_us)}
@@ -299,7 +299,7 @@ def test_no_stall_after_the_waiter_lands_a_staged_payload(children):
     starting its copy into the GPU, then go to sleep. The lane's progress thread, asleep in epoll with
     nothing on its socket, had to learn of that copy, or the transfer sat out the thread's 1 s epoll
     timeout: 4,096 x 16 KiB GPU reads stalled for ~1 s several times per 150 on an H200 before the fix
-    (PERFORMANCE.md, session 15). Every read here must end far sooner; the last one's bytes are checked."""
+    (docs/PERFORMANCE.md, "Defaults and why"). Every read here must end far sooner; the last one's bytes are checked."""
     c = children("gpu-peer")
     local = LocalMemory(tether.Endpoint(transport="tcp"), _dev)
     try:
@@ -354,8 +354,8 @@ def _read_requests(tmp_path, size: str) -> tuple:
 def test_a_staged_read_cuts_its_chunks_by_how_many_each_lane_gets(tmp_path):
     """A staged GPU read of fewer than two full chunks per lane is cut into smaller chunks (8 MiB over 8
     lanes: 256 KiB), and a lane holds at most three of them requested (PeerState::next_chunk,
-    kStagedReadChunks; session 19: 1.03-1.06 x). From two full chunks per lane on (16 MiB) the read is
-    pulled (wire::kPull, session 27): the target pushes it, and no chunk is requested."""
+    kStagedReadChunks: a lane's chunks land sooner). From two full chunks per lane on (16 MiB) the read is
+    pulled (wire::kPull): the target pushes it, and no chunk is requested."""
     assert _read_requests(tmp_path, "8M") == (32, 3)
     assert _read_requests(tmp_path, "16M") == (0, 0)
     assert _read_requests(tmp_path, "64M") == (0, 0)

@@ -1,5 +1,5 @@
 """`tether bench --device gpu` on the GPUs here: one pair GPU0 -> GPU1 (GPU0 -> GPU0 between two processes
-on a one-GPU machine) over tcp and ipc, and the GPU full mesh (issue 9): both ordered pairs of 2 GPUs
+on a one-GPU machine) over tcp and ipc, and the GPU full mesh: both ordered pairs of 2 GPUs
 at once, every byte checked, in both shapes, with NCCL all-pairs beside it. Needs CUDA and torch with
 a GPU; the mesh needs 2 (its flows pair distinct GPUs)."""
 import json

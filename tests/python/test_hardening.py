@@ -1,4 +1,4 @@
-"""Hardening (issue 17): what a hostile or broken peer that can reach a listening endpoint must not
+"""Hardening (docs/RELIABILITY.md): what a hostile or broken peer that can reach a listening endpoint must not
 be able to do — spin it or starve it of file descriptors, grow it without bound with notifications,
 make it open ipc lanes by claiming to be on its host, or block its deregistration by stopping — and
 the typed errors at the API's edge. Each test drives the attack the way it was found: real sockets,

@@ -1,4 +1,4 @@
-"""GPU memory over the ipc transport (issue 5): two processes on one host, CUDA IPC handles opened once
+"""GPU memory over the ipc transport: two processes on one host, CUDA IPC handles opened once
 per peer, copies by the copy engines, batches by one copy-kernel launch over peer pointers. Every
 pairing (GPU0->GPU1, same GPU, host->GPU, GPU->host), every operation, random data, poisoned
 destinations, every byte; the handle cache (no reopen; a freed and reallocated allocation is noticed);

@@ -1,4 +1,4 @@
-"""Full mesh (issue 9) without GPUs: the flow enumeration, the egress/aggregate arithmetic, the
+"""Full mesh without GPUs: the flow enumeration, the egress/aggregate arithmetic, the
 all-pairs process shape (process i drives i>j and serves k>i) over host memory on tcp and ipc, a
 worker that cannot start failing the run clearly, and the CLI refusing what a GPU mesh cannot do."""
 import json

@@ -212,7 +212,7 @@ def test_consuming_before_unpack_would_be_caught(plugin_path, endpoints):
 def test_unavailable_without_a_plugin_and_creation_says_why(endpoints):
     ep = endpoints(net_plugin="/nonexistent/libnccl-net.so")
     assert "cannot load net plugin" in ep.transports()["netplugin"]
-    # asked for by name, the endpoint is refused at once with the reason (issue 17)
+    # asked for by name, the endpoint is refused at once with the reason, not at the first connect
     with pytest.raises(tether.Unavailable, match="cannot load net plugin"):
         endpoints(transport="netplugin", net_plugin="/nonexistent/libnccl-net.so")
     ep2 = endpoints(net_plugin="")

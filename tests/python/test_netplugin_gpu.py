@@ -1,4 +1,4 @@
-"""The netplugin transport with GPU memory (issue 8), between two processes, against the testnet
+"""The netplugin transport with GPU memory, between two processes, against the testnet
 plugin with its bounce pages in GPU memory (TETHER_TESTNET_BOUNCE=cuda: like TCPX devmem, sends
 from CUDA pointers) and in host memory (GPU payloads staged through pinned memory): every
 operation, every unpack mode, GPU0<->GPU1 (or one GPU twice), random data, poisoned destinations,

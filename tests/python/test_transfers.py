@@ -433,7 +433,7 @@ def test_writev_notify_and_standalone_notify_in_order(pair):
 
 def test_notify_size_limits(pair):
     a, b, peer = pair
-    biggest = bytes(rand_bytes(13, 1 << 20))  # notify_max_bytes, by default 1 MiB (issue 17)
+    biggest = bytes(rand_bytes(13, 1 << 20))  # notify_max_bytes, by default 1 MiB (a peer's bound)
     peer.notify(biggest).wait(T)
     got = b.notifications(timeout=T)
     assert len(got) == 1 and got[0].data == biggest

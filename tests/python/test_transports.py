@@ -37,7 +37,7 @@ def test_forced_tcp_is_used():
 @pytest.mark.parametrize("want", ["no-such-transport", "fabric", "netplugin"])
 def test_unusable_transport_request_fails_at_creation(want):
     """A transport named by transport= must exist and work here: an unknown name is InvalidArgument
-    and an unusable one Unavailable with its reason, when the endpoint is made (issue 17)."""
+    and an unusable one Unavailable with its reason, when the endpoint is made, not at the first connect."""
     with tether.Endpoint() as probe:
         why = probe.transports().get(want)
     if why == "":
@@ -99,7 +99,7 @@ def test_missing_libfabric_makes_fabric_unavailable_and_nothing_else():
         src, dst = rand_bytes(2, 1 << 20), poisoned(1 << 20)
         peer.write(a.register(src), b.register(dst).descriptor()).wait(T)
         assert_bytes_equal(dst, src)
-    # asked for by name, it fails at creation with the reason (issue 17), not at the first connect
+    # asked for by name, it fails at creation with the reason, not at the first connect
     with pytest.raises(tether.Unavailable, match="/nonexistent/libfabric.so.1|without libfabric headers"):
         tether.Endpoint(fabric_library="/nonexistent/libfabric.so.1", transport="fabric")
 
