@@ -1,7 +1,7 @@
 // Every knob of an Endpoint. Each field has a TETHER_* environment override, applied by
 // Config::from_env() on top of the defaults (explicit options win over both). The option table with a
 // help line per knob is in src/core/config.cc (Config::options()).
-// Defaults are the measured ones recorded in docs/PERFORMANCE.md.
+// Defaults are the measured ones recorded in docs/PERFORMANCE.md, "Defaults and why".
 #pragma once
 #include <cstdint>
 #include <string>

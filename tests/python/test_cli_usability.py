@@ -1,6 +1,6 @@
 """A new user's first hour and a bench that never hangs on a dead helper (docs/RELIABILITY.md,
-"The attacks, before and after", item 4): readable tables at 80 columns, a bounded --check, help texts, sweeps, one-line failures, memory
-refused up front, a dead server ending the run at once, Fortran-ordered arrays, the README's names."""
+"The attacks, before and after", item 4): readable tables at 80 columns, a bounded --check, help
+texts, sweeps, one-line failures, memory refused up front, a dead server ending the run at once, Fortran-ordered arrays, the README's names."""
 import json
 import os
 import re
