@@ -202,7 +202,8 @@ constexpr uint64_t kHelperQuietNs = 20'000;
 
 void GpuCompleter::help() {
   // Only a lone copy: with more in flight the completer's thread polls them all (a caller's loop over
-  // eight handles polling eight events each turn cost NIXL's 8-in-flight row 16 % in two rounds of three).
+  // eight handles polling eight events each turn lost on NIXL's 8-in-flight row: docs/PERFORMANCE.md,
+  // "Tried and lost").
   if (outstanding_.load(std::memory_order_acquire) != 1) return;
   helped_ns_.store(core::mono_ns(), std::memory_order_relaxed);
   poll_once();

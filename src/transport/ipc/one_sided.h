@@ -45,7 +45,7 @@ constexpr uint32_t kLiveSlots = 504;    // fills the first page after `closed`
 constexpr uint32_t kHazards = 16;       // one-sided copies in flight per peer (one per thread at a time)
 constexpr uint32_t kGrantCache = 64;    // descriptors an initiator remembers grants for, per peer
 // GPU chunks go one-sided only up to here when the posting thread waits for the copy itself (no
-// GpuCompleter: busy polling off): the copy and its wait take ~11 us whatever the size, so ops posted
+// GpuCompleter: busy polling off): the copy and its wait cost about the same whatever the size, so ops posted
 // back to back would run one after another, where as requests the lanes' threads copy them side by
 // side (docs/PERFORMANCE.md, "Defaults and why").
 constexpr uint64_t kOneSidedGpuMax = 8 << 10;
