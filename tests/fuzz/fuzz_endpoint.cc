@@ -292,18 +292,19 @@ bool try_tcp_peer(int fds[2], std::string* why) {
   return true;
 }
 
-// The ipc lane setup message (src/transport/ipc/ipc_transport.cc, Hello; ipc version 7).
+// The ipc lane setup message (src/transport/ipc/ipc_transport.cc, Hello; ipc version 8).
 #pragma pack(push, 1)
 struct IpcHello {
   uint32_t magic = 0x43504954;
-  uint16_t version = 7;
+  uint16_t version = 8;
   uint8_t stage = 1, verdict = 0;
   uint64_t session = 0;
   uint32_t lane = 0, lanes = 1;
   uint64_t cookie_addr = 0, cookie = 0, challenge = 0;
+  uint64_t mapped_at = 0;  // stages 2, 3: where we mapped its segment (we never map it: no one-sided writes)
 };
 #pragma pack(pop)
-static_assert(sizeof(IpcHello) == 48);
+static_assert(sizeof(IpcHello) == 56);
 
 bool send_fd(int fd, const void* buf, size_t len, int pass) {
   iovec iov{const_cast<void*>(buf), len};
