@@ -17,6 +17,7 @@ from tether._tether import (  # noqa: F401  (typed exceptions)
     ProtocolError,
     RegionNotFound,
     RemoteRegion,
+    ResourceExhausted,
     TetherError,
     TransferTimeout,
     Truncated,
@@ -30,5 +31,5 @@ __all__ = [
     "Endpoint", "Peer", "Region", "RemoteRegion", "Transfer", "Notification",
     "TetherError", "InvalidArgument", "RegionNotFound", "AccessDenied", "OutOfRange",
     "TransferTimeout", "ConnectionLost", "ProtocolError", "AuthError", "Cancelled",
-    "Truncated", "Unavailable", "InternalError",
+    "Truncated", "Unavailable", "InternalError", "ResourceExhausted",
 ]

@@ -72,6 +72,8 @@ struct EndpointImpl::Pending {
   std::string offer;
   uint8_t server_nonce[16];
   int64_t deadline_ms = 0;
+  int64_t since_ms = 0;  // accepted then
+  uint64_t seq = 0;      // accept order (the oldest is shed first)
 };
 
 // ---------------------------------------------------------------- lifecycle
@@ -705,7 +707,9 @@ void EndpointImpl::control_loop() {
   epoll_event events[64];
   const int tick_ms = int(std::max<uint32_t>(10, std::min<uint32_t>({config_.heartbeat_ms, config_.peer_timeout_ms / 4, uint32_t(200)})));
   while (!closing_.load()) {
-    int n = ::epoll_wait(epoll_fd_, events, 64, tick_ms);
+    int wait_ms = tick_ms;  // a paused listener is looked at again when its pause ends
+    if (!listen_armed_) wait_ms = int(std::clamp<int64_t>(listen_retry_at_ms_ - sys::now_ms(), 1, tick_ms));
+    int n = ::epoll_wait(epoll_fd_, events, 64, wait_ms);
     for (int i = 0; i < n && !closing_.load(); ++i) {
       const uint64_t tag = events[i].data.u64;
       if (tag == kListenTag) {
@@ -757,14 +761,29 @@ void EndpointImpl::listen_paused(bool paused) {
   ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
 }
 
-// Control thread, every turn: a listener paused for descriptors is tried again after its pause, one
-// paused for the handshake cap once a handshake has ended.
+// Control thread, every turn: a paused listener is tried again after its pause, or, paused for the
+// handshake cap, as soon as a handshake has ended.
 void EndpointImpl::resume_listening(int64_t now) {
   if (listen_armed_) return;
-  if (listen_retry_at_ms_ ? now >= listen_retry_at_ms_ : pending_.size() < max_pending_) {
-    listen_retry_at_ms_ = 0;
-    listen_paused(false);
+  if (now >= listen_retry_at_ms_ || (!paused_for_fds_ && pending_.size() < max_pending_)) listen_paused(false);
+}
+
+// Sheds the unfinished handshake accepted first, once it has had kHandshakeGraceMs: a connector that
+// answers promptly is done long before, so under a flood of idle or slow handshakes new connections
+// still get in, while a burst of real ones (each done within the grace) is not cut. False, with *retry_at
+// the moment one will be old enough, when none is yet.
+bool EndpointImpl::shed_oldest_pending(int64_t now, int64_t* retry_at) {
+  auto oldest = pending_.end();
+  for (auto it = pending_.begin(); it != pending_.end(); ++it)
+    if (oldest == pending_.end() || it->second->seq < oldest->second->seq) oldest = it;
+  if (oldest == pending_.end() || now - oldest->second->since_ms < kHandshakeGraceMs) {
+    *retry_at = oldest == pending_.end() ? now : oldest->second->since_ms + kHandshakeGraceMs;
+    return false;
   }
+  ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, oldest->first, nullptr);
+  ::close(oldest->first);
+  pending_.erase(oldest);
+  return true;
 }
 
 void EndpointImpl::accept_all() {
@@ -772,25 +791,34 @@ void EndpointImpl::accept_all() {
   constexpr int64_t kRetryMs = 100;
   constexpr int64_t kLogEveryMs = 10000;  // episodes a flood starts and ends in turn are logged at most this often
   for (;;) {
+    const int64_t now = sys::now_ms();
+    int64_t retry_at = now;
     if (pending_.size() >= max_pending_) {
-      if (!logged_pending_ && sys::now_ms() >= quiet_log_until_ms_)
+      if (!logged_pending_ && now >= quiet_log_until_ms_)
         std::fprintf(stderr, "tether: endpoint '%s': %zu handshakes under way at once (the limit: a quarter of the "
-                             "open-files limit); new connections wait in the backlog\n", name_.c_str(), pending_.size());
-      if (!logged_pending_) quiet_log_until_ms_ = sys::now_ms() + kLogEveryMs;
+                             "open-files limit); the oldest unfinished after %lld ms are dropped for new connections\n",
+                     name_.c_str(), pending_.size(), static_cast<long long>(kHandshakeGraceMs));
+      if (!logged_pending_) quiet_log_until_ms_ = now + kLogEveryMs;
       logged_pending_ = true;
-      listen_paused(true);
-      return;
+      if (!shed_oldest_pending(now, &retry_at)) {
+        listen_retry_at_ms_ = retry_at;
+        paused_for_fds_ = false;
+        listen_paused(true);
+        return;
+      }
     }
     int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        if (shed_oldest_pending(now, &retry_at)) continue;  // its descriptor is free for the next in line
         if (!logged_fds_ && sys::now_ms() >= quiet_log_until_ms_)
           std::fprintf(stderr, "tether: endpoint '%s': out of file descriptors (accept: %s; %zu handshakes under way); "
                                "new connections wait until descriptors free up\n", name_.c_str(), std::strerror(errno),
                        pending_.size());
         if (!logged_fds_) quiet_log_until_ms_ = sys::now_ms() + kLogEveryMs;
         logged_fds_ = true;
-        listen_retry_at_ms_ = sys::now_ms() + kRetryMs;
+        listen_retry_at_ms_ = pending_.empty() ? now + kRetryMs : std::min(now + kRetryMs, retry_at);
+        paused_for_fds_ = true;
         listen_paused(true);
       }
       return;  // EAGAIN: nothing queued; ECONNABORTED and the like: the next event retries
@@ -800,13 +828,16 @@ void EndpointImpl::accept_all() {
     sys::set_nodelay(fd);  // control messages are small: Nagle + delayed ACK would add 40 ms stalls
     auto p = std::make_unique<Pending>();
     p->fd = fd;
-    p->deadline_ms = sys::now_ms() + config_.handshake_timeout_ms;
+    p->since_ms = sys::now_ms();
+    p->deadline_ms = p->since_ms + config_.handshake_timeout_ms;
+    p->seq = next_pending_seq_++;
     crypto::random_bytes(p->server_nonce, 16);
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.u64 = kPendingTag | uint64_t(fd);
     ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
     pending_[fd] = std::move(p);
+    advance_handshake(fd);  // its hello usually came with it: answered before a later accept can shed it
   }
 }
 
@@ -1023,7 +1054,6 @@ void EndpointImpl::finish_accept(Pending& p) {
 namespace {
 constexpr size_t kControlRead = 64 << 10;      // bytes read from a control socket at a time
 constexpr int kControlReadsPerTurn = 16;       // then other sockets get their turn (level-triggered: we come back)
-constexpr size_t kControlBacklog = 1 << 20;    // unsent control bytes past which we stop reading that peer
 constexpr size_t kKeepCapacity = 256 << 10;    // a control buffer larger than this is given back once empty
 }  // namespace
 
@@ -1068,10 +1098,11 @@ bool EndpointImpl::parse_control(PeerState& peer) {
 
 // Sends what the peer's control output holds. A peer that does not read its control connection is
 // not read either while more than kControlBacklog bytes wait for it (its answers cannot pile up
-// here); it then falls silent to us and peer_timeout_ms ends it.
+// here); it then falls silent to us and peer_timeout_ms ends it. Answers raised on its data lanes are
+// bounded by kAnswerBacklog instead (PeerState::send_answer).
 void EndpointImpl::flush_control(PeerState& peer) {
   if (peer.failed()) return;
-  if (peer.take_control_output(&peer.ctl_pending)) peer.last_sent_ms = sys::now_ms();
+  if (peer.take_control_output(&peer.ctl_pending, peer.ctl_sent)) peer.last_sent_ms = sys::now_ms();
   while (peer.ctl_sent < peer.ctl_pending.size()) {
     ssize_t n = ::send(peer.control_fd, peer.ctl_pending.data() + peer.ctl_sent, peer.ctl_pending.size() - peer.ctl_sent,
                        MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -1085,6 +1116,7 @@ void EndpointImpl::flush_control(PeerState& peer) {
     peer.ctl_pending.clear();
     peer.ctl_sent = 0;
   }
+  peer.set_control_unsent(peer.ctl_pending.size() - peer.ctl_sent);
   const bool out = !peer.ctl_pending.empty();
   const bool backlogged = peer.ctl_pending.size() - peer.ctl_sent > kControlBacklog;
   if (out != peer.ctl_epollout || backlogged != peer.ctl_backlogged) {

@@ -91,6 +91,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   // under way are at max_pending_ or after accept() ran out of descriptors (retried after a pause).
   void listen_paused(bool paused);
   void resume_listening(int64_t now);
+  bool shed_oldest_pending(int64_t now, int64_t* retry_at);
   void advance_handshake(int fd);
   void finish_accept(Pending& p);
   void adopt_peer(const std::shared_ptr<PeerState>& peer);
@@ -139,12 +140,16 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   std::unordered_map<int, std::unique_ptr<Pending>> pending_;
   std::unordered_map<uint64_t, std::shared_ptr<PeerState>> accepting_;  // session -> peer awaiting lanes
   int64_t last_tick_ms_ = 0;
-  // Hostile or broken connectors cannot starve the endpoint of descriptors or spin it: at most
-  // max_pending_ handshakes at once (a quarter of the open-files limit), and accept() failing with
-  // EMFILE pauses the listener for listen_retry_ms_ (logged once per episode, at most every 10 s) instead of spinning.
+  // Hostile or broken connectors cannot starve the endpoint of descriptors, spin it or keep new peers
+  // out: at most max_pending_ handshakes at once (a quarter of the open-files limit); past it, or with
+  // accept() failing for descriptors, the oldest unfinished handshake is shed once it is
+  // kHandshakeGraceMs old, else the listener pauses until then (logged once per episode, at most every 10 s).
+  static constexpr int64_t kHandshakeGraceMs = 100;
   size_t max_pending_ = 1024;
+  uint64_t next_pending_seq_ = 0;
   bool listen_armed_ = true;
-  int64_t listen_retry_at_ms_ = 0;   // 0: paused for max_pending_, else: out of descriptors until then
+  bool paused_for_fds_ = false;      // accept() ran out of descriptors: retried at listen_retry_at_ms_ only
+  int64_t listen_retry_at_ms_ = 0;   // a paused listener is tried again then
   bool logged_fds_ = false, logged_pending_ = false;
   int64_t quiet_log_until_ms_ = 0;   // neither is logged again before then (a flood must not spam stderr)
 

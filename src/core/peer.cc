@@ -335,9 +335,10 @@ bool PeerState::on_pull(const wire::FrameHeader& h) {
   Code c = endpoint_->registry().resolve(h.region_id, h.key, h.desc_offset, h.desc_length, h.offset, h.length, false,
                                          &region);
   if (c == Code::kOk && h.length == 0) c = Code::kInvalidArgument;
-  auto t = std::make_shared<TransferState>();
+  std::shared_ptr<TransferState> t;  // only for a pull that passed the checks: refusals cost no allocation
   bool again = false;  // a resent kPull for a read this side already pushes: its first copy got here
   if (c == Code::kOk) {
+    t = std::make_shared<TransferState>();
     t->op = OpKind::kSend;
     t->pushed = true;
     t->msg_id = token;
@@ -360,7 +361,7 @@ bool PeerState::on_pull(const wire::FrameHeader& h) {
   if (c != Code::kOk) {
     endpoint_->stats().rejected_requests.fetch_add(1, std::memory_order_relaxed);
     wire::PullFailBody f{token, static_cast<uint8_t>(c), {}};
-    send_control(wire::ControlType::kPullFail, &f, sizeof f);
+    send_answer(wire::ControlType::kPullFail, &f, sizeof f);  // lanes are not throttled by the control backlog
     return true;
   }
   endpoint_->stats().reads_pushed.fetch_add(1, std::memory_order_relaxed);
@@ -439,10 +440,7 @@ Transfer PeerState::post_recv(const Region& local, uint64_t offset, uint64_t len
     if (failed_.load()) {
       t->record_error(error_);
       release_now = t.get();
-    } else if (auto it = unexpected_.find(tag); it != unexpected_.end() && !it->second.empty()) {
-      wire::RtsBody rts = it->second.front();
-      it->second.pop_front();
-      if (it->second.empty()) unexpected_.erase(it);
+    } else if (wire::RtsBody rts; take_unexpected(tag, &rts)) {
       cts = match(t.get(), rts, &release_now);
       matched = true;
     } else {
@@ -945,20 +943,57 @@ void PeerState::count_finished(bool ok) { endpoint_->count_finished(ok); }
 // ---------------------------------------------------------------- control side
 
 void PeerState::send_control(wire::ControlType type, const void* body, uint32_t length) {
+  queue_control(type, body, length, SIZE_MAX);
+}
+
+bool PeerState::send_answer(wire::ControlType type, const void* body, uint32_t length) {
+  if (failed()) return false;
+  if (queue_control(type, body, length, kAnswerBacklog)) return true;
+  fail(Status(Code::kResourceExhausted, "peer '" + info_.name + "' does not read its control connection: the answers to "
+                                            "its requests waiting for it passed " + std::to_string(kAnswerBacklog >> 20) +
+                                            " MiB (the bound on a peer's unsent control bytes)"));
+  return false;
+}
+
+// Appends one message unless the unsent control bytes would pass `limit`.
+bool PeerState::queue_control(wire::ControlType type, const void* body, uint32_t length, size_t limit) {
   wire::ControlHeader h{length, static_cast<uint8_t>(type), {}};
   {
     std::lock_guard lock(out_mu_);
+    if (limit != SIZE_MAX && control_out_.size() + ctl_unsent_.load(std::memory_order_relaxed) + sizeof h + length > limit)
+      return false;
     control_out_.append(reinterpret_cast<const char*>(&h), sizeof h);
     if (length > 0) control_out_.append(static_cast<const char*>(body), length);  // heartbeats have none
   }
   endpoint_->wake_control();
+  return true;
 }
 
-bool PeerState::take_control_output(std::string* out) {
+bool PeerState::take_control_output(std::string* out, size_t sent) {
   std::lock_guard lock(out_mu_);
   if (control_out_.empty()) return false;
-  out->append(control_out_);
-  control_out_.clear();
+  if (out->empty()) {
+    out->swap(control_out_);  // no copy; control_out_ keeps the drained buffer (given back when large)
+  } else {
+    out->append(control_out_);
+    control_out_.clear();
+  }
+  ctl_unsent_.store(out->size() - sent, std::memory_order_relaxed);
+  return true;
+}
+
+bool PeerState::take_unexpected(uint64_t tag, wire::RtsBody* rts) {
+  auto it = unexpected_.find(tag);
+  if (it == unexpected_.end()) return false;
+  Unmatched& u = it->second;
+  *rts = u.rts[u.head++];
+  --unexpected_count_;
+  if (u.head == u.rts.size()) {
+    unexpected_.erase(it);
+  } else if (u.head * 2 >= u.rts.size()) {  // a tag that never drains must not keep what was taken
+    u.rts.erase(u.rts.begin(), u.rts.begin() + ptrdiff_t(u.head));
+    u.head = 0;
+  }
   return true;
 }
 
@@ -1000,7 +1035,7 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
       std::memcpy(&ack.id, body, 8);
       // Queued for the application, or refused (too large, queue full): the sender learns which.
       ack.status = uint8_t(endpoint_->push_notification(info_, body + 8, length - 8));
-      send_control(wire::ControlType::kNotifyAck, &ack, sizeof ack);
+      send_answer(wire::ControlType::kNotifyAck, &ack, sizeof ack);
       return;
     }
     case wire::ControlType::kNotifyAck: {
@@ -1035,7 +1070,7 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
       wire::RtsBody rts;
       std::memcpy(&rts, body, sizeof rts);
       wire::CtsBody cts{};
-      bool matched = false;
+      bool answer = false;  // matched, or refused
       TransferState* release_now = nullptr;
       {
         std::lock_guard lock(mu_);
@@ -1045,12 +1080,17 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
           it->second.pop_front();
           if (it->second.empty()) posted_recvs_.erase(it);
           cts = match(r, rts, &release_now);
-          matched = true;
+          answer = true;
+        } else if (unexpected_count_ >= kMaxUnexpected) {
+          cts.msg_id = rts.msg_id;
+          cts.status = uint8_t(Code::kResourceExhausted);
+          answer = true;
         } else {
-          unexpected_[rts.tag].push_back(rts);
+          unexpected_[rts.tag].rts.push_back(rts);
+          ++unexpected_count_;
         }
       }
-      if (matched) send_control(wire::ControlType::kCts, &cts, sizeof cts);
+      if (answer) send_answer(wire::ControlType::kCts, &cts, sizeof cts);
       if (release_now) release_now->release();
       return;
     }
@@ -1120,10 +1160,16 @@ void PeerState::on_control(wire::ControlType type, const uint8_t* body, uint32_t
         }
       }
       if (!t) {  // withdrawn (its region was deregistered): release the receiver's recv
-        if (cts.status == 0 && cts.token != 0) send_control(wire::ControlType::kCancel, &cts.token, sizeof cts.token);
+        if (cts.status == 0 && cts.token != 0) send_answer(wire::ControlType::kCancel, &cts.token, sizeof cts.token);
         return;
       }
-      if (cts.status != 0) {
+      if (cts.status == uint8_t(Code::kResourceExhausted)) {
+        t->record_error(Status(Code::kResourceExhausted,
+                               "peer '" + info_.name + "' holds " + std::to_string(kMaxUnexpected) +
+                                   " unmatched messages from this side, its bound: the message (tag " + std::to_string(t->tag) +
+                                   ") was refused; send it again once recvs there have taken some"));
+        t->release();
+      } else if (cts.status != 0) {
         t->record_error(Status(static_cast<Code>(cts.status),
                                "peer '" + info_.name + "' posted a recv too small for this " +
                                    std::to_string(t->bytes.load()) + "-byte message (tag " + std::to_string(t->tag) + ")"));
@@ -1248,6 +1294,7 @@ void PeerState::fail(Status s) {
     awaiting_cts_.clear();
     posted_recvs_.clear();
     unexpected_.clear();
+    unexpected_count_ = 0;
     matched_.clear();
     awaiting_ack_.clear();
     pushes_.clear();  // their sends are on the queue or on lanes: released above or by release_lane()

@@ -25,6 +25,18 @@ namespace tether::core {
 
 class EndpointImpl;
 
+// What one peer can make this side hold through its control connection (docs/RELIABILITY.md, "Bounds").
+// Its control connection is not read while more than kControlBacklog bytes of control output wait for it;
+// answers raised elsewhere (a refused kPull arrives on a data lane) are not throttled by that, so an
+// answer that would take the unsent control bytes past kAnswerBacklog drops the peer instead
+// (kResourceExhausted). kAnswerBacklog leaves room for what one turn of reading a control connection
+// answers past kControlBacklog: a peer throttled there never reaches it.
+constexpr size_t kControlBacklog = 1 << 20;
+constexpr size_t kAnswerBacklog = 4 * kControlBacklog;
+// Messages (RTS) of one peer that no recv here has matched yet; one more is refused (its CTS carries
+// kResourceExhausted, and the send fails there).
+constexpr size_t kMaxUnexpected = 1 << 14;
+
 // Local source bytes of one fragment of a batched chunk.
 struct Piece {
   uint8_t* data = nullptr;  // a write's source, a read's destination
@@ -143,11 +155,16 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
 
   // ---- control side (control thread)
   void on_control(wire::ControlType type, const uint8_t* body, uint32_t length);
-  // Takes the queued control bytes to send (called by the control thread).
-  bool take_control_output(std::string* out);
+  // Takes the queued control bytes to send into `out`, the control thread's unsent bytes from `sent` on
+  // (called by the control thread); control_unsent() then counts them until the next set_control_unsent().
+  bool take_control_output(std::string* out, size_t sent);
+  void set_control_unsent(size_t bytes) { ctl_unsent_.store(bytes, std::memory_order_relaxed); }
   void touch() { last_heard_ms_.store(now_ms(), std::memory_order_relaxed); }
   int64_t last_heard_ms() const { return last_heard_ms_.load(std::memory_order_relaxed); }
   void send_control(wire::ControlType type, const void* body, uint32_t length);
+  // An answer to a request of the peer: queued, or, past kAnswerBacklog unsent control bytes, the peer is
+  // failed (it does not read its control connection) and false comes back.
+  bool send_answer(wire::ControlType type, const void* body, uint32_t length);
 
   // Transfer::cancel(): takes `t` off the work queue (and a send or recv out of the rendezvous) so no
   // further chunk leaves; it ends with kCancelled once its chunks in flight are answered.
@@ -278,13 +295,24 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   uint32_t next_token_ = 1;
   std::unordered_map<uint64_t, TransferState*> awaiting_cts_;     // msg id -> send
   std::unordered_map<uint64_t, std::deque<TransferState*>> posted_recvs_;  // tag -> recvs
-  std::unordered_map<uint64_t, std::deque<wire::RtsBody>> unexpected_;     // tag -> RTSs
+  // RTSs of one tag no recv matched yet, in arrival order from `head` on (a vector, not a deque: a deque's
+  // first block alone is 512 bytes, and a peer chooses how many tags it uses).
+  struct Unmatched {
+    std::vector<wire::RtsBody> rts;
+    size_t head = 0;
+  };
+  std::unordered_map<uint64_t, Unmatched> unexpected_;  // tag -> RTSs
+  size_t unexpected_count_ = 0;                         // RTSs in unexpected_ (at most kMaxUnexpected)
+  // Takes the oldest RTS of `tag` out of unexpected_ into *rts (mu_ held); false if there is none.
+  bool take_unexpected(uint64_t tag, wire::RtsBody* rts);
   std::unordered_map<uint32_t, TransferState*> matched_;          // token -> recv
   std::unordered_map<uint64_t, TransferState*> awaiting_ack_;     // notify id -> transfer
   std::unordered_map<uint32_t, TransferState*> pushes_;           // the peer's pull token -> our send of it
 
   std::mutex out_mu_;
   std::string control_out_;
+  std::atomic<size_t> ctl_unsent_{0};  // control bytes the control thread took and has not sent yet
+  bool queue_control(wire::ControlType type, const void* body, uint32_t length, size_t limit);
 };
 
 }  // namespace tether::core

@@ -15,26 +15,17 @@ import time
 import numpy as np
 import pytest
 
-from tether_testutil import (DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, FRAME, KACK, MiB, assert_bytes_equal,
-                             assert_drops_only_that_peer,
-                             get_u64, poisoned, rand_bytes, raw_peer, recv_exact, wait_until)
+from tether_testutil import (FRAME, KACK, KPULL, MiB, assert_bytes_equal, assert_drops_only_that_peer, poisoned, pull,
+                             rand_bytes, raw_peer, recv_exact, wait_until)
 
 CONTROL = struct.Struct("<IB3x")              # wire::ControlHeader: body length, type
 PULL_FAIL = struct.Struct("<IB3x")            # wire::PullFailBody: token, status
 KPULL_FAIL, KHEARTBEAT = 8, 1                 # wire::ControlType
 KOLD_CONTROL_PULL = 7                         # wire::ControlType 7: kPull before wire version 8
-KSEND_DATA, KPULL = 5, 8                      # wire::FrameType
+KSEND_DATA = 5                                # wire::FrameType
 RESENT = 1                                    # wire::kFlagResent
 NOT_FOUND, ACCESS_DENIED, OUT_OF_RANGE, INVALID, EXHAUSTED = 2, 3, 4, 1, 13  # tether::Code
 T = 10
-
-
-def pull(token: int, desc: bytes, offset: int, length: int, key_xor: int = 0, region_id: int | None = None,
-         flags: int = 0, gen: int = 0) -> bytes:
-    """A kPull frame (for a data socket): the recv token in `slot`, the range as a kReadReq names it."""
-    rid = struct.unpack_from("<I", desc, DESC_REGION_ID)[0] if region_id is None else region_id
-    return FRAME.pack(KPULL, 0, flags, token, gen, rid, get_u64(desc, DESC_KEY) ^ key_xor, get_u64(desc, DESC_OFFSET),
-                      get_u64(desc, DESC_LENGTH), offset, length)
 
 
 def control_messages(s: socket.socket, want: int, timeout: float = T) -> list:

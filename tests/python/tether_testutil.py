@@ -460,6 +460,17 @@ def frame(kind: int, slot: int, desc: bytes = b"", offset: int = 0, length: int 
     return FRAME.pack(kind, 0, 0, slot, 1, region_id or 0, 0, 0, 0, offset, length)
 
 
+KPULL = 8  # wire::FrameType::kPull
+
+
+def pull(token: int, desc: bytes, offset: int, length: int, key_xor: int = 0, region_id: Optional[int] = None,
+         flags: int = 0, gen: int = 0) -> bytes:
+    """A kPull frame (for a data socket): the recv token in `slot`, the range as a kReadReq names it."""
+    rid = struct.unpack_from("<I", desc, DESC_REGION_ID)[0] if region_id is None else region_id
+    return FRAME.pack(KPULL, 0, flags, token, gen, rid, get_u64(desc, DESC_KEY) ^ key_xor, get_u64(desc, DESC_OFFSET),
+                      get_u64(desc, DESC_LENGTH), offset, length)
+
+
 # --------------------------------------------------------------------------- child process
 
 
