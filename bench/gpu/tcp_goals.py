@@ -135,7 +135,7 @@ def judge(res: list[dict]) -> dict:
 
 def report(rounds: list[dict], steal_flag: float) -> None:
     """One variant's goals: each round, then the median verdicts, then the CPU rows."""
-    print(f"issue 20 goals, {len(rounds)} rounds (GB/s: tether / what it is compared with = ratio)")
+    print(f"tcp goals, {len(rounds)} rounds (GB/s: tether / what it is compared with = ratio)")
     for what, *rest in GOALS:
         goal = rest[-1]
         cells = []

@@ -53,7 +53,7 @@ def main() -> int:
         print(f"{k:<28}{v:>8.2f}")
     for kind in ("alone", "stream"):
         v = ratios[f"kernel/contiguous ({kind})"]
-        print(f"issue 8 target, kernel >= 0.70 x contiguous d2d ({kind}): {'MET' if v >= 0.70 else 'NOT MET'} ({v:.2f})")
+        print(f"unpack target, kernel >= 0.70 x contiguous d2d ({kind}): {'MET' if v >= 0.70 else 'NOT MET'} ({v:.2f})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "ratios": ratios, "chunk": chunk, "frag": frag, "iters": a.iters}, f, indent=1)

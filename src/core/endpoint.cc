@@ -1136,7 +1136,7 @@ void EndpointImpl::tick(const std::vector<std::shared_ptr<PeerState>>& peers) {
   trace::flush();  // TETHER_TRACE only: what was recorded since the last tick
 #ifdef __GLIBC__
   // Notifications read by now were freed by the caller; glibc keeps freed heap (thread arenas, a raised
-  // mmap threshold) unless asked, so a burst of large ones would stay resident (issue 17 item 2).
+  // mmap threshold) unless asked, so a burst of large ones would stay resident (docs/RELIABILITY.md, the notification attack).
   if (trim_due_.exchange(false, std::memory_order_relaxed)) ::malloc_trim(0);
 #endif
   for (auto& p : peers) {
@@ -1365,10 +1365,9 @@ bool Transfer::poll() const {
   const uint32_t lane = state_->lane_hint.load(std::memory_order_relaxed);
   // A small transfer's answer is read by the caller where no other thread is reading that lane. Where
   // progress threads spin, only for a lone transfer (nothing else in flight or queued on the peer):
-  // NIXL's checkXfer then waited for a tcp thread tether's own wait() never waits for (64 KiB: 1.1-1.2 x
-  // wait()'s latency, 0.9-1.0 with this), but a caller polling beside threads busy with other transfers
-  // halved 64 KiB x 8 in flight (4.17 -> 2.20 GB/s; PERFORMANCE.md, session 11). Large transfers: their
-  // lanes' threads are awake anyway.
+  // NIXL's checkXfer would otherwise wait for a tcp thread tether's own wait() never waits for, but a
+  // caller polling beside threads busy with other transfers slowed the many-in-flight rows
+  // (docs/PERFORMANCE.md, "Defaults and why"). Large transfers: their lanes' threads are awake anyway.
   const uint64_t bytes = state_->bytes.load(std::memory_order_relaxed);
   if (lane != UINT32_MAX && bytes <= (256u << 10) &&
       (p->busy_poll_us() == 0 || (!p->has_work() && p->unanswered_bytes() <= bytes)))

@@ -39,11 +39,9 @@ constexpr uint64_t kStagedReadChunks = 3;  // a staged read's smaller chunks a l
 // A staged GPU read moves each chunk three times in a row (the target copies it out of its GPU, sends
 // it, we copy it into ours): a read of only a few chunks per lane cannot overlap them. Such reads use
 // chunks of total / (8 x lanes), down to 256 KiB; from two full chunks per lane on, the full chunk
-// (16 MiB over 8 lanes: Caps::read_depth's two requests per lane pipeline them). Device A/Bs
-// (PERFORMANCE.md, "staged GPU reads of a few chunks per lane use smaller chunks", and session 22): 4 MiB
-// reads 2.3-2.5 -> 5.4-7.0 GB/s with the small chunks; 16 MiB reads in full chunks rather than 256 KiB
-// 1.03-1.10 x in three calls at 35-40 % less CPU, 32 MiB rather than 512 KiB 1.05-1.07 x; 8 MiB in
-// 512 KiB chunks lost (0.77 x). Writes lost with small chunks (16 MiB 12.1 -> 7.7-10.3): full chunks.
+// (16 MiB over 8 lanes: Caps::read_depth's two requests per lane pipeline them), which cost less CPU
+// than small chunks there. Writes lost with small chunks and keep full ones (docs/PERFORMANCE.md,
+// "Defaults and why" and "Tried and lost").
 uint64_t pipelined_chunk(uint64_t chunk, uint64_t total, uint32_t lanes) {
   if (total >= 2 * uint64_t(lanes) * chunk) return chunk;
   constexpr uint64_t kFloor = 256 << 10;
@@ -290,9 +288,9 @@ Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, cons
 bool PeerState::pulls(const TransferState& t) const {
   // Contiguous, GPU memory staged on either side, and long enough that every lane moves two chunks or
   // more: requested chunk by chunk, a staged read's lane got its depth back only after the chunk's copy
-  // into this side's GPU and its target lanes sat idle 19 % of a 256 MiB read; pushed, the target's lanes
-  // take chunks as their sockets drain, as a write's do (64-256 MiB GPU reads 1.1-1.3 x, PERFORMANCE.md
-  // session 27). Host-memory reads were level and keep their requests.
+  // into this side's GPU and its target lanes sat idle much of a large read; pushed, the target's lanes
+  // take chunks as their sockets drain, as a write's do (docs/PERFORMANCE.md, "Defaults and why").
+  // Host-memory reads were level and keep their requests.
   if (!pull_reads_ || t.op != OpKind::kRead || t.segments.size() != 1) return false;
   const Segment& g = t.segments[0];
   const bool gpu = device_of(g) >= 0 || remote_gpu(g);
@@ -615,8 +613,8 @@ bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
       uint64_t depth = uint64_t(read_depth_) * info_.chunk_bytes;
       // A staged read cut into chunks of a quarter of chunk_bytes or less (pipelined_chunk: reads under
       // 16 MiB over 8 lanes) keeps at most kStagedReadChunks of them per lane: less is left on each
-      // lane when the last is handed out (16 MiB GPU reads 1.03-1.04 x, 4 MiB 1.06 x, less CPU; 32 MiB
-      // reads, in 512 KiB chunks, lost 0.94 x and keep the window: PERFORMANCE.md, session 19).
+      // lane when the last is handed out; larger reads in 512 KiB chunks lost and keep the window
+      // (docs/PERFORMANCE.md, "Defaults and why").
       if (staged_gpu_ && chunk * 4 <= info_.chunk_bytes) depth = std::min(depth, kStagedReadChunks * chunk);
       if (lane_bytes_[lane].load(std::memory_order_relaxed) >= depth) return false;
     }

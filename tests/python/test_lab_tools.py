@@ -113,7 +113,7 @@ def test_tcp_goals_stops_at_its_deadline_or_on_sigterm_with_whole_rounds(tmp_pat
     r = subprocess.run([*args, str(tmp_path / "d"), "--deadline", "1"], env=ENV, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "deadline: 1 round(s) run" in r.stdout and "issue 20 goals, 1 rounds" in r.stdout, r.stdout
+    assert "deadline: 1 round(s) run" in r.stdout and "tcp goals, 1 rounds" in r.stdout, r.stdout
     p = subprocess.Popen([*args, str(tmp_path / "s")], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
     lines = []
@@ -124,7 +124,7 @@ def test_tcp_goals_stops_at_its_deadline_or_on_sigterm_with_whole_rounds(tmp_pat
     out = "".join(lines) + p.communicate(timeout=120)[0]
     assert p.returncode == 0, out
     assert "stopped (SIGTERM) during round 2: the report covers the 1 whole round(s)" in out, out
-    assert "issue 20 goals, 1 rounds" in out and "host 256 MiB write" in out, out
+    assert "tcp goals, 1 rounds" in out and "host 256 MiB write" in out, out
 
 
 @pytest.mark.budget(240)

@@ -147,6 +147,7 @@ struct Lane {
   struct Held { uint32_t slot, gen; RegionState* pin; };
   std::mutex held_mu;                // held: the lane thread changes it; deregister looks for a region in it
   std::vector<Held> held;            // regions pinned for reads the initiator is pulling (until kReadDone)
+  uint32_t held_reads = 0;           // reads in `held` (a batch holds several pins): held_bound() at most
   RegionState* pins[kMaxBatch];     // a batch's pinned regions (one per run of one descriptor)
   RegionState* dests[kMaxBatch];    // each fragment's region
   std::shared_ptr<Mapping> maps[kMaxBatch];
@@ -647,10 +648,30 @@ void count_served(core::EndpointImpl* ep, bool read, uint64_t length) {
   (read ? stats.chunks_sent : stats.chunks_received).fetch_add(1, std::memory_order_relaxed);
 }
 
+// Reads pinned here until their kReadDone are bounded by the peer's chunk slots, which bound its reads
+// in flight (twice that: a kReadDone may reach us after the next read of its slot, by ring or socket):
+// a peer that never says it is done cannot grow `held`. Past that it is dropped.
+uint32_t held_bound(const Lane& l) { return 2 * l.peer->slot_count(); }
+
+bool too_many_held(Lane& l) {
+  fail_peer(*l.peer, Code::kResourceExhausted,
+            "more reads unfinished (no kReadDone) than twice its " + std::to_string(l.peer->slot_count()) + " chunk slots");
+  return false;
+}
+
 // A read the initiator copies itself: the region stays pinned until its kReadDone (or the lane ends).
-void hold(Lane& l, const FrameHeader& h, RegionState* pin) {
-  std::lock_guard lock(l.held_mu);  // never contended but by a deregister looking for stalled readers
-  l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+// False (the region unpinned, the peer dropped): past the bound above.
+bool hold(Lane& l, const FrameHeader& h, RegionState* pin) {
+  {
+    std::lock_guard lock(l.held_mu);  // never contended but by a deregister looking for stalled readers
+    if (l.held_reads < held_bound(l)) {
+      l.held.push_back(Lane::Held{h.slot, h.gen, pin});
+      ++l.held_reads;
+      return true;
+    }
+  }
+  pin->unpin();
+  return too_many_held(l);
 }
 
 // Whether this answer may grant one-sided access to the request's descriptor (one_sided.h): the
@@ -696,7 +717,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
       return answer_frame(l, h, Code::kUnavailable);
     }
     const uint8_t grant = grant_for(ip, f, *pin);
-    hold(l, h, pin);
+    if (!hold(l, h, pin)) return false;
     count_served(ep, true, h.length);
     stats.ipc_cuda_chunks.fetch_add(1, std::memory_order_relaxed);
     return answer_frame(l, h, Code::kOk, uint8_t(Where::kCuda), at, &ref, grant);
@@ -705,7 +726,7 @@ bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
     // Our host bytes, read by the initiator itself (one copy, by attach): pinned, as above, until it
     // says it is done.
     const uint8_t grant = grant_for(ip, f, *pin);
-    hold(l, h, pin);
+    if (!hold(l, h, pin)) return false;
     count_served(ep, true, h.length);
     stats.ipc_cma_chunks.fetch_add(1, std::memory_order_relaxed);
     return answer_frame(l, h, Code::kOk, uint8_t(Where::kCma), reinterpret_cast<uint64_t>(local), nullptr, grant);
@@ -766,7 +787,10 @@ bool read_done(Lane& l, const FrameHeader& h) {
     l.held.pop_back();
     found = true;
   }
-  if (found) return true;
+  if (found) {
+    --l.held_reads;
+    return true;
+  }
   fail_peer(*l.peer, Code::kProtocolError, "read done for no read");
   return false;
 }
@@ -878,8 +902,19 @@ bool serve_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_
     stats.rejected_requests.fetch_add(1, std::memory_order_relaxed);
   }
   if (c == Code::kOk && held) {
-    std::lock_guard lock(l.held_mu);  // until its kReadDone (or the lane ends)
-    for (uint32_t j = 0; j < pinned; ++j) l.held.push_back(Lane::Held{h.slot, h.gen, l.pins[j]});
+    bool room;
+    {
+      std::lock_guard lock(l.held_mu);  // until its kReadDone (or the lane ends)
+      room = l.held_reads < held_bound(l);
+      if (room) {
+        for (uint32_t j = 0; j < pinned; ++j) l.held.push_back(Lane::Held{h.slot, h.gen, l.pins[j]});
+        ++l.held_reads;
+      }
+    }
+    if (!room) {
+      unpin(l, pinned);
+      return too_many_held(l);
+    }
   } else {
     unpin(l, pinned);
   }
@@ -1406,6 +1441,7 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
     std::lock_guard lock(l->held_mu);
     for (auto& h : l->held) h.pin->unpin();  // reads the initiator never finished: it cannot any more
     l->held.clear();
+    l->held_reads = 0;
   }
   l->cuda.reset();  // waits for its streams
   p.release_lane(l->index, Code::kConnectionLost);  // after fail(): nothing new can be pulled
