@@ -247,20 +247,27 @@ def test_one_sided_gpu_ops_in_flight_together(pair):
         assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == 2 * n
 
 
-@pytest.mark.parametrize("block", [4096, 64 * 1024], ids=["waited-by-poster", "completer"])
-def test_deregister_ends_one_sided_gpu_writes_before_it_returns(pair, block):
-    """The child writes into our GPU region one-sided without pause; from the moment deregister()
-    returns no byte may land there, and its writes fail instead. 64 KiB copies are finished by the
-    child's completer thread (busy polling on), so their hazard outlives the posting call."""
+def _one_sided_gpu_stream(pair, block, seed):
+    """The child writes `block`-byte pieces of its GPU memory into our 64 KiB GPU region one-sided without
+    pause (at least 200 done when this returns): (local, child, our region)."""
     local, peer, c = pair
     size = 64 * 1024
     dst = local.region("dst", "gpu0", size)
-    c.call("register", "s", size, fill=("seed", 51), device=GPU.other)
+    c.call("register", "s", size, fill=("seed", seed), device=GPU.other)
     assert c.call("start_stream", "write", "s", dst.descriptor(), block, accepted=True)
     deadline = time.monotonic() + 10
     while c.call("stats")["ipc_one_sided_chunks"] < 200 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert c.call("stats")["ipc_one_sided_chunks"] >= 200
+    return local, c, dst
+
+
+@pytest.mark.parametrize("block", [4096, 64 * 1024], ids=["waited-by-poster", "completer"])
+def test_deregister_ends_one_sided_gpu_writes_before_it_returns(pair, block):
+    """The child writes into our GPU region one-sided without pause; from the moment deregister()
+    returns no byte may land there, and its writes fail instead. 64 KiB copies are finished by the
+    child's completer thread (busy polling on), so their hazard outlives the posting call."""
+    local, c, dst = _one_sided_gpu_stream(pair, block, 51)
     local.ep.deregister(dst)
     local.mem["dst"].fill_(0xEE)
     torch.cuda.synchronize(0)
@@ -347,14 +354,7 @@ def test_vmm_memory(children, lk, rk, how):
 def test_deregister_under_a_stopped_one_sided_gpu_writer(pair, block):
     """As above, but the child is SIGSTOPped mid-stream (its completer too, with copies queued on the
     GPU) and continued 1.5 s later: whenever deregister() returns, nothing lands after it."""
-    local, peer, c = pair
-    size = 64 * 1024
-    dst = local.region("dst", "gpu0", size)
-    c.call("register", "s", size, fill=("seed", 52), device=GPU.other)
-    assert c.call("start_stream", "write", "s", dst.descriptor(), block, accepted=True)
-    deadline = time.monotonic() + 10
-    while c.call("stats")["ipc_one_sided_chunks"] < 200 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    local, c, dst = _one_sided_gpu_stream(pair, block, 52)
     c.kill(signal.SIGSTOP)
     timer = threading.Timer(1.5, lambda: os.kill(c.pid, signal.SIGCONT))
     timer.start()

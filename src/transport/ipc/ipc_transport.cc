@@ -28,6 +28,7 @@
 #include "transport/ipc/cuda_mover.h"
 #include "transport/ipc/host_mover.h"
 #include "transport/ipc/one_sided.h"
+#include "sys/proc.h"
 #include "transport/ipc/ring.h"
 
 namespace tether::transport {
@@ -1634,19 +1635,11 @@ void IpcTransport::deregister_region(RegionState& region) {
 }
 
 namespace {
-// The process is stopped (SIGSTOP, a debugger): it cannot answer until someone continues it.
+// The process is stopped (SIGSTOP, a debugger): it cannot answer until someone continues it. False
+// where we cannot tell (another pid namespace).
 bool process_stopped(pid_t pid) {
-  if (pid <= 0) return false;  // another pid namespace: we cannot tell
-  char path[64], buf[512];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
-  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
-  if (n <= 0) return false;
-  buf[n] = 0;
-  const char* paren = std::strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces and parentheses
-  return paren && paren[1] == ' ' && (paren[2] == 'T' || paren[2] == 't');
+  const char state = sys::process_state(pid);
+  return state == 'T' || state == 't';
 }
 }  // namespace
 

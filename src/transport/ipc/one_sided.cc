@@ -1,18 +1,16 @@
 #include "transport/ipc/one_sided.h"
 
-#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
-#include <cstring>
 #include <chrono>
 #include <thread>
 
 #include "core/lanes.h"
 #include "sys/cpu.h"
+#include "sys/proc.h"
 #include "sys/thread_name.h"
 
 namespace tether::transport::ipc {
@@ -27,16 +25,8 @@ int64_t steady_ms() {
 // The process has exited (or been reaped): none of its threads can copy any more. A zombie counts.
 bool process_exited(pid_t pid) {
   if (::kill(pid, 0) != 0) return errno == ESRCH;
-  char path[64], buf[256];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
-  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return true;
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
-  if (n <= 0) return true;
-  buf[n] = 0;
-  const char* paren = std::strrchr(buf, ')');  // "pid (comm) S ...": comm may hold spaces and parentheses
-  return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+  const char state = sys::process_state(pid);
+  return state == 0 || state == 'Z' || state == 'X';
 }
 
 // Whether a hazard of the peer may still copy into `region` (0: into anything). A host read's hazard
