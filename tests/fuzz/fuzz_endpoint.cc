@@ -301,10 +301,9 @@ struct IpcHello {
   uint64_t session = 0;
   uint32_t lane = 0, lanes = 1;
   uint64_t cookie_addr = 0, cookie = 0, challenge = 0;
-  uint64_t mapped_at = 0;  // stages 2, 3: where we mapped its segment (we never map it: no one-sided writes)
 };
 #pragma pack(pop)
-static_assert(sizeof(IpcHello) == 56);
+static_assert(sizeof(IpcHello) == 48);
 
 bool send_fd(int fd, const void* buf, size_t len, int pass) {
   iovec iov{const_cast<void*>(buf), len};

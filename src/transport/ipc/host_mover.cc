@@ -41,19 +41,6 @@ int CmaMover::push(const uint8_t* src, uint64_t remote, uint64_t len) {
   return cma_copy<true>(pid_, const_cast<uint8_t*>(src), remote, len);
 }
 
-int CmaMover::push_then_clear(const uint8_t* src, uint64_t remote, uint64_t len, uint64_t clear_at) {
-  static const uint64_t kZero = 0;
-  if (clear_at == 0 || len == 0) return push(src, remote, len);
-  iovec l[2] = {{const_cast<uint8_t*>(src), len}, {const_cast<uint64_t*>(&kZero), sizeof kZero}};
-  iovec r[2] = {{reinterpret_cast<void*>(remote), len}, {reinterpret_cast<void*>(clear_at), sizeof kZero}};
-  ssize_t n;
-  do n = ::process_vm_writev(pid_, l, 2, r, 2, 0);
-  while (n < 0 && errno == EINTR);
-  if (n < 0) return errno;
-  if (uint64_t(n) >= len) return 0;  // the caller clears the hazard itself in any case
-  return push(src + n, remote + uint64_t(n), len - uint64_t(n));  // cut short by a fault: the rest, or its errno
-}
-
 int CmaMover::pull_many(const iovec* local, const iovec* remote, uint32_t n, uint64_t total) {
   const ssize_t got = ::process_vm_readv(pid_, local, n, remote, n, 0);
   if (got >= 0 && uint64_t(got) == total) return 0;

@@ -41,9 +41,6 @@ class CmaMover final : public Mover {
   explicit CmaMover(pid_t pid) : pid_(pid) {}
   int pull(uint64_t remote, uint8_t* dst, uint64_t len) override;
   int push(const uint8_t* src, uint64_t remote, uint64_t len) override;
-  // push(), then 8 zero bytes at `clear_at` in the other process in the same system call, once every
-  // byte landed (one_sided.h: the hazard a one-sided write holds). `clear_at` 0: push() alone.
-  int push_then_clear(const uint8_t* src, uint64_t remote, uint64_t len, uint64_t clear_at);
   // `n` (at most IOV_MAX) pieces of `total` bytes in one system call where the kernel copies them all.
   int pull_many(const iovec* local, const iovec* remote, uint32_t n, uint64_t total);
   // Reads 8 bytes at `addr` in the other process, checks them against `expect` and writes them

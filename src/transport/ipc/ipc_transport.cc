@@ -49,7 +49,7 @@ constexpr uint16_t kIpcVersion = 8;  // 2: GPU memory (CudaRef in every frame), 
                                      // 5: the connector opens the lanes, to the listener (same host proven);
                                      // 6: message rings at the end of each bounce segment (ring.h);
                                      // 7: grants and one-sided small ops (one_sided.h);
-                                     // 8: Hello::mapped_at (a one-sided write clears its hazard itself)
+                                     // 8: a hazard names the thread that holds it (one_sided.h)
 constexpr const char* kSocketPrefix = "tether-ipc-";  // every endpoint's lane socket: this and 16 hex digits
 constexpr int kSocketBuffer = 1 << 20;        // frames in flight per lane are bounded by the window
 constexpr size_t kMaxParked = 1024;            // lane sockets accepted and not yet claimed by a handshake
@@ -86,7 +86,6 @@ struct Hello {
   uint64_t cookie_addr;  // 8 bytes at this address in the sender hold `cookie`: the CMA probe
   uint64_t cookie;
   uint64_t challenge;    // stage 1: the challenge from the listener's offer for this session
-  uint64_t mapped_at;    // stages 2, 3: where the sender mapped the receiver's bounce segment
 };
 #pragma pack(pop)
 static_assert(sizeof(Frame) == 160);
@@ -100,7 +99,7 @@ constexpr uint8_t kRelease = 0x41;
 // on success n BatchEntry (the fragment as asked, `addr` and `ref` where it lies, `pad` its Where:
 // kCuda, kCma = an address in the target, kShm = an offset in the initiator's segment), then the CudaRefs.
 constexpr uint8_t kReadBatchAnswer = 0x42;
-static_assert(sizeof(Hello) == 56);
+static_assert(sizeof(Hello) == 48);
 
 struct IpcPeer {
   uint64_t session = 0;
@@ -110,7 +109,6 @@ struct IpcPeer {
   uint64_t cookie = 0;               // the other side probes this
   Segment own;                       // our chunks' bounce slots (used when !out_cma)
   Segment theirs;                    // the other side's, mapped (their kShm chunks)
-  uint64_t own_there = 0;            // where the other process mapped `own` (Hello::mapped_at)
   std::unique_ptr<CmaMover> cma;     // set when our probe of the other side worked
   std::unique_ptr<ShmMover> shm;
   // Our chunks are described by address. Set by the listener's lane 0 from the connector's verdict
@@ -411,7 +409,7 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
       return OneSided::kAsk;
     }
   } else if (!gpu) {
-    ok = ip.cma->push_then_clear(op.payload, at, h.length, ip.os->hazard_there(c)) == 0;
+    ok = ip.cma->push(op.payload, at, h.length) == 0;
   } else {
     auto map = ip.imports->get(g.ref, op.device);
     ok = map.is_ok() && at <= map.value()->size && h.length <= map.value()->size - at;
@@ -1254,12 +1252,6 @@ bool make_rings(IpcPeer& ip, uint32_t lanes, std::string* why) {
   return true;
 }
 
-// Where the other process maps our one-sided page (0: not known yet).
-uint64_t page_there(const IpcPeer& ip) {
-  if (ip.own_there == 0 || !ip.os_own) return 0;
-  return ip.own_there + uint64_t(reinterpret_cast<const uint8_t*>(ip.os_own) - ip.own.base());
-}
-
 // Decides, from our probe of the other side, how we serve its chunks; false (and *why) when the
 // configuration forbids the outcome.
 bool probe_other(IpcPeer& ip, const Hello& theirs, int host_mode, std::string* why) {
@@ -1321,8 +1313,6 @@ bool finish_listener_setup(Lane& l, int host_mode) {
     fail_peer(p, Code::kUnavailable, why);
     return false;
   }
-  ip.own_there = m.mapped_at;
-  if (ip.os) ip.os->set_ours_there(page_there(ip));
   ip.sending.store(true, std::memory_order_seq_cst);
   pump_all(ip, p);  // chunks posted while we were setting up
   return true;
@@ -1861,7 +1851,6 @@ Status IpcTransport::attach_listener(const std::shared_ptr<PeerState>& peer, std
   }
   Hello m2 = hello(*ip, 2, 0, lanes);
   m2.verdict = ip->cma != nullptr;
-  m2.mapped_at = reinterpret_cast<uint64_t>(ip->theirs.base());
   ip->ready.store(true, std::memory_order_seq_cst);  // before the connector can have our answer
   if (!send_msg(fds[0], &m2, sizeof m2, ip->own.fd())) { cleanup(); return errno_status(Code::kConnectionLost, "ipc setup"); }
   peer->lane_fds = fds;  // the peer owns them now: fail() shuts them down, its destructor closes them
@@ -1909,8 +1898,6 @@ Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, st
   if (!why.empty()) { cleanup(); return Status(Code::kUnavailable, why); }
   Hello m3 = hello(*ip, 3, 0, lanes);
   m3.verdict = ip->cma != nullptr;
-  m3.mapped_at = reinterpret_cast<uint64_t>(ip->theirs.base());
-  ip->own_there = m2.mapped_at;
   ip->ready.store(true, std::memory_order_seq_cst);
   ip->sending.store(true, std::memory_order_seq_cst);
   if (!send_msg(ip->fds[0], &m3, sizeof m3, -1)) { cleanup(); return Status(Code::kConnectionLost, "ipc setup: the peer is gone"); }
@@ -1937,7 +1924,7 @@ Status IpcTransport::start_lanes(const std::shared_ptr<PeerState>& peer, const s
   ip->imports = std::make_unique<CudaImports>(ip->pid, &endpoint_->stats().ipc_cuda_opens);
   ip->ep = endpoint_;
   ip->one_sided_max = endpoint_->config().ipc_one_sided_bytes;
-  if (ip->one_sided_max > 0) ip->os = std::make_unique<OneSidedInitiator>(ip->os_theirs, ip->os_own, page_there(*ip));
+  if (ip->one_sided_max > 0) ip->os = std::make_unique<OneSidedInitiator>(ip->os_theirs, ip->os_own);
   ip->completer = completer_.get();
   peer->transport_state = ip;
   std::lock_guard lock(mu_);

@@ -1,6 +1,7 @@
 #include "transport/ipc/one_sided.h"
 
 #include <sched.h>
+#include <sys/syscall.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -30,12 +31,19 @@ bool process_exited(pid_t pid) {
 }
 
 // Whether a hazard of the peer may still copy into `region` (0: into anything). A host read's hazard
-// never writes to us. The kernel clears a write's hazard byte by byte after its copy: a value that is
-// neither 0 nor `region` is such a clearing, after the bytes landed.
-bool holds(const OneSidedPage& theirs, uint32_t region) {
+// never writes to us. With `pid` (a slow wait), a holder the kernel shows stopped on its way out of
+// process_vm_writev has landed its bytes (a stopped thread is never inside a copy) and is passed over.
+bool holds(const OneSidedPage& theirs, uint32_t region, pid_t pid = 0) {
   for (const auto& h : theirs.hazard) {
     const uint64_t r = h.region.load(std::memory_order_seq_cst);
-    if (r != 0 && !(r & kReadHazard) && (region == 0 || r == region)) return true;
+    if (r == 0 || (r & kReadHazard) || (region != 0 && r != region)) continue;
+    if (pid > 0) {
+      const pid_t tid = h.tid.load(std::memory_order_seq_cst);
+      if (sys::stopped_in_syscall(pid, tid, SYS_process_vm_writev) && h.region.load(std::memory_order_seq_cst) == r &&
+          h.tid.load(std::memory_order_seq_cst) == tid)
+        continue;
+    }
+    return true;
   }
   return false;
 }
@@ -63,7 +71,7 @@ bool revoke(OneSidedPage& ours, const OneSidedPage& theirs, uint32_t region, pid
   // thread stopped between its claim and its system call holds it longer, and it copies once it runs
   // again: we wait for it or for its process to end, never against a clock (one_sided.h).
   bool slow = false;
-  for (uint32_t turn = 0; holds(theirs, region); ++turn) {
+  for (uint32_t turn = 0; holds(theirs, region, turn >= 64 && turn % 16 == 0 ? pid : 0); ++turn) {
     if (turn < 64) {
       sched_yield();
       continue;
@@ -111,6 +119,8 @@ OneSidedInitiator::Context* OneSidedInitiator::enter(uint32_t region, bool read,
     if (!k.busy.exchange(true, std::memory_order_acquire)) c = &k;
   }
   if (!c) return nullptr;
+  thread_local const pid_t tid = pid_t(::syscall(SYS_gettid));
+  ours_->hazard[c->index].tid.store(tid, std::memory_order_relaxed);  // ordered by the store below
   ours_->hazard[c->index].region.store(region | (read ? kReadHazard : 0), std::memory_order_seq_cst);
   if (live(region)) return c;
   *gone = true;
@@ -121,13 +131,6 @@ OneSidedInitiator::Context* OneSidedInitiator::enter(uint32_t region, bool read,
 bool OneSidedInitiator::live(uint32_t region) const {
   return target_->closed.load(std::memory_order_seq_cst) == 0 &&
          target_->live[region % kLiveSlots].load(std::memory_order_seq_cst) == region;
-}
-
-uint64_t OneSidedInitiator::hazard_there(const Context* c) const {
-  const uint64_t there = ours_there_.load(std::memory_order_relaxed);
-  if (there == 0) return 0;
-  return there + uint64_t(reinterpret_cast<const uint8_t*>(&ours_->hazard[c->index].region) -
-                                reinterpret_cast<const uint8_t*>(ours_));
 }
 
 void OneSidedInitiator::leave(Context* c) {

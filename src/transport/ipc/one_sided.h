@@ -19,8 +19,8 @@
 //  - a host write brings its source pages in (one load per page) before it claims its hazard, so a
 //    fault of the initiator's source memory (swap-in, a slow file mapping, userfaultfd) stalls the
 //    writer before its hazard, not a copy the target waits for;
-//  - the same process_vm_writev that lands the bytes then clears the hazard (a second iovec into the
-//    target's mapping of our page), so a process stopped after its copy holds no hazard;
+//  - a hazard names the thread that holds it: a holder the kernel shows stopped on its way out of
+//    process_vm_writev has finished its copy, and the target does not wait for it;
 //  - a host read marks its hazard kReadHazard, which the target does not wait for: the reader checks
 //    the region is still live after its copy and discards what it read otherwise.
 // What remains is a thread stopped (SIGSTOP, a debugger) in the few instructions between its claim
@@ -60,6 +60,7 @@ struct OneSidedPage {
   // Written by this side as an initiator, read by the other:
   struct alignas(64) Hazard {
     std::atomic<uint64_t> region;  // the region a one-sided copy is using now, 0 when none
+    std::atomic<int32_t> tid;      // the thread that set `region` (a host write's copier)
   };
   alignas(4096) Hazard hazard[kHazards];
 };
@@ -94,14 +95,10 @@ bool revoke(OneSidedPage& ours, const OneSidedPage& theirs, uint32_t region, pid
 // Initiator side, one per peer.
 class OneSidedInitiator {
  public:
-  // Both pages: the target's (read) and our own (our hazards); `ours_there`: where the target maps
-  // our page (0: unknown, the hazard is then cleared by us alone).
-  OneSidedInitiator(const OneSidedPage* target, OneSidedPage* ours, uint64_t ours_there)
-      : target_(target), ours_(ours), ours_there_(ours_there) {
+  // Both pages: the target's (read) and our own (our hazards).
+  OneSidedInitiator(const OneSidedPage* target, OneSidedPage* ours) : target_(target), ours_(ours) {
     for (uint32_t i = 0; i < kHazards; ++i) ctx_[i].index = i;
   }
-  // The listener learns `ours_there` after its lanes started, before it sends anything.
-  void set_ours_there(uint64_t at) { ours_there_.store(at, std::memory_order_relaxed); }
   // The grant covering the chunk `h` describes, if we have one.
   bool find(const wire::FrameHeader& h, Grant* out) const;
   void remember(const Grant& g);
@@ -119,13 +116,10 @@ class OneSidedInitiator {
   void leave(Context* c);
   // Whether `region` is still live for us (a host read checks it after its copy).
   bool live(uint32_t region) const;
-  // Where the target maps `c`'s hazard (0: unknown): a host write clears it in its own system call.
-  uint64_t hazard_there(const Context* c) const;
 
  private:
   const OneSidedPage* target_;
   OneSidedPage* ours_;
-  std::atomic<uint64_t> ours_there_;
   mutable std::mutex mu_;  // the cache; held for a lookup or an update, never across a copy
   Grant cache_[kGrantCache];
   Context ctx_[kHazards];
