@@ -116,5 +116,8 @@ def test_a_large_write_waiter_sleeps_and_a_small_ones_spins(children, endpoints)
     for t in writes.values():
         t.wait(T)
     assert burnt["large"] < 0.05, f"the 16 MiB write's waiter used {burnt['large']:.3f} CPU-s in 0.5 s"
-    assert burnt["small"] > 0.15, f"the 64 KiB write's waiter used only {burnt['small']:.3f} CPU-s (no spin?)"
+    # Its spin of 0.3 s gets the CPU the machine leaves it (a third of a core beside two busy loops on two
+    # cores); a waiter that sleeps uses milliseconds.
+    assert burnt["small"] > max(0.05, 5 * burnt["large"]), \
+        f"the 64 KiB write's waiter used only {burnt['small']:.3f} CPU-s (no spin?)"
     assert_bytes_equal(np.frombuffer(c.call("get", "dst"), dtype=np.uint8), src, "both writes after the stop")
