@@ -18,13 +18,13 @@
 #include "sys/topology.h"
 #include "tether/endpoint.h"
 #include "gpu/staging.h"
+#include "transport/host.h"
 #include "transport/transport.h"
 
 namespace tether::core {
 
-struct AtomicStats {
-  std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, chunks_sent{0}, chunks_received{0};
-  std::atomic<uint64_t> transfers_completed{0}, transfers_failed{0}, rejected_requests{0};
+struct AtomicStats : transport::Traffic {
+  std::atomic<uint64_t> transfers_completed{0}, transfers_failed{0};
   std::atomic<uint64_t> reads_pushed{0};  // peers' pulled reads this side sent (wire::kPull)
   std::atomic<uint64_t> ipc_cma_chunks{0}, ipc_shm_chunks{0}, ipc_inline_chunks{0};  // chunks served as an ipc target, by mover
   std::atomic<uint64_t> ipc_one_sided_chunks{0};  // chunks this side moved itself, as an ipc initiator
@@ -35,13 +35,14 @@ struct AtomicStats {
 // Shared ownership: the public Endpoint, every PeerState (so user-held Peer and Transfer handles
 // never dangle) and any thread blocked in one of its calls. close() drops the peers, so no cycle
 // outlives it, and ~Endpoint always calls close().
-class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
+class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, public transport::Host {
  public:
   static Result<std::shared_ptr<EndpointImpl>> create(const Config& config);
   ~EndpointImpl();
 
-  const Config& config() const { return config_; }
-  RegionRegistry& registry() { return registry_; }
+  const Config& config() const override { return config_; }
+  RegionRegistry& registry() override { return registry_; }
+  transport::Traffic& traffic() override { return stats_; }
   AtomicStats& stats() { return stats_; }
   const EndpointId& id() const { return id_; }
   const std::string& name() const { return name_; }
@@ -65,7 +66,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   // Registers with the registry, then with every usable transport (descriptor extensions).
   Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
   // How staged payloads reach GPU memory (Config::unpack, resolved once).
-  gpu::Unpack unpack_mode() const { return unpack_; }
+  gpu::Unpack unpack_mode() const override { return unpack_; }
   // (name, why unavailable — empty when usable) of every transport this build knows.
   std::vector<std::pair<std::string, std::string>> transport_status() const;
   void wake_control();
@@ -77,8 +78,8 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   // NICs and threads (src/sys/topology.h): decided once at create().
   const sys::Plan& plan() const { return plan_; }
   const LinkCounters& nic_counters(size_t i) const { return *nic_counters_[i]; }
-  void pin_progress_thread(uint32_t index) const;
-  uint32_t thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic) const {
+  void pin_progress_thread(uint32_t index) const override;
+  uint32_t thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic) const override {
     return plan_.thread_for_lane(lane, nic, earlier_on_nic, config_.sockets_per_channel);
   }
 

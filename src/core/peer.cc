@@ -58,10 +58,8 @@ int64_t PeerState::now_ms() {
 
 PeerState::PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint32_t lanes,
                      transport::Transport* transport)
-    : transport(transport),
+    : Link(std::move(info), lanes, transport),
       endpoint_(std::move(endpoint)),
-      info_(std::move(info)),
-      lanes_(lanes),
       batch_max_(transport ? transport->caps().batch_fragments : 0),
       batch_reads_(transport && transport->caps().batch_reads),
       gpu_batch_chunks_(transport ? std::max<uint32_t>(1, transport->caps().gpu_batch_chunks) : 1),
@@ -169,7 +167,7 @@ Status PeerState::error() const {
 // ---------------------------------------------------------------- user side
 
 Transfer PeerState::start(std::shared_ptr<TransferState> t) {
-  t->peer = shared_from_this();
+  t->peer = self();
   t->self = t;
   return Transfer(std::move(t));
 }
@@ -223,14 +221,14 @@ std::string out_of_range(const Block& b, uint64_t local_size, uint64_t remote_si
 Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, const char* noun, std::string notify) {
   const bool write = op == OpKind::kWrite;
   // A closed endpoint (or a dead link) says so, before its cleared regions could answer for it.
-  if (failed()) return invalid(shared_from_this(), op, error());
-  if (notify.size() > info_.max_notify) return invalid(shared_from_this(), op, notify_too_large(notify.size()));
+  if (failed()) return invalid(self(), op, error());
+  if (notify.size() > info_.max_notify) return invalid(self(), op, notify_too_large(notify.size()));
   size_t total = 0;
   for (size_t r = 0; r < nruns; ++r) total += runs[r].n;
   // Messages are formatted only here, on the way out: the good path builds no strings.
   auto refuse = [&](size_t i, Code code, std::string msg) {
     if (total > 1) msg += " (" + std::string(noun) + " " + std::to_string(i) + ")";
-    return invalid(shared_from_this(), op, Status(code, std::move(msg)));
+    return invalid(self(), op, Status(code, std::move(msg)));
   };
   auto t = std::make_shared<TransferState>();
   t->op = op;
@@ -384,11 +382,11 @@ void PeerState::push_stopped(TransferState* t) {
 }
 
 Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
-  if (failed()) return invalid(shared_from_this(), OpKind::kSend, error());
+  if (failed()) return invalid(self(), OpKind::kSend, error());
   const auto& l = local.state();
-  if (!l || !l->live.load()) return invalid(shared_from_this(), OpKind::kSend, Status(Code::kNotFound, "send: local region is not registered"));
+  if (!l || !l->live.load()) return invalid(self(), OpKind::kSend, Status(Code::kNotFound, "send: local region is not registered"));
   if (!in_bounds(offset, length, l->size))
-    return invalid(shared_from_this(), OpKind::kSend, Status(Code::kOutOfRange, "send: range exceeds local region of " + std::to_string(l->size) + " bytes"));
+    return invalid(self(), OpKind::kSend, Status(Code::kOutOfRange, "send: range exceeds local region of " + std::to_string(l->size) + " bytes"));
   auto t = std::make_shared<TransferState>();
   t->op = OpKind::kSend;
   t->tag = tag;
@@ -417,12 +415,12 @@ Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t len
 }
 
 Transfer PeerState::post_recv(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
-  if (failed()) return invalid(shared_from_this(), OpKind::kRecv, error());
+  if (failed()) return invalid(self(), OpKind::kRecv, error());
   const auto& l = local.state();
-  if (!l || !l->live.load()) return invalid(shared_from_this(), OpKind::kRecv, Status(Code::kNotFound, "recv: local region is not registered"));
-  if (l->readonly) return invalid(shared_from_this(), OpKind::kRecv, Status(Code::kAccessDenied, "recv into a read-only region"));
+  if (!l || !l->live.load()) return invalid(self(), OpKind::kRecv, Status(Code::kNotFound, "recv: local region is not registered"));
+  if (l->readonly) return invalid(self(), OpKind::kRecv, Status(Code::kAccessDenied, "recv into a read-only region"));
   if (!in_bounds(offset, length, l->size))
-    return invalid(shared_from_this(), OpKind::kRecv, Status(Code::kOutOfRange, "recv: range exceeds local region of " + std::to_string(l->size) + " bytes"));
+    return invalid(self(), OpKind::kRecv, Status(Code::kOutOfRange, "recv: range exceeds local region of " + std::to_string(l->size) + " bytes"));
   auto t = std::make_shared<TransferState>();
   t->op = OpKind::kRecv;
   t->tag = tag;
@@ -451,8 +449,8 @@ Transfer PeerState::post_recv(const Region& local, uint64_t offset, uint64_t len
 }
 
 Transfer PeerState::post_notify(std::string data) {
-  if (failed()) return invalid(shared_from_this(), OpKind::kNotify, error());
-  if (data.size() > info_.max_notify) return invalid(shared_from_this(), OpKind::kNotify, notify_too_large(data.size()));
+  if (failed()) return invalid(self(), OpKind::kNotify, error());
+  if (data.size() > info_.max_notify) return invalid(self(), OpKind::kNotify, notify_too_large(data.size()));
   auto t = std::make_shared<TransferState>();
   t->op = OpKind::kNotify;
   t->notify = std::move(data);

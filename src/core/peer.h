@@ -16,14 +16,14 @@
 #include "core/transfer.h"
 #include "core/wire.h"
 #include "tether/endpoint.h"
-
-namespace tether::transport {
-class Transport;
-}
+#include "transport/link.h"
 
 namespace tether::core {
 
 class EndpointImpl;
+using transport::ChunkOp;
+using transport::PeerInfo;
+using transport::Piece;
 
 // What one peer can make this side hold through its control connection (docs/RELIABILITY.md, "Bounds").
 // Its control connection is not read while more than kControlBacklog bytes of control output wait for it;
@@ -37,68 +37,32 @@ constexpr size_t kAnswerBacklog = 4 * kControlBacklog;
 // kResourceExhausted, and the send fails there).
 constexpr size_t kMaxUnexpected = 1 << 14;
 
-// Local source bytes of one fragment of a batched chunk.
-struct Piece {
-  uint8_t* data = nullptr;  // a write's source, a read's destination
-  uint64_t length = 0;
-  const RegionState* region = nullptr;  // the local region it lies in
-};
-
-// What a lane puts on the wire next: a header and, for writes and sends, the local payload.
-// A kWriteBatch chunk instead carries `fragments` small writes: frags[i] describes where piece i goes;
-// a kReadBatch chunk (Caps::batch_reads) `fragments` small reads: piece i is where frags[i] lands.
-struct ChunkOp {
-  wire::FrameHeader hdr;
-  const uint8_t* payload = nullptr;
-  uint64_t length = 0;
-  uint8_t* local = nullptr;          // the chunk's local bytes (a read's destination)
-  const Segment* segment = nullptr;  // local region, remote descriptor (transport extensions)
-  uint64_t segment_offset = 0;       // where in the segment this chunk starts
-  uint32_t fragments = 0;            // kWriteBatch and kReadBatch only
-  const wire::Fragment* frags = nullptr;
-  const Piece* pieces = nullptr;
-  int32_t device = -1;               // GPU of the local bytes (all pieces share it), -1 for host memory
-  RegionState* pin = nullptr;        // a pushed send's chunk: its region, pinned until the transport has sent it
-};
-
 // Blocks of a write or read that share one local region and one remote descriptor (the public
 // tether::BlockRun): a whole Peer::writev(Block) call, a run of consecutive entries of an IoEntry list
 // (or of the Python tuples) naming the same two, or one run of a multi-region call. Borrowed for the
 // duration of post_rma only.
 using tether::BlockRun;
 
-struct PeerInfo {
-  uint64_t id = 0;
-  EndpointId endpoint{};
-  std::string name;
-  bool same_host = false;
-  std::string transport;         // the transport carrying its data
-  uint64_t chunk_bytes = 1 << 20;  // min of both sides' chunk_bytes: no frame between them is longer
-  uint32_t heartbeat_ms = 1000;  // ours, or sooner if the other side's peer_timeout needs it
-  uint32_t max_notify = wire::kMaxNotify;  // the largest notification it accepts (its notify_max_bytes)
-};
-
-class PeerState : public std::enable_shared_from_this<PeerState> {
+class PeerState final : public transport::Link {
  public:
   PeerState(std::shared_ptr<EndpointImpl> endpoint, PeerInfo info, uint32_t lanes, transport::Transport* transport);
   ~PeerState();
+  std::shared_ptr<PeerState> self() { return std::static_pointer_cast<PeerState>(shared_from_this()); }
 
-  const PeerInfo& info() const { return info_; }
-  uint32_t lanes() const { return lanes_; }
-  uint32_t slot_count() const { return uint32_t(slots_.size()); }  // chunk slots (indices in FrameHeader::slot)
+  uint32_t slot_count() const override { return uint32_t(slots_.size()); }  // chunk slots (indices in FrameHeader::slot)
   uint32_t spin_us() const;
-  uint32_t busy_poll_us() const;  // Config::busy_poll_us
+  uint32_t busy_poll_us() const override;  // Config::busy_poll_us
   uint32_t wait_nap_us() const;   // Config::wait_nap_us where the transport's Caps::wait_naps, else 0
   // The live lane with the fewest chunks in flight, the lowest such index on ties: where a transport
   // starts handing out a transfer's chunks. Lone transfers keep landing on the same lane, whose
   // threads are still awake from the last one (a woken thread costs more than a small copy).
-  uint32_t quietest_lane() const;
+  uint32_t quietest_lane() const override;
   // Reads `lane` from the calling thread if nobody else is (a waiter fetching its own answer).
   void poll(uint32_t lane);
   // Finishes from the calling thread, a waiter, work another thread would hand back (Transport::help).
   void help();
-  bool failed() const { return failed_.load(std::memory_order_acquire); }
-  Status error() const;
+  bool failed() const override { return failed_.load(std::memory_order_acquire); }
+  Status error() const override;
 
   // ---- user side: validate, then queue. Errors finish the transfer before any byte moves.
   // Writes or reads the blocks of `runs` as one transfer. Errors name the block by its index over
@@ -110,48 +74,48 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
 
   // ---- transport side (called by the lane's progress thread only)
   // Next chunk for `lane` if the lane's window allows; fills op and claims a slot.
-  bool next_chunk(uint32_t lane, ChunkOp* op);
-  bool has_work() const {
+  bool next_chunk(uint32_t lane, ChunkOp* op) override;
+  bool has_work() const override {
     return queue_head_.load(std::memory_order_acquire) != nullptr || resend_count_.load(std::memory_order_acquire) > 0;
   }
   // A target answered chunk (slot, gen). kProtocolError if the answer names no chunk of this lane.
-  Code answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t status);
+  Code answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t status) override;
   // The pieces of kReadBatch chunk (slot, gen): `n` fragments, where each lands, on GPU `device` (-1: host).
   Code read_batch(uint32_t lane, uint32_t slot, uint32_t gen, uint32_t n, const wire::Fragment** frags,
-                  const Piece** pieces, int* device);
+                  const Piece** pieces, int* device) override;
   // Where a kReadResp payload of `length` bytes goes.
   // `device` is the GPU the bytes go to, or -1 for host memory. A kReadBatch chunk's answer (tcp) lands
   // in its `npieces` pieces, in order: given `pieces`, such a chunk is named there (and *dest is null).
   Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest, int* device,
-                        const Piece** pieces = nullptr, uint32_t* npieces = nullptr);
+                        const Piece** pieces = nullptr, uint32_t* npieces = nullptr) override;
   // Target side of kSendData: where the bytes go inside the matched recv `token` (`unit`: the sender's
   // chunk size, `flags`: the frame's). kOk with *dest null: a resent chunk already placed; discard it.
   Code resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint64_t unit, uint16_t flags,
-                         uint8_t** dest, TransferState** recv, int* device);
+                         uint8_t** dest, TransferState** recv, int* device) override;
   // A chunk of a recv is in place; counted once even if it arrived twice (resent after a lost answer).
-  void send_data_placed(TransferState* recv, uint64_t offset, uint64_t length);
+  void send_data_placed(TransferState* recv, uint64_t offset, uint64_t length) override;
   // Target side of a kPull frame (a read this side pushes, Caps::pull_reads): checks the range as a
   // kReadReq's, then starts the send, or answers kPullFail. False: malformed (the caller drops the peer).
-  bool on_pull(const wire::FrameHeader& h);
+  bool on_pull(const wire::FrameHeader& h) override;
   // A lane died with a kSendData chunk half received: the sender resends it, unless the peer is gone.
-  void abandon_send_data(TransferState* recv);
+  void abandon_send_data(TransferState* recv) override;
   // A lane's socket failed. Link-level failures (connection lost, timeout) kill only the lane while
   // another survives: its socket is shut down and its thread retires it. Anything else, or the last
   // lane, fails the peer.
-  void lane_failed(uint32_t lane, Status why);
+  void lane_failed(uint32_t lane, Status why) override;
   // The lane is retired: its chunks in flight move to the surviving lanes, or (peer failed) are
   // answered with `code`.
-  void release_lane(uint32_t lane, Code code);
-  LinkCounters& lane_counters(uint32_t lane) { return lane_counters_[lane]; }
+  void release_lane(uint32_t lane, Code code) override;
+  LinkCounters& lane_counters(uint32_t lane) override { return lane_counters_[lane]; }
   // Payload bytes of the chunks `lane` holds unanswered (a lock-free hint for the transport).
-  uint64_t lane_bytes(uint32_t lane) const { return lane_bytes_[lane].load(std::memory_order_relaxed); }
+  uint64_t lane_bytes(uint32_t lane) const override { return lane_bytes_[lane].load(std::memory_order_relaxed); }
   // Payload bytes of every lane's unanswered chunks (a lock-free hint: the sum of lane_bytes).
-  uint64_t unanswered_bytes() const {
+  uint64_t unanswered_bytes() const override {
     uint64_t sum = 0;
     for (uint32_t i = 0; i < lanes_; ++i) sum += lane_bytes(i);
     return sum;
   }
-  bool lane_alive(uint32_t lane) const;
+  bool lane_alive(uint32_t lane) const override;
 
   // ---- control side (control thread)
   void on_control(wire::ControlType type, const uint8_t* body, uint32_t length);
@@ -174,7 +138,7 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   // A read this side pushes to the peer still reads `region` (deregister() waits on its chunks' pins).
   bool pushes_from(const RegionState* region) const;
   // Fails the peer once: every transfer still using it ends with `s`, sockets are shut down.
-  void fail(Status s);
+  void fail(Status s) override;
 
   // ---- who may still touch the peer's sockets and its transport state (docs/ARCHITECTURE.md, "Shutdown")
   // Each such thread holds the peer: the control side (one hold, let go by the control thread once
@@ -183,31 +147,16 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   // the transport (Hold). The last to let go closes the sockets and has the transport drop its state:
   // a closed peer frees all of it at once, whoever keeps a Peer handle, and no descriptor number is
   // reused while a thread could still use it.
-  bool hold();      // false once everything was let go (a failed peer's resources are gone)
-  void let_go();
+  bool hold() override;  // false once everything was let go (a failed peer's resources are gone)
+  void let_go() override;
   void let_go_control();            // the control side's hold; once
-  bool released() const { return released_.load(std::memory_order_acquire); }
+  bool released() const override { return released_.load(std::memory_order_acquire); }
   bool wait_released(int64_t timeout_ms);  // true once released
-  class Hold {
-   public:
-    explicit Hold(PeerState* p) : p_(p->hold() ? p : nullptr) {}
-    ~Hold() { if (p_) p_->let_go(); }
-    Hold(const Hold&) = delete;
-    Hold& operator=(const Hold&) = delete;
-    explicit operator bool() const { return p_ != nullptr; }
-   private:
-    PeerState* p_;
-  };
   // Called by TransferState when its last chunk is answered.
   void transfer_drained(TransferState* t);
   void count_finished(bool ok);
 
-  transport::Transport* const transport;  // owned by the endpoint, which outlives the peer
   int control_fd = -1;
-  std::vector<int> lane_fds;
-  std::vector<LanePath> lane_paths;  // set with lane_fds, before the transport attaches
-  // The transport's per-peer state (its lanes), opaque to the core; set before the peer is used.
-  std::shared_ptr<void> transport_state;
   // Control-thread-only I/O state.
   std::string ctl_in, ctl_pending;
   size_t ctl_sent = 0;
@@ -252,8 +201,6 @@ class PeerState : public std::enable_shared_from_this<PeerState> {
   uint64_t read_chunk(const TransferState& t, int local_device, const RemoteRegion* remote, uint64_t chunk) const;
 
   const std::shared_ptr<EndpointImpl> endpoint_;
-  PeerInfo info_;
-  const uint32_t lanes_;
   const uint32_t batch_max_;  // the transport's Caps::batch_fragments: most fragments in a kWriteBatch chunk
   const bool batch_reads_;    // the transport's Caps::batch_reads
   const uint32_t gpu_batch_chunks_;  // the transport's Caps::gpu_batch_chunks

@@ -9,7 +9,7 @@ namespace tether::transport {
 using wire::FrameHeader;
 using wire::FrameType;
 
-TargetPlan plan_target(core::EndpointImpl& ep, core::PeerState& peer, const FrameHeader& h) {
+TargetPlan plan_target(core::EndpointImpl& ep, Link& peer, const FrameHeader& h) {
   TargetPlan p;
   const auto type = static_cast<FrameType>(h.type);
   if (type == FrameType::kWrite || type == FrameType::kReadReq) {
@@ -29,7 +29,7 @@ TargetPlan plan_target(core::EndpointImpl& ep, core::PeerState& peer, const Fram
   return p;
 }
 
-FrameHeader finish_placed(core::EndpointImpl& ep, core::PeerState& peer, const FrameHeader& h, TargetPlan& plan) {
+FrameHeader finish_placed(core::EndpointImpl& ep, Link& peer, const FrameHeader& h, TargetPlan& plan) {
   if (plan.pin) { plan.pin->unpin(); plan.pin = nullptr; }
   if (plan.recv) {
     peer.send_data_placed(plan.recv, h.offset, h.length);
@@ -57,7 +57,7 @@ FrameHeader read_response(const FrameHeader& h, const TargetPlan& plan) {
   return r;
 }
 
-void abandon(core::PeerState& peer, TargetPlan& plan) {
+void abandon(Link& peer, TargetPlan& plan) {
   if (plan.pin) { plan.pin->unpin(); plan.pin = nullptr; }
   if (plan.recv) {
     plan.recv->record_error(peer.error());

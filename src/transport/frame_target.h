@@ -10,12 +10,13 @@
 
 namespace tether::core {
 class EndpointImpl;
-class PeerState;
 struct RegionState;
 struct TransferState;
 }  // namespace tether::core
 
 namespace tether::transport {
+
+class Link;
 
 struct TargetPlan {
   Code code = Code::kOk;
@@ -27,17 +28,17 @@ struct TargetPlan {
 };
 
 // Checks an incoming kWrite, kSendData or kReadReq header and counts a rejection.
-TargetPlan plan_target(core::EndpointImpl& ep, core::PeerState& peer, const wire::FrameHeader& h);
+TargetPlan plan_target(core::EndpointImpl& ep, Link& peer, const wire::FrameHeader& h);
 
 // A kWrite / kSendData payload has been placed (or discarded): lets go of the region, credits the recv,
 // counts the bytes, and returns the kAck to send back.
-wire::FrameHeader finish_placed(core::EndpointImpl& ep, core::PeerState& peer, const wire::FrameHeader& h,
+wire::FrameHeader finish_placed(core::EndpointImpl& ep, Link& peer, const wire::FrameHeader& h,
                                 TargetPlan& plan);
 
 // The kReadResp header answering kReadReq `h` (payload: plan.source, h.length bytes when plan.code is ok).
 wire::FrameHeader read_response(const wire::FrameHeader& h, const TargetPlan& plan);
 
 // The lane died before the payload was placed: lets go of what the plan holds.
-void abandon(core::PeerState& peer, TargetPlan& plan);
+void abandon(Link& peer, TargetPlan& plan);
 
 }  // namespace tether::transport

@@ -1,7 +1,7 @@
 // The transport interface. A transport moves chunks over its lanes (channels) and nothing else:
-// it pulls chunks from PeerState::next_chunk() when a lane has room, validates incoming requests
+// it pulls chunks from Link::next_chunk() when a lane has room, validates incoming requests
 // through the endpoint's RegionRegistry (or lets the hardware do it, for one-sided RMA), places
-// payload, and reports answers back to PeerState. Chunking, windows, scheduling across lanes,
+// payload, and reports answers back to Link. Chunking, windows, scheduling across lanes,
 // notifications and completion accounting live once in the core (src/core/peer.*).
 //
 // Connecting: the TCP control socket always exists. During its handshake the listener sends the
@@ -18,12 +18,12 @@
 #include "tether/status.h"
 
 namespace tether::core {
-class PeerState;
 struct RegionState;
-struct PeerInfo;
 }  // namespace tether::core
 
 namespace tether::transport {
+
+class Link;
 
 struct Caps {
   bool host_memory = false;     // reads/writes host memory directly
@@ -44,7 +44,7 @@ struct Caps {
   bool pull_reads = false;      // large contiguous reads are pushed by the target (wire::kPull), moved as sends
   bool wait_naps = false;       // wait() on a large read naps (Config::wait_nap_us), on another large transfer
                                 // sleeps, instead of spinning: the transport's own threads land its chunks (tcp)
-  bool lanes_hold = false;      // each lane's thread holds its peer (PeerState::hold) until it retires the lane:
+  bool lanes_hold = false;      // each lane's thread holds its peer (Link::hold) until it retires the lane:
                                 // once the peer's last hold goes no lane reads its chunk slots, which are freed
 };
 
@@ -91,22 +91,22 @@ class Transport {
   // `remote_offer` the other side's offer(); `initiator` is true on the connecting side; setup
   // waiting on the other side gives up at `deadline_ms` (sys::now_ms(): the connect's own timeout on
   // the connecting side) with kTimeout. Called before anyone can post on the peer. An error fails the connect.
-  virtual Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
+  virtual Status attach(const std::shared_ptr<Link>& peer, const std::vector<int>& tcp_fds,
                         std::string_view remote_offer, bool initiator, int64_t deadline_ms) = 0;
   // `chunks` new chunks are queued on `peer`; up to that many lanes with room should pull them.
   // `device`: the GPU their local bytes are on (-1: host memory, or not known), so a transport with
   // several NICs can wake the lanes on the NICs nearest that memory first (fabric: rail ranking).
-  virtual void wake(core::PeerState* peer, uint64_t chunks, int device) = 0;
+  virtual void wake(Link* peer, uint64_t chunks, int device) = 0;
   // Called by a thread spinning on a small transfer: progress lane `lane` of `peer` from the calling
   // thread if no other thread is doing so (saves waking a progress thread for the answer).
-  virtual void poll(core::PeerState* peer, uint32_t lane) { (void)peer; (void)lane; }
+  virtual void poll(Link* peer, uint32_t lane) { (void)peer; (void)lane; }
   // Called by a thread waiting for a transfer of `peer` (wait()'s spin, a caller polling done()):
   // finish from the calling thread what would otherwise finish on another thread and be handed back
   // (ipc: one-sided GPU copies), so a lone op stays on one core. Never blocks; cheap when idle.
-  virtual void help(core::PeerState* peer) { (void)peer; }
-  // The peer's last hold went (PeerState::hold: its lanes retired, the control side and every caller
+  virtual void help(Link* peer) { (void)peer; }
+  // The peer's last hold went (Link::hold: its lanes retired, the control side and every caller
   // let go): drop what the transport keeps for it (peer.transport_state), which no thread uses now.
-  virtual void detach(core::PeerState& peer) { (void)peer; }
+  virtual void detach(Link& peer) { (void)peer; }
   // Stops every progress thread; lanes answer what they had in flight with kCancelled.
   virtual void stop() = 0;
 };

@@ -25,13 +25,13 @@
 #include "transport/fabric/discovery.h"
 #include "transport/fabric/libfabric.h"
 #include "transport/fabric/rail.h"
+#include "sys/net.h"
 #include "transport/fabric/stage.h"
 #include "sys/env.h"
 
 namespace tether::transport::fabric {
 
 using core::ChunkOp;
-using core::PeerState;
 using core::RegionState;
 using wire::FrameType;
 
@@ -166,7 +166,7 @@ bool connection_error(int err) {
   }
 }
 
-int64_t now_ms() { return core::PeerState::now_ms(); }
+using sys::now_ms;
 
 // sysfs PCI path and NUMA node of GPU `device` ({"", -1} when CUDA cannot say).
 std::pair<std::string, int> gpu_location(int device) {
@@ -195,7 +195,7 @@ class RailThread;
 
 // One peer on one rail.
 struct Lane {
-  std::shared_ptr<PeerState> peer;
+  std::shared_ptr<Link> peer;
   RailThread* thread = nullptr;
   uint32_t index = 0;        // lane index within the peer
   uint32_t rail = 0;         // local rail == remote rail index in the descriptor extension
@@ -271,7 +271,7 @@ class RailThread {
   void failed(OpCtx* c, int err);
   void bounce_arrived(OpCtx& c, uint64_t len);
   void repost(uint32_t i);
-  void hold(uint32_t i, std::shared_ptr<PeerState> peer, std::shared_ptr<Lane> lane, const SendHeader& h,
+  void hold(uint32_t i, std::shared_ptr<Link> peer, std::shared_ptr<Lane> lane, const SendHeader& h,
             RegionState* pin, core::TransferState* recv, void* dst, const void* src, int device);
   bool advance(uint32_t i);
   void queue_ack(Lane& l, const SendHeader& h, Code code);
@@ -295,7 +295,7 @@ class RailThread {
   struct Held {
     enum State : uint8_t { kIdle, kCopying, kRespond, kSending } state = kIdle;
     Code code = Code::kOk;
-    std::shared_ptr<PeerState> peer;
+    std::shared_ptr<Link> peer;
     std::shared_ptr<Lane> lane;
     SendHeader h{};
     RegionState* pin = nullptr;          // the target region (registry pin), until the copy is done
@@ -332,9 +332,9 @@ class FabricTransportImpl final : public Transport {
   uint32_t lanes_for(std::string_view remote_offer) const override;
   Status register_region(RegionState& region, std::string* desc_ext) override;
   void deregister_region(RegionState& region) override;
-  Status attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& tcp_fds, std::string_view remote_offer,
+  Status attach(const std::shared_ptr<Link>& peer, const std::vector<int>& tcp_fds, std::string_view remote_offer,
                 bool initiator, int64_t deadline_ms) override;
-  void wake(PeerState* peer, uint64_t chunks, int device) override;
+  void wake(Link* peer, uint64_t chunks, int device) override;
   void stop() override;
 
   // Progress threads' lookups (brief locks, no system calls under them).
@@ -347,7 +347,7 @@ class FabricTransportImpl final : public Transport {
     std::shared_lock lock(regions_mu_);
     return regions_.count(region) != 0;
   }
-  std::shared_ptr<PeerState> peer_by_session(uint64_t session) {
+  std::shared_ptr<Link> peer_by_session(uint64_t session) {
     std::lock_guard lock(sessions_mu_);
     auto it = sessions_.find(session);
     return it == sessions_.end() ? nullptr : it->second.lock();
@@ -389,7 +389,7 @@ class FabricTransportImpl final : public Transport {
   std::shared_mutex regions_mu_;
   std::unordered_map<const RegionState*, std::vector<RailMr>> regions_;
   std::mutex sessions_mu_;
-  std::unordered_map<uint64_t, std::weak_ptr<PeerState>> sessions_;
+  std::unordered_map<uint64_t, std::weak_ptr<Link>> sessions_;
 };
 
 // ---------------------------------------------------------------- transport
@@ -521,7 +521,7 @@ void FabricTransportImpl::deregister_region(RegionState& region) {
   for (uint32_t i = 0; i < mrs.size() && i < rails_.size(); ++i) rails_[i]->rail().deregister(&mrs[i]);
 }
 
-Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>&,
+Status FabricTransportImpl::attach(const std::shared_ptr<Link>& peer, const std::vector<int>&,
                                    std::string_view remote_offer, bool, int64_t) {
   if (stopped_.load()) return Status(Code::kCancelled, "endpoint closed");
   Status s = open_rails();
@@ -599,7 +599,7 @@ Status FabricTransportImpl::attach(const std::shared_ptr<PeerState>& peer, const
 //    Large transfers use all rails on purpose: one more hop over PCIe or the socket link costs less
 //    than leaving NICs idle, and the pull model already gives a slower (farther) rail fewer chunks.
 //    To keep a GPU's traffic on its own NIC(s) name them in TETHER_FABRIC_DOMAINS.
-void FabricTransportImpl::wake(PeerState* peer, uint64_t chunks, int device) {
+void FabricTransportImpl::wake(Link* peer, uint64_t chunks, int device) {
   auto* state = static_cast<FabricPeer*>(peer->transport_state.get());
   if (!state || state->lanes.empty()) return;
   const size_t n = state->lanes.size();
@@ -755,7 +755,7 @@ void RailThread::run() {
 // Pulls and posts what the lane has room for. True if it did anything (or copies are in flight).
 bool RailThread::drive(Lane& l) {
   if (l.released) return false;
-  PeerState& peer = *l.peer;
+  Link& peer = *l.peer;
   if (!l.dead && peer.failed()) {
     l.dead = true;
     l.dead_since = now_ms();
@@ -1072,7 +1072,7 @@ void RailThread::bounce_arrived(OpCtx& c, uint64_t len) {
   auto& stats = owner_->endpoint()->stats();
   SendHeader h{};
   if (len >= sizeof(SendHeader)) std::memcpy(&h, buf, sizeof h);
-  std::shared_ptr<PeerState> peer = len >= sizeof(SendHeader) ? owner_->peer_by_session(h.session) : nullptr;
+  std::shared_ptr<Link> peer = len >= sizeof(SendHeader) ? owner_->peer_by_session(h.session) : nullptr;
   auto* state = peer ? static_cast<FabricPeer*>(peer->transport_state.get()) : nullptr;
   std::shared_ptr<Lane> lane = state && h.lane < state->lanes.size() ? state->lanes[h.lane].lock() : nullptr;
   uint8_t* payload = buf + sizeof(SendHeader);
@@ -1119,7 +1119,7 @@ void RailThread::bounce_arrived(OpCtx& c, uint64_t len) {
 }
 
 // Keeps bounce buffer i while `src` is copied to `dst` for its message, then serves it (advance).
-void RailThread::hold(uint32_t i, std::shared_ptr<PeerState> peer, std::shared_ptr<Lane> lane, const SendHeader& h,
+void RailThread::hold(uint32_t i, std::shared_ptr<Link> peer, std::shared_ptr<Lane> lane, const SendHeader& h,
                       RegionState* pin, core::TransferState* recv, void* dst, const void* src, int device) {
   Held& hd = held_[i];
   hd.state = Held::kCopying;

@@ -12,10 +12,10 @@ class NoFabric final : public Transport {
     return "built without libfabric headers (apt install libfabric-dev, then rebuild)";
   }
   uint32_t lanes_for(std::string_view) const override { return 0; }
-  Status attach(const std::shared_ptr<core::PeerState>&, const std::vector<int>&, std::string_view, bool, int64_t) override {
+  Status attach(const std::shared_ptr<Link>&, const std::vector<int>&, std::string_view, bool, int64_t) override {
     return Status(Code::kUnavailable, unavailable_reason());
   }
-  void wake(core::PeerState*, uint64_t, int) override {}
+  void wake(Link*, uint64_t, int) override {}
   void stop() override {}
 };
 

@@ -34,7 +34,6 @@
 namespace tether::transport {
 
 using core::ChunkOp;
-using core::PeerState;
 using core::RegionState;
 using core::TransferState;
 namespace trace = core::trace;
@@ -104,7 +103,7 @@ static_assert(sizeof(Hello) == 48);
 struct IpcPeer {
   uint64_t session = 0;
   pid_t pid = 0;                     // the other process, as the kernel names it (SO_PEERCRED)
-  std::vector<int> fds;              // lane sockets (owned by PeerState::lane_fds)
+  std::vector<int> fds;              // lane sockets (owned by Link::lane_fds)
   std::vector<std::weak_ptr<Lane>> lanes;
   uint64_t cookie = 0;               // the other side probes this
   Segment own;                       // our chunks' bounce slots (used when !out_cma)
@@ -131,7 +130,7 @@ struct IpcPeer {
 
 struct Lane {
   std::mutex mu;                     // guards letting go of peer/ip against stop()
-  std::shared_ptr<PeerState> peer;   // held while the thread runs
+  std::shared_ptr<Link> peer;   // held while the thread runs
   std::shared_ptr<IpcPeer> ip;
   uint32_t index = 0;
   int fd = -1;
@@ -247,12 +246,12 @@ bool peer_cred(int fd, ucred* out) {
   return ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, out, &len) == 0;
 }
 
-void fail_peer(PeerState& p, Code c, const std::string& why) { p.fail(Status(c, "ipc lane to peer '" + p.info().name + "': " + why)); }
+void fail_peer(Link& p, Code c, const std::string& why) { p.fail(Status(c, "ipc lane to peer '" + p.info().name + "': " + why)); }
 
 // ---------------------------------------------------------------- initiator side
 
 // A chunk that cannot go: answered at once, nothing moves.
-void refuse(PeerState& p, uint32_t lane, const ChunkOp& op, Code c) { p.answer(lane, op.hdr.slot, op.hdr.gen, uint8_t(c)); }
+void refuse(Link& p, uint32_t lane, const ChunkOp& op, Code c) { p.answer(lane, op.hdr.slot, op.hdr.gen, uint8_t(c)); }
 
 // [ptr, ptr+len) inside the allocation `ref` names; `offset`: where it starts there.
 bool within(const CudaRef& ref, const uint8_t* ptr, uint64_t len, uint64_t* offset) {
@@ -297,7 +296,7 @@ BatchEntry batch_entry(const uint8_t* msg, uint32_t i) {
 
 // A kWriteBatch: the fragments and where each piece is, in one message; host pieces
 // are staged in the slot's part of the bounce segment when the target cannot reach us by address.
-Sent send_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+Sent send_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
   const uint32_t n = op.fragments;
   uint8_t* msg = message_buffer();
   auto* ents = reinterpret_cast<BatchEntry*>(msg + sizeof(Frame));
@@ -351,7 +350,7 @@ void count_one_sided(IpcPeer& ip, bool read, uint64_t length) {
 
 // A one-sided GPU copy the completer saw finish (or fail: the chunk fails, as no copy can be undone).
 void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
-  auto& p = *static_cast<PeerState*>(q.peer.get());
+  auto& p = *static_cast<Link*>(q.peer.get());
   auto& ip = *static_cast<IpcPeer*>(p.transport_state.get());  // kept by the hold one_sided() took
   if (ok) count_one_sided(ip, q.read, q.length);
   const auto type = uint8_t(q.read ? FrameType::kReadReq : FrameType::kWrite);
@@ -376,7 +375,7 @@ void fault_in(const uint8_t* src, uint64_t len) {
 // it here. kAsk: no grant (the request asks for one); kNo: it goes as a request (a copy that failed
 // goes too: the target's answer says what is wrong).
 enum class OneSided { kMoved, kAsk, kNo };
-OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+OneSided one_sided(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
   const FrameHeader& h = op.hdr;
   const bool read = h.type == uint8_t(FrameType::kReadReq);
   const bool gpu = op.device >= 0;
@@ -454,7 +453,7 @@ OneSided one_sided(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) 
 // A kReadBatch: the fragments, and whether the target may answer with addresses we read by attach
 // (kCma: our pieces are host memory and we may attach to it) or must push its host bytes into our
 // slot (kShm, from `addr`; `hdr.key`: the slot's size). GPU bytes are always answered as CudaRefs.
-Sent send_read_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+Sent send_read_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
   const uint32_t n = op.fragments;
   uint8_t* msg = message_buffer();
   Frame f{};
@@ -474,7 +473,7 @@ Sent send_read_batch(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op
 }
 
 // Describes (and for shm, stages) a pulled chunk and sends it.
-Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
+Sent send_chunk(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
   trace::mark(trace::Event::kPulled, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
   if (op.fragments > 0)
     return op.hdr.type == uint8_t(FrameType::kReadBatch) ? send_read_batch(ip, p, lane, op) : send_batch(ip, p, lane, op);
@@ -521,20 +520,20 @@ Sent send_chunk(IpcPeer& ip, PeerState& p, uint32_t lane, const ChunkOp& op) {
   return Sent::kLaneGone;
 }
 
-void pump_lane(IpcPeer& ip, PeerState& p, uint32_t lane) {
+void pump_lane(IpcPeer& ip, Link& p, uint32_t lane) {
   ChunkOp op;
   while (p.next_chunk(lane, &op))
     if (send_chunk(ip, p, lane, op) == Sent::kLaneGone) return;
 }
 
-// Spreads queued chunks over every lane, starting at the quietest (PeerState::quietest_lane), one
+// Spreads queued chunks over every lane, starting at the quietest (Link::quietest_lane), one
 // per lane per round, while windows allow; `one_round`: stop after the first round that sent
 // something. The posting thread takes one round only: lanes then have chunks in flight, and each
 // lane's thread sends the rest as answers free its window, so the lanes send in parallel instead of
 // the poster sending the whole window (a vectored op of many batches) one message after another. A
 // round whose chunks were all refused here put nothing in flight, so nobody would come back for the
 // rest: the loop goes on.
-void pump_all(IpcPeer& ip, PeerState& p, bool one_round = false) {
+void pump_all(IpcPeer& ip, Link& p, bool one_round = false) {
   const uint32_t n = uint32_t(ip.fds.size());
   const uint32_t first = p.quietest_lane();
   for (bool any = true; any;) {
@@ -634,7 +633,7 @@ bool answer_frame(Lane& l, const FrameHeader& h, Code c, uint8_t where = 0, uint
   return false;
 }
 
-bool lane_error(PeerState& p, int err) {
+bool lane_error(Link& p, int err) {
   fail_peer(p, err == EPROTO ? Code::kProtocolError : Code::kConnectionLost,
             err == EPROTO ? "a request names memory this side cannot reach"
                           : std::string("moving its bytes failed (") + std::strerror(err) + "); is the process gone?");
@@ -685,7 +684,7 @@ uint8_t grant_for(IpcPeer& ip, const Frame& f, const RegionState& r) {
 
 // Validates a request exactly as tcp does, moves the bytes, answers. False: the lane must end.
 bool serve(Lane& l, core::EndpointImpl* ep, const Frame& f) {
-  PeerState& p = *l.peer;
+  Link& p = *l.peer;
   IpcPeer& ip = *l.ip;
   const FrameHeader& h = f.hdr;
   const auto type = static_cast<FrameType>(h.type);
@@ -823,7 +822,7 @@ void unpin(Lane& l, uint32_t pinned) {
 // until its kReadDone), or pushed into the initiator's slot (kShm: done here, nothing stays pinned).
 // False: the lane must end.
 bool serve_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t bytes) {
-  PeerState& p = *l.peer;
+  Link& p = *l.peer;
   IpcPeer& ip = *l.ip;
   Frame f;
   std::memcpy(&f, msg, sizeof f);
@@ -933,7 +932,7 @@ bool host_only(const Lane& l, uint32_t n) {
 // A kWriteBatch: every fragment is checked and pinned before any byte lands; GPU pieces into GPU
 // memory of one device go in one copy-kernel launch over peer pointers. False: the lane must end.
 bool serve_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t bytes) {
-  PeerState& p = *l.peer;
+  Link& p = *l.peer;
   IpcPeer& ip = *l.ip;
   Frame f;
   std::memcpy(&f, msg, sizeof f);
@@ -1039,7 +1038,7 @@ void take_grant(IpcPeer& ip, const Frame& f) {
 // then every piece copied — GPU pieces by one copy over the mapped allocations, host pieces by attach
 // or out of our slot — and, where the target holds its regions for us, kReadDone. False: the lane must end.
 bool take_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t bytes) {
-  PeerState& p = *l.peer;
+  Link& p = *l.peer;
   IpcPeer& ip = *l.ip;
   Frame f;
   std::memcpy(&f, msg, sizeof f);
@@ -1147,7 +1146,7 @@ bool take_read_batch(Lane& l, core::EndpointImpl* ep, const uint8_t* msg, size_t
 
 // An answer to one of our chunks. False: the lane must end.
 bool take_answer(Lane& l, core::EndpointImpl* ep, const Frame& f) {
-  PeerState& p = *l.peer;
+  Link& p = *l.peer;
   IpcPeer& ip = *l.ip;
   const FrameHeader& h = f.hdr;
   auto& stats = ep->stats();
@@ -1299,7 +1298,7 @@ bool valid_hello(const Hello& m, uint8_t stage, uint64_t session) {
 // Listener's lane 0: the connector's stage 3 (its verdict: may we describe our chunks by address?).
 // Our lanes serve from the start (attach_listener); we send only from here on.
 bool finish_listener_setup(Lane& l, int host_mode) {
-  PeerState& p = *l.peer;
+  Link& p = *l.peer;
   IpcPeer& ip = *l.ip;
   Hello m{};
   const ssize_t n = recv_msg(l.fd, &m, sizeof m, nullptr, ip.setup_deadline_ms);
@@ -1369,7 +1368,7 @@ ssize_t next_msg(Lane& l, uint32_t busy_us, std::chrono::steady_clock::time_poin
 
 void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
   sys::name_this_thread("ipc", int(l->index));
-  PeerState& p = *l->peer;
+  Link& p = *l->peer;
   const uint32_t busy_us = ep->config().busy_poll_us;
   auto last = std::chrono::steady_clock::now();
   if (!l->setup_first || finish_listener_setup(*l, host_mode)) {
@@ -1439,7 +1438,7 @@ void lane_main(Lane* l, core::EndpointImpl* ep, int host_mode) {
   // Let go at once, so a dead peer's sockets and segments go with it (the last hold closes them, even
   // while the application keeps a Peer handle); the thread is joined within a tick.
   // Never the endpoint's last reference: close() joins every lane thread before it lets go.
-  std::shared_ptr<PeerState> peer;
+  std::shared_ptr<Link> peer;
   std::shared_ptr<IpcPeer> ip;
   {
     std::lock_guard lock(l->mu);
@@ -1586,7 +1585,7 @@ Status IpcTransport::register_region(RegionState& region, std::string*) { return
 // peers that opened the region's allocation close their mapping (else it would hold the memory until
 // they disconnect: the driver keeps an allocation alive while another process has it open).
 void IpcTransport::deregister_region(RegionState& region) {
-  std::vector<std::pair<std::shared_ptr<ipc::IpcPeer>, std::shared_ptr<PeerState>>> peers;
+  std::vector<std::pair<std::shared_ptr<ipc::IpcPeer>, std::shared_ptr<Link>>> peers;
   {
     std::lock_guard lock(mu_);
     for (auto& l : lanes_) {
@@ -1605,7 +1604,7 @@ void IpcTransport::deregister_region(RegionState& region) {
     // A copy that may still land is waited for as long as its process lives (one_sided.h); past
     // deregister_timeout_ms the peer is dropped meanwhile, so its transfers end.
     struct Slow {
-      PeerState* peer;
+      Link* peer;
       uint32_t region;
     } slow{peer.get(), region.id};
     (void)revoke(*ip->os_own, *ip->os_theirs, region.id, ip->pid, endpoint_->config().deregister_timeout_ms,
@@ -1638,11 +1637,11 @@ bool process_stopped(pid_t pid) {
 // what it held, and its own copy, should its process run again, ends in a failed send of kReadDone,
 // so that read fails rather than completing with bytes the application wrote after deregister().
 void IpcTransport::region_stalled(RegionState& region, bool force) {
-  std::vector<std::shared_ptr<PeerState>> cut;
+  std::vector<std::shared_ptr<Link>> cut;
   {
     std::lock_guard lock(mu_);
     for (auto& l : lanes_) {
-      std::shared_ptr<PeerState> peer;
+      std::shared_ptr<Link> peer;
       pid_t pid = 0;
       {
         std::lock_guard ll(l->mu);
@@ -1714,7 +1713,7 @@ Result<std::string> IpcTransport::connector_offer(uint64_t session, std::string_
   ip->session = session;
   ip->cookie = crypto::random_u64() | 1;
   ip->slot_bytes = c.chunk_bytes;
-  const uint64_t slots = uint64_t(std::max<uint32_t>(1, c.window / lanes)) * lanes;  // as PeerState sizes its slots
+  const uint64_t slots = uint64_t(std::max<uint32_t>(1, c.window / lanes)) * lanes;  // as Link sizes its slots
   if (int e = ip->own.create(segment_bytes(slots * c.chunk_bytes, lanes))) return Status(Code::kUnavailable, std::string("bounce segment: ") + std::strerror(e));
   std::vector<int> fds;
   auto cleanup = [&] { for (int fd : fds) ::close(fd); };
@@ -1772,7 +1771,7 @@ void IpcTransport::tick(int64_t now_ms) {
   if (!stopped_) reap_finished();  // lane threads of peers that ended: their stacks go now, not at the next connect
 }
 
-Status IpcTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>&, std::string_view remote_offer,
+Status IpcTransport::attach(const std::shared_ptr<Link>& peer, const std::vector<int>&, std::string_view remote_offer,
                             bool initiator, int64_t deadline) {
   {
     std::lock_guard lock(mu_);
@@ -1783,7 +1782,7 @@ Status IpcTransport::attach(const std::shared_ptr<PeerState>& peer, const std::v
 }
 
 namespace {
-std::shared_ptr<IpcPeer> new_peer(PeerState& p, uint64_t session, uint64_t chunk_bytes, Status* s) {
+std::shared_ptr<IpcPeer> new_peer(Link& p, uint64_t session, uint64_t chunk_bytes, Status* s) {
   auto ip = std::make_shared<IpcPeer>();
   ip->session = session;
   ip->cookie = crypto::random_u64() | 1;
@@ -1798,7 +1797,7 @@ std::shared_ptr<IpcPeer> new_peer(PeerState& p, uint64_t session, uint64_t chunk
 // opened them before answering), from one process of our user, each once, with the challenge we gave
 // that session. Then we probe the connector, answer on lane 0 (stage 2) and serve; the lane-0 thread
 // waits for the connector's verdict (stage 3) before we send. Nothing here blocks.
-Status IpcTransport::attach_listener(const std::shared_ptr<PeerState>& peer, std::string_view remote_offer, int64_t deadline) {
+Status IpcTransport::attach_listener(const std::shared_ptr<Link>& peer, std::string_view remote_offer, int64_t deadline) {
   uint64_t session = 0, challenge = 0;
   std::string name;
   Rendezvous& rv = *rendezvous_;
@@ -1859,7 +1858,7 @@ Status IpcTransport::attach_listener(const std::shared_ptr<PeerState>& peer, std
 
 // The connecting thread, after the handshake: the listener's answer on lane 0 (stage 2), our probe of
 // it, our verdict (stage 3).
-Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, std::string_view remote_offer,
+Status IpcTransport::attach_connector(const std::shared_ptr<Link>& peer, std::string_view remote_offer,
                                       int64_t deadline) {
   uint64_t session = 0, challenge = 0;
   std::string name;
@@ -1905,7 +1904,7 @@ Status IpcTransport::attach_connector(const std::shared_ptr<PeerState>& peer, st
   return start_lanes(peer, ip, false);
 }
 
-Status IpcTransport::start_lanes(const std::shared_ptr<PeerState>& peer, const std::shared_ptr<IpcPeer>& ip, bool listener) {
+Status IpcTransport::start_lanes(const std::shared_ptr<Link>& peer, const std::shared_ptr<IpcPeer>& ip, bool listener) {
   std::vector<std::shared_ptr<Lane>> made;
   for (uint32_t i = 0; i < ip->fds.size(); ++i) {
     auto l = std::make_shared<Lane>();
@@ -1949,17 +1948,17 @@ void IpcTransport::reap_finished() {
   }
 }
 
-void IpcTransport::help(PeerState*) {
+void IpcTransport::help(Link*) {
   if (completer_) completer_->help();
 }
 
-void IpcTransport::wake(PeerState* peer, uint64_t, int) {
+void IpcTransport::wake(Link* peer, uint64_t, int) {
   auto* ip = static_cast<IpcPeer*>(peer->transport_state.get());
   if (!ip || !ip->sending.load(std::memory_order_seq_cst)) return;  // setup pumps when it finishes
   pump_all(*ip, *peer, /*one_round=*/true);
 }
 
-void IpcTransport::detach(PeerState& peer) { peer.transport_state.reset(); }
+void IpcTransport::detach(Link& peer) { peer.transport_state.reset(); }
 
 void IpcTransport::stop() {
   std::vector<std::shared_ptr<Lane>> all;
@@ -1970,7 +1969,7 @@ void IpcTransport::stop() {
     all.swap(lanes_);
   }
   for (auto& l : all) {
-    std::shared_ptr<PeerState> p;
+    std::shared_ptr<Link> p;
     {
       std::lock_guard lock(l->mu);
       p = l->peer;

@@ -49,17 +49,17 @@ class IpcTransport final : public Transport {
   Status register_region(core::RegionState& region, std::string* desc_ext) override;
   void deregister_region(core::RegionState& region) override;
   void region_stalled(core::RegionState& region, bool force) override;
-  Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
+  Status attach(const std::shared_ptr<Link>& peer, const std::vector<int>& tcp_fds,
                 std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
-  void wake(core::PeerState* peer, uint64_t chunks, int device) override;
-  void help(core::PeerState* peer) override;
-  void detach(core::PeerState& peer) override;
+  void wake(Link* peer, uint64_t chunks, int device) override;
+  void help(Link* peer) override;
+  void detach(Link& peer) override;
   void stop() override;
 
  private:
-  Status attach_connector(const std::shared_ptr<core::PeerState>& peer, std::string_view remote_offer, int64_t deadline);
-  Status attach_listener(const std::shared_ptr<core::PeerState>& peer, std::string_view remote_offer, int64_t deadline);
-  Status start_lanes(const std::shared_ptr<core::PeerState>& peer, const std::shared_ptr<ipc::IpcPeer>& ip, bool listener);
+  Status attach_connector(const std::shared_ptr<Link>& peer, std::string_view remote_offer, int64_t deadline);
+  Status attach_listener(const std::shared_ptr<Link>& peer, std::string_view remote_offer, int64_t deadline);
+  Status start_lanes(const std::shared_ptr<Link>& peer, const std::shared_ptr<ipc::IpcPeer>& ip, bool listener);
   void reap_finished();  // joins lane threads that ended (mu_ held)
 
   core::EndpointImpl* endpoint_;

@@ -134,7 +134,7 @@ class OneSidedInitiator {
 class GpuCompleter {
  public:
   struct Pending {
-    std::shared_ptr<void> peer;  // what `finish` answers (a core::PeerState); keeps `os` alive through it
+    std::shared_ptr<void> peer;  // what `finish` answers (a Link); keeps `os` alive through it
     OneSidedInitiator* os = nullptr;
     OneSidedInitiator::Context* ctx = nullptr;
     int device = -1;

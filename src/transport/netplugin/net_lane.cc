@@ -36,7 +36,7 @@ core::RegionState* RegionTable::find(const uint8_t* p, uint64_t length) const {
 
 // ---------------------------------------------------------------- lane
 
-NetLane::NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<core::PeerState> peer,
+NetLane::NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<Link> peer,
                  uint32_t index, Comms comms, const RegionTable* regions, Options opts)
     : net_(std::move(net)), ep_(ep), peer_(std::move(peer)), index_(index), comms_(comms), regions_(regions),
       opts_(std::move(opts)),

@@ -25,12 +25,12 @@
 #include "gpu/staging.h"
 #include "tether/status.h"
 #include "transport/frame_target.h"
+#include "transport/link.h"
 #include "transport/netplugin/plugin.h"
 #include "transport/netplugin/unpacker.h"
 
 namespace tether::core {
 class EndpointImpl;
-class PeerState;
 struct RegionState;
 }  // namespace tether::core
 
@@ -66,7 +66,7 @@ class NetLane {
     bool cuda_send = false;      // the device takes CUDA pointers (ptrSupport & NCCL_PTR_CUDA)
     bool consume_early = false;  // test-only fault (TETHER_NET_FAULT=consume_early)
   };
-  NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<core::PeerState> peer,
+  NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<Link> peer,
           uint32_t index, Comms comms, const RegionTable* regions, Options opts);
   ~NetLane();
   NetLane(const NetLane&) = delete;
@@ -86,7 +86,7 @@ class NetLane {
   uint64_t request_dereg(const core::RegionState* r);
   bool dereg_done(uint64_t ticket) const { return dereg_done_.load(std::memory_order_acquire) >= ticket; }
 
-  const std::shared_ptr<core::PeerState>& peer() const { return peer_; }
+  const std::shared_ptr<Link>& peer() const { return peer_; }
   uint32_t index() const { return index_; }
   int device() const { return comms_.dev; }
 
@@ -142,7 +142,7 @@ class NetLane {
 
   const std::shared_ptr<NetPlugin> net_;
   core::EndpointImpl* const ep_;
-  const std::shared_ptr<core::PeerState> peer_;
+  const std::shared_ptr<Link> peer_;
   const uint32_t index_;
   Comms comms_;
   std::unique_ptr<Unpacker> unpacker_;

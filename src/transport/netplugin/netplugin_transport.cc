@@ -287,7 +287,7 @@ void NetpluginTransport::start_threads() {
   }
 }
 
-Status NetpluginTransport::attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>&,
+Status NetpluginTransport::attach(const std::shared_ptr<Link>& peer, const std::vector<int>&,
                                   std::string_view remote_offer, bool, int64_t deadline) {
   OfferHeader rh{};
   if (!parse_offer(remote_offer, &rh)) return Status(Code::kProtocolError, "netplugin: malformed offer from the peer");
@@ -394,7 +394,7 @@ Status NetpluginTransport::attach(const std::shared_ptr<core::PeerState>& peer, 
   return Status::ok();
 }
 
-void NetpluginTransport::wake(core::PeerState* peer, uint64_t chunks, int) {
+void NetpluginTransport::wake(Link* peer, uint64_t chunks, int) {
   auto* state = static_cast<NetPeerLanes*>(peer->transport_state.get());
   if (!state || state->threads.empty()) return;
   const size_t n = state->threads.size();

@@ -40,9 +40,9 @@ class NetpluginTransport final : public Transport {
   uint32_t lanes_for(std::string_view remote_offer) const override;
   Status register_region(core::RegionState& region, std::string* desc_ext) override;
   void deregister_region(core::RegionState& region) override;
-  Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
+  Status attach(const std::shared_ptr<Link>& peer, const std::vector<int>& tcp_fds,
                 std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
-  void wake(core::PeerState* peer, uint64_t chunks, int device) override;
+  void wake(Link* peer, uint64_t chunks, int device) override;
   void stop() override;
 
  private:

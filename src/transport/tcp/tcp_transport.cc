@@ -28,7 +28,6 @@
 namespace tether::transport {
 
 using core::ChunkOp;
-using core::PeerState;
 using core::RegionState;
 using core::TransferState;
 namespace trace = core::trace;
@@ -159,7 +158,7 @@ class ProgressThread;
 // One data socket to one peer. Receive state belongs to the progress thread; send state belongs to
 // whoever holds `tx_owned` (the progress thread, or a user thread sending a small transfer inline).
 struct Lane {
-  std::shared_ptr<PeerState> peer;
+  std::shared_ptr<Link> peer;
   ProgressThread* thread = nullptr;
   uint32_t index = 0;
   int fd = -1;
@@ -736,7 +735,7 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
       l.rx_left = h.length;
       l.rx_status = 0;
       l.rx_state = RxState::kPayload;
-      if (npieces > 0) {  // a kReadBatch's answer: its pieces in order (they are never empty: see PeerState)
+      if (npieces > 0) {  // a kReadBatch's answer: its pieces in order (they are never empty: see Link)
         for (uint32_t i = 0; i < npieces; ++i) {
           l.rx_frag_dest[i] = pieces[i].data;
           l.rx_frag_len[i] = pieces[i].length;
@@ -744,7 +743,7 @@ bool on_header(Lane& l, core::EndpointImpl* ep) {
         }
         l.rx_nfrags = npieces;
         l.rx_frag = 0;
-        l.rx_mixed = false;  // a read batch's pieces share one device (PeerState::pack_batch)
+        l.rx_mixed = false;  // a read batch's pieces share one device (Link::pack_batch)
         if (device >= 0) return land_in_bounce(l, ep, device, nullptr);  // all of it, then one unpack
         l.rx_dest = l.rx_frag_dest[0];
         l.rx_left = l.rx_frag_len[0];
@@ -1288,7 +1287,7 @@ void ProgressThread::retire(Lane& l) {
   }
   l.peer->release_lane(l.index, Code::kConnectionLost);
   // tx and rx stay owned: the lane is dead and no other thread touches its socket. The fd is closed
-  // when the peer's last hold goes (PeerState::hold), so its number is not reused while another
+  // when the peer's last hold goes (Link::hold), so its number is not reused while another
   // thread may still shut it down.
   l.peer->let_go();
 }
@@ -1325,7 +1324,7 @@ Caps TcpTransport::caps() const {
   // (a KV pull of 4,096 × 16 KiB blocks from GPU memory was 4,096 round trips and copies otherwise).
   c.batch_reads = true;
   c.gpu_batch_chunks = kGpuBatchChunks;
-  // Large reads staged through GPU memory are pushed by the target (wire::kPull, PeerState::pulls); a
+  // Large reads staged through GPU memory are pushed by the target (wire::kPull, Link::pulls); a
   // pushed chunk keeps its region pinned until sent (TxItem::pin), as a read's answer does.
   c.pull_reads = true;
   c.lanes_hold = true;  // attach() takes a hold per lane; retiring the lane lets go
@@ -1345,7 +1344,7 @@ uint32_t TcpTransport::lanes_for(std::string_view) const {
   return endpoint_->config().channels * endpoint_->config().sockets_per_channel;
 }
 
-Status TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::vector<int>& fds, std::string_view,
+Status TcpTransport::attach(const std::shared_ptr<Link>& peer, const std::vector<int>& fds, std::string_view,
                             bool, int64_t) {
   auto state = std::make_shared<TcpPeerLanes>();
   std::vector<std::shared_ptr<Lane>> lanes;
@@ -1375,12 +1374,12 @@ Status TcpTransport::attach(const std::shared_ptr<PeerState>& peer, const std::v
   return Status::ok();
 }
 
-void TcpTransport::wake(PeerState* peer, uint64_t chunks, int) {
+void TcpTransport::wake(Link* peer, uint64_t chunks, int) {
   auto* state = static_cast<TcpPeerLanes*>(peer->transport_state.get());
   if (chunks <= 1 && state && !state->lanes.empty()) {
     // A one-chunk transfer is sent by the posting thread itself when a lane's tx is free: that
     // saves waking a progress thread (a third of a small write's latency on few cores).
-    // From the quietest lane (PeerState::quietest_lane): lone transfers keep to one lane, whose
+    // From the quietest lane (Link::quietest_lane): lone transfers keep to one lane, whose
     // progress threads on both sides are still awake from the last one.
     const size_t n = state->lanes.size();
     const uint32_t first = peer->quietest_lane();
@@ -1407,7 +1406,7 @@ void TcpTransport::wake(PeerState* peer, uint64_t chunks, int) {
   for (size_t i = 0; i < k; ++i) threads_[(first + i) % n]->wake();
 }
 
-void TcpTransport::poll(PeerState* peer, uint32_t lane) {
+void TcpTransport::poll(Link* peer, uint32_t lane) {
   auto* state = static_cast<TcpPeerLanes*>(peer->transport_state.get());
   if (!state || lane >= state->lanes.size()) return;
   std::shared_ptr<Lane> l = state->lanes[lane].lock();
@@ -1423,7 +1422,7 @@ void TcpTransport::poll(PeerState* peer, uint32_t lane) {
   if (left || !l->answers.empty() || l->rx_paused.load(std::memory_order_relaxed)) l->thread->wake();
 }
 
-void TcpTransport::detach(PeerState& peer) { peer.transport_state.reset(); }
+void TcpTransport::detach(Link& peer) { peer.transport_state.reset(); }
 
 void TcpTransport::stop() {
   if (stopped_.exchange(true)) return;

@@ -27,13 +27,13 @@ class TcpTransport final : public Transport {
   const char* name() const override { return "tcp"; }
   Caps caps() const override;
   uint32_t lanes_for(std::string_view remote_offer) const override;
-  Status attach(const std::shared_ptr<core::PeerState>& peer, const std::vector<int>& tcp_fds,
+  Status attach(const std::shared_ptr<Link>& peer, const std::vector<int>& tcp_fds,
                 std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
   // GPU memory registered: lanes prepare their staging for that GPU ahead of its first transfer.
   Status register_region(core::RegionState& region, std::string* desc_ext) override;
-  void wake(core::PeerState* peer, uint64_t chunks, int device) override;
-  void poll(core::PeerState* peer, uint32_t lane) override;
-  void detach(core::PeerState& peer) override;
+  void wake(Link* peer, uint64_t chunks, int device) override;
+  void poll(Link* peer, uint32_t lane) override;
+  void detach(Link& peer) override;
   void stop() override;
 
  private:
