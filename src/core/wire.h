@@ -86,15 +86,15 @@ enum class FrameType : uint8_t {
   kAck = 2,        // target -> initiator: chunk `slot` is in place (or failed: status)
   kReadReq = 3,    // initiator -> target; target answers kReadResp
   kReadResp = 4,   // target -> initiator, payload follows when status == 0
-  kSendData = 5,   // sender -> receiver, into a matched recv (region_id = recv token); answered by kAck
-  kWriteBatch = 6, // many small writes in one chunk: region_id = fragment count, length = payload bytes;
+  kSendData = 5,   // sender -> receiver, into a matched recv (recv_token); answered by kAck
+  kWriteBatch = 6, // many small writes in one chunk: `fragments`, length = payload bytes;
                    // `count` Fragments follow the header, then the payloads in that order; one kAck
   kReadBatch = 7,  // many small reads in one chunk (transports with Caps::batch_reads). tcp: as kWriteBatch,
-                   // region_id = fragment count, length = bytes asked, the Fragments follow, no payload;
+                   // `fragments`, length = bytes asked, the Fragments follow, no payload;
                    // answered by one kReadResp carrying the fragments' bytes in table order (ipc: its
                    // own frame)
   kPull = 8,       // a read the target pushes (Caps::pull_reads): send [offset, +length) of the region as
-                   // kSendData for recv token `slot` (gen 0, no payload, no answer; checked as a kReadReq
+                   // kSendData for recv token `pull_token` (gen 0, no payload, no answer; checked as a kReadReq
                    // header is; a refusal comes back as ControlType::kPullFail). kFlagResent: sent again
                    // after its lane died; a target already pushing that token ignores it.
 };
@@ -118,10 +118,21 @@ struct FrameHeader {
   uint8_t type;        // FrameType
   uint8_t status;      // tether::Code of the result (answers only)
   uint16_t flags;      // kFlag* bits; unknown bits are a protocol error
-  uint32_t slot;       // initiator's chunk slot; echoed in the answer
-  uint32_t gen;        // slot generation; echoed, guards against stale answers
-  uint32_t region_id;  // target region id, or recv token for kSendData
-  uint64_t key;        // descriptor key for (region_id, desc_offset, desc_length); kSendData: the sender's chunk size
+  // A field some frame types use for something else has one name per use (same bytes).
+  union {
+    uint32_t slot;           // initiator's chunk slot; echoed in the answer
+    uint32_t pull_token;     // kPull: the recv token the pushed kSendData frames go to
+  };
+  uint32_t gen;              // slot generation; echoed, guards against stale answers
+  union {
+    uint32_t region_id;      // kWrite, kReadReq, kPull: the target region
+    uint32_t recv_token;     // kSendData: the matched recv
+    uint32_t fragments;      // kWriteBatch, kReadBatch: Fragments after the header
+  };
+  union {
+    uint64_t key;            // descriptor key for (region_id, desc_offset, desc_length)
+    uint64_t sender_chunk;   // kSendData: the sender's chunk size (where a resent chunk lands)
+  };
   uint64_t desc_offset;
   uint64_t desc_length;
   uint64_t offset;     // absolute byte offset in the target region (or in the message)
