@@ -84,9 +84,21 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   }
 
  private:
-  struct Pending;  // a socket whose handshake is under way (listener side)
+  struct Pending;     // a socket whose handshake is under way (listener side; core/handshake.h)
+  struct Connecting;  // one connect() under way (connect.cc)
+  // epoll tags of the control thread's event loop; any other value is a peer id (its control socket).
+  static constexpr uint64_t kListenTag = 1ull << 62, kEventTag = 2ull << 62, kPendingTag = 3ull << 62;
+  static constexpr uint64_t kTagMask = 3ull << 62;
   EndpointImpl(const Config& config, const EndpointId& id);
-  void control_loop();
+  // ---- connector side (connect.cc)
+  Status resolve_target(std::string_view target, Connecting& c) const;
+  wire::ClientHello client_hello() const;
+  Status open_sockets(Connecting& c);
+  Status choose_offer(Connecting& c, std::string_view offers, wire::ClientProof* cp, std::string* offer);
+  Status choose_nic_pairs(Connecting& c, int control_fd) const;
+  Result<int> connect_data(Connecting& c, uint32_t lane, const sys::NicPair** pair) const;
+  Result<Peer> attach_connected(Connecting& c);
+  // ---- listener side (listener.cc)
   void accept_all();
   // Takes the listening socket out of the event loop, or puts it back: paused while the handshakes
   // under way are at max_pending_ or after accept() ran out of descriptors (retried after a pause).
@@ -94,7 +106,13 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   void resume_listening(int64_t now);
   bool shed_oldest_pending(int64_t now, int64_t* retry_at);
   void advance_handshake(int fd);
+  bool answer_hello(Pending& p);
+  std::string offers_for(const wire::ClientHello& h);
   void finish_accept(Pending& p);
+  void accept_control(Pending& p);
+  void join_data_socket(Pending& p);
+  // ---- control thread (control_loop.cc)
+  void control_loop();
   void adopt_peer(const std::shared_ptr<PeerState>& peer);
   void control_readable(PeerState& peer);
   bool parse_control(PeerState& peer);

@@ -1,10 +1,14 @@
-// PeerState: the link to another endpoint. Holds the chunk scheduler every transport pulls
+// PeerState: the link to another endpoint. Holds the chunk scheduler every transport takes chunks
 // from (work queue, window, chunk slots), the two-sided rendezvous (RTS/CTS), notifications
 // and failure handling. Transports move frames; everything else about a transfer lives here.
+// Its parts: peer.cc (life, holds, failure), peer_post.cc (user side: posts, cancel),
+// chunk_scheduler.cc (chunks out, answers in), rendezvous.cc (send/recv, pulled reads),
+// peer_control.cc (control messages, notifications).
 #pragma once
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -15,6 +19,7 @@
 #include "core/lanes.h"
 #include "core/transfer.h"
 #include "core/wire.h"
+#include "sys/net.h"
 #include "tether/endpoint.h"
 #include "transport/link.h"
 
@@ -123,7 +128,7 @@ class PeerState final : public transport::Link {
   // (called by the control thread); control_unsent() then counts them until the next set_control_unsent().
   bool take_control_output(std::string* out, size_t sent);
   void set_control_unsent(size_t bytes) { ctl_unsent_.store(bytes, std::memory_order_relaxed); }
-  void touch() { last_heard_ms_.store(now_ms(), std::memory_order_relaxed); }
+  void touch() { last_heard_ms_.store(sys::now_ms(), std::memory_order_relaxed); }
   int64_t last_heard_ms() const { return last_heard_ms_.load(std::memory_order_relaxed); }
   void send_control(wire::ControlType type, const void* body, uint32_t length);
   // An answer to a request of the peer: queued, or, past kAnswerBacklog unsent control bytes, the peer is
@@ -164,7 +169,6 @@ class PeerState final : public transport::Link {
   bool ctl_epollout = false;
   bool ctl_backlogged = false;      // too much unsent control output: not read until it drains
   int64_t accept_deadline_ms = 0;   // listener side: all lanes must join by then
-  static int64_t now_ms();
 
  private:
   struct Slot {
@@ -179,8 +183,20 @@ class PeerState final : public transport::Link {
     std::unique_ptr<wire::Fragment[]> frags;  // a batched chunk's fragments (allocated once, on first batch)
     std::unique_ptr<Piece[]> pieces;
   };
+  // The chunk scheduler's steps (chunk_scheduler.cc; mu_ held). take_chunk: the next chunk for `lane`
+  // (*drained: a transfer whose last chunk left; *stopped: a pushed send whose region went).
+  bool take_chunk(uint32_t lane, ChunkOp* op, TransferState** drained, TransferState** stopped);
+  bool take_pull(uint32_t lane, ChunkOp* op);
+  bool take_resend(uint32_t lane, ChunkOp* op, TransferState** stopped);
+  RegionState* pin_source(const TransferState& t);
+  void pop_queue_head(TransferState* t);
+  uint64_t chunk_bytes_for(const TransferState& t, const Segment& seg) const;
+  bool read_depth_reached(const TransferState& t, uint32_t lane, uint64_t chunk) const;
+  Slot& claim_slot(TransferState* t, uint32_t lane, const Segment& seg, RegionState* pinned, ChunkOp* op);
+  bool cut_batch(TransferState* t, Slot& s, const Segment& seg, uint64_t chunk, ChunkOp* op);
+  void cut_chunk(TransferState* t, Slot& s, const Segment& seg, uint64_t chunk, ChunkOp* op);
   // Packs whole small segments of a write (or, batch_reads_, a read) after the cursor into one batch
-  // chunk (mu_ held).
+  // chunk.
   uint32_t pack_batch(TransferState* t, Slot& s, uint64_t chunk, uint64_t limit);
 
   Transfer start(std::shared_ptr<TransferState> t);  // registers the keepalive
@@ -188,6 +204,21 @@ class PeerState final : public transport::Link {
   Transfer finished_with(std::shared_ptr<TransferState> t, Status s);
   // Pairs a recv with an RTS (mu_ held); returns the CTS to send once the lock is dropped.
   wire::CtsBody match(TransferState* recv, const wire::RtsBody& rts, TransferState** release_now);
+  // Control messages in, one handler each (on_control): false for a malformed one, which drops the peer.
+  bool on_notify(const uint8_t* body, uint32_t length);
+  bool on_notify_ack(const uint8_t* body, uint32_t length);
+  bool on_rts(const uint8_t* body, uint32_t length);
+  bool on_cts(const uint8_t* body, uint32_t length);
+  bool on_cancel(const uint8_t* body, uint32_t length);
+  bool on_pull_fail(const uint8_t* body, uint32_t length);
+  bool on_pull_cancel(const uint8_t* body, uint32_t length);
+  // A control message's fixed-size body; false if `length` is not its size.
+  template <class T>
+  static bool body_as(const uint8_t* body, uint32_t length, T* out) {
+    if (length != sizeof(T)) return false;
+    std::memcpy(out, body, sizeof(T));
+    return true;
+  }
   Status chunk_error(const Slot& s, uint8_t status) const;
   Status refusal(const char* what, uint64_t bytes, uint8_t status) const;
   // A read the target pushes (Caps::pull_reads): one kPull frame instead of a request per chunk; the
@@ -197,8 +228,9 @@ class PeerState final : public transport::Link {
 
   void push_stopped(TransferState* t);     // its region was deregistered: fail it, tell the reader
   Status notify_too_large(size_t bytes) const;
-  // `chunk`, or for a staged GPU read (tcp) a smaller one that pipelines (pipelined_chunk, peer.cc).
-  uint64_t read_chunk(const TransferState& t, int local_device, const RemoteRegion* remote, uint64_t chunk) const;
+  // The bytes of a read's chunks: `chunk`, or for a GPU read staged through host (Caps::staged_gpu) a
+  // smaller size that pipelines the copies (pipelined_chunk, chunk_scheduler.cc).
+  uint64_t read_chunk_bytes(const TransferState& t, int local_device, const RemoteRegion* remote, uint64_t chunk) const;
 
   const std::shared_ptr<EndpointImpl> endpoint_;
   const uint32_t batch_max_;  // the transport's Caps::batch_fragments: most fragments in a kWriteBatch chunk
@@ -206,7 +238,7 @@ class PeerState final : public transport::Link {
   const uint32_t gpu_batch_chunks_;  // the transport's Caps::gpu_batch_chunks
   const uint64_t gpu_chunk_;  // the transport's chunk size between GPU memory on both ends (0: none)
   const uint32_t read_depth_; // the transport's Caps::read_depth (0: reads fill the lane's window)
-  const bool staged_gpu_;     // GPU memory goes through pinned host staging on each side (tcp): reads pipeline smaller chunks
+  const bool staged_gpu_;     // Caps::staged_gpu: GPU reads pipeline smaller chunks
   const bool wait_naps_;      // Caps::wait_naps
   const bool pull_reads_;     // Caps::pull_reads
   const uint32_t lane_window_;

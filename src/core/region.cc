@@ -5,8 +5,8 @@
 #include <mutex>
 #include <thread>
 
-#include "core/crypto.h"
 #include "core/wire.h"
+#include "sys/crypto.h"
 
 namespace tether::core {
 

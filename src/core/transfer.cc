@@ -12,6 +12,17 @@
 
 namespace tether::core {
 
+const char* op_name(OpKind op) {
+  switch (op) {
+    case OpKind::kWrite: return "write";
+    case OpKind::kRead: return "read";
+    case OpKind::kSend: return "send";
+    case OpKind::kRecv: return "recv";
+    case OpKind::kNotify: return "notify";
+  }
+  return "?";
+}
+
 bool TransferState::record_error(const Status& s) {
   uint8_t expected = 0;
   if (!first_error.compare_exchange_strong(expected, static_cast<uint8_t>(s.code()))) return false;

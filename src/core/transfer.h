@@ -31,6 +31,14 @@ struct Segment {
   const RemoteRegion* remote = nullptr;
 };
 
+// GPU of a segment's local bytes, -1 for host memory; whether its remote bytes are GPU memory.
+inline int32_t device_of(const Segment& g) {
+  return g.local_region && g.local_region->kind == MemoryKind::kCuda ? g.local_region->device : -1;
+}
+inline bool remote_gpu(const Segment& g) { return g.remote && g.remote->kind == MemoryKind::kCuda; }
+
+const char* op_name(OpKind op);  // "write", "read", ... (error messages)
+
 struct TransferState {
   OpKind op = OpKind::kWrite;
   // Payload bytes; for a recv, set by the control thread when a message matches (so atomic).

@@ -16,7 +16,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "core/crypto.h"
+#include "sys/crypto.h"
 
 namespace tether::sys {
 namespace {

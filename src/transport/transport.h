@@ -41,6 +41,8 @@ struct Caps {
                                   // (staged: each batch costs a gather and an unpack kernel)
   uint64_t gpu_chunk_bytes = 0; // chunk size when both ends of a write/read are GPU memory (0: the peer's chunk_bytes)
   uint32_t read_depth = 0;      // reads one lane keeps requested at once, in chunk_bytes (0: its whole window)
+  bool staged_gpu = false;      // GPU memory is staged through pinned host buffers on each side (tcp): a GPU
+                                // read is cut into smaller chunks that pipeline the copies (core: pipelined_chunk)
   bool pull_reads = false;      // large contiguous reads are pushed by the target (wire::kPull), moved as sends
   bool wait_naps = false;       // wait() on a large read naps (Config::wait_nap_us), on another large transfer
                                 // sleeps, instead of spinning: the transport's own threads land its chunks (tcp)

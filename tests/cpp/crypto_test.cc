@@ -4,7 +4,7 @@
 #include <cstdio>
 #include <string>
 
-#include "core/crypto.h"
+#include "sys/crypto.h"
 
 using namespace tether;
 

@@ -15,7 +15,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "core/crypto.h"
+#include "sys/crypto.h"
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"

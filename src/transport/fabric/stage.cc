@@ -3,7 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "core/crypto.h"
+#include "sys/crypto.h"
 
 namespace tether::transport::fabric {
 

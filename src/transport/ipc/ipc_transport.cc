@@ -16,7 +16,7 @@
 #include <cstring>
 #include <thread>
 
-#include "core/crypto.h"
+#include "sys/crypto.h"
 #include "core/endpoint_impl.h"
 #include "core/peer.h"
 #include "core/region.h"

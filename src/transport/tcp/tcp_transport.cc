@@ -1313,6 +1313,7 @@ Caps TcpTransport::caps() const {
   Caps c;
   c.host_memory = true;
   c.uses_tcp_lanes = true;
+  c.staged_gpu = true;
   c.batch_fragments = wire::kMaxFragments;
   // Reads are paced like writes (kLaneQueueChunks chunks' bytes per socket): a lane asks for more only
   // as answers come in, so a transfer's chunks spread over every lane and faster lanes still take more.

@@ -1,4 +1,4 @@
-#include "core/crypto.h"
+#include "sys/crypto.h"
 
 #include <sys/random.h>
 

@@ -1,4 +1,4 @@
-// Small keyed hashes, written here so the core needs no crypto library.
+// Small keyed hashes, written here so tether needs no crypto library (no dependency on the rest of tether).
 //  - HMAC-SHA-256 proves possession of the shared auth token in the handshake.
 //  - SipHash-2-4 (a keyed 64-bit MAC made for short inputs) binds a descriptor's key to
 //    exactly (region, offset, length): holding the bytes for one range grants nothing else.
