@@ -23,6 +23,16 @@ uint64_t pipelined_chunk(uint64_t chunk, uint64_t total, uint32_t lanes) {
   return std::min(chunk, std::max(want, kFloor));
 }
 
+// The remote range a frame names: `length` bytes of `g`'s descriptor, `skip` bytes into the segment.
+void name_range(const Segment& g, uint64_t skip, uint64_t length, wire::FrameHeader* h) {
+  h->region_id = g.region_id;  // a send's segment holds its recv token there (kSendData's recv_token)
+  h->key = g.key;
+  h->desc_offset = g.desc_offset;
+  h->desc_length = g.desc_length;
+  h->offset = g.remote_offset + skip;
+  h->length = length;
+}
+
 // A pulled read's kPull frame (wire::FrameType::kPull): its one segment, the recv token in `pull_token`.
 void pull_frame(const TransferState& t, bool resent, ChunkOp* op) {
   const Segment& g = t.segments[0];
@@ -31,12 +41,7 @@ void pull_frame(const TransferState& t, bool resent, ChunkOp* op) {
   h.type = static_cast<uint8_t>(wire::FrameType::kPull);
   h.flags = resent ? wire::kFlagResent : 0;
   h.pull_token = uint32_t(t.msg_id);
-  h.region_id = g.region_id;
-  h.key = g.key;
-  h.desc_offset = g.desc_offset;
-  h.desc_length = g.desc_length;
-  h.offset = g.remote_offset;
-  h.length = g.length;
+  name_range(g, 0, g.length, &h);
   op->segment = &g;
 }
 
@@ -256,12 +261,7 @@ void PeerState::cut_chunk(TransferState* t, Slot& s, const Segment& seg, uint64_
   h.type = static_cast<uint8_t>(t->op == OpKind::kWrite  ? wire::FrameType::kWrite
                                 : t->op == OpKind::kRead ? wire::FrameType::kReadReq
                                                          : wire::FrameType::kSendData);
-  h.region_id = seg.region_id;  // a send's segment holds the recv token there (kSendData's recv_token)
-  h.key = seg.key;
-  h.desc_offset = seg.desc_offset;
-  h.desc_length = seg.desc_length;
-  h.offset = seg.remote_offset + t->cur_offset;
-  h.length = len;
+  name_range(seg, t->cur_offset, len, &h);
   const bool has_payload = t->op != OpKind::kRead;
   op->payload = has_payload ? s.local : nullptr;
   op->length = has_payload ? len : 0;

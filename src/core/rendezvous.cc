@@ -249,13 +249,10 @@ bool PeerState::on_rts(const uint8_t* body, uint32_t length) {
 bool PeerState::on_cts(const uint8_t* body, uint32_t length) {
   wire::CtsBody cts;
   if (!body_as(body, length, &cts)) return false;
-  TransferState* t = nullptr;
+  TransferState* t;
   {
     std::lock_guard lock(mu_);
-    if (auto it = awaiting_cts_.find(cts.msg_id); it != awaiting_cts_.end()) {
-      t = it->second;
-      awaiting_cts_.erase(it);
-    }
+    t = take_entry(awaiting_cts_, cts.msg_id);
   }
   if (!t) {  // withdrawn (its region was deregistered): release the receiver's recv
     if (cts.status == 0 && cts.token != 0) send_answer(wire::ControlType::kCancel, &cts.token, sizeof cts.token);
@@ -284,13 +281,10 @@ bool PeerState::on_cts(const uint8_t* body, uint32_t length) {
 bool PeerState::on_cancel(const uint8_t* body, uint32_t length) {
   uint32_t token;
   if (!body_as(body, length, &token)) return false;
-  TransferState* r = nullptr;
+  TransferState* r;
   {
     std::lock_guard lock(mu_);
-    if (auto it = matched_.find(token); it != matched_.end()) {
-      r = it->second;
-      matched_.erase(it);
-    }
+    r = take_entry(matched_, token);
   }
   if (r) {
     r->record_error(Status(Code::kCancelled, "peer '" + info_.name + "' withdrew the message (tag " +
