@@ -212,9 +212,10 @@ class PeerState final : public transport::Link {
   bool on_cancel(const uint8_t* body, uint32_t length);
   bool on_pull_fail(const uint8_t* body, uint32_t length);
   bool on_pull_cancel(const uint8_t* body, uint32_t length);
-  // Takes `key` out of one of the maps of transfers (mu_ held): its transfer, or null if it has none.
+  // Takes `key` out of one of the maps of transfers (under mu_): its transfer, or null if it has none.
   template <class Map>
-  static TransferState* take_entry(Map& map, const typename Map::key_type& key) {
+  TransferState* take_entry(Map& map, const typename Map::key_type& key) {
+    std::lock_guard lock(mu_);
     auto it = map.find(key);
     if (it == map.end()) return nullptr;
     TransferState* t = it->second;

@@ -114,11 +114,7 @@ bool PeerState::on_notify(const uint8_t* body, uint32_t length) {
 bool PeerState::on_notify_ack(const uint8_t* body, uint32_t length) {
   wire::NotifyAckBody ack;
   if (!body_as(body, length, &ack)) return false;
-  TransferState* t;
-  {
-    std::lock_guard lock(mu_);
-    t = take_entry(awaiting_ack_, ack.id);
-  }
+  TransferState* t = take_entry(awaiting_ack_, ack.id);
   if (!t) return false;  // no notification of ours has that id
   const Code c = static_cast<Code>(ack.status);
   if (c == Code::kOk) {

@@ -249,11 +249,7 @@ bool PeerState::on_rts(const uint8_t* body, uint32_t length) {
 bool PeerState::on_cts(const uint8_t* body, uint32_t length) {
   wire::CtsBody cts;
   if (!body_as(body, length, &cts)) return false;
-  TransferState* t;
-  {
-    std::lock_guard lock(mu_);
-    t = take_entry(awaiting_cts_, cts.msg_id);
-  }
+  TransferState* t = take_entry(awaiting_cts_, cts.msg_id);
   if (!t) {  // withdrawn (its region was deregistered): release the receiver's recv
     if (cts.status == 0 && cts.token != 0) send_answer(wire::ControlType::kCancel, &cts.token, sizeof cts.token);
     return true;
@@ -281,11 +277,7 @@ bool PeerState::on_cts(const uint8_t* body, uint32_t length) {
 bool PeerState::on_cancel(const uint8_t* body, uint32_t length) {
   uint32_t token;
   if (!body_as(body, length, &token)) return false;
-  TransferState* r;
-  {
-    std::lock_guard lock(mu_);
-    r = take_entry(matched_, token);
-  }
+  TransferState* r = take_entry(matched_, token);
   if (r) {
     r->record_error(Status(Code::kCancelled, "peer '" + info_.name + "' withdrew the message (tag " +
                                                  std::to_string(r->tag) + ")"));
