@@ -266,15 +266,7 @@ Result<int> EndpointImpl::connect_data(Connecting& c, uint32_t lane, const sys::
 
 // Every socket is open and answered: the peer, attached to its transport, then published.
 Result<Peer> EndpointImpl::attach_connected(Connecting& c) {
-  const wire::ServerHello& sh = c.server;
-  PeerInfo info;
-  info.id = next_peer_id_.fetch_add(1);
-  std::memcpy(info.endpoint.data(), sh.endpoint_id, 16);
-  info.name = read_name(sh.name);
-  info.same_host = c.same_host();
-  info.heartbeat_ms = heartbeat_for(sh.peer_timeout_ms);
-  info.chunk_bytes = chunk_for(sh.chunk_bytes);
-  info.max_notify = std::min(uint32_t(sh.max_notify), wire::kMaxNotify);  // a copy: no reference to a packed field
+  PeerInfo info = describe_peer(c.server);
   info.transport = c.chosen->name();
   untrack_connecting(c.fds);  // handed to the peer: closed with it, never while listed
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, c.chosen->lanes_for(c.remote_offer), c.chosen);

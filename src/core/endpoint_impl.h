@@ -90,6 +90,8 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   static constexpr uint64_t kListenTag = 1ull << 62, kEventTag = 2ull << 62, kPendingTag = 3ull << 62;
   static constexpr uint64_t kTagMask = 3ull << 62;
   EndpointImpl(const Config& config, const EndpointId& id);
+  template <class Hello>
+  PeerInfo describe_peer(const Hello& h);  // core/handshake.h
   // ---- connector side (connect.cc)
   Status resolve_target(std::string_view target, Connecting& c) const;
   wire::ClientHello client_hello() const;

@@ -2,7 +2,9 @@
 // endpoint metadata a connector is given, the proofs of the auth token, and the listener's state for
 // one socket whose handshake is under way. The connector's side is connect.cc, the listener's listener.cc.
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <string_view>
 
@@ -46,6 +48,21 @@ std::string read_name(const char (&src)[64]);
 // connector, the session and lane its socket belongs to.
 crypto::Digest proof(const std::string& token, const char* who, const uint8_t* cn, const uint8_t* sn,
                      uint64_t session = 0, uint32_t lane = 0);
+
+// What the other side's hello (a ServerHello to the connector, a ClientHello to the listener) says of
+// it, under a new peer id; the transport is filled in by the caller.
+template <class Hello>
+PeerInfo EndpointImpl::describe_peer(const Hello& h) {
+  PeerInfo info;
+  info.id = next_peer_id_.fetch_add(1);
+  std::memcpy(info.endpoint.data(), h.endpoint_id, 16);
+  info.name = read_name(h.name);
+  info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
+  info.heartbeat_ms = heartbeat_for(h.peer_timeout_ms);
+  info.chunk_bytes = chunk_for(h.chunk_bytes);
+  info.max_notify = std::min(uint32_t(h.max_notify), wire::kMaxNotify);  // a copy: no reference to a packed field
+  return info;
+}
 
 // A socket whose handshake is under way (listener side).
 struct EndpointImpl::Pending {

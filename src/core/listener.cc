@@ -250,14 +250,7 @@ void EndpointImpl::finish_accept(Pending& p) {
 void EndpointImpl::accept_control(Pending& p) {
   const wire::ClientHello& h = p.hello;
   const int fd = p.fd;
-  PeerInfo info;
-  info.id = next_peer_id_.fetch_add(1);
-  std::memcpy(info.endpoint.data(), h.endpoint_id, 16);
-  info.name = read_name(h.name);
-  info.same_host = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
-  info.heartbeat_ms = heartbeat_for(h.peer_timeout_ms);
-  info.chunk_bytes = chunk_for(h.chunk_bytes);
-  info.max_notify = std::min(uint32_t(h.max_notify), wire::kMaxNotify);  // a copy: no reference to a packed field
+  PeerInfo info = describe_peer(h);
   const wire::ClientProof& cp = p.proof;
   const std::string name(cp.transport, strnlen(cp.transport, sizeof cp.transport));
   transport::Transport* chosen = nullptr;
