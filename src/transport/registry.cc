@@ -1,5 +1,6 @@
 #include "transport/registry.h"
 
+#include "core/endpoint_impl.h"  // an EndpointImpl is the transport::Host of fabric and netplugin
 #include "transport/netplugin/netplugin_transport.h"
 #include "transport/ipc/ipc_transport.h"
 #include "transport/fabric/fabric_transport.h"
