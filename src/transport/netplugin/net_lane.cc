@@ -4,8 +4,6 @@
 #include <cstring>
 #include <thread>
 
-#include "core/endpoint_impl.h"
-#include "core/peer.h"
 #include "core/region.h"
 
 namespace tether::transport {
@@ -36,9 +34,9 @@ core::RegionState* RegionTable::find(const uint8_t* p, uint64_t length) const {
 
 // ---------------------------------------------------------------- lane
 
-NetLane::NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<Link> peer,
+NetLane::NetLane(std::shared_ptr<NetPlugin> net, Host* host, std::shared_ptr<Link> peer,
                  uint32_t index, Comms comms, const RegionTable* regions, Options opts)
-    : net_(std::move(net)), ep_(ep), peer_(std::move(peer)), index_(index), comms_(comms), regions_(regions),
+    : net_(std::move(net)), host_(host), peer_(std::move(peer)), index_(index), comms_(comms), regions_(regions),
       opts_(std::move(opts)),
       unpack_device_(comms.recv_dev && comms.recv_dev->type == netabi::kDeviceUnpack && comms.recv_dev->handle),
       consume_early_(opts_.consume_early && unpack_device_) {
@@ -233,13 +231,13 @@ bool NetLane::on_header(RxPosted& r) {
     case FrameType::kWrite:
     case FrameType::kSendData:
       if (h.length > kMaxFrame) return protocol_error("a frame larger than a plugin receive");
-      r.plan = plan_target(*ep_, *peer_, h);
+      r.plan = plan_target(*host_, *peer_, h);
       r.dest = r.plan.code == Code::kOk ? r.plan.dest : nullptr;  // null: discard, then answer the error
       r.device = r.plan.device;
       r.expect = h.length;
       return true;
     case FrameType::kReadReq: {
-      r.plan = plan_target(*ep_, *peer_, h);
+      r.plan = plan_target(*host_, *peer_, h);
       if (r.plan.code == Code::kOk && h.length > kMaxFrame) {
         r.plan.pin->unpin();
         r.plan = TargetPlan{};
@@ -281,14 +279,14 @@ bool NetLane::finish_rx(RxPosted& r) {
     case FrameType::kWrite:
     case FrameType::kSendData: {
       TxFrame ack;
-      ack.hdr = finish_placed(*ep_, *peer_, h, r.plan);
+      ack.hdr = finish_placed(*host_, *peer_, h, r.plan);
       push_answer(ack);  // room was checked before the header was taken
       return true;
     }
     case FrameType::kReadResp:
       if (h.status == 0) {
-        ep_->stats().bytes_received.fetch_add(h.length, std::memory_order_relaxed);
-        ep_->stats().chunks_received.fetch_add(1, std::memory_order_relaxed);
+        host_->traffic().bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+        host_->traffic().chunks_received.fetch_add(1, std::memory_order_relaxed);
         if (peer_->answer(index_, h.slot, h.gen, 0) != Code::kOk) return protocol_error("an answer to no request");
       }
       return true;
@@ -416,7 +414,7 @@ bool NetLane::progress_rx() {
 
 bool NetLane::progress_tx() {
   bool moved = false;
-  auto& stats = ep_->stats();
+  auto& stats = host_->traffic();
   // Completions, oldest first (a request reported done is never tested again).
   while (tx_count_ > 0) {
     TxPosted& p = tx_[tx_head_];
@@ -459,7 +457,7 @@ bool NetLane::progress_tx() {
   // Post: the window is checked before a frame is taken, so both its requests fit under the limit.
   while (tx_count_ < kFramesInFlight && tx_requests_ + 2 <= kRequestLimit) {
     if (txq_count_ == 0) {
-      core::ChunkOp op;
+      ChunkOp op;
       if (!peer_->next_chunk(index_, &op)) break;
       TxFrame f;
       f.hdr = op.hdr;

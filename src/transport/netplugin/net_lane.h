@@ -25,12 +25,12 @@
 #include "gpu/staging.h"
 #include "tether/status.h"
 #include "transport/frame_target.h"
+#include "transport/host.h"
 #include "transport/link.h"
 #include "transport/netplugin/plugin.h"
 #include "transport/netplugin/unpacker.h"
 
 namespace tether::core {
-class EndpointImpl;
 struct RegionState;
 }  // namespace tether::core
 
@@ -66,7 +66,7 @@ class NetLane {
     bool cuda_send = false;      // the device takes CUDA pointers (ptrSupport & NCCL_PTR_CUDA)
     bool consume_early = false;  // test-only fault (TETHER_NET_FAULT=consume_early)
   };
-  NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<Link> peer,
+  NetLane(std::shared_ptr<NetPlugin> net, Host* host, std::shared_ptr<Link> peer,
           uint32_t index, Comms comms, const RegionTable* regions, Options opts);
   ~NetLane();
   NetLane(const NetLane&) = delete;
@@ -141,7 +141,7 @@ class NetLane {
   bool push_answer(const TxFrame& f);
 
   const std::shared_ptr<NetPlugin> net_;
-  core::EndpointImpl* const ep_;
+  Host* const host_;
   const std::shared_ptr<Link> peer_;
   const uint32_t index_;
   Comms comms_;

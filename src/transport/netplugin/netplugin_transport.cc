@@ -10,8 +10,6 @@
 #include <thread>
 
 #include "core/crypto.h"
-#include "core/endpoint_impl.h"
-#include "core/peer.h"
 #include "core/region.h"
 #include "sys/cpu.h"
 #include "sys/net.h"
@@ -155,8 +153,8 @@ struct NetPeerLanes {
 
 // ---------------------------------------------------------------- setup
 
-NetpluginTransport::NetpluginTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
-  const Config& cfg = endpoint->config();
+NetpluginTransport::NetpluginTransport(Host* host) : host_(host) {
+  const Config& cfg = host->config();
   // Fault injection for the tests, not a tuning knob: hands receives back before their unpack.
   consume_early_ = sys::env_text("TETHER_NET_FAULT") == "consume_early";
   if (cfg.net_plugin.empty()) {
@@ -207,7 +205,7 @@ Caps NetpluginTransport::caps() const {
 }
 
 uint32_t NetpluginTransport::lane_count() const {
-  const uint32_t want = endpoint_->config().net_comms;
+  const uint32_t want = host_->config().net_comms;
   const uint32_t n = want > 0 ? want : std::max<uint32_t>(2, uint32_t(devices_.size()));
   return std::min(n, kMaxLanes);
 }
@@ -278,9 +276,9 @@ void NetpluginTransport::start_threads() {
   if (!threads_.empty()) return;
   const size_t ndev = devices_.size();
   // Thread t serves device t % ndev: a multiple of the device count, at least one per device.
-  size_t n = std::max<size_t>(ndev, endpoint_->config().channels / ndev * ndev);
+  size_t n = std::max<size_t>(ndev, host_->config().channels / ndev * ndev);
   std::map<std::string, std::vector<int>> bindings;
-  if (!endpoint_->config().net_bindings.empty()) bindings = parse_net_bindings(endpoint_->config().net_bindings).take();
+  if (!host_->config().net_bindings.empty()) bindings = parse_net_bindings(host_->config().net_bindings).take();
   for (size_t t = 0; t < n; ++t) {
     auto it = bindings.find(devices_[t % ndev].name);
     threads_.push_back(std::make_unique<NetProgressThread>(it == bindings.end() ? std::vector<int>{} : it->second));
@@ -365,10 +363,10 @@ Status NetpluginTransport::attach(const std::shared_ptr<Link>& peer, const std::
   std::vector<std::shared_ptr<NetLane>> lanes;
   for (uint32_t i = 0; i < n; ++i) {
     NetLane::Options opts;
-    opts.unpack = endpoint_->config().unpack;
+    opts.unpack = host_->config().unpack;
     opts.cuda_send = (devices_[size_t(comms[i].dev)].ptr_support & netabi::kPtrCuda) != 0;
     opts.consume_early = consume_early_;
-    auto lane = std::make_shared<NetLane>(net_, endpoint_, peer, i, comms[i], &regions_, std::move(opts));
+    auto lane = std::make_shared<NetLane>(net_, host_, peer, i, comms[i], &regions_, std::move(opts));
     comms[i] = NetLane::Comms{};  // the lane owns and closes them now
     Status s = lane->init();
     if (!s.is_ok()) {
