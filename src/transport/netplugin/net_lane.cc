@@ -307,6 +307,31 @@ bool NetLane::finish_deferred() {
   return unpack_wait() && finish_rx(deferred_);
 }
 
+// Starts the copy of receive i's payload to its destination. Unpack devices: the plugin's fragments
+// over its bounce pages. Others: one fragment, the whole payload in this receive's landing area.
+bool NetLane::start_unpack(RxPosted& r, size_t i, uint64_t size) {
+  const netabi::UnpackEntry* frags;
+  uint64_t n = 1;
+  const uint8_t* from;
+  netabi::UnpackEntry whole{uint32_t(i * kMaxFrame), uint32_t(size), 0};
+  if (unpack_device_) {
+    const int slot = int((r.k + 1) % netabi::kUnpackQueueDepth);
+    n = unpack_->meta->cnt[slot];
+    frags = unpack_->meta->mem[slot];
+    if (check_fragments(frags, n, size) != Code::kOk) return protocol_error("unpack metadata outside the message (plugin bug)");
+    from = static_cast<const uint8_t*>(unpack_->bounce_buf);
+  } else {
+    frags = &whole;
+    from = landing_.get();
+  }
+  if (Status s = unpacker_->start(frags, n, from, r.dest, r.device); !s.is_ok()) {
+    kill(s);
+    return false;
+  }
+  r.unpacking = true;
+  return true;
+}
+
 bool NetLane::progress_rx() {
   bool moved = false;
   // (fault injection only) a deferred copy waits at most until the lane has nothing else to do.
@@ -361,29 +386,7 @@ bool NetLane::progress_rx() {
         moved = true;
         continue;
       }
-      if (r.dest && size > 0) {
-        // Unpack devices: the plugin's fragments over its bounce pages. Others: one fragment, the
-        // whole payload in this receive's landing area.
-        const netabi::UnpackEntry* frags;
-        uint64_t n = 1;
-        const uint8_t* from;
-        netabi::UnpackEntry whole{uint32_t(i * kMaxFrame), uint32_t(size), 0};
-        if (unpack_device_) {
-          const int slot = int((r.k + 1) % netabi::kUnpackQueueDepth);
-          n = unpack_->meta->cnt[slot];
-          frags = unpack_->meta->mem[slot];
-          if (check_fragments(frags, n, size) != Code::kOk) return protocol_error("unpack metadata outside the message (plugin bug)");
-          from = static_cast<const uint8_t*>(unpack_->bounce_buf);
-        } else {
-          frags = &whole;
-          from = landing_.get();
-        }
-        if (Status s = unpacker_->start(frags, n, from, r.dest, r.device); !s.is_ok()) {
-          kill(s);
-          return false;
-        }
-        r.unpacking = true;
-      }
+      if (r.dest && size > 0 && !start_unpack(r, i, size)) return false;
       r.stage = RxStage::kUnpacking;
       moved = true;
     }

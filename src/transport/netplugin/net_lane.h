@@ -128,6 +128,7 @@ class NetLane {
   bool on_header(RxPosted& r);
   bool finish_rx(RxPosted& r);
   bool finish_deferred();
+  bool start_unpack(RxPosted& r, size_t i, uint64_t size);
   bool fail_plugin(const char* call, int rc);
   bool protocol_error(const char* what);
   void* mr_for(core::RegionState* region);

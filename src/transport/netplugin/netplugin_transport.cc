@@ -285,31 +285,35 @@ void NetpluginTransport::start_threads() {
   }
 }
 
+// Ours is the newest offer of the session that is not the peer's (`peer_nonce`); older ones of ours
+// were for handshakes retried since, and are closed now. False: no offer of ours for this session.
+bool NetpluginTransport::take_listening(uint64_t session, uint64_t peer_nonce, Listening* mine) {
+  std::lock_guard lock(mu_);
+  auto mine_it = listening_.end();
+  for (auto it = listening_.lower_bound(OfferKey{session, 0}); it != listening_.end() && it->first.first == session; ++it)
+    if (it->first.second != peer_nonce && (mine_it == listening_.end() || it->second.created_ms >= mine_it->second.created_ms))
+      mine_it = it;
+  if (mine_it == listening_.end()) return false;
+  *mine = std::move(mine_it->second);
+  listening_.erase(mine_it);
+  for (auto it = listening_.lower_bound(OfferKey{session, 0}); it != listening_.end() && it->first.first == session;) {
+    if (it->first.second == peer_nonce) {
+      ++it;
+      continue;
+    }
+    for (void* c : it->second.comms) net_->close_listen(c);
+    it = listening_.erase(it);
+  }
+  return true;
+}
+
 Status NetpluginTransport::attach(const std::shared_ptr<Link>& peer, const std::vector<int>&,
                                   std::string_view remote_offer, bool, int64_t deadline) {
   OfferHeader rh{};
   if (!parse_offer(remote_offer, &rh)) return Status(Code::kProtocolError, "netplugin: malformed offer from the peer");
   Listening mine;
-  {
-    std::lock_guard lock(mu_);
-    // Ours is the newest offer of the session that is not the peer's; older ones of ours were for
-    // handshakes retried since, and are closed now.
-    auto mine_it = listening_.end();
-    for (auto it = listening_.lower_bound(OfferKey{rh.session, 0}); it != listening_.end() && it->first.first == rh.session; ++it)
-      if (it->first.second != rh.nonce && (mine_it == listening_.end() || it->second.created_ms >= mine_it->second.created_ms))
-        mine_it = it;
-    if (mine_it == listening_.end()) return Status(Code::kProtocolError, "netplugin: no offer of ours for this session");
-    mine = std::move(mine_it->second);
-    listening_.erase(mine_it);
-    for (auto it = listening_.lower_bound(OfferKey{rh.session, 0}); it != listening_.end() && it->first.first == rh.session;) {
-      if (it->first.second == rh.nonce) {
-        ++it;
-        continue;
-      }
-      for (void* c : it->second.comms) net_->close_listen(c);
-      it = listening_.erase(it);
-    }
-  }
+  if (!take_listening(rh.session, rh.nonce, &mine))
+    return Status(Code::kProtocolError, "netplugin: no offer of ours for this session");
   const uint32_t n = peer->lanes();
   auto close_all = [&](std::vector<NetLane::Comms>& comms) {
     for (auto& c : comms) {

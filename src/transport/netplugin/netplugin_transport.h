@@ -52,6 +52,7 @@ class NetpluginTransport final : public Transport {
   uint32_t lane_count() const;
   void start_threads();
   void prune_offers(int64_t now);
+  bool take_listening(uint64_t session, uint64_t peer_nonce, Listening* mine);
 
   Host* const host_;
   std::string unavailable_;
