@@ -108,6 +108,23 @@ inline bool ext_two_sided(std::string_view ext) {
 
 inline int device_of(const RegionState* r) { return r && r->kind == MemoryKind::kCuda ? r->device : -1; }
 
+// A queue of fixed capacity, sized at attach: the data path never allocates.
+template <typename T>
+struct Ring {
+  std::vector<T> items;
+  size_t head = 0, count = 0;
+  void resize(size_t n) { items.resize(n); }
+  bool empty() const { return count == 0; }
+  bool full() const { return count >= items.size(); }
+  T& front() { return items[head]; }
+  T& push(const T& v) { return items[(head + count++) % items.size()] = v; }
+  void pop() {
+    head = (head + 1) % items.size();
+    --count;
+  }
+  void clear() { count = 0; }
+};
+
 class RailThread;
 
 // One peer on one rail.
@@ -124,18 +141,15 @@ struct Lane {
   RailMr headers_mr;
   std::vector<OpCtx> ack_ops;       // one per ack header
   std::vector<uint32_t> free_acks;
-  std::vector<SendHeader> ack_queue; // acks not yet posted (a ring; bounded by the peer's window)
-  size_t ack_head = 0, ack_count = 0;
-  std::vector<uint32_t> flushes;    // write ops whose flush read is not yet posted (a ring)
-  size_t flush_head = 0, flush_count = 0;
+  Ring<SendHeader> ack_queue;       // acks not yet posted (bounded by the peer's window)
+  Ring<uint32_t> flushes;           // write ops whose flush read is not yet posted
   ChunkOp stalled{};         // pulled but refused with -FI_EAGAIN: posted again after progress
   bool has_stalled = false;
   // Staging (first use allocates): slots registered on the rail, the copies in and out of them,
   // and the ops whose copy is in flight, in the order they were started (a ring of op indices).
   std::unique_ptr<StageMem> stage;
   std::unique_ptr<Copier> copier;
-  std::vector<uint32_t> copying;
-  size_t copy_head = 0, copy_count = 0;
+  Ring<uint32_t> copying;
   uint32_t inflight = 0;
   bool dead = false;         // progress thread only
   bool released = false;

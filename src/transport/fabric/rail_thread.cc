@@ -120,7 +120,7 @@ void RailThread::run() {
     }
     for (size_t i = 0; i < retired_.size();) {
       Lane& l = *retired_[i];
-      if (l.copy_count > 0) busy |= drive_copies(l);  // staged copies still finish before their slots go
+      if (!l.copying.empty()) busy |= drive_copies(l);  // staged copies still finish before their slots go
       if (l.inflight == 0) {
         forget(l);
         retired_[i] = std::move(retired_.back());
@@ -160,16 +160,15 @@ bool RailThread::drive(Lane& l) {
     l.dead = true;
     l.dead_since = now_ms();
   }
-  bool did = l.copy_count > 0 && drive_copies(l);
+  bool did = !l.copying.empty() && drive_copies(l);
   if (l.dead) {
     // Nothing more is posted: flush reads not yet sent fail now, acks are dropped.
-    while (l.flush_count > 0) {
-      OpCtx& c = l.ops[l.flushes[l.flush_head]];
-      l.flush_head = (l.flush_head + 1) % l.flushes.size();
-      --l.flush_count;
+    while (!l.flushes.empty()) {
+      OpCtx& c = l.ops[l.flushes.front()];
+      l.flushes.pop();
       finish(l, c, Code::kConnectionLost);
     }
-    l.ack_count = 0;
+    l.ack_queue.clear();
     // Wait for the provider to hand back what is in flight (it fails them once the connection
     // is gone), but not forever: after the grace period the lane lets go regardless. Messages are
     // let go sooner: rxm keeps a rendezvous send to a dead peer forever, and only that peer would
@@ -179,30 +178,28 @@ bool RailThread::drive(Lane& l) {
       retire(l, Code::kConnectionLost);
     return did;
   }
-  while (l.flush_count > 0) {
-    OpCtx& c = l.ops[l.flushes[l.flush_head]];
+  while (!l.flushes.empty()) {
+    OpCtx& c = l.ops[l.flushes.front()];
     const ssize_t rc = rail_->flush_read(&l.headers[c.index], l.headers_mr.desc, l.remote, c.raddr + c.length - 1, c.key, &c);
     if (rc == -FI_EAGAIN) break;
-    l.flush_head = (l.flush_head + 1) % l.flushes.size();
-    --l.flush_count;
+    l.flushes.pop();
     did = true;
     if (rc != 0) finish(l, c, Code::kConnectionLost);
   }
-  while (l.ack_count > 0 && !l.free_acks.empty()) {
+  while (!l.ack_queue.empty() && !l.free_acks.empty()) {
     OpCtx& c = l.ack_ops[l.free_acks.back()];
     SendHeader& sh = l.headers[c.index];
-    sh = l.ack_queue[l.ack_head];
+    sh = l.ack_queue.front();
     iovec iov{&sh, sizeof sh};
     void* desc = l.headers_mr.desc;
     const ssize_t rc = rail_->send(&iov, &desc, 1, l.remote, &c);
     if (rc == -FI_EAGAIN) break;
     l.free_acks.pop_back();
-    l.ack_head = (l.ack_head + 1) % l.ack_queue.size();
-    --l.ack_count;
+    l.ack_queue.pop();
     did = true;
     if (rc == 0) ++l.inflight;  // else lost: the sender's chunk fails when its peer does
   }
-  if (!l.has_stalled && !peer.has_work()) return did || l.copy_count > 0;
+  if (!l.has_stalled && !peer.has_work()) return did || !l.copying.empty();
   while (!l.free_ops.empty()) {
     if (!l.has_stalled) {
       if (!peer.next_chunk(l.index, &l.stalled)) break;
@@ -224,7 +221,7 @@ bool RailThread::drive(Lane& l) {
     const Code code = rc > 0 ? Code(rc) : Code::kInvalidArgument;
     peer.answer(l.index, h.slot, h.gen, uint8_t(code));
   }
-  return did || l.copy_count > 0;
+  return did || !l.copying.empty();
 }
 
 // 0 posted (or its staging copy started), -FI_EAGAIN retry later, <0 provider error, >0 a tether
@@ -276,7 +273,7 @@ ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
     return ssize_t(st.code());
   }
   c.phase = Phase::kPacking;
-  l.copying[(l.copy_head + l.copy_count++) % l.copying.size()] = c.index;
+  l.copying.push(c.index);
   return 0;
 }
 
@@ -328,8 +325,8 @@ ssize_t RailThread::transmit(Lane& l, OpCtx& c, const ChunkOp& op, const uint8_t
 // unpacked reads are answered. True if any moved.
 bool RailThread::drive_copies(Lane& l) {
   bool did = false;
-  while (l.copy_count > 0) {
-    OpCtx& c = l.ops[l.copying[l.copy_head]];
+  while (!l.copying.empty()) {
+    OpCtx& c = l.ops[l.copying.front()];
     Result<bool> d = l.copier->done(uint32_t(c.stage));
     if (d.is_ok() && !d.value()) break;
     Code code = d.is_ok() ? Code::kOk : Code::kInternal;
@@ -341,16 +338,14 @@ bool RailThread::drive_copies(Lane& l) {
         if (rc == -FI_EAGAIN) break;  // posted again after the CQ read that follows
         if (rc == 0) {
           c.phase = Phase::kIdle;   // in flight: its completion frees the slot
-          l.copy_head = (l.copy_head + 1) % l.copying.size();
-          --l.copy_count;
+          l.copying.pop();
           did = true;
           continue;
         }
         code = rc > 0 ? Code(rc) : Code::kConnectionLost;
       }
     }
-    l.copy_head = (l.copy_head + 1) % l.copying.size();
-    --l.copy_count;
+    l.copying.pop();
     did = true;
     finish(l, c, code);  // an unpacked read (kOk: answered now), or a chunk that failed
   }
@@ -393,7 +388,7 @@ void RailThread::complete(const fi_cq_msg_entry& e) {
     c->length = c->op.hdr.length;
     if (l.copier->start(uint32_t(c->stage), c->op.local, l.stage->at(uint32_t(c->stage)), c->length, c->device).is_ok()) {
       c->phase = Phase::kUnpacking;
-      l.copying[(l.copy_head + l.copy_count++) % l.copying.size()] = c->index;
+      l.copying.push(c->index);
       return;
     }
     finish(l, *c, Code::kInternal);
@@ -406,7 +401,7 @@ void RailThread::complete(const fi_cq_msg_entry& e) {
   if (c->kind == OpKind::kWrite && c->length > 0 && !rail_->delivery_complete() && !l.released) {
     // Transmit-complete only: a one-byte read of its last byte, after it, says it is in place.
     c->kind = OpKind::kFlush;
-    l.flushes[(l.flush_head + l.flush_count++) % l.flushes.size()] = c->index;
+    l.flushes.push(c->index);
     return;
   }
   if (c->kind == OpKind::kAck) {

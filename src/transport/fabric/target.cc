@@ -8,9 +8,8 @@
 namespace tether::transport::fabric {
 
 void RailThread::queue_ack(Lane& l, const SendHeader& h, Code code) {
-  if (l.ack_count >= l.ack_queue.size()) return;  // bounded by the window: cannot happen with an honest peer
-  SendHeader& ack = l.ack_queue[(l.ack_head + l.ack_count++) % l.ack_queue.size()];
-  ack = h;
+  if (l.ack_queue.full()) return;  // bounded by the window: cannot happen with an honest peer
+  SendHeader& ack = l.ack_queue.push(h);
   ack.type = uint8_t(MsgType::kAck);
   ack.length = 0;
   ack.status = uint8_t(code);
