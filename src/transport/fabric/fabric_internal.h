@@ -195,6 +195,7 @@ class RailThread {
   bool drive(Lane& l);
   ssize_t post(Lane& l, OpCtx& c, const ChunkOp& op);
   ssize_t transmit(Lane& l, OpCtx& c, const ChunkOp& op, const uint8_t* payload, uint8_t* local, void* desc);
+  ssize_t send_message(Lane& l, OpCtx& c, const SendHeader& h, const uint8_t* payload, uint64_t length, void* desc);
   bool drive_copies(Lane& l);
   void finish(Lane& l, OpCtx& c, Code code);
   void forget(Lane& l);

@@ -297,28 +297,30 @@ ssize_t RailThread::transmit(Lane& l, OpCtx& c, const ChunkOp& op, const uint8_t
       }
       if (!ext_two_sided(ext)) return ssize_t(Code::kNotFound);  // the descriptor carries no fabric registration for this rail
       // Two-sided: the target's CPU validates and copies; answered by its kAck / kReadData.
-      SendHeader& sh = l.headers[c.index];
-      sh = SendHeader{l.session, h.offset, h.length, h.key, h.region_id, h.slot, h.gen, uint16_t(l.index),
-                      h.flags, uint8_t(write ? MsgType::kWrite : MsgType::kReadReq), 0, {}, h.desc_offset, h.desc_length};
-      iovec iov[2] = {{&sh, sizeof sh}, {const_cast<uint8_t*>(payload), h.length}};
-      void* descs[2] = {l.headers_mr.desc, desc};
-      c.kind = OpKind::kSend;
-      c.length = write ? h.length : 0;
-      return rail_->send(iov, descs, write && h.length ? 2 : 1, l.remote, &c);
+      const MsgType type = write ? MsgType::kWrite : MsgType::kReadReq;
+      return send_message(l, c, SendHeader{l.session, h.offset, h.length, h.key, h.region_id, h.slot, h.gen, uint16_t(l.index),
+                                           h.flags, uint8_t(type), 0, {}, h.desc_offset, h.desc_length},
+                          payload, write ? h.length : 0, desc);
     }
-    case FrameType::kSendData: {
-      SendHeader& sh = l.headers[c.index];
-      sh = SendHeader{l.session, h.offset, h.length, h.key, h.region_id, h.slot, h.gen, uint16_t(l.index),
-                      h.flags, uint8_t(MsgType::kData), 0, {}, 0, 0};
-      iovec iov[2] = {{&sh, sizeof sh}, {const_cast<uint8_t*>(payload), op.length}};
-      void* descs[2] = {l.headers_mr.desc, desc};
-      c.kind = OpKind::kSend;
-      c.length = op.length;
-      return rail_->send(iov, descs, op.length ? 2 : 1, l.remote, &c);
-    }
+    case FrameType::kSendData:
+      return send_message(l, c, SendHeader{l.session, h.offset, h.length, h.sender_chunk, h.recv_token, h.slot, h.gen,
+                                           uint16_t(l.index), h.flags, uint8_t(MsgType::kData), 0, {}, 0, 0},
+                          payload, op.length, desc);
     default:
       return ssize_t(Code::kProtocolError);
   }
+}
+
+// Posts message `h` from the lane's header slot of c, followed by `length` payload bytes registered as `desc`.
+ssize_t RailThread::send_message(Lane& l, OpCtx& c, const SendHeader& h, const uint8_t* payload, uint64_t length,
+                                 void* desc) {
+  SendHeader& sh = l.headers[c.index];
+  sh = h;
+  iovec iov[2] = {{&sh, sizeof sh}, {const_cast<uint8_t*>(payload), length}};
+  void* descs[2] = {l.headers_mr.desc, desc};
+  c.kind = OpKind::kSend;
+  c.length = length;
+  return rail_->send(iov, descs, length ? 2 : 1, l.remote, &c);
 }
 
 // Staged chunks whose copy has finished, in order: packed ones are posted from their slot,
