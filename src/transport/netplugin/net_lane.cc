@@ -95,18 +95,17 @@ bool NetLane::step() {
 
 // ---------------------------------------------------------------- registrations
 
-void* NetLane::mr_for(core::RegionState* region) {
-  for (auto& [r, mh] : mrs_)
-    if (r == region) return mh;
-  // First payload from this region on this comm: register it (the plugin pins / imports it once).
+void* NetLane::mr_for(Registrations& mrs, const void* owner, void* base, uint64_t size, int type, const char* call) {
+  for (auto& [o, mh] : mrs)
+    if (o == owner) return mh;
+  // First payload from this region (or slot) on this comm: register it (the plugin pins / imports it once).
   void* mh = nullptr;
-  const int type = region->kind == MemoryKind::kCuda ? netabi::kPtrCuda : netabi::kPtrHost;  // cuda: opts_.cuda_send
-  const int rc = net_->reg_mr(comms_.send, region->base, region->size, type, &mh);
+  const int rc = net_->reg_mr(comms_.send, base, size, type, &mh);
   if (rc != netabi::kSuccess) {
-    fail_plugin("regMr", rc);
+    fail_plugin(call, rc);
     return nullptr;
   }
-  mrs_.emplace_back(region, mh);
+  mrs.emplace_back(owner, mh);
   return mh;
 }
 
@@ -114,19 +113,6 @@ core::RegionState* NetLane::region_of(const TxFrame& f) {
   core::RegionState* region = f.pin ? f.pin : regions_->find(f.payload, f.length);
   if (!region) kill(Status(Code::kInternal, "netplugin: a payload outside every registered region"));
   return region;
-}
-
-void* NetLane::slot_mr(gpu::StagingSlot* slot) {
-  for (auto& [s, mh] : slot_mrs_)
-    if (s == slot) return mh;
-  void* mh = nullptr;
-  const int rc = net_->reg_mr(comms_.send, slot->host, slot->capacity, netabi::kPtrHost, &mh);
-  if (rc != netabi::kSuccess) {
-    fail_plugin("regMr (staging)", rc);
-    return nullptr;
-  }
-  slot_mrs_.emplace_back(slot, mh);
-  return mh;
 }
 
 uint64_t NetLane::request_dereg(const core::RegionState* r) {
@@ -422,19 +408,7 @@ bool NetLane::progress_tx() {
   while (tx_count_ > 0) {
     TxPosted& p = tx_[tx_head_];
     if (!p.payload_posted) break;
-    int rc;
-    if (!p.hdone) {
-      size_t sz;
-      int done = 0;
-      if ((rc = net_->test(p.hreq, &done, &sz)) != netabi::kSuccess) return fail_plugin("test (send)", rc);
-      if (done) p.hdone = true, --tx_requests_;
-    }
-    if (!p.pdone) {
-      size_t sz;
-      int done = 0;
-      if ((rc = net_->test(p.preq, &done, &sz)) != netabi::kSuccess) return fail_plugin("test (send)", rc);
-      if (done) p.pdone = true, --tx_requests_;
-    }
+    if (!test_send(p.hreq, &p.hdone) || !test_send(p.preq, &p.pdone)) return false;
     if (!p.hdone || !p.pdone) break;
     if (p.f.length > 0) {
       stats.bytes_sent.fetch_add(p.f.length, std::memory_order_relaxed);
@@ -492,6 +466,16 @@ bool NetLane::progress_tx() {
   return moved;
 }
 
+// Tests send request `req` unless it was already reported done (*done). False: the lane was killed.
+bool NetLane::test_send(void* req, bool* done) {
+  if (*done) return true;
+  size_t sz;
+  int d = 0;
+  if (const int rc = net_->test(req, &d, &sz); rc != netabi::kSuccess) return fail_plugin("test (send)", rc);
+  if (d) *done = true, --tx_requests_;
+  return true;
+}
+
 NetLane::Post NetLane::post_payload(TxPosted& p, size_t i) {
   void* data = &tx_hdr_[i];  // an empty payload: any registered address will do
   void* mh = tx_hdr_mr_;
@@ -522,10 +506,12 @@ NetLane::Post NetLane::post_payload(TxPosted& p, size_t i) {
       }
       if (!copied.value()) return Post::kCopying;
       data = p.slot->host;
-      mh = slot_mr(p.slot);
+      mh = mr_for(slot_mrs_, p.slot, p.slot->host, p.slot->capacity, netabi::kPtrHost, "regMr (staging)");
     } else {
       data = const_cast<uint8_t*>(p.f.payload);
-      mh = mr_for(region);  // a GPU region only when the plugin takes CUDA pointers
+      // A GPU region only when the plugin takes CUDA pointers (opts_.cuda_send).
+      const int type = region->kind == MemoryKind::kCuda ? netabi::kPtrCuda : netabi::kPtrHost;
+      mh = mr_for(mrs_, region, region->base, region->size, type, "regMr");
     }
     if (!mh) return Post::kDead;
   }

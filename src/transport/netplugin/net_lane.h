@@ -124,6 +124,7 @@ class NetLane {
 
   bool progress_rx();
   bool progress_tx();
+  bool test_send(void* req, bool* done);
   bool post_receives();
   bool on_header(RxPosted& r);
   bool finish_rx(RxPosted& r);
@@ -131,10 +132,11 @@ class NetLane {
   bool start_unpack(RxPosted& r, size_t i, uint64_t size);
   bool fail_plugin(const char* call, int rc);
   bool protocol_error(const char* what);
-  void* mr_for(core::RegionState* region);
+  // Registrations on the send comm of regions (or staging slots), by their owner.
+  using Registrations = std::vector<std::pair<const void*, void*>>;
+  void* mr_for(Registrations& mrs, const void* owner, void* base, uint64_t size, int type, const char* call);
   core::RegionState* region_of(const TxFrame& f);  // null: the lane was killed
   Post post_payload(TxPosted& p, size_t i);
-  void* slot_mr(gpu::StagingSlot* slot);
   void process_dereg();
   bool consume(void* req);
   bool read_unpacked(uint64_t k, void* out, uint64_t length);
@@ -183,10 +185,10 @@ class NetLane {
   uint64_t rx_seq_ = 0;
 
   // Registrations of regions on the send comm (progress thread only).
-  std::vector<std::pair<const core::RegionState*, void*>> mrs_;
+  Registrations mrs_;
   // GPU payloads for a plugin without CUDA pointers: pinned copies, registered on first use.
   std::unique_ptr<gpu::StagingRing> tx_stage_;
-  std::vector<std::pair<const gpu::StagingSlot*, void*>> slot_mrs_;
+  Registrations slot_mrs_;
   std::mutex dereg_mu_;
   std::vector<const core::RegionState*> dereg_queue_;
   std::atomic<uint64_t> dereg_requested_{0}, dereg_done_{0};
