@@ -201,6 +201,8 @@ class RailThread {
   void forget(Lane& l);
   void complete(const fi_cq_msg_entry& e);
   void failed(OpCtx* c, int err);
+  void ack_done(Lane& l, OpCtx& c);
+  void response_done(uint32_t i);
   void bounce_arrived(OpCtx& c, uint64_t len);
   void repost(uint32_t i);
   void hold(uint32_t i, std::shared_ptr<Link> peer, std::shared_ptr<Lane> lane, const SendHeader& h,

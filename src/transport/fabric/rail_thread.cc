@@ -379,11 +379,7 @@ void RailThread::complete(const fi_cq_msg_entry& e) {
     bounce_arrived(*c, e.len);
     return;
   }
-  if (c->kind == OpKind::kResp) {  // a read's answer left response slot i: its bounce buffer is free
-    held_[c->index].state = Held::kIdle;
-    advance(c->index);
-    return;
-  }
+  if (c->kind == OpKind::kResp) return response_done(c->index);  // a read's answer left response slot i
   Lane& l = *c->lane;
   if (c->kind == OpKind::kRead && c->stage >= 0 && !l.released) {
     // Landed in a staging slot: unpack to the region; answered once that copy is done.
@@ -406,13 +402,15 @@ void RailThread::complete(const fi_cq_msg_entry& e) {
     l.flushes.push(c->index);
     return;
   }
-  if (c->kind == OpKind::kAck) {
-    --l.inflight;
-    l.free_acks.push_back(c->index - uint32_t(l.ops.size()));
-    return;
-  }
+  if (c->kind == OpKind::kAck) return ack_done(l, *c);
   // A send chunk is answered by the receiver's ack (its bytes placed), not by its own completion.
   finish(l, *c, Code::kOk);
+}
+
+// An ack left (or failed to): its context is free again.
+void RailThread::ack_done(Lane& l, OpCtx& c) {
+  --l.inflight;
+  l.free_acks.push_back(c.index - uint32_t(l.ops.size()));
 }
 
 void RailThread::failed(OpCtx* c, int err) {
@@ -421,17 +419,9 @@ void RailThread::failed(OpCtx* c, int err) {
     if (!stop_.load()) bounce_arrived(*c, 0);  // repost
     return;
   }
-  if (c->kind == OpKind::kResp) {  // the reader's chunk fails with its peer
-    held_[c->index].state = Held::kIdle;
-    advance(c->index);
-    return;
-  }
+  if (c->kind == OpKind::kResp) return response_done(c->index);  // the reader's chunk fails with its peer
   Lane& l = *c->lane;
-  if (c->kind == OpKind::kAck) {
-    --l.inflight;
-    l.free_acks.push_back(c->index - uint32_t(l.ops.size()));
-    return;  // the sender's chunk fails with its peer
-  }
+  if (c->kind == OpKind::kAck) return ack_done(l, *c);  // failed: the sender's chunk fails with its peer
   if (l.released) {
     finish(l, *c, Code::kConnectionLost);  // answers nothing: the lane is gone
     return;

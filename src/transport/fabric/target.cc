@@ -156,6 +156,12 @@ bool RailThread::advance(uint32_t i) {
   return false;
 }
 
+// A read's answer left response slot i (or failed to): its bounce buffer may go.
+void RailThread::response_done(uint32_t i) {
+  held_[i].state = Held::kIdle;
+  advance(i);
+}
+
 // Posts bounce buffer i again. A full queue: progress and retry (the queue drains as we read it).
 void RailThread::repost(uint32_t i) {
   uint8_t* buf = bounce_.data() + i * bounce_stride_;
