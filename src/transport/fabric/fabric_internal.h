@@ -93,7 +93,6 @@ struct OpCtx {
 
 inline std::string be_u64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
 
-
 // Descriptor extension: u8 rails, then per rail {u64 key, u64 base}.
 inline bool ext_rail(std::string_view ext, uint32_t rail, uint64_t* key, uint64_t* base) {
   if (ext.empty() || uint8_t(ext[0]) <= rail || ext.size() < 1 + 16 * size_t(uint8_t(ext[0]))) return false;
