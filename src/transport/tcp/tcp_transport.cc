@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <chrono>
 #include <mutex>
+#include <thread>
 
 #include "core/trace.h"
 #include "sys/cpu.h"
@@ -465,7 +466,7 @@ void TcpTransport::wake(Link* peer, uint64_t chunks, int) {
   auto* state = static_cast<TcpPeerLanes*>(peer->transport_state.get());
   if (chunks <= 1 && state && !state->lanes.empty()) {
     // A one-chunk transfer is sent by the posting thread itself when a lane's tx is free: that
-    // saves waking a progress thread (a third of a small write's latency on few cores).
+    // saves waking a progress thread, a large part of a small write's latency on few cores.
     // From the quietest lane (Link::quietest_lane): lone transfers keep to one lane, whose
     // progress threads on both sides are still awake from the last one.
     const size_t n = state->lanes.size();

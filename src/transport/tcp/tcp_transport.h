@@ -6,8 +6,6 @@
 #pragma once
 #include <atomic>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "transport/transport.h"
