@@ -236,11 +236,6 @@ struct Lane {
   }
 };
 
-// The transport's state of one peer (Link::transport_state): weak references, lanes own the peer.
-struct TcpPeerLanes {
-  std::vector<std::weak_ptr<Lane>> lanes;
-};
-
 // ---- the socket engine (tcp_lane.cc)
 // Sends what the lane holds (answers first, then chunks it pulls while its socket keeps up).
 // Caller owns tx. Returns false if the socket (or a GPU copy) failed.

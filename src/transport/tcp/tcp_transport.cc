@@ -388,7 +388,13 @@ void ProgressThread::do_tx(Lane& l) {
 // ---------------------------------------------------------------- transport
 
 using tcp::Lane;
-using tcp::TcpPeerLanes;
+
+namespace {
+// The transport's state of one peer (Link::transport_state): weak references, lanes own the peer.
+struct TcpPeerLanes {
+  std::vector<std::weak_ptr<Lane>> lanes;
+};
+}  // namespace
 
 TcpTransport::TcpTransport(Host* host) : host_(host) {
   const uint32_t n = std::max<uint32_t>(1, host->config().channels);
