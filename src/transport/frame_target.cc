@@ -22,7 +22,7 @@ TargetPlan plan_target(Host& host, Link& peer, const FrameHeader& h) {
       p.device = p.pin->kind == MemoryKind::kCuda ? p.pin->device : -1;
     }
   } else if (type == FrameType::kSendData) {
-    p.code = peer.resolve_send_data(h.region_id, h.offset, h.length, h.key, h.flags, &p.dest, &p.recv, &p.device);
+    p.code = peer.resolve_send_data(h.recv_token, h.offset, h.length, h.sender_chunk, h.flags, &p.dest, &p.recv, &p.device);
   } else {
     p.code = Code::kProtocolError;
   }
