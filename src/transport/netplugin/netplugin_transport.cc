@@ -307,6 +307,38 @@ bool NetpluginTransport::take_listening(uint64_t session, uint64_t peer_nonce, L
   return true;
 }
 
+// Both sides connect to the other's handles (in `remote_offer`) and accept on their own `listens`,
+// without blocking, until every lane has both comms (the other side runs the same loop at the same time).
+Status NetpluginTransport::connect_comms(std::string_view remote_offer, const std::vector<void*>& listens, Link& peer,
+                                         int64_t deadline, std::vector<NetLane::Comms>& comms) {
+  const uint32_t n = uint32_t(comms.size());
+  std::vector<std::string> handles(n);
+  for (uint32_t i = 0; i < n; ++i)
+    handles[i].assign(remote_offer.data() + sizeof(OfferHeader) + size_t(i) * netabi::kHandleMaxSize, netabi::kHandleMaxSize);
+  for (;;) {
+    bool complete = true;
+    for (uint32_t i = 0; i < n; ++i) {
+      NetLane::Comms& c = comms[i];
+      c.dev = int(i % devices_.size());
+      if (!c.send) {
+        netabi::DeviceHandle* sdev = nullptr;
+        const int rc = net_->connect(c.dev, handles[i].data(), &c.send, &sdev);
+        if (rc != netabi::kSuccess)
+          return Status(Code::kConnectionLost, "netplugin: connect on device " + std::to_string(c.dev) + ": " + net_result_name(rc));
+      }
+      if (!c.recv) {
+        const int rc = net_->accept(listens[i], &c.recv, &c.recv_dev);
+        if (rc != netabi::kSuccess)
+          return Status(Code::kConnectionLost, "netplugin: accept on device " + std::to_string(c.dev) + ": " + net_result_name(rc));
+      }
+      complete &= c.send && c.recv;
+    }
+    if (complete) return Status::ok();
+    if (sys::now_ms() > deadline || peer.failed()) return Status(Code::kTimeout, "netplugin: the peer's comms did not connect in time");
+    std::this_thread::yield();
+  }
+}
+
 Status NetpluginTransport::attach(const std::shared_ptr<Link>& peer, const std::vector<int>&,
                                   std::string_view remote_offer, bool, int64_t deadline) {
   OfferHeader rh{};
@@ -327,39 +359,9 @@ Status NetpluginTransport::attach(const std::shared_ptr<Link>& peer, const std::
     close_all(comms);
     return Status(Code::kProtocolError, "netplugin: the peer asked for more lanes than were offered");
   }
-  // Both sides connect to the other's handles and accept on their own, without blocking, until every
-  // lane has both comms (the other side runs the same loop at the same time).
-  std::vector<std::string> handles(n);
-  for (uint32_t i = 0; i < n; ++i)
-    handles[i].assign(remote_offer.data() + sizeof rh + size_t(i) * netabi::kHandleMaxSize, netabi::kHandleMaxSize);
-  for (;;) {
-    bool complete = true;
-    for (uint32_t i = 0; i < n; ++i) {
-      NetLane::Comms& c = comms[i];
-      c.dev = int(i % devices_.size());
-      if (!c.send) {
-        netabi::DeviceHandle* sdev = nullptr;
-        const int rc = net_->connect(c.dev, handles[i].data(), &c.send, &sdev);
-        if (rc != netabi::kSuccess) {
-          close_all(comms);
-          return Status(Code::kConnectionLost, "netplugin: connect on device " + std::to_string(c.dev) + ": " + net_result_name(rc));
-        }
-      }
-      if (!c.recv) {
-        const int rc = net_->accept(mine.comms[i], &c.recv, &c.recv_dev);
-        if (rc != netabi::kSuccess) {
-          close_all(comms);
-          return Status(Code::kConnectionLost, "netplugin: accept on device " + std::to_string(c.dev) + ": " + net_result_name(rc));
-        }
-      }
-      complete &= c.send && c.recv;
-    }
-    if (complete) break;
-    if (sys::now_ms() > deadline || peer->failed()) {
-      close_all(comms);
-      return Status(Code::kTimeout, "netplugin: the peer's comms did not connect in time");
-    }
-    std::this_thread::yield();
+  if (Status s = connect_comms(remote_offer, mine.comms, *peer, deadline, comms); !s.is_ok()) {
+    close_all(comms);
+    return s;
   }
   for (void* c : mine.comms) net_->close_listen(c);
   mine.comms.clear();

@@ -53,6 +53,8 @@ class NetpluginTransport final : public Transport {
   void start_threads();
   void prune_offers(int64_t now);
   bool take_listening(uint64_t session, uint64_t peer_nonce, Listening* mine);
+  Status connect_comms(std::string_view remote_offer, const std::vector<void*>& listens, Link& peer, int64_t deadline,
+                       std::vector<NetLane::Comms>& comms);
 
   Host* const host_;
   std::string unavailable_;
