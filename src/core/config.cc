@@ -290,9 +290,8 @@ uint32_t default_channels() {
   return std::clamp<uint32_t>(n / 2, 4, 16);
 }
 
-// A thread woken from sleep costs tens to hundreds of microseconds on the H200 hosts (a lone ipc
-// transfer on lanes left idle is many times slower than on a busy one), more than an NVLink copy of
-// several MiB (docs/PERFORMANCE.md, "Defaults and why"); spinning pays only where cores are plentiful, as CUDA's own default scheduling assumes.
+// Waking a sleeping thread can cost more than an NVLink copy of several MiB (docs/PERFORMANCE.md,
+// "Defaults and why"); spinning pays only where cores are plentiful, as CUDA's own default scheduling assumes.
 uint32_t default_busy_poll_us() { return std::thread::hardware_concurrency() >= 8 ? 1000 : 0; }
 
 Result<Config> Config::from_env() {
