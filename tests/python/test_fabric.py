@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (MiB, assert_bytes_equal, assert_poison, descriptor_extension, poisoned,
-                             rand_bytes, transport_unusable, wait_error, wait_until)
+from tether_testutil.data import (
+    MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error, wait_until,
+)
+from tether_testutil.transports import transport_unusable
+from tether_testutil.wire import descriptor_extension
 
 T = 20
 FAB = dict(transport="fabric", fabric_provider="tcp")
@@ -282,7 +285,7 @@ def test_between_two_network_namespaces(netns_pair):
 
 
 def test_fabric_endpoints_close_without_leaking_threads_or_fds():
-    from tether_testutil import fd_count, thread_count
+    from tether_testutil.proc import fd_count, thread_count
 
     def cycle():
         with tether.Endpoint(**FAB) as a, tether.Endpoint(**FAB) as b:

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, rand_bytes,
-                             transport_unusable)
+from tether_testutil.data import MiB, POISON, assert_bytes_equal, assert_poison, rand_bytes
+from tether_testutil.gpu import LocalMemory, gpu_env
+from tether_testutil.transports import transport_unusable
 
 GPU = gpu_env("fabric GPU tests")
 torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
@@ -138,7 +139,7 @@ def test_child_writes_into_our_gpu(pair):
 
 def test_refusals_on_a_gpu_target(pair):
     """A bad key and a deregistered GPU region are refused; nothing lands; the peer keeps working."""
-    from tether_testutil import DESC_KEY, get_u64, set_u64
+    from tether_testutil.wire import DESC_KEY, get_u64, set_u64
     local, peer, c = pair
     d = c.call("register", "dst", 1 * MiB, device=GPU.other)
     src = local.region("src", "gpu0", 1 * MiB, seed=47)

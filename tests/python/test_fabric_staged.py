@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (DESC_KEY, MiB, assert_bytes_equal, assert_poison, descriptor_extension, get_u64,
-                             poisoned, rand_bytes, set_u64, transport_unusable, wait_error, wait_until)
+from tether_testutil.data import (
+    MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error, wait_until,
+)
+from tether_testutil.transports import transport_unusable
+from tether_testutil.wire import DESC_KEY, descriptor_extension, get_u64, set_u64
 
 T = 20
 FAB = dict(transport="fabric", fabric_provider="tcp")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import KiB, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error
+from tether_testutil.data import KiB, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error
 
 T = 20.0
 TETHER_PATH = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))

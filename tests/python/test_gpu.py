@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (
-    FRAME, KACK, KWRITE, KWRITE_BATCH, POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, fragment,
-    frame, gpu_env, poisoned, rand_bytes, raw_peer, recv_exact, recv_until_closed, wait_until,
-)
+from tether_testutil.data import MiB, POISON, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_until
+from tether_testutil.gpu import LocalMemory, gpu_env
+from tether_testutil.sockets import raw_peer, recv_exact, recv_until_closed
+from tether_testutil.wire import FRAME, KACK, KWRITE, KWRITE_BATCH, fragment, frame
 
 GPU = gpu_env("GPU tests")
 torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why

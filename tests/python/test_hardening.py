@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (
-    CLIENT_HELLO_SIZE, HELLO_BAD_REQUEST, HELLO_NOT_SAME_HOST, MiB, SERVER_DONE_SIZE, assert_bytes_equal,
-    client_hello, client_proof, cpu_seconds, fd_count, host_id_of, outcome, parse_client_hello, poisoned,
-    rand_bytes, raw_connect, read_server_hello, recv_exact, rss_bytes, server_hello, wait_until,
+from tether_testutil.data import MiB, assert_bytes_equal, outcome, poisoned, rand_bytes, wait_until
+from tether_testutil.proc import cpu_seconds, fd_count, rss_bytes
+from tether_testutil.sockets import raw_connect, read_server_hello, recv_exact
+from tether_testutil.wire import (
+    CLIENT_HELLO_SIZE, HELLO_BAD_REQUEST, HELLO_NOT_SAME_HOST, SERVER_DONE_SIZE, client_hello, client_proof,
+    host_id_of, parse_client_hello, server_hello,
 )
 
 T = 20.0

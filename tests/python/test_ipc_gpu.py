@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, poisoned, rand_bytes
+from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
+from tether_testutil.gpu import LocalMemory, gpu_env
 
 GPU = gpu_env("ipc GPU tests")
 torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why

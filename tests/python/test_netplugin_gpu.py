@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import Child, LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, rand_bytes
+from tether_testutil.child import Child
+from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, rand_bytes
+from tether_testutil.gpu import LocalMemory, gpu_env
 
 GPU = gpu_env("netplugin GPU tests")
 torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why

@@ -494,13 +494,13 @@ def test_every_tether_transport_through_nixl(spawn, nixl_site, transport):
     params = {"transport": transport}
     if transport == "fabric":
         import tether
-        from tether_testutil import transport_unusable
+        from tether_testutil.transports import transport_unusable
         why = transport_unusable("fabric", transport="fabric", fabric_provider="tcp")
         if why:
             pytest.skip(f"fabric transport unavailable: {why}")
         params["fabric_provider"] = "tcp"
     if transport == "netplugin":
-        from tether_testutil import build_testnet_plugin
+        from tether_testutil.transports import build_testnet_plugin
         params["net_plugin"] = build_testnet_plugin()
     a, b = spawn(), spawn()
     a.call("create", "A", "TETHER", params)

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (CLIENT_HELLO_SIZE, MiB, assert_bytes_equal, client_hello, pull, rand_bytes, raw_connect,
-                             raw_peer, recv_exact, rss_bytes, wait_until)
+from tether_testutil.data import MiB, assert_bytes_equal, rand_bytes, wait_until
+from tether_testutil.proc import rss_bytes
+from tether_testutil.sockets import raw_connect, raw_peer, recv_exact
+from tether_testutil.wire import CLIENT_HELLO_SIZE, client_hello, pull
 
 CONTROL = struct.Struct("<IB3x")   # wire::ControlHeader: body length, type
 RTS = struct.Struct("<QQQ")        # wire::RtsBody: msg id, tag, length

@@ -15,8 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from tether_testutil import (FRAME, KACK, KPULL, MiB, assert_bytes_equal, assert_drops_only_that_peer, poisoned, pull,
-                             rand_bytes, raw_peer, recv_exact, wait_until)
+from tether_testutil.data import MiB, assert_bytes_equal, poisoned, rand_bytes, wait_until
+from tether_testutil.sockets import assert_drops_only_that_peer, raw_peer, recv_exact
+from tether_testutil.wire import FRAME, KACK, KPULL, pull
 
 CONTROL = struct.Struct("<IB3x")              # wire::ControlHeader: body length, type
 PULL_FAIL = struct.Struct("<IB3x")            # wire::PullFailBody: token, status

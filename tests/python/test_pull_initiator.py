@@ -18,9 +18,11 @@ import threading
 import pytest
 
 import tether
-from tether_testutil import (CLIENT_HELLO_SIZE, CLIENT_PROOF_SIZE, DESC_KIND, FRAME, KACK, MiB, assert_bytes_equal,
-                             assert_poison, descriptor, parse_client_hello, poisoned, rand_bytes, recv_exact,
-                             server_hello, wait_until)
+from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_until
+from tether_testutil.sockets import recv_exact
+from tether_testutil.wire import (
+    CLIENT_HELLO_SIZE, CLIENT_PROOF_SIZE, DESC_KIND, FRAME, KACK, descriptor, parse_client_hello, server_hello,
+)
 
 KSEND_DATA, KPULL = 5, 8     # wire::FrameType
 RESENT = 1                   # wire::kFlagResent

@@ -15,13 +15,17 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (
-    CLIENT_HELLO_SIZE, DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, HELLO_AUTH_FAILED,
-    HELLO_BAD_REQUEST, HELLO_VERSION_MISMATCH, MiB, SERVER_DONE_SIZE, SERVER_HELLO_SIZE, SOCKET_DATA,
-    FRAME, KREAD_BATCH, KREAD_RESP, client_proof, fragment, frame, raw_peer, read_server_hello,
-    WIRE_MAGIC, WIRE_VERSION, assert_bytes_equal, assert_drops_only_that_peer, assert_poison, client_hello, get_u64, outcome, parse_server_hello,
-    poisoned, rand_bytes, raw_connect, recv_exact, recv_until_closed, set_u32, set_u64, wait_error,
-    wait_until,
+from tether_testutil.data import (
+    MiB, assert_bytes_equal, assert_poison, outcome, poisoned, rand_bytes, wait_error, wait_until,
+)
+from tether_testutil.sockets import (
+    assert_drops_only_that_peer, raw_connect, raw_peer, read_server_hello, recv_exact, recv_until_closed,
+)
+from tether_testutil.wire import (
+    CLIENT_HELLO_SIZE, DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, FRAME, HELLO_AUTH_FAILED,
+    HELLO_BAD_REQUEST, HELLO_VERSION_MISMATCH, KREAD_BATCH, KREAD_RESP, SERVER_DONE_SIZE, SERVER_HELLO_SIZE,
+    SOCKET_DATA, WIRE_MAGIC, WIRE_VERSION, client_hello, client_proof, fragment, frame, get_u64,
+    parse_server_hello, set_u32, set_u64,
 )
 
 T = 20.0

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (
-    POISON, Child, KiB, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes,
-    wait_error, wait_until,
+from tether_testutil.child import Child
+from tether_testutil.data import (
+    KiB, MiB, POISON, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error, wait_until,
 )
 
 SIZES = [1, 4 * KiB + 3, 1 * MiB, 64 * MiB]
