@@ -10,6 +10,8 @@ import sys
 import traceback
 from typing import Any, Optional
 
+import numpy as np
+
 from .agent import Agent
 from .proc import wait_stopped
 
@@ -102,3 +104,8 @@ def agent_main(conn, env: dict) -> None:
             break
     conn.close()
     sys.stdout.flush()
+
+
+def child_bytes(child: Child, name: str) -> np.ndarray:
+    """The bytes of the child's buffer `name` (host or GPU), as a uint8 array."""
+    return np.frombuffer(child.call("get", name), np.uint8)

@@ -1,12 +1,24 @@
 """GPU test modules: the GPUs, torch and kernels here (skipping a module, saying why, where there
-are none), and this process's side of a two-process GPU test."""
+are none), this process's side of a two-process GPU test, and that side linked to a child's."""
 from __future__ import annotations
 
 from typing import Optional
 
 import numpy as np
+import pytest
+
+import tether
 
 from .data import poisoned, rand_bytes
+
+
+def torch_gpus() -> tuple:
+    """(torch, the GPUs it sees), or (None, 0) without torch (CPU CI)."""
+    try:
+        import torch
+    except ImportError:
+        return None, 0
+    return torch, torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 class GpuEnv:
@@ -36,23 +48,27 @@ class GpuEnv:
         return out
 
     def device(self, kind: str) -> Optional[int]:
-        import pytest
         d = None if kind == "host" else int(kind[-1])
         if d is not None and d >= self.ngpu:
             pytest.skip(f"needs GPU {d}; {self.ngpu} visible")
         return d
 
+    def unpack_mode(self, mode: str) -> str:
+        """`mode`, skipping the test where it is "kernel" and the unpack kernels are unavailable."""
+        if mode == "kernel" and not self.kernels:
+            pytest.skip(f"unpack=kernel unavailable: {self.kernels_why}")
+        return mode
+
+    def local(self, **endpoint) -> "LocalMemory":
+        """This process's side: a new endpoint with options `endpoint`, regions on host or a GPU."""
+        return LocalMemory(tether.Endpoint(**endpoint), self.device)
+
 
 def gpu_env(what: str) -> GpuEnv:
     """Call at import of a GPU test module: skips the whole module, saying why, where CUDA or torch
     with a GPU is missing (CPU machines, CI)."""
-    import pytest
-    import tether
-    try:
-        import torch
-        have_torch = torch.cuda.is_available()
-    except ImportError:  # CPU CI
-        torch, have_torch = None, False
+    torch, seen = torch_gpus()
+    have_torch = seen > 0
     cuda, why, ngpu, kernels, kwhy = tether._tether.gpu_status()
     if not (cuda and have_torch):
         pytest.skip(f"{what} need CUDA and torch with a GPU (tether: {why or 'ok'}; torch cuda: {have_torch})",
@@ -82,3 +98,15 @@ class LocalMemory:
     def get(self, name):
         obj = self.mem[name]
         return obj if isinstance(obj, np.ndarray) else obj.cpu().numpy()
+
+
+def linked(child, make_local, transport: str, /, **child_endpoint):
+    """A two-process GPU test's pair, for a fixture to `yield from`: the child makes its endpoint
+    (options `child_endpoint`), then `make_local()` this process's side (a LocalMemory), which connects
+    to it and must get `transport`. Yields (local, peer, child); closes the local endpoint after."""
+    info = child.call("endpoint", **child_endpoint)
+    local = make_local()
+    peer = local.ep.connect(info["metadata"], timeout=10)
+    assert peer.transport == transport
+    yield local, peer, child
+    local.ep.close()
