@@ -106,6 +106,6 @@ def agent_main(conn, env: dict) -> None:
     sys.stdout.flush()
 
 
-def child_bytes(child: Child, name: str) -> np.ndarray:
-    """The bytes of the child's buffer `name` (host or GPU), as a uint8 array."""
-    return np.frombuffer(child.call("get", name), np.uint8)
+def child_bytes(child: Child, name: str, *span) -> np.ndarray:
+    """The bytes of the child's buffer `name` (host or GPU; `span`: offset, length), as a uint8 array."""
+    return np.frombuffer(child.call("get", name, *span), np.uint8)
