@@ -1,7 +1,7 @@
 """The ipc transport: two processes on one host move host memory without sockets carrying bytes.
 Cross-memory attach where the kernel allows it, a shared-memory bounce segment where it does not
 (forced with TETHER_IPC_HOST=shm, or automatic when attach is refused), tcp when ipc is disabled.
-Bad input, deregistration and dead peers are covered for both transports in test_safety.py.
+Bad input, deregistration and dead peers are covered for both transports in test_access_checks.py and test_peer_failure.py.
 """
 from __future__ import annotations
 
