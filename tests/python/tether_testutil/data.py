@@ -82,3 +82,12 @@ def wait_until(pred, timeout: float, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return bool(pred())
+
+
+def disjoint_blocks(rng, n, lo, hi, gap_max=37):
+    """n (offset, size) pairs, disjoint, sizes odd in [lo, hi), separated by random gaps; and the
+    length of a buffer that holds them all."""
+    sizes = rng.integers(lo, hi, n) | 1
+    gaps = rng.integers(1, gap_max, n)
+    offsets = np.cumsum(gaps + np.concatenate([[0], sizes[:-1]]))
+    return [(int(o), int(s)) for o, s in zip(offsets, sizes)], int(offsets[-1] + sizes[-1] + 13)
