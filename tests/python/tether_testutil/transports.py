@@ -27,7 +27,7 @@ def build_testnet_plugin() -> str:
         return os.environ["TETHER_TEST_NET_PLUGIN"]
     if shutil.which("cmake") is None:
         pytest.skip("cmake not installed: the testnet plugin cannot be built")
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]  # the source tree
     build = root / "build" / "testnet"
     build.mkdir(parents=True, exist_ok=True)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
