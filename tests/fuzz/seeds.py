@@ -9,7 +9,7 @@ import struct
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from tether_testutil import client_hello, client_proof, descriptor, server_hello  # noqa: E402
+from tether_testutil.wire import client_hello, client_proof, descriptor, server_hello  # noqa: E402
 
 HANDSHAKE, CONTROL, FRAMES, DECODERS, LISTENER, IPC_LANE, IPC_RING = range(7)
 HOST = b"tthr-HST" + b"\0" * 24

@@ -131,7 +131,7 @@ def test_every_bad_value_fails_construction_naming_the_variable(clean_env):
 @pytest.mark.budget(60)
 def test_process_wide_knobs_take_their_values(clean_env):
     """Rows without a keyword are read once by the code they steer; a value they take lets an endpoint
-    start (their effect is tested where they act: test_gpu, test_fabric_staged, test_netplugin)."""
+    start (their effect is tested where they act: test_gpu, test_fabric, test_netplugin)."""
     rows = [o for o in _table() if not o["keyword"] and o["kind"] != "text"]
     assert {o["env"] for o in rows} >= {"TETHER_KERNEL_STAGING", "TETHER_X_FIRST_COPIES", "TETHER_NET_FAULT"}
     for o in rows:
