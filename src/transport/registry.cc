@@ -1,5 +1,7 @@
 #include "transport/registry.h"
 
+#include "core/endpoint_impl.h"  // an EndpointImpl is the transports' transport::Host
+
 #include "transport/netplugin/netplugin_transport.h"
 #include "transport/ipc/ipc_transport.h"
 #include "transport/fabric/fabric_transport.h"

@@ -292,7 +292,7 @@ bool try_tcp_peer(int fds[2], std::string* why) {
   return true;
 }
 
-// The ipc lane setup message (src/transport/ipc/ipc_transport.cc, Hello; ipc version 8).
+// The ipc lane setup message (src/transport/ipc/lane.h, Hello; ipc version 8).
 #pragma pack(push, 1)
 struct IpcHello {
   uint32_t magic = 0x43504954;
