@@ -83,9 +83,8 @@ t lat_ipc_gpu 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --r
 t lat_ipc_gpu00 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --remote-gpu-idx 0 $L1
 TETHER_CHANNELS=1 t lat_ipc_gpu_1lane 40 tether bench --transport ipc --device gpu --local-gpu-idx 0 --remote-gpu-idx $R $L1
 t lat_tcp_gpu 40 tether bench --transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx $R $L1
-# Thread wake-up cost: busy polling off, and off with the CPUs held out of idle (beside ipc_gpu_tuned).
+# Thread wake-up cost: busy polling off (beside ipc_gpu_tuned).
 TETHER_BUSY_POLL_US=0 t ipc_busy0 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
-TETHER_BUSY_POLL_US=0 t ipc_busy0_qos 50 python3 bench/gpu/hold_cpu_latency.py python3 bench/gpu/compare_ipc_gpu.py --channels 16
 for c in 32 64 128 256 1024; do t ipc_chunk_${c}M 40 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk $((c << 20)); done
 t test_gpu_rest 240 $PT tests/python/test_gpu.py -k "not vectored"
 t ipc_gpu_quick 90 $PT tests/python/test_ipc_gpu.py -k "vectored or cache or deregistered or two_endpoints or child or send_recv"

@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-import tether
+from tether import _gpubench
 
 BIG, FRAG, NFRAG = 256 << 20, 16 << 10, 4096
 
@@ -88,10 +88,10 @@ def rows(dev, src, dst, iters):
     """(name, result) of every case, copies issued on `dev`."""
     out = []
     for k in (1, 2, 4):
-        out.append((f"256 MiB copy, {k} stream(s)", tether._tether.copy_bench(dev, src, dst, BIG, 4096, k, 1, iters, False, 1)))
+        out.append((f"256 MiB copy, {k} stream(s)", _gpubench.copy_bench(dev, src, dst, BIG, 4096, k, 1, iters, False, 1)))
     for batch in (128, 1344):
         for k in (1, 4, 16):
-            r = tether._tether.copy_bench(dev, src, dst, FRAG * NFRAG, FRAG, k, batch, iters, True, 1)
+            r = _gpubench.copy_bench(dev, src, dst, FRAG * NFRAG, FRAG, k, batch, iters, True, 1)
             out.append((f"4096x16K kernel, {batch}/launch, {k} stream(s)", r))
     return out
 

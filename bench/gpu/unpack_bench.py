@@ -19,6 +19,7 @@ import json
 import sys
 
 import tether
+from tether import _gpubench
 
 
 def main() -> int:
@@ -36,7 +37,7 @@ def main() -> int:
         print(f"unpack_bench needs CUDA and the built kernels: cuda={cuda} ({why}) kernels={kernels} ({kwhy})")
         return 2
     chunk, frag = int(a.chunk_mib * (1 << 20)), int(a.frag_kib * 1024)
-    rows = tether._tether.unpack_bench(a.device, chunk, frag, a.iters, a.seed)
+    rows = _gpubench.unpack_bench(a.device, chunk, frag, a.iters, a.seed)
     by = {r["method"]: r for r in rows}
     print(f"GPU {a.device}: {chunk >> 10} KiB chunks of {chunk // frag} shuffled {frag} B fragments, {a.iters} iterations")
     print(f"{'method':<12}{'stream GB/s':>14}{'alone GB/s':>14}{'host us/op':>12}{'bad bytes':>12}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -299,179 +300,232 @@ def _buffers(role: str, device: str, args) -> tuple[int, int, dict[int, int]]:
     return 2, 1, {}
 
 
-def bench(args) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
+class _Refused(Exception):
+    """Options a run cannot take, found before anything starts: one red line, exit status 2."""
 
-    from tether import bench as B
 
-    console = Console(stderr=True)
-    role = args.role
+@dataclasses.dataclass
+class _Plan:
+    """What `tether bench` will run, settled (and checked) before anything starts."""
+    role: str
+    torchrun: Optional[tuple[int, int]]
+    device: str
+    ngpu: int
+    transport_opts: dict
+    gpu_kw: dict
+    sizes: list
+    knobs: dict
+    target: object = None
+    combos: list = dataclasses.field(default_factory=list)
+    cases: list = dataclasses.field(default_factory=list)
+    capacity: int = 0
+    nccl_variants: list = dataclasses.field(default_factory=list)
+
+
+def _role(args) -> tuple[str, Optional[tuple[int, int]]]:
+    """(this process's role, torchrun's (rank, world size) or None)."""
     torchrun = _torchrun_role()
+    role = args.role
     if role is None:
         role = ("client" if torchrun[0] == 0 else "server") if torchrun else "local"
     if torchrun and torchrun[1] != 2:
-        _err(console, "under torchrun, tether bench takes exactly 2 ranks (--nnodes=2 --nproc_per_node=1)")
-        return 2
+        raise _Refused("under torchrun, tether bench takes exactly 2 ranks (--nnodes=2 --nproc_per_node=1)")
     if role == "client" and not (args.peer or torchrun):
-        _err(console, "--role client needs --peer HOST:PORT (or torchrun)")
-        return 2
-    for opt, path in (("--json", args.json), ("--plot", args.plot)):  # found before the run, not after it
+        raise _Refused("--role client needs --peer HOST:PORT (or torchrun)")
+    return role, torchrun
+
+
+def _check_outputs(args) -> None:
+    """Where --json and --plot write, found before the run, not after it."""
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
         if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            _err(console, f"{opt} {path}: cannot write there (no such directory, or no permission)")
-            return 2
+            raise _Refused(f"{opt} {path}: cannot write there (no such directory, or no permission)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        _err(console, "--plot needs matplotlib, not installed here: pip install matplotlib "
-                      "(in tether's source tree: pip install \".[plot]\")")
-        return 2
+        raise _Refused("--plot needs matplotlib, not installed here: pip install matplotlib "
+                       "(in tether's source tree: pip install \".[plot]\")")
+
+
+def _device(args) -> tuple[str, int]:
+    """(the memory the run moves, cpu or gpu; the GPUs visible here)."""
     device = args.device
     cuda, why, ngpu = tether._tether.gpu_status()[:3]
     if device == "auto":
         device = "cpu"  # GPU memory on request (--device gpu): same-host ipc moves host memory only so far
     if device == "gpu":
         if not cuda or not _torch_cuda():
-            _err(console, f"--device gpu needs CUDA and torch with a GPU here ({why or 'torch has no CUDA'})")
-            return 2
+            raise _Refused(f"--device gpu needs CUDA and torch with a GPU here ({why or 'torch has no CUDA'})")
         for idx in (args.local_gpu_idx, args.remote_gpu_idx):
             if not 0 <= idx < ngpu:
-                _err(console, f"GPU {idx} does not exist ({ngpu} visible)")
-                return 2
-    transport_opts = {} if args.transport == "auto" else {"transport": args.transport}
+                raise _Refused(f"GPU {idx} does not exist ({ngpu} visible)")
+    return device, ngpu
+
+
+def _transport_options(args, role: str) -> dict:
+    """The endpoints' transport option; the tcp ceiling tool found (or built) before the run, not after it."""
+    from tether import bench as B
+
     if args.transport != "auto":
         with tether.Endpoint(port=0) as probe:
             why = probe.transports().get(args.transport, "not built into this tether")
         if why:
-            _err(console, f"--transport {args.transport}: not available here ({why})")
-            return 2
-    if args.ceiling:  # found (or built) before the run, not after it
+            raise _Refused(f"--transport {args.transport}: not available here ({why})")
+    if args.ceiling:
         if args.transport != "tcp" or role != "local" or args.full_mesh:
-            _err(console, "--ceiling measures loopback TCP beside tether's tcp transport: it goes with "
-                          "--transport tcp, two local processes (--role local), no --full-mesh")
-            return 2
+            raise _Refused("--ceiling measures loopback TCP beside tether's tcp transport: it goes with "
+                           "--transport tcp, two local processes (--role local), no --full-mesh")
         B.ceiling_tool()
+    return {} if args.transport == "auto" else {"transport": args.transport}
+
+
+def _plan(args) -> _Plan:
+    """Who runs what, with what memory and transport; the checks run in this order (the first one that
+    fails is the one reported)."""
+    from tether import bench as B
+
+    role, torchrun = _role(args)
+    _check_outputs(args)
+    device, ngpu = _device(args)
+    transport_opts = _transport_options(args, role)
     if args.nics:
         os.environ["TETHER_NICS"] = args.nics  # both endpoints (a local server inherits it)
-    gpu_kw = dict(device=args.local_gpu_idx, remote_device=args.remote_gpu_idx) if device == "gpu" else {}
-    modes = args.mode
-    sizes = args.sizes or _csv(B.parse_size)(DEFAULT_SIZES)
-    knobs = {
-        "channels": args.channels, "sockets_per_channel": args.sockets_per_channel,
-        "chunk_bytes": args.chunk_bytes, "window": args.window, "unpack": args.unpack,
-    }
-    if role == "server":
-        return _run_server(args, dict({k: v[0] for k, v in knobs.items() if v}, **transport_opts))
-    if role == "client" and torchrun:
-        target = _torch_store().get("tether/bench/metadata")
-    else:
-        target = args.peer
-    names = [k for k, v in knobs.items() if v]
-    combos = [dict(zip(names, values)) for values in itertools.product(*(knobs[k] for k in names))] or [{}]
-    capacity = max(sizes) * max(args.num_iovs)
+    return _Plan(
+        role=role, torchrun=torchrun, device=device, ngpu=ngpu, transport_opts=transport_opts,
+        gpu_kw=dict(device=args.local_gpu_idx, remote_device=args.remote_gpu_idx) if device == "gpu" else {},
+        sizes=args.sizes or _csv(B.parse_size)(DEFAULT_SIZES),
+        knobs={"channels": args.channels, "sockets_per_channel": args.sockets_per_channel,
+               "chunk_bytes": args.chunk_bytes, "window": args.window, "unpack": args.unpack})
 
-    results: list = []
-    cases_per_combo = [
+
+def _plan_cases(args, plan: _Plan) -> None:
+    """The driving side's part of the plan: every combination of the swept knobs, the cases each runs,
+    the peer to run them against."""
+    from tether import bench as B
+
+    if plan.role == "client" and plan.torchrun:
+        plan.target = _torch_store().get("tether/bench/metadata")
+    else:
+        plan.target = args.peer
+    names = [k for k, v in plan.knobs.items() if v]
+    plan.combos = [dict(zip(names, values)) for values in itertools.product(*(plan.knobs[k] for k in names))] or [{}]
+    plan.capacity = max(plan.sizes) * max(args.num_iovs)
+    plan.cases = [
         B.Case(mode=m, size=s, num_iovs=n, iters=args.iters or B.auto_iters(s, n),
                warmup=args.warmup if args.warmup is not None else max(1, (args.iters or B.auto_iters(s, n)) // 10),
                async_depth=args.depth if args.async_api else 0, check=args.check,
                check_iters=args.check_iters)
-        for m in modes for n in args.num_iovs for s in sizes if not (m == "send" and n != 1)
+        for m in args.mode for n in args.num_iovs for s in plan.sizes if not (m == "send" and n != 1)
     ]
-    if not cases_per_combo:  # --mode send --num-iovs 4: nothing would run, and an empty table says nothing
-        _err(console, "nothing to measure: send moves one block per op (--num-iovs 1); "
-                      "vectored ops are write and read")
-        return 2
-    if args.full_mesh and (role != "local" or args.gpus < 1):
-        _err(console, "--full-mesh runs locally (two hosts: start one bench pair per device) with --gpus >= 1")
-        return 2
-    if args.nccl and not (args.full_mesh and device == "gpu"):
-        _err(console, "--nccl goes with --full-mesh --device gpu")
-        return 2
-    nccl_variants = [v for v in (args.nccl or "").split(",") if v]
-    if any(v not in ("default", "socket") for v in nccl_variants):
-        _err(console, f"--nccl takes default, socket or both, not {args.nccl!r}")
-        return 2
-    if args.full_mesh and device == "gpu":
-        if not 2 <= args.gpus <= ngpu:
-            _err(console, f"a GPU full mesh takes 2 <= --gpus <= {ngpu} (the GPUs visible here)")
-            return 2
-        if "send" in modes:
-            _err(console, "a GPU full mesh runs write and read (send needs a receiver per flow)")
-            return 2
+    if not plan.cases:  # --mode send --num-iovs 4: nothing would run, and an empty table says nothing
+        raise _Refused("nothing to measure: send moves one block per op (--num-iovs 1); "
+                       "vectored ops are write and read")
+    if args.full_mesh and (plan.role != "local" or args.gpus < 1):
+        raise _Refused("--full-mesh runs locally (two hosts: start one bench pair per device) with --gpus >= 1")
+    if args.nccl and not (args.full_mesh and plan.device == "gpu"):
+        raise _Refused("--nccl goes with --full-mesh --device gpu")
+    plan.nccl_variants = [v for v in (args.nccl or "").split(",") if v]
+    if any(v not in ("default", "socket") for v in plan.nccl_variants):
+        raise _Refused(f"--nccl takes default, socket or both, not {args.nccl!r}")
+    if args.full_mesh and plan.device == "gpu":
+        if not 2 <= args.gpus <= plan.ngpu:
+            raise _Refused(f"a GPU full mesh takes 2 <= --gpus <= {plan.ngpu} (the GPUs visible here)")
+        if "send" in args.mode:
+            raise _Refused("a GPU full mesh runs write and read (send needs a receiver per flow)")
     # A case that cannot fit is refused before anything starts: a helper that dies allocating it
     # would end the run half-way, with nothing to show for the rows before it.
-    too_big = B.memory_shortfall(capacity, *_buffers(role, device, args),
-                                 what=f"{B.human(max(sizes))} x {max(args.num_iovs)} iovs")
+    too_big = B.memory_shortfall(plan.capacity, *_buffers(plan.role, plan.device, args),
+                                 what=f"{B.human(max(plan.sizes))} x {max(args.num_iovs)} iovs")
     if too_big:
-        _err(console, f"refused: {too_big}; lower --sizes or --num-iovs")
-        return 2
+        raise _Refused(f"refused: {too_big}; lower --sizes or --num-iovs")
+
+
+def _run_pair(args, plan: _Plan, combo: dict, last: bool, progress, task) -> tuple[list, tuple]:
+    """One combination's cases over one pair of endpoints: (its rows, the pair's (lanes, chunk bytes,
+    socket buffer): the shape of a tcp ceiling beside it)."""
+    from tether import bench as B
+
+    pair = None
+    rows: list = []
+    opts = dict(combo, **plan.transport_opts)
+    try:
+        pair = (B.LocalPair(opts, plan.capacity, **plan.gpu_kw) if plan.role == "local"
+                else B.RemotePair(opts, plan.capacity, plan.target, **plan.gpu_kw))
+        for case in plan.cases:
+            progress.update(task, description=f"{case.mode} {B.human(case.size)} x{case.num_iovs} {combo or ''}")
+            r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda: progress.advance(task))
+            r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
+            rows.append(r)
+        if args.stats:
+            stats_tables(pair.ep.stats(), combo)
+            stats_tables(pair.ask("stats"), combo, side="target side")
+        lanes = sum(1 for l in pair.ep.stats()["lanes"] if l["peer_id"] == pair.peer.id)
+        return rows, (lanes, pair.ep.config.chunk_bytes, pair.ep.config.socket_buffer)
+    except Exception as e:
+        raise (pair.failure(e) if pair else e) from None  # a dead server: its error, not ours
+    finally:
+        if pair:
+            pair.close(shutdown=last and bool(plan.torchrun))
+
+
+def _run(args, plan: _Plan, console) -> Optional[tuple[list, dict]]:
+    """Every combination in turn: (the rows, {shape: tcp_ceiling's result}); None when a full mesh
+    failed (said on stderr)."""
+    from rich.progress import Progress
+
+    from tether import bench as B
     from tether import mesh
-    n_flows = len(mesh.flows(args.gpus, device == "gpu"))
-    total_ops = len(combos) * sum(c.iters + (c.check_iters or c.iters if c.check else 0) for c in cases_per_combo)
+
+    n_flows = len(mesh.flows(args.gpus, plan.device == "gpu"))
+    total_ops = len(plan.combos) * sum(c.iters + (c.check_iters or c.iters if c.check else 0) for c in plan.cases)
     if args.full_mesh:
-        total_ops = len(combos) * len(cases_per_combo) * n_flows
+        total_ops = len(plan.combos) * len(plan.cases) * n_flows
+    results: list = []
     ceilings: dict = {}  # (lanes, chunk bytes, socket buffer) -> tcp_ceiling's result
-    t_start = time.perf_counter()
     # A progress bar only on a terminal: in a log or a pipe it is noise (and leaves a blank line).
     with Progress(console=console, transient=True, disable=args.quiet or not console.is_terminal) as progress:
         task = progress.add_task("bench", total=total_ops)
-        for i, combo in enumerate(combos):
-            opts = dict(combo, **transport_opts)
+        for i, combo in enumerate(plan.combos):
             if args.full_mesh:
                 progress.update(task, description=f"full mesh, {n_flows} flows {combo or ''}")
                 try:
-                    results.extend(mesh.run(args.gpus, opts, capacity, cases_per_combo, args.single_process,
-                                            gpu=device == "gpu", progress=lambda: progress.advance(task)))
+                    results.extend(mesh.run(args.gpus, dict(combo, **plan.transport_opts), plan.capacity, plan.cases,
+                                            args.single_process, gpu=plan.device == "gpu",
+                                            progress=lambda: progress.advance(task)))
                 except Exception as e:  # a worker's traceback in full, then its cause on one line
                     text = str(e).strip() or type(e).__name__
                     print(text, file=sys.stderr)
                     _err(console, f"full mesh failed: {text.splitlines()[-1]}")
-                    return 1
+                    return None
                 continue
-            pair = None
-            combo_rows: list = []
-            try:
-                pair = (B.LocalPair(opts, capacity, **gpu_kw) if role == "local"
-                        else B.RemotePair(opts, capacity, target, **gpu_kw))
-                for case in cases_per_combo:
-                    progress.update(task, description=f"{case.mode} {B.human(case.size)} x{case.num_iovs} {combo or ''}")
-                    r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda: progress.advance(task))
-                    r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
-                    results.append(r)
-                    combo_rows.append(r)
-                if args.stats:
-                    stats_tables(pair.ep.stats(), combo)
-                    stats_tables(pair.ask("stats"), combo, side="target side")
-                lanes = sum(1 for l in pair.ep.stats()["lanes"] if l["peer_id"] == pair.peer.id)
-                shape = (lanes, pair.ep.config.chunk_bytes, pair.ep.config.socket_buffer)
-            except Exception as e:
-                raise (pair.failure(e) if pair else e) from None  # a dead server: its error, not ours
-            finally:
-                if pair:
-                    pair.close(shutdown=i == len(combos) - 1 and bool(torchrun))
+            rows, shape = _run_pair(args, plan, combo, i == len(plan.combos) - 1, progress, task)
+            results.extend(rows)
             if args.ceiling:  # after the pair has gone: the ceiling has the CPUs to itself
                 if shape not in ceilings:
                     progress.update(task, description=f"tcp_ceiling, {shape[0]} streams")
-                    ceilings[shape] = B.tcp_ceiling(*shape, cuda=device == "gpu")
-                for r in combo_rows:
+                    ceilings[shape] = B.tcp_ceiling(*shape, cuda=plan.device == "gpu")
+                for r in rows:
                     r.ceiling_gbps = ceilings[shape]["gbps"]
+    return results, ceilings
+
+
+def _report(args, plan: _Plan, console, results: list, ceilings: dict, elapsed: float) -> int:
+    """The table (NCCL's rows beside tether's), --json and --plot; the exit status."""
+    from tether import bench as B
 
     nccl_failed = False
-    for variant in nccl_variants:
-        rows, why = _nccl_rows(args.gpus, sizes, args.iters, variant == "socket")
+    for variant in plan.nccl_variants:
+        rows, why = _nccl_rows(args.gpus, plan.sizes, args.iters, variant == "socket")
         if why:
             _err(console, f"NCCL all-pairs ({variant}) failed: {why}")
             nccl_failed = True
         results.extend(rows)
-
-    print_results(results, full_mesh=args.full_mesh, show_config=len(combos) > 1,
-                  elapsed=time.perf_counter() - t_start, ceilings=list(ceilings.values()))
-
+    print_results(results, full_mesh=args.full_mesh, show_config=len(plan.combos) > 1,
+                  elapsed=elapsed, ceilings=list(ceilings.values()))
     if args.json:
         doc = {
             "version": 1, "machine": B.machine_info(),
-            "config": {"transport": ",".join(sorted({r.transport for r in results})) or args.transport, "device": device,
-                       "async_api": args.async_api, "check_iters": args.check_iters if args.check else 0,
-                       "combos": combos},
+            "config": {"transport": ",".join(sorted({r.transport for r in results})) or args.transport,
+                       "device": plan.device, "async_api": args.async_api,
+                       "check_iters": args.check_iters if args.check else 0, "combos": plan.combos},
             "results": [dict(B.result_dict(r), config=r.config) for r in results],
             **({"ceilings": list(ceilings.values())} if ceilings else {}),
         }
@@ -484,6 +538,25 @@ def bench(args) -> int:
         _err(console, f"--check found corrupted bytes in {len(failed)} case(s)")
         return 1
     return 1 if nccl_failed else 0
+
+
+def bench(args) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    try:
+        plan = _plan(args)
+        if plan.role == "server":
+            return _run_server(args, dict({k: v[0] for k, v in plan.knobs.items() if v}, **plan.transport_opts))
+        _plan_cases(args, plan)
+    except _Refused as e:
+        _err(console, str(e))
+        return 2
+    t_start = time.perf_counter()
+    ran = _run(args, plan, console)
+    if ran is None:
+        return 1
+    return _report(args, plan, console, *ran, time.perf_counter() - t_start)
 
 
 # ---------------------------------------------------------------- the results table

@@ -17,8 +17,6 @@
 #include "core/peer.h"
 #include "core/wire.h"
 #include "gpu/staging.h"
-#include "gpu/unpack_bench.h"
-#include "gpu/copy_bench.h"
 #include "sys/topology.h"
 #include "tether/endpoint.h"
 #include "transport/fabric/fabric_transport.h"
@@ -434,42 +432,6 @@ NB_MODULE(_tether, m) {
     auto info = tether::gpu::pointer_info(reinterpret_cast<void*>(ptr));
     return info.is_ok() && info.value().is_device ? info.value().device : -1;
   });
-  // bench/gpu/ipc_probe.py: copy engines or the copy kernel between raw device pointers (peer or IPC-opened).
-  m.def("copy_bench", [](int device, uint64_t src, uint64_t dst, uint64_t bytes, uint64_t frag_bytes, uint32_t streams,
-                         uint32_t batch, uint32_t iters, bool kernel, uint64_t seed) {
-    auto result = [&] {
-      nb::gil_scoped_release unlocked;
-      return tether::gpu::bench_copy(device, src, dst, bytes, frag_bytes, streams, batch, iters, kernel, seed);
-    }();
-    auto r = take(std::move(result));
-    nb::dict d;
-    d["gbps"] = r.gbps;
-    d["us_per_op"] = r.us_per_op;
-    d["submit_us"] = r.submit_us;
-    d["mismatches"] = r.mismatches;
-    return d;
-  });
-  // bench/gpu/unpack_bench.py: the shared copy kernel vs per-fragment and contiguous cuMemcpyAsync.
-  m.def("unpack_bench", [](int device, uint64_t chunk_bytes, uint64_t frag_bytes, uint32_t iters, uint64_t seed) {
-        auto result = [&] {
-          nb::gil_scoped_release unlocked;
-          return tether::gpu::bench_unpack(device, chunk_bytes, frag_bytes, iters, seed);
-        }();
-        auto rows = take(std::move(result));
-        nb::list out;
-        for (auto& r : rows) {
-          nb::dict d;
-          d["method"] = r.method;
-          d["stream_gbps"] = r.stream_gbps;
-          d["host_us"] = r.host_us;
-          d["alone_gbps"] = r.alone_gbps;
-          d["mismatches"] = r.mismatches;
-          out.append(d);
-        }
-        return out;
-      },
-      nb::arg("device") = 0, nb::arg("chunk_bytes") = 4u << 20, nb::arg("frag_bytes") = 4096, nb::arg("iters") = 1000,
-      nb::arg("seed") = 1);
   // (usable, why not) for GPU memory and for the unpack kernels.
   m.def("gpu_status", [] {
     std::string why, kwhy;

@@ -1,6 +1,6 @@
 #include "transport/registry.h"
 
-#include "core/endpoint_impl.h"  // an EndpointImpl is the transports' transport::Host
+#include "core/endpoint_impl.h"  // EndpointImpl is the transports' Host
 
 #include "transport/netplugin/netplugin_transport.h"
 #include "transport/ipc/ipc_transport.h"

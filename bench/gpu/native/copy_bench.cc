@@ -1,4 +1,4 @@
-#include "gpu/copy_bench.h"
+#include "copy_bench.h"
 
 #include <algorithm>
 #include <chrono>

@@ -1,4 +1,4 @@
-#include "gpu/unpack_bench.h"
+#include "unpack_bench.h"
 
 #include <algorithm>
 #include <chrono>
