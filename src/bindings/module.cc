@@ -418,12 +418,7 @@ NB_MODULE(_tether, m) {
             }
             d["nics"] = nics;
             d["lanes"] = lanes;
-            d["ipc_cma_chunks"] = s.ipc_cma_chunks;
-            d["ipc_shm_chunks"] = s.ipc_shm_chunks;
-            d["ipc_inline_chunks"] = s.ipc_inline_chunks;
-            d["ipc_one_sided_chunks"] = s.ipc_one_sided_chunks;
-            d["ipc_cuda_chunks"] = s.ipc_cuda_chunks;
-            d["ipc_cuda_opens"] = s.ipc_cuda_opens;
+            for (auto& [name, value] : s.transport_counters) d[name.c_str()] = value;
             return d;
           })
       .def("close", [](Endpoint& e) {
