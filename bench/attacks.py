@@ -19,10 +19,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
 import tether  # noqa: E402
-from tether_testutil import (  # noqa: E402
-    SERVER_DONE_SIZE, Child, client_hello, client_proof, cpu_seconds, fd_count, host_id_of, rand_bytes, raw_connect,
-    read_server_hello, recv_exact, rss_bytes,
-)
+from tether_testutil.child import Child  # noqa: E402
+from tether_testutil.data import rand_bytes  # noqa: E402
+from tether_testutil.proc import cpu_seconds, fd_count, rss_bytes  # noqa: E402
+from tether_testutil.sockets import raw_connect, read_server_hello, recv_exact  # noqa: E402
+from tether_testutil.wire import SERVER_DONE_SIZE, client_hello, client_proof, host_id_of  # noqa: E402
 
 MiB = 1 << 20
 ROWS: list[dict] = []

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "tether/config.h"
@@ -213,11 +214,9 @@ struct EndpointStats {
   uint64_t reads_pushed = 0;  // peers' reads this endpoint sent as pushes (tcp, GPU memory on either side)
   std::vector<NicStats> nics;    // NICs that are data NICs or carried a lane
   std::vector<LaneStats> lanes;  // lanes of the peers connected now
-  uint64_t ipc_cma_chunks = 0, ipc_shm_chunks = 0;  // chunks this side served as an ipc target, by mover
-  uint64_t ipc_inline_chunks = 0;  // ... small writes whose bytes came in the request message
-  uint64_t ipc_one_sided_chunks = 0;  // chunks this side moved itself as an ipc initiator (a grant, no message)
-  uint64_t ipc_cuda_chunks = 0;  // chunks whose GPU side this endpoint copied with CUDA over ipc
-  uint64_t ipc_cuda_opens = 0;   // CUDA IPC handles of peers' allocations this endpoint opened (cached after)
+  // What each transport counts of its own, as (name, value), names prefixed by the transport
+  // (ipc: ipc_cma_chunks, ipc_shm_chunks, ipc_inline_chunks, ipc_one_sided_chunks, ipc_cuda_chunks, ipc_cuda_opens).
+  std::vector<std::pair<std::string, uint64_t>> transport_counters;
 };
 
 class Endpoint {

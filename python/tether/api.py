@@ -12,14 +12,13 @@ from tether import _tether
 
 Remote = Union[bytes, str, _tether.RemoteRegion]  # str: a descriptor's .hex() text
 
-# Constructor options -> Config fields, from the option table (src/core/config.cc; each also has a
-# TETHER_* environment override). Options of kind "seconds" are given in seconds, stored in milliseconds.
-_TABLE = [o for o in _tether.options() if o["keyword"]]
-_OPTIONS = {o["keyword"]: o["keyword"] for o in _TABLE if o["kind"] != "seconds"}
-_SECONDS = {o["keyword"] for o in _TABLE if o["kind"] == "seconds"}  # field: keyword + "_ms"
+# Constructor keywords and their kinds, from the option table (src/core/config.cc; each also has a
+# TETHER_* environment override). Keywords of kind "seconds" are given in seconds, stored in the
+# Config field keyword + "_ms"; every other keyword names its field.
+_KINDS = {o["keyword"]: o["kind"] for o in _tether.options() if o["keyword"]}
 
 
-def _set_option(cfg: "_tether.Config", key: str, field: str, value: Any) -> None:
+def _set_option(cfg: "_tether.Config", key: str, value: Any) -> None:
     """Sets one Config field; a value of the wrong type or range is InvalidArgument naming the option
     (nanobind's own conversion error names neither). Text is parsed as the option's TETHER_* variable is
     ("4M", "yes", "2.5s"), by the same C++ parser."""
@@ -27,12 +26,20 @@ def _set_option(cfg: "_tether.Config", key: str, field: str, value: Any) -> None
         cfg.set(key, value)
         return
     try:
-        setattr(cfg, field, value)
+        setattr(cfg, key, value)
     except (TypeError, ValueError, OverflowError):
-        current = getattr(cfg, field)
+        current = getattr(cfg, key)
         want = ("True or False" if isinstance(current, bool) else "a string" if isinstance(current, str)
                 else "a non-negative integer in range")
         raise _tether.InvalidArgument(f"option {key}: expected {want}, got {value!r}") from None
+
+
+def _set_seconds(cfg: "_tether.Config", key: str, value: Any) -> None:
+    if not isinstance(value, str):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise _tether.InvalidArgument(f"{key} is in seconds: expected a number >= 0, got {value!r}")
+        value = format(value, "f") if isinstance(value, float) else str(value)
+    cfg.set(key, value)  # rounded to milliseconds as the variable's text is; inf is refused there
 
 
 def _config(options: dict) -> "_tether.Config":
@@ -42,17 +49,40 @@ def _config(options: dict) -> "_tether.Config":
     for key, value in options.items():
         if value is None:
             continue
-        if key in _OPTIONS:
-            _set_option(cfg, key, _OPTIONS[key], value)
-        elif key in _SECONDS:
-            if not isinstance(value, str):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                    raise _tether.InvalidArgument(f"{key} is in seconds: expected a number >= 0, got {value!r}")
-                value = format(value, "f") if isinstance(value, float) else str(value)
-            cfg.set(key, value)  # rounded to milliseconds as the variable's text is; inf is refused there
-        else:
+        if key not in _KINDS:
             raise TypeError(f"Endpoint() got an unknown option {key!r}")
+        (_set_seconds if _KINDS[key] == "seconds" else _set_option)(cfg, key, value)
     return cfg
+
+
+def effective_options(**options: Any) -> list[dict]:
+    """Every row of the option table as `Endpoint(**options)` would use it: keyword (None for a
+    process-wide knob), env, kind, value (as the keyword takes it: seconds for timeouts; a secret shows
+    as "(set)"), source ("keyword", "environment" or "default") and help. A bad TETHER_* variable or
+    keyword raises InvalidArgument naming it, as Endpoint() would."""
+    cfg = _config(options)
+    _tether.Config.check_process_env()
+    rows = []
+    for o in _tether.options():
+        kw, raw = o["keyword"], o["env_value"]
+        source = ("keyword" if kw and options.get(kw) is not None else
+                  "environment" if raw is not None else "default")
+        value = cfg.get(kw) if kw else raw if raw is not None else o["default"]
+        if "TOKEN" in o["env"] and value:
+            value = "(set)"
+        rows.append({"keyword": kw, "env": o["env"], "kind": o["kind"], "value": value, "source": source,
+                     "help": o["help"]})
+    return rows
+
+
+def _keyword_doc() -> str:
+    """The Endpoint docstring's list of keywords, one per row of the option table."""
+    lines = []
+    for o in _tether.options():
+        if o["keyword"]:
+            unit = " (seconds)" if o["kind"] == "seconds" else ""
+            lines.append(f"    {o['keyword']}{unit} [{o['env']}; default {o['default'] or chr(34) * 2}]: {o['help']}")
+    return "\n".join(lines)
 
 
 _U64 = 1 << 64
@@ -416,19 +446,16 @@ class _InstanceOrClass:
 class Endpoint:
     """One per process. Listens, accepts peers by itself, owns regions, peers and progress threads.
 
-    Options (each with a TETHER_* environment override; `tether._tether.options()` lists them with a
-    help line, README "Options" too): host, port, channels, sockets_per_channel, chunk_bytes, window,
-    socket_buffer, spin_us, busy_poll_us, staging_nap_us, wait_nap_us, auth_token, name, transport,
-    net_plugin, net_comms, net_bindings, unpack, and in seconds connect_timeout, peer_timeout, heartbeat,
-    handshake_timeout, ... Text values are parsed as the variables are: sizes "4M", booleans "yes",
-    durations "2.5s".
+    Keywords (each with a TETHER_* environment override; a keyword wins over its variable, a variable
+    over the default). Text values are parsed as the variables are: sizes "4M", booleans "yes",
+    durations "2.5s". `tether doctor` prints the value each would have here and where it came from.
     """
 
     def __init__(self, host: Optional[str] = None, port: Optional[int] = None, **options: Any):
         """Starts listening at once: on `host` (default "127.0.0.1"; "0.0.0.0" for every NIC) and
         `port` (default 0: an ephemeral port; `address` says which). `options` are the keywords listed
-        in the class docstring (README "Options"); each defaults to its TETHER_* environment variable,
-        else to the measured default. An unknown option raises TypeError."""
+        in the class docstring; each defaults to its TETHER_* environment variable, else to the measured
+        default. An unknown option raises TypeError."""
         cfg = _config(dict(options, **{k: v for k, v in (("host", host), ("port", port)) if v is not None}))
         self.config = cfg
         self._ep = _tether.Endpoint.create(cfg)
@@ -531,6 +558,8 @@ class Endpoint:
     def __repr__(self) -> str:
         return f"Endpoint(address={self.address!r}, name={self.name!r})"
 
+
+Endpoint.__doc__ = Endpoint.__doc__.rstrip() + "\n\n" + _keyword_doc() + "\n"
 
 _live: "weakref.WeakSet[Endpoint]" = weakref.WeakSet()
 

@@ -136,32 +136,53 @@ def _fabric_providers() -> list[str] | None:
     return sorted({line.strip().rstrip(":") for line in out.splitlines() if line.strip().endswith(":")})
 
 
-# tether asks for socket_buffer (4 MiB by default) per data socket; the kernel caps it at these.
-SOCKET_BUFFER = 4 << 20
+# tether asks for socket_buffer per data socket; the kernel caps it at these.
 SYSCTLS = {
-    "net.core.rmem_max": "raise to >= socket_buffer (4 MiB by default), or the kernel caps tether's buffers",
-    "net.core.wmem_max": "raise to >= socket_buffer (4 MiB by default), or the kernel caps tether's buffers",
-    "net.ipv4.tcp_rmem": "max (third value) >= 4 MiB recommended for fast or long links",
-    "net.ipv4.tcp_wmem": "max (third value) >= 4 MiB recommended for fast or long links",
+    "net.core.rmem_max": "raise to >= socket_buffer ({}), or the kernel caps tether's buffers",
+    "net.core.wmem_max": "raise to >= socket_buffer ({}), or the kernel caps tether's buffers",
+    "net.ipv4.tcp_rmem": "max (third value) >= {} recommended for fast or long links",
+    "net.ipv4.tcp_wmem": "max (third value) >= {} recommended for fast or long links",
 }
+
+
+def options() -> tuple[Optional[list[dict]], Optional[str]]:
+    """(every option as an Endpoint created here would use it, with where its value came from; None),
+    or (None, why an Endpoint cannot start with this environment: the bad variable, in one line)."""
+    import tether
+    from tether.api import effective_options
+
+    try:
+        return effective_options(), None
+    except tether.TetherError as e:
+        return None, str(e)
+
+
+def _value(opts: Optional[list[dict]], keyword: str) -> str:
+    """The option's effective value; its default where the environment is refused."""
+    from tether import _tether
+
+    rows = opts or [dict(o, value=o["default"]) for o in _tether.options()]
+    return next(o["value"] for o in rows if o["keyword"] == keyword)
 
 
 def collect() -> dict[str, Any]:
     import tether
 
+    opts, config_error = options()
+    socket_buffer = int(_value(opts, "socket_buffer"))
     sysctls = {}
     for key, advice in SYSCTLS.items():
         value = _read("/proc/sys/" + key.replace(".", "/"))
         numbers = [int(x) for x in value.split()] if value else []
-        ok = not numbers or numbers[-1] >= SOCKET_BUFFER
-        sysctls[key] = {"value": value, "ok": ok, "advice": None if ok else advice}
+        ok = not numbers or numbers[-1] >= socket_buffer
+        sysctls[key] = {"value": value, "ok": ok, "advice": None if ok else advice.format(_bytes(socket_buffer))}
     cuda = ctypes.util.find_library("cuda") or (os.path.exists("/dev/nvidiactl") and "libcuda (driver present)")
     fabric = ctypes.util.find_library("fabric")
     transports = {
         "tcp": {"available": True, "why": "kernel sockets"},
     }
     usable = {"tcp": "kernel sockets", "ipc": "same-host peers: process_vm_readv / memfd segments, CUDA IPC (VMM: fds) for GPU memory",
-              "netplugin": "NCCL net plugin " + os.environ.get("TETHER_NET_PLUGIN", "")}
+              "netplugin": "NCCL net plugin " + _value(opts, "net_plugin")}
     try:
         with tether.Endpoint() as probe:  # what this build reports (fabric: libfabric found, a provider usable)
             for name, why in probe.transports().items():
@@ -169,7 +190,7 @@ def collect() -> dict[str, Any]:
     except tether.TetherError:
         pass  # a bad TETHER_* setting; the sections below report it
     if transports.get("fabric", {}).get("available"):
-        transports["fabric"]["why"] = "libfabric provider " + (os.environ.get("TETHER_FABRIC_PROVIDER") or "auto")
+        transports["fabric"]["why"] = "libfabric provider " + (_value(opts, "fabric_provider") or "auto")
     gpus = _gpus()
     topo = topology(gpus)
     nics = _nics(topo) if topo["nics"] else []
@@ -177,7 +198,7 @@ def collect() -> dict[str, Any]:
         "tether": tether.__version__,
         "wire_version": tether.WIRE_VERSION,
         "cpus": os.cpu_count(),
-        "busy_poll_us": _busy_poll_us(),
+        "busy_poll_us": int(_value(opts, "busy_poll_us")) if opts else None,
         "numa_nodes": len(glob.glob("/sys/devices/system/node/node[0-9]*")) or 1,
         "nics": nics,
         "gpus": gpus,
@@ -193,6 +214,8 @@ def collect() -> dict[str, Any]:
         "transports": transports,
         "nixl": _nixl(),
         "env": {k: v for k, v in os.environ.items() if k.startswith("TETHER_") and "TOKEN" not in k},
+        "options": opts,
+        "config_error": config_error,
     }
 
 
@@ -205,13 +228,8 @@ def _nixl() -> dict[str, Any]:
         return {"nixl_installed": None, "detail": f"{type(e).__name__}: {e}"}
 
 
-def _busy_poll_us() -> Optional[int]:
-    import tether
-
-    try:
-        return tether._tether.Config.from_env().busy_poll_us
-    except Exception:  # a bad TETHER_* setting: the transports section says which
-        return None
+def _bytes(n: int) -> str:
+    return f"{n >> 20} MiB" if n and n % (1 << 20) == 0 else f"{n} B"
 
 
 def _table(title: str, *columns: str):
@@ -230,6 +248,8 @@ def _numa(node: Optional[int]) -> str:
 
 def render(report: dict[str, Any]) -> None:
     from rich.console import Console
+
+    from tether import _tether
 
     c = Console()
     c.print(f"[bold]tether {report['tether']}[/bold] (wire version {report['wire_version']})")
@@ -254,8 +274,10 @@ def render(report: dict[str, Any]) -> None:
         c.print("[bold]GPU topology (nvidia-smi topo -m)[/bold]")
         c.print(report["nvlink_topology"], markup=False, soft_wrap=True)  # a matrix: never re-wrapped
     topo = report["topology"]
-    if topo.get("error"):
-        c.print(f"[red]tether cannot start with this environment: {topo['error']}[/red]")
+    error = report["config_error"] or topo.get("error")
+    if error:  # one line naming the bad variable (the topology fails on the same one)
+        c.print(f"tether cannot start with this environment: {error}", style="red", markup=False, highlight=False,
+                soft_wrap=True)
     t = _table("NICs", "name", "state", "addresses", "speed", "NUMA", "local CPUs", "tether uses")
     for n in report["nics"]:
         t.add_row(n["name"], n["state"], "\n".join(n["addrs"]) or "-",
@@ -300,5 +322,34 @@ def render(report: dict[str, Any]) -> None:
         t.add_row(k, " ".join(v["value"].split()) or "?",
                   "[green]ok[/green]" if v["ok"] else f"[yellow]{v['advice']}[/yellow]")
     c.print(t)
-    if report["env"]:
-        c.print("TETHER_* set: " + ", ".join(f"{k}={v}" for k, v in report["env"].items()))
+    if report["options"]:
+        _render_options(c, report["options"])
+    known = {o["env"] for o in _tether.options()}
+    other = {k: v for k, v in report["env"].items() if k not in known}
+    if other:  # a misspelt name lands here
+        c.print("TETHER_* set that are not options: " + ", ".join(f"{k}={v}" for k, v in other.items()),
+                markup=False, highlight=False)
+
+
+_UNITS = {"seconds": "s", "microseconds": "us"}
+
+
+def _render_options(c, opts: list[dict]) -> None:
+    """The effective configuration: each option's value as an Endpoint created here would use it (in a
+    spelling its keyword and variable both take), where it came from, and its help line. A line each, not
+    a table: names and values stay whole in a narrow terminal."""
+    import textwrap
+
+    c.print("[bold]Options[/bold] (the value an endpoint started here uses, and where it came from)")
+    for o in opts:
+        value = o["value"]
+        if o["kind"] == "bool" and value in ("0", "1"):
+            value = "on" if value == "1" else "off"
+        elif value and o["kind"] in _UNITS:
+            value += _UNITS[o["kind"]]
+        name = f"{o['keyword']} = {value or chr(34) * 2}  ({o['env']}: {o['source']})" if o["keyword"] else \
+            f"{o['env']} = {value or chr(34) * 2}  ({o['source']})"
+        c.print("  " + name, style=None if o["source"] == "default" else "bold", soft_wrap=True, markup=False,
+                highlight=False)
+        c.print(textwrap.fill(o["help"], width=max(40, c.width - 1), initial_indent="      ",
+                              subsequent_indent="      "), markup=False, highlight=False, soft_wrap=True)

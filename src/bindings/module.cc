@@ -234,6 +234,8 @@ NB_MODULE(_tether, m) {
   nb::class_<Config>(m, "Config")
       .def(nb::init<>())
       .def_static("from_env", [] { return take(Config::from_env()); })
+      .def_static("check_process_env", [] { check(Config::check_process_env()); },
+                  "InvalidArgument naming a process-wide TETHER_* variable whose value its row refuses")
       .def("set", [](Config& c, const std::string& option, const std::string& value) { check(c.set(option, value)); },
            "option"_a, "value"_a, "Sets an option from its text as a TETHER_* variable's is parsed (keyword units: "
            "seconds for timeouts); InvalidArgument names the option")
@@ -416,12 +418,7 @@ NB_MODULE(_tether, m) {
             }
             d["nics"] = nics;
             d["lanes"] = lanes;
-            d["ipc_cma_chunks"] = s.ipc_cma_chunks;
-            d["ipc_shm_chunks"] = s.ipc_shm_chunks;
-            d["ipc_inline_chunks"] = s.ipc_inline_chunks;
-            d["ipc_one_sided_chunks"] = s.ipc_one_sided_chunks;
-            d["ipc_cuda_chunks"] = s.ipc_cuda_chunks;
-            d["ipc_cuda_opens"] = s.ipc_cuda_opens;
+            for (auto& [name, value] : s.transport_counters) d[name.c_str()] = value;
             return d;
           })
       .def("close", [](Endpoint& e) {
@@ -444,8 +441,8 @@ NB_MODULE(_tether, m) {
     const bool kernels = tether::gpu::kernels_available(&kwhy);
     return nb::make_tuple(cuda, why, tether::gpu::device_count(), kernels, kwhy);
   });
-  // The option table (src/core/config.cc): one dict per knob. The Endpoint keywords, the tests and the
-  // README's option table are derived from it.
+  // The option table (src/core/config.cc): one dict per knob. The Endpoint keywords and their
+  // documentation, `tether doctor`'s effective configuration and the tests of README's table derive from it.
   m.def("options", [] {
     nb::list out;
     for (const Config::OptionInfo& o : Config::options()) {
@@ -457,6 +454,7 @@ NB_MODULE(_tether, m) {
       d["choices"] = o.choices;
       d["help"] = o.help;
       d["accepts"] = o.accepts;
+      d["env_value"] = o.env_value.empty() ? nb::none() : nb::cast(o.env_value);
       out.append(d);
     }
     return out;

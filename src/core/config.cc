@@ -34,94 +34,112 @@ struct Option {
 
 using C = Config;
 constexpr Option kOptions[] = {
-    {"host", "TETHER_HOST", &C::host, Kind::kText, "listen address; 0.0.0.0 for every interface"},
-    {"port", "TETHER_PORT", &C::port, Kind::kCount, "listen port; 0 = ephemeral"},
+    {"host", "TETHER_HOST", &C::host, Kind::kText,
+     "listen address; 0.0.0.0 to accept peers on every NIC and stripe lanes over every NIC pair"},
+    {"port", "TETHER_PORT", &C::port, Kind::kCount, "listen port, for an address peers know in advance; 0 = ephemeral"},
     {"channels", "TETHER_CHANNELS", &C::channels, Kind::kCount,
-     "progress threads; lanes per peer = channels x sockets_per_channel (default: half the CPUs, 4 to 16)"},
+     "progress threads: more drive more lanes on a many-core host, fewer leave cores to the application; "
+     "lanes per peer = channels x sockets_per_channel (default: half the CPUs, 4 to 16)"},
     {"sockets_per_channel", "TETHER_SOCKETS_PER_CHANNEL", &C::sockets_per_channel, Kind::kCount,
-     "data sockets each progress thread drives per peer"},
-    {"chunk_bytes", "TETHER_CHUNK_BYTES", &C::chunk_bytes, Kind::kSize, "unit of pipelining and scheduling"},
-    {"window", "TETHER_WINDOW", &C::window, Kind::kCount, "chunks in flight (unacknowledged) per peer"},
+     "data sockets each progress thread drives per peer; more than 1 only for A/B runs"},
+    {"chunk_bytes", "TETHER_CHUNK_BYTES", &C::chunk_bytes, Kind::kSize,
+     "unit of pipelining and scheduling: larger costs less per byte, smaller overlaps sooner"},
+    {"window", "TETHER_WINDOW", &C::window, Kind::kCount,
+     "chunks in flight (unacknowledged) per peer; raise for a link with a long round trip"},
     {"socket_buffer", "TETHER_SOCKET_BUFFER", &C::socket_buffer, Kind::kSize,
-     "SO_SNDBUF/SO_RCVBUF of each data socket; 0 = the kernel's default"},
+     "SO_SNDBUF/SO_RCVBUF of each data socket; raise for a long fast link; 0 = the kernel autotunes"},
     {"connect_timeout", "TETHER_CONNECT_TIMEOUT_MS", &C::connect_timeout_ms, Kind::kSeconds,
-     "connect() gives up after this long"},
+     "connect() gives up after this long; raise for a peer that starts slowly"},
     {"peer_timeout", "TETHER_PEER_TIMEOUT_MS", &C::peer_timeout_ms, Kind::kSeconds,
-     "a peer silent this long is declared dead"},
-    {"heartbeat", "TETHER_HEARTBEAT_MS", &C::heartbeat_ms, Kind::kSeconds, "interval of keep-alive messages"},
+     "a peer silent this long is declared dead: lower to fail over sooner, raise for peers that stall"},
+    {"heartbeat", "TETHER_HEARTBEAT_MS", &C::heartbeat_ms, Kind::kSeconds,
+     "interval of keep-alive messages; keep it well below peer_timeout and any firewall's idle timeout"},
     {"handshake_timeout", "TETHER_HANDSHAKE_TIMEOUT_MS", &C::handshake_timeout_ms, Kind::kSeconds,
-     "unfinished incoming handshakes are dropped after this long"},
+     "unfinished incoming handshakes are dropped after this long, so a stalled client holds nothing"},
     {"spin_us", "TETHER_SPIN_US", &C::spin_us, Kind::kMicros,
-     "wait() on a small transfer spins this long before sleeping"},
+     "wait() on a small transfer spins this long before sleeping: latency for CPU; 0 sleeps at once"},
     {"busy_poll_us", "TETHER_BUSY_POLL_US", &C::busy_poll_us, Kind::kMicros,
-     "wait() on any transfer, and an ipc lane after each message, spins this long before sleeping "
-     "(default 1000 on 8 or more CPUs, else 0)"},
+     "wait() on any transfer, and an ipc lane after each message, spins this long before sleeping: latency "
+     "for CPU; 0 where cores are scarce (default 1000 on 8 or more CPUs, else 0)"},
     {"staging_nap_us", "TETHER_STAGING_NAP_US", &C::staging_nap_us, Kind::kMicros,
      "a tcp thread waiting only on staged GPU copies sleeps this long between polls of them; 0 spins"},
     {"wait_nap_us", "TETHER_WAIT_NAP_US", &C::wait_nap_us, Kind::kMicros,
      "with busy polling on, wait() on a tcp transfer of 4 MiB or more naps this long instead of spinning; 0 spins"},
     {"auth_token", "TETHER_AUTH_TOKEN", &C::auth_token, Kind::kText,
-     "shared secret peers must prove they hold; empty = no authentication"},
-    {"name", "TETHER_NAME", &C::name, Kind::kText, "name shown to peers; empty = host:pid"},
+     "shared secret peers must prove they hold, where others can reach the port; empty = no authentication"},
+    {"name", "TETHER_NAME", &C::name, Kind::kText, "name peers see in their logs and notifications; empty = host:pid"},
     {"unpack", "TETHER_UNPACK", &C::unpack, Kind::kChoice,
-     "how received GPU chunks are unpacked; empty = kernel when built, else d2d", "kernel,d2d,host"},
+     "how received GPU chunks are unpacked; d2d or host to rule out the kernel; empty = kernel when built, else d2d",
+     "kernel,d2d,host"},
     {"transport", "TETHER_TRANSPORT", &C::transport, Kind::kChoice,
-     "auto = the best both sides offer", "auto,tcp,ipc,fabric,netplugin"},
+     "a transport to insist on (to compare, or to fail rather than fall back); auto = the best both sides offer",
+     "auto,tcp,ipc,fabric,netplugin"},
     {"net_plugin", "TETHER_NET_PLUGIN", &C::net_plugin, Kind::kText,
-     "path of an NCCL net plugin for the netplugin transport (docs/NETPLUGIN.md)"},
+     "path of an NCCL net plugin, to run over its network (e.g. TCPX) as the netplugin transport (docs/NETPLUGIN.md)"},
     {"net_comms", "TETHER_NET_COMMS", &C::net_comms, Kind::kCount,
-     "netplugin lanes per peer; 0 = one per plugin device, at least 2"},
+     "netplugin lanes per peer, more to fill a device's bandwidth; 0 = one per plugin device, at least 2"},
     {"net_bindings", "TETHER_NET_BINDINGS", &C::net_bindings, Kind::kText,
-     "\"nic:cpus;nic:cpus\": CPUs of the thread serving each netplugin device"},
-    {"nics", "TETHER_NICS", &C::nics, Kind::kText, "data NICs in order, \"eth1,eth2\"; empty = every NIC that is up"},
+     "\"nic:cpus;nic:cpus\": CPUs of the thread serving each netplugin device, to keep it beside its NIC"},
+    {"nics", "TETHER_NICS", &C::nics, Kind::kText,
+     "data NICs in order, \"eth1,eth2\", to keep tether off some; empty = every NIC that is up"},
     {"control_nic", "TETHER_CONTROL_NIC", &C::control_nic, Kind::kText,
-     "NIC of the control connection; empty = that of the listen or target address"},
+     "NIC of the control connection, to keep it off the data NICs; empty = that of the listen or target address"},
     {"tx_cpus", "TETHER_TX_CPUS", &C::tx_cpus, Kind::kText,
-     "\"eth1:8-21;eth2:22-35\": CPUs of the progress threads serving each NIC"},
+     "\"eth1:8-21;eth2:22-35\": CPUs of the progress threads serving each NIC, to keep them off the application's"},
     {"rx_cpus", "TETHER_RX_CPUS", &C::rx_cpus, Kind::kText, "same form as tx_cpus; a thread drives both directions"},
     {"pin_threads", "TETHER_PIN_THREADS", &C::pin_threads, Kind::kBool,
-     "pin progress threads to CPUs local to their NIC"},
+     "pin progress threads to CPUs local to their NIC; off where the application places its own threads"},
     {"lane_timeout", "TETHER_LANE_TIMEOUT_MS", &C::lane_timeout_ms, Kind::kSeconds,
-     "data unacknowledged this long kills a lane; its chunks move to the others"},
+     "data unacknowledged this long kills a lane and its chunks move to the others: lower to leave a stalled NIC sooner"},
     {"deregister_timeout", "TETHER_DEREGISTER_TIMEOUT_MS", &C::deregister_timeout_ms, Kind::kSeconds,
-     "an ipc peer still holding a region this long after deregister() is disconnected"},
+     "an ipc peer still holding a region this long after deregister() is disconnected: bounds deregister()"},
     {"notify_max_bytes", "TETHER_NOTIFY_MAX_BYTES", &C::notify_max_bytes, Kind::kSize,
-     "largest notification accepted, at most 1 MiB"},
+     "largest notification accepted, at most 1 MiB: raise for larger messages, lower to bound peers"},
     {"notify_queue_peer_bytes", "TETHER_NOTIFY_QUEUE_PEER_BYTES", &C::notify_queue_peer_bytes, Kind::kSize,
-     "unread notifications kept from one peer"},
+     "unread notifications kept from one peer (beyond, its sends fail): memory one peer can hold here"},
     {"notify_queue_bytes", "TETHER_NOTIFY_QUEUE_BYTES", &C::notify_queue_bytes, Kind::kSize,
-     "unread notifications kept from all peers together"},
-    {"disable_ipc", "TETHER_DISABLE_IPC", &C::disable_ipc, Kind::kBool, "never offer ipc; same-host peers use tcp"},
+     "unread notifications kept from all peers together: memory they can hold here"},
+    {"disable_ipc", "TETHER_DISABLE_IPC", &C::disable_ipc, Kind::kBool,
+     "never offer ipc; same-host peers use tcp (to measure tcp on one host, or where processes must not share memory)"},
     {"ipc_host", "TETHER_IPC_HOST", &C::ipc_host, Kind::kChoice,
-     "host memory over ipc: cma (cross-memory attach), shm, or auto (cma where the kernel allows it)", "auto,cma,shm"},
+     "host memory over ipc: cma (cross-memory attach; fail if refused), shm, or auto (cma where the kernel allows it)",
+     "auto,cma,shm"},
     {"ipc_gpu_chunk_bytes", "TETHER_IPC_GPU_CHUNK_BYTES", &C::ipc_gpu_chunk_bytes, Kind::kSize,
-     "chunk size over ipc when both ends are GPU memory"},
+     "chunk size over ipc when both ends are GPU memory; smaller spreads a transfer over more lanes"},
     {"ipc_one_sided_bytes", "TETHER_IPC_ONE_SIDED_BYTES", &C::ipc_one_sided_bytes, Kind::kSize,
-     "ipc writes and reads up to this size of a granted descriptor are moved by the initiator itself; 0 = off"},
+     "ipc writes and reads up to this size of a granted descriptor are moved by the initiator itself, "
+     "sooner than a request; 0 = off"},
     {"fabric_library", "TETHER_LIBFABRIC_SO", &C::fabric_library, Kind::kText,
-     "path of libfabric; empty = the system's libfabric.so.1"},
+     "path of libfabric, for a site's own build; empty = the system's libfabric.so.1"},
     {"fabric_provider", "TETHER_FABRIC_PROVIDER", &C::fabric_provider, Kind::kText,
-     "libfabric provider (cxi, efa, verbs, tcp, shm); empty = the first of cxi, efa, verbs, tcp"},
+     "libfabric provider (cxi, efa, verbs, tcp, shm) where several work; empty = the first of cxi, efa, verbs, tcp"},
     {"fabric_domains", "TETHER_FABRIC_DOMAINS", &C::fabric_domains, Kind::kText,
-     "comma-separated fabric domains (NICs) to use; empty = all"},
-    {"fabric_rails", "TETHER_FABRIC_RAILS", &C::fabric_rails, Kind::kCount, "at most this many fabric rails; 0 = all"},
+     "comma-separated fabric domains (NICs) to use, e.g. to keep a GPU on its own NIC; empty = all"},
+    {"fabric_rails", "TETHER_FABRIC_RAILS", &C::fabric_rails, Kind::kCount,
+     "at most this many fabric rails, to leave the others to other work; 0 = all"},
     {"fabric_busy_poll", "TETHER_FABRIC_BUSY_POLL", &C::fabric_busy_poll, Kind::kBool,
-     "fabric progress threads never sleep in the completion queue (always on for shm)"},
+     "fabric progress threads never sleep in the completion queue: latency for a core each (always on for shm)"},
     {"fabric_delivery_complete", "TETHER_FABRIC_DELIVERY_COMPLETE", &C::fabric_delivery_complete, Kind::kBool,
-     "ask the provider for delivery-complete writes; off: writes end with a one-byte flush read"},
+     "ask the provider for delivery-complete writes; off for one that lacks them: writes end with a one-byte flush read"},
     // Process-wide, environment only: read once by the code they steer.
     {nullptr, "TETHER_TRACE", {}, Kind::kText,
-     "file prefix: record every chunk's steps to <prefix>.<pid>.tsv (bench/tools/trace_report.py)"},
-    {nullptr, "TETHER_LIBCUDA_SO", {}, Kind::kText, "path of the CUDA driver library; empty = libcuda.so.1"},
+     "file prefix: record every chunk's steps to <prefix>.<pid>.tsv, to see where a transfer's time goes "
+     "(bench/tools/trace_report.py)"},
+    {nullptr, "TETHER_LIBCUDA_SO", {}, Kind::kText,
+     "path of the CUDA driver library, where the loader does not find it; empty = libcuda.so.1"},
     {nullptr, "TETHER_KERNEL_STAGING", {}, Kind::kChoice,
-     "kernel-mode GPU copies stage through device scratch memory, or read and write pinned memory directly",
+     "kernel-mode GPU copies stage through device scratch memory, or (direct, for A/B runs only) read and write "
+     "pinned memory directly",
      "scratch,direct", "scratch"},
     {nullptr, "TETHER_X_FIRST_COPIES", {}, Kind::kBool,
-     "A/B switch: tcp lanes start no further copy out of a GPU while another waits for its first", nullptr, "1"},
+     "tcp lanes start no further copy out of a GPU while another waits for its first; 0 only for A/B runs",
+     nullptr, "1"},
     {nullptr, "TETHER_FABRIC_STAGE_HOST", {}, Kind::kBool,
-     "test knob: fabric treats host regions like GPU memory on providers without FI_HMEM", nullptr, "0"},
+     "test knob: fabric treats host regions like GPU memory on providers without FI_HMEM, so CPU-only tests "
+     "cover staging",
+     nullptr, "0"},
     {nullptr, "TETHER_NET_FAULT", {}, Kind::kChoice,
-     "test fault: netplugin hands receives back before their unpack", "consume_early"},
+     "test fault: netplugin hands receives back before their unpack, to prove the tests catch it", "consume_early"},
 };
 
 const char* kind_name(Kind k) {
@@ -272,9 +290,8 @@ uint32_t default_channels() {
   return std::clamp<uint32_t>(n / 2, 4, 16);
 }
 
-// A thread woken from sleep costs tens to hundreds of microseconds on the H200 hosts (a lone ipc
-// transfer on lanes left idle is many times slower than on a busy one), more than an NVLink copy of
-// several MiB (docs/PERFORMANCE.md, "Defaults and why"); spinning pays only where cores are plentiful, as CUDA's own default scheduling assumes.
+// Waking a sleeping thread can cost more than an NVLink copy of several MiB (docs/PERFORMANCE.md,
+// "Defaults and why"); spinning pays only where cores are plentiful, as CUDA's own default scheduling assumes.
 uint32_t default_busy_poll_us() { return std::thread::hardware_concurrency() >= 8 ? 1000 : 0; }
 
 Result<Config> Config::from_env() {
@@ -305,10 +322,12 @@ std::vector<std::string> Config::option_names() {
 std::vector<Config::OptionInfo> Config::options() {
   const Config defaults;
   std::vector<OptionInfo> out;
-  for (const Option& o : kOptions)
+  for (const Option& o : kOptions) {
+    const char* v = env_value(o);
     out.push_back({o.keyword ? o.keyword : "", o.env, kind_name(o.kind),
                    o.keyword ? defaults.get(o.keyword) : o.fallback, o.choices ? o.choices : "", o.help,
-                   expected(o, true)});
+                   expected(o, true), v ? v : ""});
+  }
   return out;
 }
 

@@ -397,12 +397,7 @@ EndpointStats Endpoint::stats() const {
                                   lp.remote_nic, lp.remote_addr, link(st->lane_counters(i))});
     }
   }
-  o.ipc_cma_chunks = s.ipc_cma_chunks.load();
-  o.ipc_shm_chunks = s.ipc_shm_chunks.load();
-  o.ipc_inline_chunks = s.ipc_inline_chunks.load();
-  o.ipc_one_sided_chunks = s.ipc_one_sided_chunks.load();
-  o.ipc_cuda_chunks = s.ipc_cuda_chunks.load();
-  o.ipc_cuda_opens = s.ipc_cuda_opens.load();
+  impl_->transport_counters(o.transport_counters);
   return o;
 }
 

@@ -26,10 +26,6 @@ namespace tether::core {
 struct AtomicStats : transport::Traffic {
   std::atomic<uint64_t> transfers_completed{0}, transfers_failed{0};
   std::atomic<uint64_t> reads_pushed{0};  // peers' pulled reads this side sent (wire::kPull)
-  std::atomic<uint64_t> ipc_cma_chunks{0}, ipc_shm_chunks{0}, ipc_inline_chunks{0};  // chunks served as an ipc target, by mover
-  std::atomic<uint64_t> ipc_one_sided_chunks{0};  // chunks this side moved itself, as an ipc initiator
-  std::atomic<uint64_t> ipc_cuda_chunks{0};  // chunks whose GPU side was copied by CUDA over ipc (either side)
-  std::atomic<uint64_t> ipc_cuda_opens{0};   // CUDA IPC handles of a peer's allocations opened (once each)
 };
 
 // Shared ownership: the public Endpoint, every PeerState (so user-held Peer and Transfer handles
@@ -69,6 +65,9 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   gpu::Unpack unpack_mode() const override { return unpack_; }
   // (name, why unavailable — empty when usable) of every transport this build knows.
   std::vector<std::pair<std::string, std::string>> transport_status() const;
+  void transport_counters(std::vector<std::pair<std::string, uint64_t>>& out) const {
+    for (auto& t : transports_) t->counters(out);
+  }
   void wake_control();
   // Queues a notification for the application, or refuses it: kInvalidArgument over notify_max_bytes,
   // kResourceExhausted when the peer's or the endpoint's queue of unread ones is full.

@@ -9,13 +9,13 @@
 #include "tether/status.h"
 
 namespace tether::core {
-class EndpointImpl;
 struct RegionState;
 struct TransferState;
 }  // namespace tether::core
 
 namespace tether::transport {
 
+class Host;
 class Link;
 
 struct TargetPlan {
@@ -28,11 +28,11 @@ struct TargetPlan {
 };
 
 // Checks an incoming kWrite, kSendData or kReadReq header and counts a rejection.
-TargetPlan plan_target(core::EndpointImpl& ep, Link& peer, const wire::FrameHeader& h);
+TargetPlan plan_target(Host& host, Link& peer, const wire::FrameHeader& h);
 
 // A kWrite / kSendData payload has been placed (or discarded): lets go of the region, credits the recv,
 // counts the bytes, and returns the kAck to send back.
-wire::FrameHeader finish_placed(core::EndpointImpl& ep, Link& peer, const wire::FrameHeader& h,
+wire::FrameHeader finish_placed(Host& host, Link& peer, const wire::FrameHeader& h,
                                 TargetPlan& plan);
 
 // The kReadResp header answering kReadReq `h` (payload: plan.source, h.length bytes when plan.code is ok).

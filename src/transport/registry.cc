@@ -1,5 +1,7 @@
 #include "transport/registry.h"
 
+#include "core/endpoint_impl.h"  // EndpointImpl is the transports' Host
+
 #include "transport/netplugin/netplugin_transport.h"
 #include "transport/ipc/ipc_transport.h"
 #include "transport/fabric/fabric_transport.h"

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "tether/status.h"
@@ -111,6 +112,9 @@ class Transport {
   virtual void detach(Link& peer) { (void)peer; }
   // Stops every progress thread; lanes answer what they had in flight with kCancelled.
   virtual void stop() = 0;
+  // Appends what the transport counts, as (name, value): names start with the transport's name
+  // ("ipc_cma_chunks"); the core only forwards them (EndpointStats::transport_counters).
+  virtual void counters(std::vector<std::pair<std::string, uint64_t>>& out) const { (void)out; }
 };
 
 }  // namespace tether::transport

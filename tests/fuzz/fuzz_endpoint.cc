@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "core/wire.h"
+#include "transport/ipc/lane.h"
 #include "transport/ipc/one_sided.h"
 #include "transport/ipc/ring.h"
 #include "sys/topology.h"
@@ -292,7 +293,7 @@ bool try_tcp_peer(int fds[2], std::string* why) {
   return true;
 }
 
-// The ipc lane setup message (src/transport/ipc/ipc_transport.cc, Hello; ipc version 8).
+// The ipc lane setup message (src/transport/ipc/lane.h, Hello; ipc version 8).
 #pragma pack(push, 1)
 struct IpcHello {
   uint32_t magic = 0x43504954;
@@ -304,24 +305,6 @@ struct IpcHello {
 };
 #pragma pack(pop)
 static_assert(sizeof(IpcHello) == 48);
-
-bool send_fd(int fd, const void* buf, size_t len, int pass) {
-  iovec iov{const_cast<void*>(buf), len};
-  msghdr m{};
-  m.msg_iov = &iov;
-  m.msg_iovlen = 1;
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
-  if (pass >= 0) {
-    m.msg_control = ctl;
-    m.msg_controllen = sizeof ctl;
-    cmsghdr* c = CMSG_FIRSTHDR(&m);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &pass, sizeof pass);
-  }
-  return ::sendmsg(fd, &m, MSG_NOSIGNAL) == ssize_t(len);
-}
 
 // An ipc peer with one lane, set up the way a same-host connector does: {control fd, lane fd}.
 bool try_ipc_peer(int fds[2], std::string* why) {
@@ -346,7 +329,7 @@ bool try_ipc_peer(int fds[2], std::string* why) {
   const std::string name = offer.substr(18);
   std::memcpy(a.sun_path + 1, name.data(), std::min(name.size(), sizeof a.sun_path - 2));
   const socklen_t alen = socklen_t(offsetof(sockaddr_un, sun_path) + 1 + std::min(name.size(), sizeof a.sun_path - 2));
-  if (::connect(fds[1], reinterpret_cast<sockaddr*>(&a), alen) != 0 || !send_fd(fds[1], &m, sizeof m, h->segment))
+  if (::connect(fds[1], reinterpret_cast<sockaddr*>(&a), alen) != 0 || !transport::ipc::send_msg(fds[1], &m, sizeof m, h->segment))
     return *why = errno_text("lane to the ipc socket"), false;
   // The proof, our offer (session and challenge) and the rest of the handshake.
   const std::string p = proof_for("ipc", offer.substr(0, 18));
@@ -375,7 +358,7 @@ bool try_ipc_peer(int fds[2], std::string* why) {
   IpcHello three = m;
   three.stage = 3;
   three.verdict = 1;  // it may name its chunks by address
-  if (!send_fd(fds[1], &three, sizeof three, -1)) return *why = errno_text("ipc stage 3"), false;
+  if (!transport::ipc::send_msg(fds[1], &three, sizeof three, -1)) return *why = errno_text("ipc stage 3"), false;
   return true;
 }
 

@@ -9,7 +9,7 @@ import struct
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from tether_testutil import client_hello, client_proof, descriptor, server_hello  # noqa: E402
+from tether_testutil.wire import client_hello, client_proof, descriptor, server_hello  # noqa: E402
 
 HANDSHAKE, CONTROL, FRAMES, DECODERS, LISTENER, IPC_LANE, IPC_RING = range(7)
 HOST = b"tthr-HST" + b"\0" * 24
@@ -32,7 +32,7 @@ def fragment(offset: int, length: int) -> bytes:
 
 
 def ipc_frame(kind: int, length: int, where: int, addr: bytes, region=RID, offset=0, slot=0) -> bytes:
-    """An ipc lane message (src/transport/ipc/ipc_transport.cc, Frame): the frame header, where the
+    """An ipc lane message (src/transport/ipc/lane.h, Frame): the frame header, where the
     initiator's bytes are (1 cma: an address in it; 2 shm: an offset in its segment) and a CudaRef."""
     body = frame(kind, length, region=region, offset=offset, slot=slot) + bytes([where]) + b"\0" * 7 + addr + bytes(88)
     assert len(body) == 160

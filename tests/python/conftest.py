@@ -9,7 +9,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import tether  # noqa: E402
-from tether_testutil import Child, MiB, rand_bytes  # noqa: E402
+from tether_testutil.child import Child  # noqa: E402
+from tether_testutil.data import MiB, rand_bytes  # noqa: E402
 
 # Configurations exercised by the correctness tests, on each transport that can carry a pair in
 # one process (auto picks ipc for same-host peers; tcp must keep passing the same tests).

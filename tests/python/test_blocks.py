@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (
-    POISON, Child, KiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error,
-)
+from tether_testutil.child import Child
+from tether_testutil.data import KiB, POISON, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error
 
 T = 20.0
 

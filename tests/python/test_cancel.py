@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error, wait_until
+from tether_testutil.data import (
+    MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error, wait_until,
+)
 
 T = 20.0
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import MiB, fd_count, poisoned, rand_bytes, rss_bytes, thread_count, wait_error, wait_until
+from tether_testutil.data import MiB, poisoned, rand_bytes, wait_error, wait_until
+from tether_testutil.proc import fd_count, rss_bytes, thread_count
 
 T = 20.0
 BLOCK = 256

@@ -3,8 +3,9 @@
 The option table (src/core/config.cc, exposed as tether._tether.options()) drives every test here: each
 option's variable, set to each spelling its kind accepts, gives the Config the keyword gives; set to
 garbage, Endpoint() raises InvalidArgument with one line naming the variable, the value and what it
-accepts. The source is scanned for TETHER_* reads outside the table, and README's option table is
-checked against it.
+accepts. The source is scanned for TETHER_* reads outside the table, and every other view of it
+(README's table, option rows in docs/, Python's Config attributes, the Endpoint docstring) is checked
+against it.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def test_every_bad_value_fails_construction_naming_the_variable(clean_env):
 @pytest.mark.budget(60)
 def test_process_wide_knobs_take_their_values(clean_env):
     """Rows without a keyword are read once by the code they steer; a value they take lets an endpoint
-    start (their effect is tested where they act: test_gpu, test_fabric_staged, test_netplugin)."""
+    start (their effect is tested where they act: test_gpu, test_fabric, test_netplugin)."""
     rows = [o for o in _table() if not o["keyword"] and o["kind"] != "text"]
     assert {o["env"] for o in rows} >= {"TETHER_KERNEL_STAGING", "TETHER_X_FIRST_COPIES", "TETHER_NET_FAULT"}
     for o in rows:
@@ -173,16 +174,63 @@ def test_every_tether_variable_read_in_the_source_is_in_the_table():
     assert {n: p for n, p in read.items() if n not in names} == {}
 
 
+def _meaning(o: dict) -> str:
+    """README's "meaning" cell of a row: its help line, and a choice's values."""
+    choices = ", ".join(f"`{c}`" for c in o["choices"].split(",")) if o["choices"] else ""
+    return o["help"] + (f"; one of {choices}" if choices else "")
+
+
+def _default_cell_matches(cell: str, o: dict) -> bool:
+    """README's "default" cell says the row's default: verbatim in backticks, "—" for an empty one, on/off
+    for a boolean, or a size, a duration in s or µs; free text only where the default depends on the CPUs."""
+    d, units = o["default"], {"KiB": 1 << 10, "MiB": 1 << 20, "s": 1, "µs": 1}
+    if cell in ("—", f"`{d}`"):
+        return cell != "—" or d in ("", "0")
+    if cell in ("on", "off"):
+        return d == ("1" if cell == "on" else "0")
+    m = re.fullmatch(r"([\d.]+) (KiB|MiB|s|µs)", cell)
+    if m:
+        return float(m.group(1)) * units[m.group(2)] == float(d)
+    return "CPUs" in cell and "CPUs" in o["help"]
+
+
 def test_readme_option_table_is_the_option_table():
+    """Every row, in the table's order, with its help line as the meaning and its default."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Options\n"):]
     section = section[:section.index("\n## ", 1)]
-    rows = re.findall(r"^\| (—|`\w+`) \| `(TETHER_\w+)` \| [^|]+ \| [^|]+ \|$", section, re.M)
-    documented = [(kw.strip("`") if kw != "—" else None, env) for kw, env in rows]
-    table = [(o["keyword"], o["env"]) for o in _table()]
-    assert sorted(documented, key=str) == sorted(table, key=str), (
-        f"missing from README: {sorted(set(table) - set(documented), key=str)}; "
-        f"stale in README: {sorted(set(documented) - set(table), key=str)}")
+    rows = re.findall(r"^\| (—|`\w+`) \| `(TETHER_\w+)` \| ([^|]+) \| (.+) \|$", section, re.M)
+    documented = [(kw.strip("`") if kw != "—" else None, env) for kw, env, _, _ in rows]
+    table = _table()
+    assert documented == [(o["keyword"], o["env"]) for o in table], (
+        f"missing from README: {sorted(set((o['keyword'], o['env']) for o in table) - set(documented), key=str)}; "
+        f"stale in README: {sorted(set(documented) - set((o['keyword'], o['env']) for o in table), key=str)}")
+    stale = [f"| {kw or '—'} | {env} | {default} | {_meaning(o)} |" for (kw, env, default, meaning), o in zip(rows, table)
+             if meaning != _meaning(o) or not _default_cell_matches(default, o)]
+    assert not stale, "README rows to update (meaning = the help line):\n" + "\n".join(stale)
+
+
+def test_option_rows_in_the_docs_pair_keywords_with_their_variables():
+    """A docs table row naming an option and a variable pairs them as the option table does."""
+    pairs = {(o["keyword"], o["env"]) for o in _table() if o["keyword"]}
+    keywords = {kw for kw, _ in pairs}
+    wrong = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for kw, env in re.findall(r"^\| `(\w+)` \| `(TETHER_\w+)` \|", path.read_text(), re.M):
+            if (kw, env) not in pairs:
+                wrong.append(f"{path.name}: {kw} / {env}" + ("" if kw in keywords else " (no such option)"))
+    assert not wrong, wrong
+
+
+def test_every_keyword_is_a_config_field_and_documented():
+    """Python's Config has one attribute per keyword (seconds: keyword + "_ms") and no other; the
+    Endpoint docstring lists every keyword with its variable and help line."""
+    fields = {o["keyword"] + ("_ms" if o["kind"] == "seconds" else "") for o in _table() if o["keyword"]}
+    attributes = {a for a in dir(_tether.Config) if not a.startswith("_") and not callable(getattr(_tether.Config, a))}
+    assert attributes == fields
+    doc = tether.Endpoint.__doc__
+    for o in (o for o in _table() if o["keyword"]):
+        assert f"    {o['keyword']}" in doc and o["env"] in doc and o["help"] in doc, o["keyword"]
 
 
 def _nixl_plugin_dir(folder: Path) -> str:

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, rand_bytes,
-                             transport_unusable)
+from tether_testutil.data import MiB, POISON, assert_bytes_equal, assert_poison, rand_bytes
+from tether_testutil.child import child_bytes
+from tether_testutil.gpu import gpu_env, linked
+from tether_testutil.transports import transport_unusable
 
 GPU = gpu_env("fabric GPU tests")
-torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
 _dev = GPU.device
 
 FAB = dict(transport="fabric")
@@ -30,24 +31,10 @@ IDS = ["-".join(p) for p in PAIRS]
 SIZE = 9 * MiB + 12345  # several chunks and a ragged tail
 
 
-class Local(LocalMemory):
-    def __init__(self, **kw):
-        super().__init__(tether.Endpoint(name="fabric-gpu-me", **FAB, **kw), _dev)
-
-
 @pytest.fixture
 def pair(children):
-    c = children("fabric-gpu-peer")
-    info = c.call("endpoint", name="fabric-gpu-peer", **FAB)
-    local = Local()
-    peer = local.ep.connect(info["metadata"], timeout=10)
-    assert peer.transport == "fabric"
-    yield local, peer, c
-    local.ep.close()
-
-
-def _get(c, name):
-    return np.frombuffer(c.call("get", name), np.uint8)
+    yield from linked(children("fabric-gpu-peer"), lambda: GPU.local(name="fabric-gpu-me", **FAB), "fabric",
+                      name="fabric-gpu-peer", **FAB)
 
 
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=IDS)
@@ -62,7 +49,7 @@ def test_write_and_notify(pair, lk, rk):
         r = c.result(T)
         assert not r["timed_out"] and r["mismatch"] is None, r
         assert r["notes"][0][2] == b"done%d" % round_
-    got = _get(c, "dst")
+    got = child_bytes(c, "dst")
     assert_bytes_equal(got[5:5 + SIZE], rand_bytes(41, SIZE))
     assert_poison(got[:5])
     assert_poison(got[5 + SIZE:])
@@ -94,7 +81,7 @@ def test_vectored_write_and_read(pair, lk, rk):
     expect = np.full(n + 4096, POISON, np.uint8)
     for lo, ro, ln in blocks:
         expect[ro:ro + ln] = want[lo:lo + ln]
-    assert_bytes_equal(_get(c, "dst"), expect, "after writev (blocks written, the rest still poison)")
+    assert_bytes_equal(child_bytes(c, "dst"), expect, "after writev (blocks written, the rest still poison)")
     back = local.region("back", lk, n + 4096)
     peer.readv([(back, ro, desc, ro, ln) for _, ro, ln in blocks]).wait(T)
     assert_bytes_equal(local.get("back"), expect, "after readv (blocks read, the rest still poison)")
@@ -108,7 +95,7 @@ def test_send_recv(pair, lk, rk):
     src = local.region("src", lk, SIZE, seed=44)
     peer.send(src, tag=5).wait(T)
     assert c.result(T)[:2] == ("ok", SIZE)
-    got = _get(c, "rbuf")
+    got = child_bytes(c, "rbuf")
     assert_bytes_equal(got[:SIZE], rand_bytes(44, SIZE))
     assert_poison(got[SIZE:])
     # and back: the child sends from its memory into ours
@@ -133,19 +120,19 @@ def test_child_writes_into_our_gpu(pair):
     assert_bytes_equal(local.get("ours"), rand_bytes(46, SIZE))
     c.call("register", "back", SIZE, device=d)
     assert c.call("read", "back", desc, accepted=True)[0] == "ok"
-    assert_bytes_equal(_get(c, "back"), rand_bytes(46, SIZE))
+    assert_bytes_equal(child_bytes(c, "back"), rand_bytes(46, SIZE))
 
 
 def test_refusals_on_a_gpu_target(pair):
     """A bad key and a deregistered GPU region are refused; nothing lands; the peer keeps working."""
-    from tether_testutil import DESC_KEY, get_u64, set_u64
+    from tether_testutil.wire import DESC_KEY, get_u64, set_u64
     local, peer, c = pair
     d = c.call("register", "dst", 1 * MiB, device=GPU.other)
     src = local.region("src", "gpu0", 1 * MiB, seed=47)
     bad = set_u64(d, DESC_KEY, get_u64(d, DESC_KEY) ^ 1)
     with pytest.raises((tether.AccessDenied, tether.ConnectionLost)):
         peer.write(src, bad).wait(T)
-    assert_poison(_get(c, "dst"), "GPU target after a bad key")
+    assert_poison(child_bytes(c, "dst"), "GPU target after a bad key")
     if not peer.connected:  # an HMEM provider's NIC may drop the link on a refused key
         return
     g = c.call("register", "gone", 1 * MiB, device=GPU.other)
@@ -154,4 +141,4 @@ def test_refusals_on_a_gpu_target(pair):
         peer.write(src, g).wait(T)
     if peer.connected:
         peer.write(src, d).wait(T)
-        assert_bytes_equal(_get(c, "dst"), rand_bytes(47, 1 * MiB))
+        assert_bytes_equal(child_bytes(c, "dst"), rand_bytes(47, 1 * MiB))

@@ -1,6 +1,7 @@
 """What a new user meets first: a transfer moves exactly the bytes asked for or fails naming both ranges
 (never a silent short transfer), descriptors as .hex() text in every call, a closed endpoint that says
-so on every call, and a connect to something that is not tether naming where it went.
+so on every call, a connect to something that is not tether naming where it went, arrays in Fortran order, metadata and
+descriptors as .hex() text, and the README's names and examples as written.
 Real sockets, random data, poisoned destinations, every byte checked."""
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import KiB, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error
+from tether_testutil.cli import ROOT, TETHER_PATH
+from tether_testutil.data import KiB, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error
 
 T = 20.0
-TETHER_PATH = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the source tree
 
 
 @pytest.fixture(params=["tcp", "ipc"])
@@ -178,3 +178,44 @@ def test_the_readme_examples_run_as_pasted(tmp_path):
         t.kill()
         t.wait(10)
     assert "sent b'layer-7'; the buffer starts [7 7 7 7]" in out, out
+
+
+# ---------------------------------------------------------------- API and README
+
+def test_fortran_ordered_array_registers_and_moves():
+    with tether.Endpoint() as a, tether.Endpoint() as b:
+        src = np.asfortranarray(np.random.default_rng(3).integers(0, 256, (64, 48), dtype=np.uint8))
+        dst = np.zeros((64, 48), dtype=np.uint8, order="F")
+        rs, rd = a.register(src), b.register(dst)
+        assert rs.size == src.nbytes and rs.ptr == src.ctypes.data
+        a.connect(b.metadata(), timeout=10).write(rs, rd.descriptor()).wait(10)
+        assert np.array_equal(dst, src)
+        with pytest.raises(tether.InvalidArgument, match=r"np\.ascontiguousarray"):
+            a.register(np.zeros((64, 64), np.uint8)[:, :8])
+
+
+def test_readme_names_work_as_written():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert "tether.Endpoint.transports()" in readme  # as written there: on the class, and on an endpoint
+    assert tether.Endpoint.transports()["tcp"] == ""
+    assert tether.Endpoint.transports(transport="tcp")["tcp"] == ""
+    with tether.Endpoint() as ep:
+        assert ep.transports() == tether.Endpoint.transports()
+    assert tether.Endpoint.__init__.__doc__ and tether.Endpoint.peers.__doc__
+    assert "bytes" in tether.Endpoint.metadata.__doc__ and "hex" in tether.Region.descriptor.__doc__
+
+
+def test_hex_text_of_metadata_and_descriptors_is_accepted():
+    """What a text channel (JSON, a store) carries: .hex() of the bytes, passed on as it is."""
+    with tether.Endpoint() as a, tether.Endpoint() as b:
+        dst = np.zeros(4096, np.uint8)
+        src = np.arange(4096, dtype=np.uint32).astype(np.uint8)
+        rd, rs = b.register(dst), a.register(src)
+        peer = a.connect(b.metadata().hex(), timeout=10)
+        peer.write(rs, rd.descriptor().hex()).wait(10)
+        assert np.array_equal(dst, src)
+        peer.writev_blocks(rs, rd.descriptor(0, 64).hex(), [0], [0], 64).wait(10)
+        with pytest.raises(tether.InvalidArgument, match="base64"):
+            a.connect("VFRSTQMAhbDUYZeHCjcunoPFm6MyW", timeout=5)
+        with pytest.raises(tether.InvalidArgument, match="base64"):
+            peer.write(rs, "zz", length=4)

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (
-    FRAME, KACK, KWRITE, KWRITE_BATCH, POISON, LocalMemory, MiB, assert_bytes_equal, assert_poison, fragment,
-    frame, gpu_env, poisoned, rand_bytes, raw_peer, recv_exact, recv_until_closed, wait_until,
-)
+from tether_testutil.data import MiB, POISON, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_until
+from tether_testutil.gpu import gpu_env, linked
+from tether_testutil.sockets import raw_peer, recv_exact, recv_until_closed
+from tether_testutil.wire import FRAME, KACK, KWRITE, KWRITE_BATCH, fragment, frame
 
 GPU = gpu_env("GPU tests")
-torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
+torch, _ngpu = GPU.torch, GPU.ngpu
 _dev = GPU.device
 
 T = 60
@@ -27,30 +27,16 @@ PAIRS = GPU.pairs([("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu0"
 SIZE = 5 * MiB + 12345  # several chunks and a partial one
 
 
-class Local(LocalMemory):
-    """This process's side: an endpoint and regions on host or GPU."""
-
-    def __init__(self, mode):
-        super().__init__(tether.Endpoint(unpack=mode, transport="tcp"), _dev)  # GPU over TCP staging
-
-
 @pytest.fixture(params=MODES)
 def mode(request):
-    if request.param == "kernel" and not _kernels:
-        pytest.skip(f"unpack=kernel unavailable: {_kwhy}")
-    return request.param
+    return GPU.unpack_mode(request.param)
 
 
 @pytest.fixture
 def pair(mode, children):
-    """(local, child) connected, both with `mode`."""
-    c = children("gpu-peer", env={"TETHER_UNPACK": mode})
-    info = c.call("endpoint")
-    local = Local(mode)
-    peer = local.ep.connect(info["metadata"], timeout=10)
-    assert peer.transport == "tcp"
-    yield local, peer, c
-    local.ep.close()
+    """(local, peer, child) connected, both with `mode`: GPU over TCP staging."""
+    yield from linked(children("gpu-peer", env={"TETHER_UNPACK": mode}),
+                      lambda: GPU.local(unpack=mode, transport="tcp"), "tcp")
 
 
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
@@ -194,16 +180,14 @@ def _two_batch_write(children, env, seed, fill_receiver_gpu=False):
 def test_direct_staging_carries_two_chunk_batches(children):
     """With TETHER_KERNEL_STAGING=direct the gather and unpack kernels read and write the pinned slots
     over PCIe (the default stages through device scratch memory); a two-chunk batch spans two slots."""
-    if not _kernels:
-        pytest.skip(f"unpack=kernel unavailable: {_kwhy}")
+    GPU.unpack_mode("kernel")
     _two_batch_write(children, {"TETHER_UNPACK": "kernel", "TETHER_KERNEL_STAGING": "direct"}, 45)
 
 
 def test_scattered_blocks_land_when_the_gpu_has_no_room_for_scratch(children):
     """Kernel-mode staging copies through a device scratch buffer; a GPU with no memory left for one (a
     serving engine took it) sends the ring's copies direct instead, and nothing is lost."""
-    if not _kernels:
-        pytest.skip(f"unpack=kernel unavailable: {_kwhy}")
+    GPU.unpack_mode("kernel")
     _two_batch_write(children, {"TETHER_UNPACK": "kernel"}, 48, fill_receiver_gpu=True)
 
 
@@ -273,7 +257,7 @@ def test_staging_nap(children, nap_us):
     staged payload's SO_RCVLOWAT never asks for more than is still to come."""
     env = {"TETHER_STAGING_NAP_US": str(nap_us)}
     c = children("gpu-peer", env=env)
-    local = LocalMemory(tether.Endpoint(transport="tcp", staging_nap_us=nap_us), _dev)
+    local = GPU.local(transport="tcp", staging_nap_us=nap_us)
     try:
         peer = local.ep.connect(c.call("endpoint")["metadata"], timeout=10)
         n = 3 * SIZE
@@ -301,7 +285,7 @@ def test_no_stall_after_the_waiter_lands_a_staged_payload(children):
     timeout: 4,096 x 16 KiB GPU reads stalled for ~1 s several times per 150 on an H200 before the fix
     (docs/PERFORMANCE.md, "Defaults and why"). Every read here must end far sooner; the last one's bytes are checked."""
     c = children("gpu-peer")
-    local = LocalMemory(tether.Endpoint(transport="tcp"), _dev)
+    local = GPU.local(transport="tcp")
     try:
         peer = local.ep.connect(c.call("endpoint")["metadata"], timeout=10)
         blocks, bs = 4096, 16 * 1024

@@ -6,20 +6,13 @@ import json
 
 import pytest
 
-import tether
-from test_cli import run_cli
+from tether_testutil.cli import run_cli
+from tether_testutil.gpu import gpu_env, torch_gpus
 
-try:
-    import torch
-    _ngpu_torch = torch.cuda.device_count() if torch.cuda.is_available() else 0
-except ImportError:  # CPU CI
-    _ngpu_torch = 0
-_cuda, _why, _ngpu = tether._tether.gpu_status()[:3]
-if not (_cuda and _ngpu >= 1 and _ngpu_torch >= 1):
-    pytest.skip(f"GPU bench tests need CUDA and torch with a GPU (tether: {_why or f'{_ngpu} GPUs'}; "
-                f"torch sees {_ngpu_torch})", allow_module_level=True)
-_other = 1 if min(_ngpu, _ngpu_torch) > 1 else 0
-two_gpus = pytest.mark.skipif(min(_ngpu, _ngpu_torch) < 2,
+GPU = gpu_env("GPU bench tests")
+_ngpu = min(GPU.ngpu, torch_gpus()[1])  # the GPUs both tether and torch see
+_other = 1 if _ngpu > 1 else 0
+two_gpus = pytest.mark.skipif(_ngpu < 2,
                               reason=f"a GPU full mesh pairs distinct GPUs (flows i>j, i != j): needs 2, {_ngpu} here")
 
 

@@ -1,7 +1,7 @@
 """The ipc transport: two processes on one host move host memory without sockets carrying bytes.
 Cross-memory attach where the kernel allows it, a shared-memory bounce segment where it does not
 (forced with TETHER_IPC_HOST=shm, or automatic when attach is refused), tcp when ipc is disabled.
-Bad input, deregistration and dead peers are covered for both transports in test_safety.py.
+Bad input, deregistration and dead peers are covered for both transports in test_access_checks.py and test_peer_failure.py.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 
 import tether
 from conftest import CONFIGS
-from tether_testutil import (
-    MiB, assert_bytes_equal, assert_poison, client_hello, host_id_of, poisoned, rand_bytes, raw_connect,
-    read_server_hello, refuse_cma,
-)
+from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
+from tether_testutil.proc import refuse_cma
+from tether_testutil.sockets import raw_connect, read_server_hello
+from tether_testutil.wire import client_hello, host_id_of
 
 T = 20.0
 
@@ -283,7 +283,7 @@ def test_refuse_cma_helper_really_refuses_here(children):
     import os
     import subprocess
     import sys
-    code = ("import ctypes,os,sys,time; sys.path.insert(0, sys.argv[1]); from tether_testutil import refuse_cma;"
+    code = ("import ctypes,os,sys,time; sys.path.insert(0, sys.argv[1]); from tether_testutil.proc import refuse_cma;"
             "refuse_cma(False); buf=ctypes.create_string_buffer(b'cookie!!'); print(os.getpid(), ctypes.addressof(buf), flush=True);"
             "time.sleep(30)")
     p = subprocess.Popen([sys.executable, "-c", code, os.path.dirname(__file__)], stdout=subprocess.PIPE, text=True)

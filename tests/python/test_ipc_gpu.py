@@ -14,37 +14,24 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, poisoned, rand_bytes
+from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
+from tether_testutil.child import child_bytes
+from tether_testutil.gpu import gpu_env, linked
 
 GPU = gpu_env("ipc GPU tests")
-torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
+torch = GPU.torch
 _dev = GPU.device
 
 T = 60
 PAIRS = GPU.pairs([("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu1", "host"), ("gpu1", "gpu0")])
-SIZE = 37 * MiB + 12345  # several 16 MiB GPU chunks and a partial one (see Local)
-
-
-class Local(LocalMemory):
-    def __init__(self, **kw):
-        # 16 MiB GPU chunks (the default is 256 MiB): a SIZE write goes as three chunks on three lanes.
-        kw.setdefault("ipc_gpu_chunk_bytes", 16 * MiB)
-        super().__init__(tether.Endpoint(transport="ipc", **kw), _dev)
+SIZE = 37 * MiB + 12345  # several 16 MiB GPU chunks and a partial one (see pair)
 
 
 @pytest.fixture
 def pair(children):
-    c = children("ipc-gpu-peer")
-    info = c.call("endpoint", transport="ipc")
-    local = Local()
-    peer = local.ep.connect(info["metadata"], timeout=10)
-    assert peer.transport == "ipc"
-    yield local, peer, c
-    local.ep.close()
-
-
-def _get(c, name):
-    return np.frombuffer(c.call("get", name), np.uint8)
+    # 16 MiB GPU chunks (the default is 256 MiB): a SIZE write goes as three chunks on three lanes.
+    yield from linked(children("ipc-gpu-peer"), lambda: GPU.local(transport="ipc", ipc_gpu_chunk_bytes=16 * MiB),
+                      "ipc", transport="ipc")
 
 
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
@@ -56,7 +43,7 @@ def test_write_and_notify(pair, lk, rk):
     peer.write(src, desc, remote_offset=5, length=SIZE, notify=b"done").wait(T)
     r = c.result(T)
     assert not r["timed_out"] and r["mismatch"] is None, r
-    got = _get(c, "dst")
+    got = child_bytes(c, "dst")
     assert_bytes_equal(got[5:5 + SIZE], rand_bytes(41, SIZE))
     assert_poison(got[:5])
     assert_poison(got[5 + SIZE:])
@@ -87,7 +74,7 @@ def test_vectored_write_and_read(pair, lk, rk, blocks, bs):
     src = local.region("src", lk, n, seed=43)
     order = np.random.default_rng(7).permutation(blocks)
     peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
-    got = _get(c, "dst")
+    got = child_bytes(c, "dst")
     want = rand_bytes(43, n).reshape(blocks, bs)
     expect = np.empty_like(want)
     expect[order] = want
@@ -105,7 +92,7 @@ def test_send_recv(pair, lk, rk):
     src = local.region("src", lk, SIZE, seed=44)
     peer.send(src, tag=5).wait(T)
     assert c.result(T)[:2] == ("ok", SIZE)
-    got = _get(c, "rbuf")
+    got = child_bytes(c, "rbuf")
     assert_bytes_equal(got[:SIZE], rand_bytes(44, SIZE))
     assert_poison(got[SIZE:])
 
@@ -132,7 +119,7 @@ def test_handle_cache_no_reopen_and_reallocation(pair):
     for _ in range(5):
         peer.write(src, desc).wait(T)
     assert c.call("stats")["ipc_cuda_opens"] == opens1, "the target reopened a cached allocation"
-    assert_bytes_equal(_get(c, "dst"), rand_bytes(46, 8 * MiB))
+    assert_bytes_equal(child_bytes(c, "dst"), rand_bytes(46, 8 * MiB))
     # free our allocation (for real: empty the caching allocator) and take a new one
     base = local.mem["src"].data_ptr()
     local.ep.deregister(src)
@@ -141,7 +128,7 @@ def test_handle_cache_no_reopen_and_reallocation(pair):
     torch.cuda.empty_cache()
     src2 = local.region("src2", "gpu0", 8 * MiB, seed=47)
     peer.write(src2, desc).wait(T)
-    assert_bytes_equal(_get(c, "dst"), rand_bytes(47, 8 * MiB))
+    assert_bytes_equal(child_bytes(c, "dst"), rand_bytes(47, 8 * MiB))
     if local.mem["src2"].data_ptr() == base:  # same address, new allocation: must have been reopened
         assert c.call("stats")["ipc_cuda_opens"] == opens1 + 1
 
@@ -159,7 +146,7 @@ def test_deregistering_closes_the_peers_mapping(pair):
     for _ in range(3):
         peer.write(again, desc).wait(T)
     assert c.call("stats")["ipc_cuda_opens"] == opens1 + 1, "the peer kept the deregistered allocation open"
-    assert_bytes_equal(_get(c, "dst"), rand_bytes(48, 8 * MiB))
+    assert_bytes_equal(child_bytes(c, "dst"), rand_bytes(48, 8 * MiB))
 
 
 def test_deregistered_region_refused(pair):
@@ -175,7 +162,7 @@ def test_deregistered_region_refused(pair):
     assert peer.connected  # refused cleanly: the link lives on
     desc2 = c.call("register", "dst2", 4 * MiB, device=0)
     peer.write(src, desc2).wait(T)
-    assert_bytes_equal(_get(c, "dst2"), rand_bytes(48, 4 * MiB))
+    assert_bytes_equal(child_bytes(c, "dst2"), rand_bytes(48, 4 * MiB))
 
 
 ONE_SIDED_PAIRS = GPU.pairs([("gpu0", "gpu1"), ("gpu1", "gpu0")])
@@ -205,7 +192,7 @@ def test_one_sided_small_gpu_ops(pair, lk, rk):
         expect[off:off + n] = data[off:off + n]
     writes = sum(n <= gpu_max for n in sizes)
     assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == writes
-    assert_bytes_equal(_get(c, "dst"), expect, "one-sided GPU writes")
+    assert_bytes_equal(child_bytes(c, "dst"), expect, "one-sided GPU writes")
     local.region("back", lk, size)
     back = local.ep.register(local.mem["back"])
     for n in (8, 8192, 64 * 1024):
@@ -234,7 +221,7 @@ def test_one_sided_gpu_ops_in_flight_together(pair):
     expect[:8] = data[:8]
     for o in offs:
         expect[o:o + block] = data[o:o + block]
-    assert_bytes_equal(_get(c, "dst"), expect, "one-sided GPU writes in flight together")
+    assert_bytes_equal(child_bytes(c, "dst"), expect, "one-sided GPU writes in flight together")
     local.region("back", "gpu0", size)
     back = local.ep.register(local.mem["back"])
     ops = [peer.read(back, desc, local_offset=o, remote_offset=o, length=block) for o in offs]
@@ -323,13 +310,13 @@ def test_vmm_memory(children, lk, rk, how):
     region(a, "src", n, _dev(lk), fill=("seed", 5))
     assert not a.call("legacy_ipc_capable", "src") and not b.call("legacy_ipc_capable", "dst"), "not VMM memory"
     assert a.call("write", "src", desc, remote_offset=3, length=n) == ("ok", n)
-    got = _get(b, "dst")
+    got = child_bytes(b, "dst")
     assert_bytes_equal(got[3:3 + n], rand_bytes(5, n), "write into VMM memory")
     assert_poison(got[:3])
     assert_poison(got[3 + n:])
     region(a, "back", n + 5, _dev(lk))
     assert a.call("read", "back", desc, local_offset=5, remote_offset=3, length=n) == ("ok", n)
-    back = _get(a, "back")
+    back = child_bytes(a, "back")
     assert_bytes_equal(back[5:], rand_bytes(5, n), "read from VMM memory")
     assert_poison(back[:5])
     # each side mapped the other's region (b for the write, a for the read)
@@ -344,7 +331,7 @@ def test_vmm_memory(children, lk, rk, how):
         entries = [("src_head", i, i, blocks) for i in range(0, head - blocks, 4 * blocks)]
         entries += [("src", i, i, blocks) for i in range(head, n - blocks, 4 * blocks)]
         assert a.call("writev", entries, desc) == ("ok", len(entries) * blocks)
-        got = _get(b, "dst")
+        got = child_bytes(b, "dst")
         want = rand_bytes(5, n)
         for _, lo, ro, ln in entries:
             assert_bytes_equal(got[ro:ro + ln], want[lo:lo + ln], f"block at {lo} of a VMM region and its head")

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (
-    POISON, MiB, assert_bytes_equal, fd_count, outcome, poisoned, rand_bytes, thread_count, wait_error,
-    wait_until,
+from tether_testutil.data import (
+    MiB, POISON, assert_bytes_equal, outcome, poisoned, rand_bytes, wait_error, wait_until,
 )
+from tether_testutil.proc import fd_count, thread_count
 
 T = 20.0
 # Children import tether from wherever this process did (source tree with a built module, or site-packages).

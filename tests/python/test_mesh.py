@@ -10,7 +10,7 @@ import pytest
 
 from tether import bench as B
 from tether import mesh
-from test_cli import ENV, run_cli
+from tether_testutil.cli import ENV, run_cli
 
 
 def run_cli_module(module, *args, timeout=170):

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (
-    DESC_KEY, KiB, MiB, Child, assert_bytes_equal, assert_poison, get_u64, poisoned, rand_bytes, set_u64,
-    build_testnet_plugin,
-)
+from tether_testutil.child import Child
+from tether_testutil.data import KiB, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
+from tether_testutil.transports import build_testnet_plugin
+from tether_testutil.wire import DESC_KEY, get_u64, set_u64
 
 T = 30.0
 

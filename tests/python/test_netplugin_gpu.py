@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import Child, LocalMemory, MiB, assert_bytes_equal, assert_poison, gpu_env, rand_bytes
+from tether_testutil.child import Child
+from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, rand_bytes
+from tether_testutil.gpu import LocalMemory, gpu_env, linked
 
 GPU = gpu_env("netplugin GPU tests")
-torch, _ngpu, _kernels, _kwhy = GPU.torch, GPU.ngpu, GPU.kernels, GPU.kernels_why
 
 ROOT = Path(__file__).resolve().parents[2]
 T = 60
@@ -35,7 +36,7 @@ BOUNCES = ["cuda", "host"]
 # One GPU: GpuEnv.pairs runs gpu0-gpu1 once, as gpu0-gpu0 (two processes sharing the GPU).
 PAIRS = GPU.pairs([("gpu0", "gpu1"), ("gpu0", "gpu0"), ("host", "gpu1"), ("gpu0", "host")])
 SIZE = 9 * MiB + 12345  # several 4 MiB frames and a partial one
-CHILD_GPU = 1 if _ngpu > 1 else 0
+CHILD_GPU = GPU.other
 
 
 def _dev(kind):
@@ -106,17 +107,12 @@ class Local(LocalMemory):
 def pair(request, plugin_dir):
     """(local, peer, child) connected over netplugin, both sides with one unpack mode and bounce kind."""
     mode, bounce = request.param
-    if mode == "kernel" and not _kernels:
-        pytest.skip(f"unpack=kernel unavailable: {_kwhy}")
+    GPU.unpack_mode(mode)
     plugin = str(plugin_dir / f"libtestnet_{bounce}.so")
     c = Child(f"npgpu-{mode}-{bounce}", env=_env(bounce, mode, CHILD_GPU))
     try:
-        info = c.call("endpoint", name="npgpu-child", net_plugin=plugin, net_comms=3)
-        local = Local(plugin, bounce, mode, chunk_bytes=4 * MiB)
-        peer = local.ep.connect(info["metadata"], timeout=10)
-        assert peer.transport == "netplugin"
-        yield local, peer, c
-        local.ep.close()
+        yield from linked(c, lambda: Local(plugin, bounce, mode, chunk_bytes=4 * MiB), "netplugin",
+                          name="npgpu-child", net_plugin=plugin, net_comms=3)
     finally:
         c.cleanup()
 
@@ -213,8 +209,7 @@ def test_notify_alone(pair):
 def test_consuming_before_gpu_unpack_would_be_caught(plugin_dir, mode):
     """GPU bounce pages, a GPU destination: with the seeds' bug injected at the target (pages handed
     back before the unpack) the every-byte check sees corruption; without it the data is exact."""
-    if mode == "kernel" and not _kernels:
-        pytest.skip(f"unpack=kernel unavailable: {_kwhy}")
+    GPU.unpack_mode(mode)
     plugin = str(plugin_dir / "libtestnet_cuda.so")
     size = 16 * MiB
     src = rand_bytes(13, size)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import netns
-from tether_testutil import MiB, assert_bytes_equal, rand_bytes
+from tether_testutil.data import MiB, assert_bytes_equal, rand_bytes
 
 OK, WHY = netns.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")

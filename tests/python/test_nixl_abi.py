@@ -21,12 +21,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 NIXL_TREE = ROOT.parent / "shared" / "third_party" / "nixl"  # a NIXL checkout beside the clone, if any
 
+
 # nixlBackendEngine's virtual functions by slot, as libnixl calls them (0 and 1: the destructors).
 ENGINE_SLOTS = ["~", "~", "supportsRemote", "supportsLocal", "supportsNotif", "getSupportedMems", "registerMem",
                 "deregisterMem", "connect", "disconnect", "unloadMD", "prepXfer", "postXfer", "checkXfer",
                 "releaseReqH", "prepMemView", "prepMemView", "releaseMemView", "getPublicData", "getConnInfo",
                 "loadRemoteConnInfo", "loadRemoteMD", "loadLocalMD", "getNotifs", "genNotif", "queryMem",
                 "estimateXferCost"]
+
 
 needs_build_tools = pytest.mark.skipif(
     shutil.which("cmake") is None or not any(Path(p).exists() for p in ("/usr/include/gtest/gtest.h",
@@ -172,3 +174,28 @@ def test_each_wheel_calls_backends_through_the_declared_slots(version, plugins):
     base = subprocess.run(["nm", "-S", str(plugins / "libplugin_UCX.so")], capture_output=True, text=True).stdout
     (size,) = [int(line.split()[1], 16) for line in base.splitlines() if line.endswith(" _ZTV17nixlBackendEngine")]
     assert size == 16 + 8 * len(ENGINE_SLOTS), f"NIXL {version}: nixlBackendEngine has {(size - 16) // 8} slots"
+
+
+def test_nixl_src_set_later_wins_over_the_cached_value(tmp_path):
+    """pip reuses its build folder, so TETHER_NIXL_SRC given to a later `pip install .` must win over
+    what an earlier configure cached (it did not: the reinstall silently built no NIXL plugin), and
+    setting it empty again goes back to tether's own declarations of NIXL's ABI."""
+    import shutil
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake not installed")
+    headers = os.path.join(ROOT, "..", "shared", "third_party", "nixl")
+    if not os.path.exists(os.path.join(headers, "src", "api", "cpp", "backend", "backend_plugin.h")):
+        pytest.skip("NIXL's backend headers (../shared/third_party/nixl) are not beside this tree")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    configure = ["cmake", ROOT, *gen, "-DTETHER_BUILD_PYTHON=OFF", "-DTETHER_BUILD_TESTS=OFF"]
+
+    def run(nixl_src: str) -> str:
+        r = subprocess.run(configure, cwd=tmp_path, env=dict(os.environ, TETHER_NIXL_SRC=nixl_src),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return r.stdout
+
+    ours = "NIXL plugin built from tether's declarations of NIXL's backend ABI"
+    assert ours in run("")
+    assert "NIXL plugin built against the NIXL headers in " + os.path.abspath(headers) in run(os.path.abspath(headers))
+    assert ours in run("")

@@ -12,19 +12,10 @@ import pytest
 
 from nixl_agent import POISON, rand_bytes
 from test_nixl import SITES, T, nixl_site, spawn  # noqa: F401  (fixtures)
+from tether_testutil.data import MiB
+from tether_testutil.gpu import torch_gpus
 
-MiB = 1 << 20
-
-
-def _gpus() -> int:
-    try:
-        import torch
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
-
-
-GPUS = _gpus()
+GPUS = torch_gpus()[1]
 pytestmark = [
     pytest.mark.skipif(not SITES, reason="NIXL is not installed"),
     pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU (torch.cuda) on this machine: VRAM tests run on the device machine"),

@@ -12,7 +12,7 @@ import pytest
 
 from nixl_agent import AgentError
 from test_nixl import NO_NIXL, SITES, _bytes, _whole, link, nixl_site, spawn  # noqa: F401  (fixtures)
-from tether_testutil import MiB, fd_count, rand_bytes
+from tether_testutil.data import MiB, rand_bytes
 
 pytestmark = pytest.mark.skipif(not SITES, reason=NO_NIXL)
 

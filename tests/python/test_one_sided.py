@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (
-    DESC_KEY, POISON as POISON_BYTE, MiB, assert_bytes_equal, assert_poison, get_u64, poisoned, rand_bytes, set_u64, wait_error, wait_until,
+from tether_testutil.data import (
+    MiB, POISON as POISON_BYTE, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error,
+    wait_until,
 )
+from tether_testutil.wire import DESC_KEY, get_u64, set_u64
 
 T = 20.0
 KiB = 1 << 10

@@ -1,5 +1,6 @@
-"""What one peer can make a target hold is bounded per peer, and a peer past a bound is refused or dropped
-at once: answers to requests it raised on a data lane but never reads (refused kPull frames), messages it
+"""What one peer can make a target hold is bounded per peer (what all peers together may queue, per
+endpoint), and a peer past a bound is refused or dropped at once: notifications the application has not
+read, answers to requests it raised on a data lane but never reads (refused kPull frames), messages it
 sends that no recv here matches (RTS), and connections that never finish their handshake (a flood of idle
 or slow handshakes must not keep a prompt peer out, at any open-files limit of 64 or more).
 The bounds are listed in docs/RELIABILITY.md ("Bounds"); each test measures the target from /proc (`-s`
@@ -7,7 +8,6 @@ prints the figures).
 """
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import threading
@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import (CLIENT_HELLO_SIZE, MiB, assert_bytes_equal, client_hello, pull, rand_bytes, raw_connect,
-                             raw_peer, recv_exact, rss_bytes, wait_until)
+from tether_testutil.data import MiB, assert_bytes_equal, outcome, poisoned, rand_bytes, wait_until
+from tether_testutil.proc import rss_bytes
+from tether_testutil.sockets import raw_connect, raw_peer
+from tether_testutil.wire import CLIENT_HELLO_SIZE, client_hello, pull
 
 CONTROL = struct.Struct("<IB3x")   # wire::ControlHeader: body length, type
 RTS = struct.Struct("<QQQ")        # wire::RtsBody: msg id, tag, length
@@ -234,3 +236,77 @@ def _closed(s: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+# --------------------------------------------------------------------------- notifications
+
+
+def _notify_all(peer, n, size):
+    ts = [peer.notify(b"n" * size) for _ in range(n)]
+    return [outcome(t, timeout=T) for t in ts]
+
+
+@pytest.mark.budget(90)
+def test_notifications_are_bounded_and_memory_returns(endpoints, children):
+    """A token-less peer sends 150 notifications of ~1 MiB the application has not read. The target
+    keeps at most its per-peer queue (16 MiB); every notification is delivered or refused with a
+    typed error (none lost silently); memory returns once they are read and once the peer goes."""
+    c = children("note-target")
+    info = c.call("endpoint", name="note-target")
+    me = endpoints(name="flooder")
+    peer = me.connect(info["metadata"], timeout=5)
+    c.call("drain_notifications")
+    rss0 = rss_bytes(c.pid)
+    size = MiB - 64
+    outs = _notify_all(peer, 150, size)
+    grown = rss_bytes(c.pid) - rss0
+    ok = outs.count("ok")
+    refused = [o for o in outs if o != "ok"]
+    assert set(refused) <= {"ResourceExhausted"}, set(outs)
+    assert 0 < ok * size <= 16 * MiB, ok
+    assert peer.connected, peer.error
+    got = c.call("drain_notifications")
+    assert len(got) == ok and all(n == size for n, _ in got), (len(got), ok)
+    wait_until(lambda: rss_bytes(c.pid) - rss0 < 12 * MiB, 2)  # the endpoint's next tick trims the heap
+    drained = rss_bytes(c.pid) - rss0
+    # room again once read
+    assert _notify_all(peer, 4, size) == ["ok"] * 4
+    assert len(c.call("drain_notifications")) == 4
+    me.close()
+    assert wait_until(lambda: c.call("peers") == [] or not c.call("peers")[0][2], 5)
+    gone = rss_bytes(c.pid) - rss0
+    print(f"\nnotifications: 150 x 1 MiB sent, {ok} queued, {len(refused)} refused; target RSS "
+          f"+{grown / MiB:.0f} MiB queued, +{drained / MiB:.0f} MiB after reading, +{gone / MiB:.0f} MiB after the peer left")
+    assert grown < 48 * MiB, f"the target grew by {grown / MiB:.0f} MiB"
+    assert drained < 12 * MiB, f"{drained / MiB:.0f} MiB stayed after the notifications were read"
+    assert gone < 12 * MiB, f"{gone / MiB:.0f} MiB stayed after the peer left"
+
+
+def test_notification_size_limit_is_checked_before_sending(endpoints):
+    """The target's limit travels in the handshake: a larger notification fails locally with
+    InvalidArgument naming the limit, before a byte is sent; the limit is an option."""
+    b = endpoints(name="small-notes", notify_max_bytes=1000)
+    a = endpoints(name="sender")
+    peer = a.connect(b.metadata(), timeout=5)
+    with pytest.raises(tether.InvalidArgument, match="1000"):
+        peer.notify(b"x" * 1001).wait(T)
+    region = b.register(poisoned(4096))
+    with pytest.raises(tether.InvalidArgument, match="1000"):
+        peer.write(a.register(rand_bytes(3, 4096)), region.descriptor(), notify=b"y" * 1001).wait(T)
+    peer.notify(b"z" * 1000).wait(T)
+    assert [n.data for n in b.notifications(timeout=T)] == [b"z" * 1000]
+    with pytest.raises(tether.InvalidArgument, match="notify_max_bytes"):
+        tether.Endpoint(notify_max_bytes=(1 << 20) + 1)
+
+
+def test_endpoint_queue_limit_spans_peers(endpoints):
+    """The per-endpoint limit bounds what all peers together may queue."""
+    b = endpoints(name="target", notify_queue_peer_bytes=1 * MiB, notify_queue_bytes=2 * MiB)
+    senders = [endpoints(name=f"s{i}") for i in range(3)]
+    peers = [s.connect(b.metadata(), timeout=5) for s in senders]
+    outs = [_notify_all(p, 4, 256 << 10) for p in peers]
+    total_ok = sum(o.count("ok") for o in outs)
+    assert all(o.count("ok") <= 4 for o in outs)
+    assert total_ok * (256 << 10) <= 2 * MiB, outs
+    assert set(x for o in outs for x in o) <= {"ok", "ResourceExhausted"}, outs
+    assert len(b.notifications()) == total_ok

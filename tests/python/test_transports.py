@@ -4,7 +4,8 @@ import struct
 import pytest
 
 import tether
-from tether_testutil import DESC_SIZE, assert_bytes_equal, poisoned, rand_bytes, wait_until
+from tether_testutil.data import assert_bytes_equal, poisoned, rand_bytes, wait_until
+from tether_testutil.wire import DESC_SIZE
 
 T = 10
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil import MiB, assert_bytes_equal, poisoned, rand_bytes
+from tether_testutil.data import MiB, assert_bytes_equal, poisoned, rand_bytes
 
 T = 20.0
 NAPPING = dict(transport="tcp", busy_poll_us=1000, wait_nap_us=20)

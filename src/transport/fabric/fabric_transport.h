@@ -19,15 +19,13 @@
 
 #include "transport/transport.h"
 
-namespace tether::core {
-class EndpointImpl;
-}
-
 namespace tether::transport {
+
+class Host;
 
 // Always returns a transport named "fabric"; built without libfabric headers, or when the library
 // or a usable provider is missing at run time, its unavailable_reason() says why.
-std::unique_ptr<Transport> make_fabric_transport(core::EndpointImpl* endpoint);
+std::unique_ptr<Transport> make_fabric_transport(Host* host);
 
 // What an endpoint with this Config would use (for `tether doctor`): the rails with their NIC's
 // location, and the rail order for host memory and for each device given as (sysfs PCI path, NUMA

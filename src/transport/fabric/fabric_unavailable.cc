@@ -21,7 +21,7 @@ class NoFabric final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_fabric_transport(core::EndpointImpl*) { return std::make_unique<NoFabric>(); }
+std::unique_ptr<Transport> make_fabric_transport(Host*) { return std::make_unique<NoFabric>(); }
 
 FabricRails fabric_rails(const Config&, const std::vector<std::pair<std::string, int>>&) {
   FabricRails out;

@@ -5,7 +5,6 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
-#include <rdma/fi_endpoint.h>
 
 namespace tether::transport::fabric {
 
@@ -119,21 +118,35 @@ void Rail::deregister(RailMr* mr) {
   *mr = RailMr{};
 }
 
+namespace {
+
+// One local buffer against one remote range, as fi_writemsg / fi_readmsg take it.
+struct RmaMsg {
+  iovec iov;
+  void* desc;
+  fi_rma_iov rma;
+  fi_msg_rma msg{};
+  RmaMsg(void* buf, size_t len, void* d, fi_addr_t peer, uint64_t raddr, uint64_t key, void* context)
+      : iov{buf, len}, desc(d), rma{raddr, len, key} {
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = peer;
+    msg.rma_iov = &rma;
+    msg.rma_iov_count = 1;
+    msg.context = context;
+  }
+  RmaMsg(const RmaMsg&) = delete;
+};
+
+}  // namespace
+
 ssize_t Rail::write(const void* buf, size_t len, void* desc, fi_addr_t dest, uint64_t raddr, uint64_t key,
                     void* context) {
-  iovec iov{const_cast<void*>(buf), len};
-  fi_rma_iov rma{raddr, len, key};
-  fi_msg_rma msg{};
-  msg.msg_iov = &iov;
-  msg.desc = &desc;
-  msg.iov_count = 1;
-  msg.addr = dest;
-  msg.rma_iov = &rma;
-  msg.rma_iov_count = 1;
-  msg.context = context;
+  RmaMsg m(const_cast<void*>(buf), len, desc, dest, raddr, key, context);
   // Delivery complete: the completion means the bytes are in the target's memory, so the
   // notification the core sends after the last completion cannot overtake them.
-  return fi_writemsg(ep_, &msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0));
+  return fi_writemsg(ep_, &m.msg, FI_COMPLETION | (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0));
 }
 
 ssize_t Rail::read(void* buf, size_t len, void* desc, fi_addr_t src, uint64_t raddr, uint64_t key,
@@ -142,17 +155,8 @@ ssize_t Rail::read(void* buf, size_t len, void* desc, fi_addr_t src, uint64_t ra
 }
 
 ssize_t Rail::flush_read(void* buf, void* desc, fi_addr_t src, uint64_t raddr, uint64_t key, void* context) {
-  iovec iov{buf, 1};
-  fi_rma_iov rma{raddr, 1, key};
-  fi_msg_rma msg{};
-  msg.msg_iov = &iov;
-  msg.desc = &desc;
-  msg.iov_count = 1;
-  msg.addr = src;
-  msg.rma_iov = &rma;
-  msg.rma_iov_count = 1;
-  msg.context = context;
-  return fi_readmsg(ep_, &msg, FI_COMPLETION | (fence_ ? FI_FENCE : 0));
+  RmaMsg m(buf, 1, desc, src, raddr, key, context);
+  return fi_readmsg(ep_, &m.msg, FI_COMPLETION | (fence_ ? FI_FENCE : 0));
 }
 
 ssize_t Rail::send(const iovec* iov, void** desc, size_t count, fi_addr_t dest, void* context) {

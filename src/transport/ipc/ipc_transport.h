@@ -20,22 +20,31 @@
 #include "transport/transport.h"
 
 namespace tether::core {
-class EndpointImpl;
 struct RegionState;
 }
 
 namespace tether::transport {
+
+class Host;
 
 namespace ipc {
 struct Lane;
 struct IpcPeer;
 struct Rendezvous;
 class GpuCompleter;
+
+// What this endpoint's ipc lanes did (IpcTransport::counters: "ipc_" and the field's name).
+struct Counters {
+  std::atomic<uint64_t> cma_chunks{0}, shm_chunks{0}, inline_chunks{0};  // chunks served as a target, by mover
+  std::atomic<uint64_t> one_sided_chunks{0};  // chunks this side moved itself, as an initiator
+  std::atomic<uint64_t> cuda_chunks{0};       // chunks whose GPU side this side copied with CUDA (either side)
+  std::atomic<uint64_t> cuda_opens{0};        // CUDA IPC handles of a peer's allocations opened (once each)
+};
 }  // namespace ipc
 
 class IpcTransport final : public Transport {
  public:
-  explicit IpcTransport(core::EndpointImpl* endpoint);
+  explicit IpcTransport(Host* host);
   ~IpcTransport() override;
   const char* name() const override { return "ipc"; }
   Caps caps() const override;
@@ -55,6 +64,7 @@ class IpcTransport final : public Transport {
   void help(Link* peer) override;
   void detach(Link& peer) override;
   void stop() override;
+  void counters(std::vector<std::pair<std::string, uint64_t>>& out) const override;
 
  private:
   Status attach_connector(const std::shared_ptr<Link>& peer, std::string_view remote_offer, int64_t deadline);
@@ -62,7 +72,8 @@ class IpcTransport final : public Transport {
   Status start_lanes(const std::shared_ptr<Link>& peer, const std::shared_ptr<ipc::IpcPeer>& ip, bool listener);
   void reap_finished();  // joins lane threads that ended (mu_ held)
 
-  core::EndpointImpl* endpoint_;
+  Host* host_;
+  ipc::Counters counters_;
   std::string unavailable_;
   int host_mode_ = 0;  // 0 auto, 1 cma only, 2 shm only (Config::ipc_host)
 

@@ -4,8 +4,6 @@
 #include <cstring>
 #include <thread>
 
-#include "core/endpoint_impl.h"
-#include "core/peer.h"
 #include "core/region.h"
 
 namespace tether::transport {
@@ -36,9 +34,9 @@ core::RegionState* RegionTable::find(const uint8_t* p, uint64_t length) const {
 
 // ---------------------------------------------------------------- lane
 
-NetLane::NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<Link> peer,
+NetLane::NetLane(std::shared_ptr<NetPlugin> net, Host* host, std::shared_ptr<Link> peer,
                  uint32_t index, Comms comms, const RegionTable* regions, Options opts)
-    : net_(std::move(net)), ep_(ep), peer_(std::move(peer)), index_(index), comms_(comms), regions_(regions),
+    : net_(std::move(net)), host_(host), peer_(std::move(peer)), index_(index), comms_(comms), regions_(regions),
       opts_(std::move(opts)),
       unpack_device_(comms.recv_dev && comms.recv_dev->type == netabi::kDeviceUnpack && comms.recv_dev->handle),
       consume_early_(opts_.consume_early && unpack_device_) {
@@ -97,18 +95,17 @@ bool NetLane::step() {
 
 // ---------------------------------------------------------------- registrations
 
-void* NetLane::mr_for(core::RegionState* region) {
-  for (auto& [r, mh] : mrs_)
-    if (r == region) return mh;
-  // First payload from this region on this comm: register it (the plugin pins / imports it once).
+void* NetLane::mr_for(Registrations& mrs, const void* owner, void* base, uint64_t size, int type, const char* call) {
+  for (auto& [o, mh] : mrs)
+    if (o == owner) return mh;
+  // First payload from this region (or slot) on this comm: register it (the plugin pins / imports it once).
   void* mh = nullptr;
-  const int type = region->kind == MemoryKind::kCuda ? netabi::kPtrCuda : netabi::kPtrHost;  // cuda: opts_.cuda_send
-  const int rc = net_->reg_mr(comms_.send, region->base, region->size, type, &mh);
+  const int rc = net_->reg_mr(comms_.send, base, size, type, &mh);
   if (rc != netabi::kSuccess) {
-    fail_plugin("regMr", rc);
+    fail_plugin(call, rc);
     return nullptr;
   }
-  mrs_.emplace_back(region, mh);
+  mrs.emplace_back(owner, mh);
   return mh;
 }
 
@@ -116,19 +113,6 @@ core::RegionState* NetLane::region_of(const TxFrame& f) {
   core::RegionState* region = f.pin ? f.pin : regions_->find(f.payload, f.length);
   if (!region) kill(Status(Code::kInternal, "netplugin: a payload outside every registered region"));
   return region;
-}
-
-void* NetLane::slot_mr(gpu::StagingSlot* slot) {
-  for (auto& [s, mh] : slot_mrs_)
-    if (s == slot) return mh;
-  void* mh = nullptr;
-  const int rc = net_->reg_mr(comms_.send, slot->host, slot->capacity, netabi::kPtrHost, &mh);
-  if (rc != netabi::kSuccess) {
-    fail_plugin("regMr (staging)", rc);
-    return nullptr;
-  }
-  slot_mrs_.emplace_back(slot, mh);
-  return mh;
 }
 
 uint64_t NetLane::request_dereg(const core::RegionState* r) {
@@ -233,13 +217,13 @@ bool NetLane::on_header(RxPosted& r) {
     case FrameType::kWrite:
     case FrameType::kSendData:
       if (h.length > kMaxFrame) return protocol_error("a frame larger than a plugin receive");
-      r.plan = plan_target(*ep_, *peer_, h);
+      r.plan = plan_target(*host_, *peer_, h);
       r.dest = r.plan.code == Code::kOk ? r.plan.dest : nullptr;  // null: discard, then answer the error
       r.device = r.plan.device;
       r.expect = h.length;
       return true;
     case FrameType::kReadReq: {
-      r.plan = plan_target(*ep_, *peer_, h);
+      r.plan = plan_target(*host_, *peer_, h);
       if (r.plan.code == Code::kOk && h.length > kMaxFrame) {
         r.plan.pin->unpin();
         r.plan = TargetPlan{};
@@ -281,14 +265,14 @@ bool NetLane::finish_rx(RxPosted& r) {
     case FrameType::kWrite:
     case FrameType::kSendData: {
       TxFrame ack;
-      ack.hdr = finish_placed(*ep_, *peer_, h, r.plan);
+      ack.hdr = finish_placed(*host_, *peer_, h, r.plan);
       push_answer(ack);  // room was checked before the header was taken
       return true;
     }
     case FrameType::kReadResp:
       if (h.status == 0) {
-        ep_->stats().bytes_received.fetch_add(h.length, std::memory_order_relaxed);
-        ep_->stats().chunks_received.fetch_add(1, std::memory_order_relaxed);
+        host_->traffic().bytes_received.fetch_add(h.length, std::memory_order_relaxed);
+        host_->traffic().chunks_received.fetch_add(1, std::memory_order_relaxed);
         if (peer_->answer(index_, h.slot, h.gen, 0) != Code::kOk) return protocol_error("an answer to no request");
       }
       return true;
@@ -307,6 +291,31 @@ bool NetLane::finish_deferred() {
     return false;
   }
   return unpack_wait() && finish_rx(deferred_);
+}
+
+// Starts the copy of receive i's payload to its destination. Unpack devices: the plugin's fragments
+// over its bounce pages. Others: one fragment, the whole payload in this receive's landing area.
+bool NetLane::start_unpack(RxPosted& r, size_t i, uint64_t size) {
+  const netabi::UnpackEntry* frags;
+  uint64_t n = 1;
+  const uint8_t* from;
+  netabi::UnpackEntry whole{uint32_t(i * kMaxFrame), uint32_t(size), 0};
+  if (unpack_device_) {
+    const int slot = int((r.k + 1) % netabi::kUnpackQueueDepth);
+    n = unpack_->meta->cnt[slot];
+    frags = unpack_->meta->mem[slot];
+    if (check_fragments(frags, n, size) != Code::kOk) return protocol_error("unpack metadata outside the message (plugin bug)");
+    from = static_cast<const uint8_t*>(unpack_->bounce_buf);
+  } else {
+    frags = &whole;
+    from = landing_.get();
+  }
+  if (Status s = unpacker_->start(frags, n, from, r.dest, r.device); !s.is_ok()) {
+    kill(s);
+    return false;
+  }
+  r.unpacking = true;
+  return true;
 }
 
 bool NetLane::progress_rx() {
@@ -363,29 +372,7 @@ bool NetLane::progress_rx() {
         moved = true;
         continue;
       }
-      if (r.dest && size > 0) {
-        // Unpack devices: the plugin's fragments over its bounce pages. Others: one fragment, the
-        // whole payload in this receive's landing area.
-        const netabi::UnpackEntry* frags;
-        uint64_t n = 1;
-        const uint8_t* from;
-        netabi::UnpackEntry whole{uint32_t(i * kMaxFrame), uint32_t(size), 0};
-        if (unpack_device_) {
-          const int slot = int((r.k + 1) % netabi::kUnpackQueueDepth);
-          n = unpack_->meta->cnt[slot];
-          frags = unpack_->meta->mem[slot];
-          if (check_fragments(frags, n, size) != Code::kOk) return protocol_error("unpack metadata outside the message (plugin bug)");
-          from = static_cast<const uint8_t*>(unpack_->bounce_buf);
-        } else {
-          frags = &whole;
-          from = landing_.get();
-        }
-        if (Status s = unpacker_->start(frags, n, from, r.dest, r.device); !s.is_ok()) {
-          kill(s);
-          return false;
-        }
-        r.unpacking = true;
-      }
+      if (r.dest && size > 0 && !start_unpack(r, i, size)) return false;
       r.stage = RxStage::kUnpacking;
       moved = true;
     }
@@ -416,24 +403,12 @@ bool NetLane::progress_rx() {
 
 bool NetLane::progress_tx() {
   bool moved = false;
-  auto& stats = ep_->stats();
+  auto& stats = host_->traffic();
   // Completions, oldest first (a request reported done is never tested again).
   while (tx_count_ > 0) {
     TxPosted& p = tx_[tx_head_];
     if (!p.payload_posted) break;
-    int rc;
-    if (!p.hdone) {
-      size_t sz;
-      int done = 0;
-      if ((rc = net_->test(p.hreq, &done, &sz)) != netabi::kSuccess) return fail_plugin("test (send)", rc);
-      if (done) p.hdone = true, --tx_requests_;
-    }
-    if (!p.pdone) {
-      size_t sz;
-      int done = 0;
-      if ((rc = net_->test(p.preq, &done, &sz)) != netabi::kSuccess) return fail_plugin("test (send)", rc);
-      if (done) p.pdone = true, --tx_requests_;
-    }
+    if (!test_send(p.hreq, &p.hdone) || !test_send(p.preq, &p.pdone)) return false;
     if (!p.hdone || !p.pdone) break;
     if (p.f.length > 0) {
       stats.bytes_sent.fetch_add(p.f.length, std::memory_order_relaxed);
@@ -459,7 +434,7 @@ bool NetLane::progress_tx() {
   // Post: the window is checked before a frame is taken, so both its requests fit under the limit.
   while (tx_count_ < kFramesInFlight && tx_requests_ + 2 <= kRequestLimit) {
     if (txq_count_ == 0) {
-      core::ChunkOp op;
+      ChunkOp op;
       if (!peer_->next_chunk(index_, &op)) break;
       TxFrame f;
       f.hdr = op.hdr;
@@ -489,6 +464,16 @@ bool NetLane::progress_tx() {
     if (r != Post::kPosted) break;  // posted by a later pass, before anything else
   }
   return moved;
+}
+
+// Tests send request `req` unless it was already reported done (*done). False: the lane was killed.
+bool NetLane::test_send(void* req, bool* done) {
+  if (*done) return true;
+  size_t sz;
+  int d = 0;
+  if (const int rc = net_->test(req, &d, &sz); rc != netabi::kSuccess) return fail_plugin("test (send)", rc);
+  if (d) *done = true, --tx_requests_;
+  return true;
 }
 
 NetLane::Post NetLane::post_payload(TxPosted& p, size_t i) {
@@ -521,10 +506,12 @@ NetLane::Post NetLane::post_payload(TxPosted& p, size_t i) {
       }
       if (!copied.value()) return Post::kCopying;
       data = p.slot->host;
-      mh = slot_mr(p.slot);
+      mh = mr_for(slot_mrs_, p.slot, p.slot->host, p.slot->capacity, netabi::kPtrHost, "regMr (staging)");
     } else {
       data = const_cast<uint8_t*>(p.f.payload);
-      mh = mr_for(region);  // a GPU region only when the plugin takes CUDA pointers
+      // A GPU region only when the plugin takes CUDA pointers (opts_.cuda_send).
+      const int type = region->kind == MemoryKind::kCuda ? netabi::kPtrCuda : netabi::kPtrHost;
+      mh = mr_for(mrs_, region, region->base, region->size, type, "regMr");
     }
     if (!mh) return Post::kDead;
   }

@@ -25,12 +25,12 @@
 #include "gpu/staging.h"
 #include "tether/status.h"
 #include "transport/frame_target.h"
+#include "transport/host.h"
 #include "transport/link.h"
 #include "transport/netplugin/plugin.h"
 #include "transport/netplugin/unpacker.h"
 
 namespace tether::core {
-class EndpointImpl;
 struct RegionState;
 }  // namespace tether::core
 
@@ -66,7 +66,7 @@ class NetLane {
     bool cuda_send = false;      // the device takes CUDA pointers (ptrSupport & NCCL_PTR_CUDA)
     bool consume_early = false;  // test-only fault (TETHER_NET_FAULT=consume_early)
   };
-  NetLane(std::shared_ptr<NetPlugin> net, core::EndpointImpl* ep, std::shared_ptr<Link> peer,
+  NetLane(std::shared_ptr<NetPlugin> net, Host* host, std::shared_ptr<Link> peer,
           uint32_t index, Comms comms, const RegionTable* regions, Options opts);
   ~NetLane();
   NetLane(const NetLane&) = delete;
@@ -124,16 +124,19 @@ class NetLane {
 
   bool progress_rx();
   bool progress_tx();
+  bool test_send(void* req, bool* done);
   bool post_receives();
   bool on_header(RxPosted& r);
   bool finish_rx(RxPosted& r);
   bool finish_deferred();
+  bool start_unpack(RxPosted& r, size_t i, uint64_t size);
   bool fail_plugin(const char* call, int rc);
   bool protocol_error(const char* what);
-  void* mr_for(core::RegionState* region);
+  // Registrations on the send comm of regions (or staging slots), by their owner.
+  using Registrations = std::vector<std::pair<const void*, void*>>;
+  void* mr_for(Registrations& mrs, const void* owner, void* base, uint64_t size, int type, const char* call);
   core::RegionState* region_of(const TxFrame& f);  // null: the lane was killed
   Post post_payload(TxPosted& p, size_t i);
-  void* slot_mr(gpu::StagingSlot* slot);
   void process_dereg();
   bool consume(void* req);
   bool read_unpacked(uint64_t k, void* out, uint64_t length);
@@ -141,7 +144,7 @@ class NetLane {
   bool push_answer(const TxFrame& f);
 
   const std::shared_ptr<NetPlugin> net_;
-  core::EndpointImpl* const ep_;
+  Host* const host_;
   const std::shared_ptr<Link> peer_;
   const uint32_t index_;
   Comms comms_;
@@ -182,10 +185,10 @@ class NetLane {
   uint64_t rx_seq_ = 0;
 
   // Registrations of regions on the send comm (progress thread only).
-  std::vector<std::pair<const core::RegionState*, void*>> mrs_;
+  Registrations mrs_;
   // GPU payloads for a plugin without CUDA pointers: pinned copies, registered on first use.
   std::unique_ptr<gpu::StagingRing> tx_stage_;
-  std::vector<std::pair<const gpu::StagingSlot*, void*>> slot_mrs_;
+  Registrations slot_mrs_;
   std::mutex dereg_mu_;
   std::vector<const core::RegionState*> dereg_queue_;
   std::atomic<uint64_t> dereg_requested_{0}, dereg_done_{0};

@@ -10,8 +10,6 @@
 #include <thread>
 
 #include "sys/crypto.h"
-#include "core/endpoint_impl.h"
-#include "core/peer.h"
 #include "core/region.h"
 #include "sys/cpu.h"
 #include "sys/net.h"
@@ -155,8 +153,8 @@ struct NetPeerLanes {
 
 // ---------------------------------------------------------------- setup
 
-NetpluginTransport::NetpluginTransport(core::EndpointImpl* endpoint) : endpoint_(endpoint) {
-  const Config& cfg = endpoint->config();
+NetpluginTransport::NetpluginTransport(Host* host) : host_(host) {
+  const Config& cfg = host->config();
   // Fault injection for the tests, not a tuning knob: hands receives back before their unpack.
   consume_early_ = sys::env_text("TETHER_NET_FAULT") == "consume_early";
   if (cfg.net_plugin.empty()) {
@@ -207,7 +205,7 @@ Caps NetpluginTransport::caps() const {
 }
 
 uint32_t NetpluginTransport::lane_count() const {
-  const uint32_t want = endpoint_->config().net_comms;
+  const uint32_t want = host_->config().net_comms;
   const uint32_t n = want > 0 ? want : std::max<uint32_t>(2, uint32_t(devices_.size()));
   return std::min(n, kMaxLanes);
 }
@@ -278,12 +276,66 @@ void NetpluginTransport::start_threads() {
   if (!threads_.empty()) return;
   const size_t ndev = devices_.size();
   // Thread t serves device t % ndev: a multiple of the device count, at least one per device.
-  size_t n = std::max<size_t>(ndev, endpoint_->config().channels / ndev * ndev);
+  size_t n = std::max<size_t>(ndev, host_->config().channels / ndev * ndev);
   std::map<std::string, std::vector<int>> bindings;
-  if (!endpoint_->config().net_bindings.empty()) bindings = parse_net_bindings(endpoint_->config().net_bindings).take();
+  if (!host_->config().net_bindings.empty()) bindings = parse_net_bindings(host_->config().net_bindings).take();
   for (size_t t = 0; t < n; ++t) {
     auto it = bindings.find(devices_[t % ndev].name);
     threads_.push_back(std::make_unique<NetProgressThread>(it == bindings.end() ? std::vector<int>{} : it->second));
+  }
+}
+
+// Ours is the newest offer of the session that is not the peer's (`peer_nonce`); older ones of ours
+// were for handshakes retried since, and are closed now. False: no offer of ours for this session.
+bool NetpluginTransport::take_listening(uint64_t session, uint64_t peer_nonce, Listening* mine) {
+  std::lock_guard lock(mu_);
+  auto mine_it = listening_.end();
+  for (auto it = listening_.lower_bound(OfferKey{session, 0}); it != listening_.end() && it->first.first == session; ++it)
+    if (it->first.second != peer_nonce && (mine_it == listening_.end() || it->second.created_ms >= mine_it->second.created_ms))
+      mine_it = it;
+  if (mine_it == listening_.end()) return false;
+  *mine = std::move(mine_it->second);
+  listening_.erase(mine_it);
+  for (auto it = listening_.lower_bound(OfferKey{session, 0}); it != listening_.end() && it->first.first == session;) {
+    if (it->first.second == peer_nonce) {
+      ++it;
+      continue;
+    }
+    for (void* c : it->second.comms) net_->close_listen(c);
+    it = listening_.erase(it);
+  }
+  return true;
+}
+
+// Both sides connect to the other's handles (in `remote_offer`) and accept on their own `listens`,
+// without blocking, until every lane has both comms (the other side runs the same loop at the same time).
+Status NetpluginTransport::connect_comms(std::string_view remote_offer, const std::vector<void*>& listens, Link& peer,
+                                         int64_t deadline, std::vector<NetLane::Comms>& comms) {
+  const uint32_t n = uint32_t(comms.size());
+  std::vector<std::string> handles(n);
+  for (uint32_t i = 0; i < n; ++i)
+    handles[i].assign(remote_offer.data() + sizeof(OfferHeader) + size_t(i) * netabi::kHandleMaxSize, netabi::kHandleMaxSize);
+  for (;;) {
+    bool complete = true;
+    for (uint32_t i = 0; i < n; ++i) {
+      NetLane::Comms& c = comms[i];
+      c.dev = int(i % devices_.size());
+      if (!c.send) {
+        netabi::DeviceHandle* sdev = nullptr;
+        const int rc = net_->connect(c.dev, handles[i].data(), &c.send, &sdev);
+        if (rc != netabi::kSuccess)
+          return Status(Code::kConnectionLost, "netplugin: connect on device " + std::to_string(c.dev) + ": " + net_result_name(rc));
+      }
+      if (!c.recv) {
+        const int rc = net_->accept(listens[i], &c.recv, &c.recv_dev);
+        if (rc != netabi::kSuccess)
+          return Status(Code::kConnectionLost, "netplugin: accept on device " + std::to_string(c.dev) + ": " + net_result_name(rc));
+      }
+      complete &= c.send && c.recv;
+    }
+    if (complete) return Status::ok();
+    if (sys::now_ms() > deadline || peer.failed()) return Status(Code::kTimeout, "netplugin: the peer's comms did not connect in time");
+    std::this_thread::yield();
   }
 }
 
@@ -292,26 +344,8 @@ Status NetpluginTransport::attach(const std::shared_ptr<Link>& peer, const std::
   OfferHeader rh{};
   if (!parse_offer(remote_offer, &rh)) return Status(Code::kProtocolError, "netplugin: malformed offer from the peer");
   Listening mine;
-  {
-    std::lock_guard lock(mu_);
-    // Ours is the newest offer of the session that is not the peer's; older ones of ours were for
-    // handshakes retried since, and are closed now.
-    auto mine_it = listening_.end();
-    for (auto it = listening_.lower_bound(OfferKey{rh.session, 0}); it != listening_.end() && it->first.first == rh.session; ++it)
-      if (it->first.second != rh.nonce && (mine_it == listening_.end() || it->second.created_ms >= mine_it->second.created_ms))
-        mine_it = it;
-    if (mine_it == listening_.end()) return Status(Code::kProtocolError, "netplugin: no offer of ours for this session");
-    mine = std::move(mine_it->second);
-    listening_.erase(mine_it);
-    for (auto it = listening_.lower_bound(OfferKey{rh.session, 0}); it != listening_.end() && it->first.first == rh.session;) {
-      if (it->first.second == rh.nonce) {
-        ++it;
-        continue;
-      }
-      for (void* c : it->second.comms) net_->close_listen(c);
-      it = listening_.erase(it);
-    }
-  }
+  if (!take_listening(rh.session, rh.nonce, &mine))
+    return Status(Code::kProtocolError, "netplugin: no offer of ours for this session");
   const uint32_t n = peer->lanes();
   auto close_all = [&](std::vector<NetLane::Comms>& comms) {
     for (auto& c : comms) {
@@ -325,39 +359,9 @@ Status NetpluginTransport::attach(const std::shared_ptr<Link>& peer, const std::
     close_all(comms);
     return Status(Code::kProtocolError, "netplugin: the peer asked for more lanes than were offered");
   }
-  // Both sides connect to the other's handles and accept on their own, without blocking, until every
-  // lane has both comms (the other side runs the same loop at the same time).
-  std::vector<std::string> handles(n);
-  for (uint32_t i = 0; i < n; ++i)
-    handles[i].assign(remote_offer.data() + sizeof rh + size_t(i) * netabi::kHandleMaxSize, netabi::kHandleMaxSize);
-  for (;;) {
-    bool complete = true;
-    for (uint32_t i = 0; i < n; ++i) {
-      NetLane::Comms& c = comms[i];
-      c.dev = int(i % devices_.size());
-      if (!c.send) {
-        netabi::DeviceHandle* sdev = nullptr;
-        const int rc = net_->connect(c.dev, handles[i].data(), &c.send, &sdev);
-        if (rc != netabi::kSuccess) {
-          close_all(comms);
-          return Status(Code::kConnectionLost, "netplugin: connect on device " + std::to_string(c.dev) + ": " + net_result_name(rc));
-        }
-      }
-      if (!c.recv) {
-        const int rc = net_->accept(mine.comms[i], &c.recv, &c.recv_dev);
-        if (rc != netabi::kSuccess) {
-          close_all(comms);
-          return Status(Code::kConnectionLost, "netplugin: accept on device " + std::to_string(c.dev) + ": " + net_result_name(rc));
-        }
-      }
-      complete &= c.send && c.recv;
-    }
-    if (complete) break;
-    if (sys::now_ms() > deadline || peer->failed()) {
-      close_all(comms);
-      return Status(Code::kTimeout, "netplugin: the peer's comms did not connect in time");
-    }
-    std::this_thread::yield();
+  if (Status s = connect_comms(remote_offer, mine.comms, *peer, deadline, comms); !s.is_ok()) {
+    close_all(comms);
+    return s;
   }
   for (void* c : mine.comms) net_->close_listen(c);
   mine.comms.clear();
@@ -365,10 +369,10 @@ Status NetpluginTransport::attach(const std::shared_ptr<Link>& peer, const std::
   std::vector<std::shared_ptr<NetLane>> lanes;
   for (uint32_t i = 0; i < n; ++i) {
     NetLane::Options opts;
-    opts.unpack = endpoint_->config().unpack;
+    opts.unpack = host_->config().unpack;
     opts.cuda_send = (devices_[size_t(comms[i].dev)].ptr_support & netabi::kPtrCuda) != 0;
     opts.consume_early = consume_early_;
-    auto lane = std::make_shared<NetLane>(net_, endpoint_, peer, i, comms[i], &regions_, std::move(opts));
+    auto lane = std::make_shared<NetLane>(net_, host_, peer, i, comms[i], &regions_, std::move(opts));
     comms[i] = NetLane::Comms{};  // the lane owns and closes them now
     Status s = lane->init();
     if (!s.is_ok()) {

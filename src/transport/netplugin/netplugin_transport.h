@@ -20,17 +20,14 @@
 #include "transport/netplugin/unpacker.h"
 #include "transport/transport.h"
 
-namespace tether::core {
-class EndpointImpl;
-}
-
 namespace tether::transport {
 
+class Host;
 class NetProgressThread;
 
 class NetpluginTransport final : public Transport {
  public:
-  explicit NetpluginTransport(core::EndpointImpl* endpoint);
+  explicit NetpluginTransport(Host* host);
   ~NetpluginTransport() override;
   const char* name() const override { return "netplugin"; }
   Caps caps() const override;
@@ -55,8 +52,11 @@ class NetpluginTransport final : public Transport {
   uint32_t lane_count() const;
   void start_threads();
   void prune_offers(int64_t now);
+  bool take_listening(uint64_t session, uint64_t peer_nonce, Listening* mine);
+  Status connect_comms(std::string_view remote_offer, const std::vector<void*>& listens, Link& peer, int64_t deadline,
+                       std::vector<NetLane::Comms>& comms);
 
-  core::EndpointImpl* const endpoint_;
+  Host* const host_;
   std::string unavailable_;
   bool consume_early_ = false;  // TETHER_NET_FAULT=consume_early (tests only)
   std::shared_ptr<NetPlugin> net_;

@@ -1,4 +1,4 @@
-// TCP transport: kernel sockets driven by progress threads.
+// TCP transport: kernel sockets driven by progress threads (internals: tcp_lane.h).
 // Lane l of every peer belongs to progress thread (l / sockets_per_channel) % threads.
 // Each lane pulls chunks only when its socket has drained what it had, so a slow socket
 // carries proportionally less (no static split). Payload is received straight into the
@@ -6,23 +6,20 @@
 #pragma once
 #include <atomic>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "transport/transport.h"
 
-namespace tether::core {
-class EndpointImpl;
-}
-
 namespace tether::transport {
 
+class Host;
+namespace tcp {
 class ProgressThread;
+}
 
 class TcpTransport final : public Transport {
  public:
-  explicit TcpTransport(core::EndpointImpl* endpoint);
+  explicit TcpTransport(Host* host);
   ~TcpTransport() override;
   const char* name() const override { return "tcp"; }
   Caps caps() const override;
@@ -37,8 +34,8 @@ class TcpTransport final : public Transport {
   void stop() override;
 
  private:
-  core::EndpointImpl* endpoint_;
-  std::vector<std::unique_ptr<ProgressThread>> threads_;
+  Host* host_;
+  std::vector<std::unique_ptr<tcp::ProgressThread>> threads_;
   std::atomic<bool> stopped_{false};
   std::atomic<uint32_t> next_wake_{0};
   std::atomic<uint64_t> gpus_{0};  // devices whose memory was registered (a bit each)
