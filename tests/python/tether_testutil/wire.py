@@ -84,7 +84,7 @@ def client_hello(version: int = WIRE_VERSION, kind: int = SOCKET_CONTROL, lanes:
 
 
 def host_id_of(metadata: bytes) -> bytes:
-    """The host id inside an endpoint's metadata (src/core/endpoint.cc, MetadataHeader)."""
+    """The host id inside an endpoint's metadata (src/core/handshake.h, MetadataHeader)."""
     return metadata[24:56]
 
 
