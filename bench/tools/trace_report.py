@@ -14,7 +14,7 @@ Every chunk is one (slot, gen) pair on both sides: the initiator pulls and sends
 its header and lands it, and the answer (ack or read response) goes back. The events of one chunk,
 from both processes, are put in time order; each step between two consecutive events is one row
 (percentiles over all chunks). The process that posted transfers is the initiator ("I"), the other
-the target ("T"). Steps that include a GPU copy are pulled→staged (out of the GPU) and
+the target ("T"). Steps that include a GPU copy are taken→staged (out of the GPU) and
 landed→unpacked (into it); header→… and …→answered include wake-ups of a sleeping thread.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--slowest", type=int, default=3, help="print the event sequence of the N slowest chunks")
     ap.add_argument("--lanes", type=int, default=0,
                     help="for each of the last N transfers (post to wait() returning): per lane, when it first sent, "
-                         "how many chunks it pulled, and when the target last sent on it (the lanes' balance)")
+                         "how many chunks it took, and when the target last sent on it (the lanes' balance)")
     ap.add_argument("--phases", action="store_true",
                     help="instead: when each milestone of a transfer came (µs after its post, percentiles over the "
                          "transfers): its first request or chunk out, the target's first copy and send, each lane's "
@@ -325,7 +325,7 @@ def print_sender_time(procs, side, skip: float) -> int:
     n = 0
     for t0, _, window in transfers(procs, side, skip):
         n += 1
-        per = lane_chunks(window, ("header", "pulled", "staged", "sent"), ("readresp", "write", "batch"))
+        per = lane_chunks(window, ("header", "taken", "staged", "sent"), ("readresp", "write", "batch"))
         for chunks in per.values():
             done = sorted((c for c in chunks.values() if "sent" in c and "staged" in c), key=lambda c: c["sent"])
             if not done:
@@ -335,7 +335,7 @@ def print_sender_time(procs, side, skip: float) -> int:
             for c in done:
                 send += c["sent"] - max(c["staged"], prev if prev is not None else c["staged"])
                 if prev is not None and c["staged"] > prev:
-                    asked = c.get("header", c.get("pulled", prev))
+                    asked = c.get("header", c.get("taken", prev))
                     if asked > prev:
                         idle += asked - prev
                         copy += c["staged"] - asked
@@ -394,8 +394,8 @@ def lane_balance(procs, side, n: int) -> None:
     rows = init[0]
     posts = [r[0] for r in rows if r[1] == "post"]
     waits = [r[0] for r in rows if r[1] == "waited"]
-    lanes = sorted({r[2] for r in rows if r[1] == "pulled"})
-    print(f"lanes of the last {n} transfers (µs from the post): first sent | chunks pulled | target's last sent "
+    lanes = sorted({r[2] for r in rows if r[1] == "taken"})
+    print(f"lanes of the last {n} transfers (µs from the post): first sent | chunks taken | target's last sent "
           f"| each lane's CPUs, initiator/target | CPUs more than one thread used (side, lane), "
           f"lanes {lanes[0] if lanes else 0}..{lanes[-1] if lanes else 0}")
     for t0 in posts[-n:]:
@@ -407,7 +407,7 @@ def lane_balance(procs, side, n: int) -> None:
         for ns, event, lane, *_ in rows:
             if t0 <= ns <= t1 and event == "sent":
                 first.setdefault(lane, (ns - t0) / 1e3)
-            if t0 <= ns <= t1 and event == "pulled":
+            if t0 <= ns <= t1 and event == "taken":
                 count[lane] += 1
         for ns, event, lane, *_ in target:
             if t0 <= ns <= t1 and event == "sent":

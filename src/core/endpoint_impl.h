@@ -58,7 +58,6 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
     trace::mark(trace::Event::kPost, 0, 0, uint32_t(chunks));
     if (PeerState::Hold h{peer}) peer->transport->wake(peer, chunks, device);  // its lanes may be gone
   }
-  void poll_lane(PeerState* peer, uint32_t lane) { peer->transport->poll(peer, lane); }  // peer held by the caller
   // Registers with the registry, then with every usable transport (descriptor extensions).
   Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
   // How staged payloads reach GPU memory (Config::unpack, resolved once).

@@ -56,14 +56,14 @@ uint32_t PeerState::quietest_lane() const {
   return best;
 }
 
-void PeerState::poll(uint32_t lane) {
+void PeerState::progress_lane(uint32_t lane) {
   if (failed()) return;
-  if (Hold h{this}) endpoint_->poll_lane(this, lane);
+  if (Hold h{this}) transport->progress_lane(this, lane);
 }
 
-void PeerState::help() {
+void PeerState::finish_here() {
   if (failed()) return;
-  if (Hold h{this}) transport->help(this);
+  if (Hold h{this}) transport->finish_here(this);
 }
 
 PeerState::~PeerState() {

@@ -63,9 +63,9 @@ class PeerState final : public transport::Link {
   // threads are still awake from the last one (a woken thread costs more than a small copy).
   uint32_t quietest_lane() const override;
   // Reads `lane` from the calling thread if nobody else is (a waiter fetching its own answer).
-  void poll(uint32_t lane);
-  // Finishes from the calling thread, a waiter, work another thread would hand back (Transport::help).
-  void help();
+  void progress_lane(uint32_t lane);
+  // Finishes from the calling thread, a waiter, work another thread would hand back (Transport::finish_here).
+  void finish_here();
   bool failed() const override { return failed_.load(std::memory_order_acquire); }
   Status error() const override;
 

@@ -86,7 +86,7 @@ bool Transfer::poll() const {
   if (state_->is_finished()) return true;
   core::PeerState* p = state_->peer.get();
   if (!p) return false;
-  p->help();  // one-sided GPU copies: the caller finishes them itself (Transport::help)
+  p->finish_here();  // one-sided GPU copies: the caller finishes them itself (Transport::finish_here)
   const uint32_t lane = state_->lane_hint.load(std::memory_order_relaxed);
   // A small transfer's answer is read by the caller where no other thread is reading that lane. Where
   // progress threads spin, only for a lone transfer (nothing else in flight or queued on the peer):
@@ -96,7 +96,7 @@ bool Transfer::poll() const {
   const uint64_t bytes = state_->bytes.load(std::memory_order_relaxed);
   if (lane != UINT32_MAX && bytes <= (256u << 10) &&
       (p->busy_poll_us() == 0 || (!p->has_work() && p->unanswered_bytes() <= bytes)))
-    p->poll(lane);
+    p->progress_lane(lane);
   return state_->is_finished();
 }
 Status Transfer::status() const { return state_->is_finished() ? state_->final_status() : Status::ok(); }

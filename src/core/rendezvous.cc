@@ -50,7 +50,7 @@ void PeerState::pull(TransferState* t) {
 }
 
 bool PeerState::on_pull(const wire::FrameHeader& h) {
-  const uint32_t token = h.slot;
+  const uint32_t token = h.pull_token;
   if (token == 0 || h.gen != 0 || h.status != 0 || !pull_reads_) return false;
   const bool resent = h.flags & wire::kFlagResent;
   std::shared_ptr<RegionState> region;

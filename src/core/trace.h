@@ -13,7 +13,7 @@ namespace tether::core::trace {
 enum class Event : uint8_t {
   kPost,      // a transfer handed to the transport (arg: its chunks)
   kWake,      // a progress thread woke from a sleeping wait (lane: thread, arg: events)
-  kPulled,    // a lane took a frame to send (a request, or an answer with a payload)
+  kTaken,    // a lane took a frame to send (a request, or an answer with a payload)
   kStaged,    // its copy out of the GPU was seen finished
   kSent,      // its last byte went into the socket
   kHeader,    // a frame's header was read

@@ -114,9 +114,9 @@ Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_u
       while (!is_finished() && Clock::now() < spin_end) {
         // Read the answer ourselves from the lane that carried our last chunk: no thread wake-up.
         const uint32_t lane = lane_hint.load(std::memory_order_relaxed);
-        if (peer) peer->help();  // one-sided GPU copies: finished here (Transport::help)
+        if (peer) peer->finish_here();  // one-sided GPU copies (Transport::finish_here)
         if (peer && lane != UINT32_MAX) {
-          peer->poll(lane);
+          peer->progress_lane(lane);
         } else {
           sys::cpu_relax();
         }

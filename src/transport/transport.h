@@ -1,5 +1,5 @@
 // The transport interface. A transport moves chunks over its lanes (channels) and nothing else:
-// it pulls chunks from Link::next_chunk() when a lane has room, validates incoming requests
+// it takes chunks from Link::next_chunk() when a lane has room, validates incoming requests
 // through the endpoint's RegionRegistry (or lets the hardware do it, for one-sided RMA), places
 // payload, and reports answers back to Link. Chunking, windows, scheduling across lanes,
 // notifications and completion accounting live once in the core (src/core/peer.*).
@@ -96,17 +96,17 @@ class Transport {
   // the connecting side) with kTimeout. Called before anyone can post on the peer. An error fails the connect.
   virtual Status attach(const std::shared_ptr<Link>& peer, const std::vector<int>& tcp_fds,
                         std::string_view remote_offer, bool initiator, int64_t deadline_ms) = 0;
-  // `chunks` new chunks are queued on `peer`; up to that many lanes with room should pull them.
+  // `chunks` new chunks are queued on `peer`; up to that many lanes with room should take them.
   // `device`: the GPU their local bytes are on (-1: host memory, or not known), so a transport with
   // several NICs can wake the lanes on the NICs nearest that memory first (fabric: rail ranking).
   virtual void wake(Link* peer, uint64_t chunks, int device) = 0;
   // Called by a thread spinning on a small transfer: progress lane `lane` of `peer` from the calling
   // thread if no other thread is doing so (saves waking a progress thread for the answer).
-  virtual void poll(Link* peer, uint32_t lane) { (void)peer; (void)lane; }
+  virtual void progress_lane(Link* peer, uint32_t lane) { (void)peer; (void)lane; }
   // Called by a thread waiting for a transfer of `peer` (wait()'s spin, a caller polling done()):
   // finish from the calling thread what would otherwise finish on another thread and be handed back
   // (ipc: one-sided GPU copies), so a lone op stays on one core. Never blocks; cheap when idle.
-  virtual void help(Link* peer) { (void)peer; }
+  virtual void finish_here(Link* peer) { (void)peer; }
   // The peer's last hold went (Link::hold: its lanes retired, the control side and every caller
   // let go): drop what the transport keeps for it (peer.transport_state), which no thread uses now.
   virtual void detach(Link& peer) { (void)peer; }

@@ -31,13 +31,13 @@ def _traced_bench(tmp_path, *args):
 
 def test_trace_records_each_chunk_on_both_sides_and_the_report_reads_it(tmp_path):
     """TETHER_TRACE (src/core/trace.h): both bench processes write their events; every chunk of a tcp
-    write is pulled and sent by the initiator, landed by the target and answered; the report pairs them."""
+    write is taken and sent by the initiator, landed by the target and answered; the report pairs them."""
     prefix, init, target = _traced_bench(tmp_path, "--transport", "tcp", "--sizes", "2M", "--chunk-bytes", "512K",
                                          "--iters", "4", "--warmup", "1", "--check")
     writes = {(s, g) for e, t, s, g in init if e == "sent" and t == 1}
     assert len(writes) >= 4  # 2 MiB in 512 KiB chunks, several transfers
     for s, g in writes:
-        assert ("pulled", 1, s, g) in init and ("answered", 2, s, g) in init
+        assert ("taken", 1, s, g) in init and ("answered", 2, s, g) in init
         assert ("header", 1, s, g) in target and ("landed", 1, s, g) in target and ("sent", 2, s, g) in target
     report = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "tools",
                                                           "trace_report.py"), prefix],
@@ -157,5 +157,5 @@ def test_trace_follows_ipc_requests_too(tmp_path):
     writes = {(s, g) for e, t, s, g in init if e == "sent" and t == 1}
     assert len(writes) >= 4
     for s, g in writes:
-        assert ("pulled", 1, s, g) in init and ("answered", 2, s, g) in init
+        assert ("taken", 1, s, g) in init and ("answered", 2, s, g) in init
         assert ("header", 1, s, g) in target and ("sent", 2, s, g) in target

@@ -305,7 +305,7 @@ def test_no_stall_after_the_waiter_lands_a_staged_payload(children):
 
 
 def _read_requests(tmp_path, size: str) -> tuple:
-    """From a traced `tether bench` of GPU reads of `size` (TETHER_TRACE: a request is pulled, its answer
+    """From a traced `tether bench` of GPU reads of `size` (TETHER_TRACE: a request is taken, its answer
     answered, on one lane): the read requests per transfer (its chunks), and the most one lane of the
     initiator held unanswered at once."""
     prefix = str(tmp_path / f"tr{size}")
@@ -325,7 +325,7 @@ def _read_requests(tmp_path, size: str) -> tuple:
         held: dict = {}
         most = requests = 0
         for _ns, event, lane, typ, *_rest in sorted(rows, key=lambda row: int(row[0])):
-            if event == "pulled" and typ == "3":  # a read request taken by its lane
+            if event == "taken" and typ == "3":  # a read request taken by its lane
                 requests += 1
                 held[lane] = held.get(lane, 0) + 1
                 most = max(most, held[lane])

@@ -150,9 +150,9 @@ void FabricTransportImpl::deregister_region(RegionState& region) {
 //  - few chunks (fewer than the peer's lanes): rotate over the rails nearest that memory (`best`,
 //    equally near), so small transfers from a GPU stay on the NICs beside it; only when there are
 //    more chunks than near rails do the next-ranked rails get woken.
-//  - many chunks: every lane is woken, nearest first, and lanes pull as fast as their rails drain.
+//  - many chunks: every lane is woken, nearest first, and lanes take chunks as fast as their rails drain.
 //    Large transfers use all rails on purpose: one more hop over PCIe or the socket link costs less
-//    than leaving NICs idle, and the pull model already gives a slower (farther) rail fewer chunks.
+//    than leaving NICs idle, and lanes taking chunks already gives a slower (farther) rail fewer chunks.
 //    To keep a GPU's traffic on its own NIC(s) name them in TETHER_FABRIC_DOMAINS.
 void FabricTransportImpl::wake(Link* peer, uint64_t chunks, int device) {
   auto* state = static_cast<FabricPeer*>(peer->transport_state.get());

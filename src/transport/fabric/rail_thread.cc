@@ -1,4 +1,4 @@
-// A rail's progress thread and the initiator side of its lanes: pulling chunks from the peer,
+// A rail's progress thread and the initiator side of its lanes: taking chunks from the peer,
 // posting them (one-sided RMA, two-sided messages, or through a staging slot), and completing them.
 #include <cstring>
 

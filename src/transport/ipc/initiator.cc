@@ -207,7 +207,7 @@ OneSided one_sided(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
 
 // Describes (and for shm, stages) a pulled chunk and sends it.
 Sent send_chunk(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
-  trace::mark(trace::Event::kPulled, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
+  trace::mark(trace::Event::kTaken, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
   if (op.fragments > 0)
     return op.hdr.type == uint8_t(FrameType::kReadBatch) ? send_read_batch(ip, p, lane, op) : send_batch(ip, p, lane, op);
   const OneSided os = one_sided(ip, p, lane, op);

@@ -126,8 +126,8 @@ void IpcTransport::reap_finished() {
   }
 }
 
-void IpcTransport::help(Link*) {
-  if (completer_) completer_->help();
+void IpcTransport::finish_here(Link*) {
+  if (completer_) completer_->finish_here();
 }
 
 void IpcTransport::wake(Link* peer, uint64_t, int) {

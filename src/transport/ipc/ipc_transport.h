@@ -7,7 +7,7 @@
 // has validated once are moved by the initiator itself (one_sided.h).
 //
 // Each lane has one thread blocked in recv() on its socket: it serves the peer's requests and
-// takes the answers to ours. Requests are sent by whichever thread pulls the chunk (the posting
+// takes the answers to ours. Requests are sent by whichever thread takes the chunk (the posting
 // thread for the first window, the lane thread as answers free room), so nothing needs waking.
 #pragma once
 #include <atomic>
@@ -61,7 +61,7 @@ class IpcTransport final : public Transport {
   Status attach(const std::shared_ptr<Link>& peer, const std::vector<int>& tcp_fds,
                 std::string_view remote_offer, bool initiator, int64_t deadline_ms) override;
   void wake(Link* peer, uint64_t chunks, int device) override;
-  void help(Link* peer) override;
+  void finish_here(Link* peer) override;
   void detach(Link& peer) override;
   void stop() override;
   void counters(std::vector<std::pair<std::string, uint64_t>>& out) const override;

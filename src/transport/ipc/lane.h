@@ -106,7 +106,7 @@ struct IpcPeer {
   std::atomic<bool> out_cma{false};
   uint64_t slot_bytes = 0;           // one chunk per core slot in `own`
   std::atomic<bool> ready{false};    // lanes may serve the other side's requests
-  std::atomic<bool> sending{false};  // setup done: lanes may pull and send ours
+  std::atomic<bool> sending{false};  // setup done: lanes may take and send ours
   int64_t setup_deadline_ms = 0;     // listener: the connector's stage 3 must come by then
   std::unique_ptr<CudaImports> imports;  // the other side's GPU allocations we opened (kept until the peer goes)
   std::vector<std::unique_ptr<RingWriter>> out;  // per lane: our messages, in `own`
@@ -137,7 +137,7 @@ struct Lane {
   std::unique_ptr<CudaLane> cuda;    // streams, bounce buffer
   struct Held { uint32_t slot, gen; RegionState* pin; };
   std::mutex held_mu;                // held: the lane thread changes it; deregister looks for a region in it
-  std::vector<Held> held;            // regions pinned for reads the initiator is pulling (until kReadDone)
+  std::vector<Held> held;            // regions pinned for reads the initiator is copying out (until kReadDone)
   uint32_t held_reads = 0;           // reads in `held` (a batch holds several pins): held_bound() at most
   RegionState* pins[kMaxBatch];      // a batch's pinned regions (one per run of one descriptor)
   RegionState* dests[kMaxBatch];     // each fragment's region

@@ -193,7 +193,7 @@ namespace {
 constexpr uint64_t kHelperQuietNs = 20'000;
 }  // namespace
 
-void GpuCompleter::help() {
+void GpuCompleter::finish_here() {
   // Only a lone copy: with more in flight the completer's thread polls them all (a caller's loop over
   // eight handles polling eight events each turn lost on NIXL's 8-in-flight row: docs/PERFORMANCE.md,
   // "Tried and lost").

@@ -128,7 +128,7 @@ class OneSidedInitiator {
 // Finishes one-sided GPU copies off the posting thread: the poster starts the copy and hands it
 // here; whoever polls the copies' events lets go of each hazard and answers the chunk, so ops posted
 // back to back copy side by side (docs/PERFORMANCE.md, "Defaults and why"). A thread
-// waiting for a lone op polls its copy itself (help()), as UCX's progress does, so the op starts,
+// waiting for a lone op polls its copy itself (finish_here()), as UCX's progress does, so the op starts,
 // finishes and is answered on one core; the completer's own thread polls the rest (ops in flight), for
 // `busy_us` after the last copy, then sleeps.
 class GpuCompleter {
@@ -151,7 +151,7 @@ class GpuCompleter {
   bool push(Pending&& p);
   // From a thread waiting for a transfer: polls a lone copy in flight and answers it once it ended.
   // Never blocks (returns at once when another thread is polling); lock-free when none is in flight.
-  void help();
+  void finish_here();
   // Finishes every copy handed over (waiting for it), then ends the thread.
   void stop();
 

@@ -62,7 +62,7 @@ bool queue_answers(Lane& l, Host* host, Status* error) {
   while (l.tx.count < kTxRing && l.answers.peek(&a)) {
     if (a.device >= 0 && ring && !ring->has_free(ring->span_for(a.length))) break;  // the answer waits
     if (a.device >= 0 && l.tx.unstaged > 0) break;  // one copy out of the GPU at a time, as for chunks
-    trace::mark(trace::Event::kPulled, l.index, a.hdr.type, a.hdr.slot, a.hdr.gen);  // before staging
+    trace::mark(trace::Event::kTaken, l.index, a.hdr.type, a.hdr.slot, a.hdr.gen);  // before staging
     if (a.device >= 0 && !stage_tx(l, host, a, error)) {
       if (!error->is_ok()) return false;
       break;  // no free slot: the answer waits in the ring
@@ -74,10 +74,10 @@ bool queue_answers(Lane& l, Host* host, Status* error) {
   return true;
 }
 
-// Pulls chunks from the peer only when what this socket holds has (almost) drained: faster sockets pull
+// Takes chunks from the peer only when what this socket holds has (almost) drained: faster sockets take
 // more. What the kernel still queues counts too, or a slow link would swallow a socket buffer's worth of
 // chunks and set the pace at the end of every transfer. False: a copy failed.
-bool pull_chunks(Lane& l, Host* host, Status* error) {
+bool take_chunks(Lane& l, Host* host, Status* error) {
   ChunkOp op;
   // (The kernel holds at most the lane's unanswered chunks, so ask it only when those are many.)
   const uint64_t limit = kLaneQueueChunks * l.peer->info().chunk_bytes;
@@ -102,7 +102,7 @@ bool pull_chunks(Lane& l, Host* host, Status* error) {
       it.pieces = op.pieces;
       it.length = uint64_t(op.fragments) * sizeof(wire::Fragment) + op.length;
     }
-    trace::mark(trace::Event::kPulled, l.index, it.hdr.type, it.hdr.slot, it.hdr.gen);  // before staging
+    trace::mark(trace::Event::kTaken, l.index, it.hdr.type, it.hdr.slot, it.hdr.gen);  // before staging
     if (it.device >= 0 && !stage_tx(l, host, it, error)) {
       if (error->is_ok()) *error = Status(Code::kInternal, "staging: no free slot after checking for one");
       return false;
@@ -183,7 +183,7 @@ bool drive_tx(Lane& l, Host* host, Status* error) {
   uint64_t budget = kTxBudget;
   bool copy_wait = false;
   for (;;) {
-    if (!queue_answers(l, host, error) || !pull_chunks(l, host, error)) return false;
+    if (!queue_answers(l, host, error) || !take_chunks(l, host, error)) return false;
     if (l.tx.count == 0 || budget == 0) break;
 
     iovec iov[kMaxIov];
@@ -195,7 +195,7 @@ bool drive_tx(Lane& l, Host* host, Status* error) {
       copy_wait = true;
       break;
     }
-    // A copy just finished: start the next one (the pulls above) before this sendmsg, which on loopback
+    // A copy just finished: start the next one (the chunks taken above) before this sendmsg, which on loopback
     // moves the bytes to the receiver itself (as long as a copy, or longer). Else each chunk's copy waited for
     // the previous chunk's send and a staged lane took copy + send time per chunk, not the larger of the two.
     if (staged_now) continue;

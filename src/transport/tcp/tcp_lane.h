@@ -237,7 +237,7 @@ struct Lane {
 };
 
 // ---- the socket engine (tcp_lane.cc)
-// Sends what the lane holds (answers first, then chunks it pulls while its socket keeps up).
+// Sends what the lane holds (answers first, then chunks it takes while its socket keeps up).
 // Caller owns tx. Returns false if the socket (or a GPU copy) failed.
 bool drive_tx(Lane& l, Host* host, Status* error);
 // Reads and handles what the lane's socket holds, up to `budget` bytes. Caller owns rx.

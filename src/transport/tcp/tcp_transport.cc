@@ -53,11 +53,11 @@ class ProgressThread {
       std::lock_guard lock(mu_);
       incoming_.push_back(std::move(lane));
     }
-    kick();
+    write_eventfd();
   }
   void wake() {
     work_hint_.store(true, std::memory_order_seq_cst);
-    if (sleeping_.load(std::memory_order_seq_cst)) kick();
+    if (sleeping_.load(std::memory_order_seq_cst)) write_eventfd();
   }
   // GPUs whose memory is registered (a bit per device): this thread's lanes prepare staging for them.
   void want_gpus(uint64_t gpus) {
@@ -66,12 +66,12 @@ class ProgressThread {
   }
   void stop() {
     if (stop_.exchange(true)) return;
-    kick();
+    write_eventfd();
     if (thread_.joinable()) thread_.join();
   }
 
  private:
-  void kick() {
+  void write_eventfd() {
     uint64_t one = 1;
     ssize_t rc = ::write(evfd_, &one, sizeof one);
     (void)rc;
@@ -135,7 +135,7 @@ void ProgressThread::update_lowat(Lane& l) {
   // A staged payload wakes a napping thread by the 256 KiB, not per segment. The rx state belongs to
   // whoever owns rx: read unowned (TSAN found it), a stale rx.left could set a mark above what is
   // still to come, and the last bytes would wait out epoll's 1 s. While a waiter reads its own answer
-  // (TcpTransport::poll) a raised mark is left as it is and the thread comes back without sleeping,
+  // (TcpTransport::progress_lane) a raised mark is left as it is and the thread comes back without sleeping,
   // until it owns rx again and can lower it: the waiter may finish the payload and not wake us.
   if (!host_->config().staging_nap_us) return;
   if (!l.try_own_rx()) {
@@ -501,7 +501,7 @@ void TcpTransport::wake(Link* peer, uint64_t chunks, int) {
   for (size_t i = 0; i < k; ++i) threads_[(first + i) % n]->wake();
 }
 
-void TcpTransport::poll(Link* peer, uint32_t lane) {
+void TcpTransport::progress_lane(Link* peer, uint32_t lane) {
   auto* state = static_cast<TcpPeerLanes*>(peer->transport_state.get());
   if (!state || lane >= state->lanes.size()) return;
   std::shared_ptr<Lane> l = state->lanes[lane].lock();

@@ -1,6 +1,6 @@
 // TCP transport: kernel sockets driven by progress threads (internals: tcp_lane.h).
 // Lane l of every peer belongs to progress thread (l / sockets_per_channel) % threads.
-// Each lane pulls chunks only when its socket has drained what it had, so a slow socket
+// Each lane takes chunks only when its socket has drained what it had, so a slow socket
 // carries proportionally less (no static split). Payload is received straight into the
 // destination region; headers and small frames go through a per-lane 64 KiB buffer.
 #pragma once
@@ -29,7 +29,7 @@ class TcpTransport final : public Transport {
   // GPU memory registered: lanes prepare their staging for that GPU ahead of its first transfer.
   Status register_region(core::RegionState& region, std::string* desc_ext) override;
   void wake(Link* peer, uint64_t chunks, int device) override;
-  void poll(Link* peer, uint32_t lane) override;
+  void progress_lane(Link* peer, uint32_t lane) override;
   void detach(Link& peer) override;
   void stop() override;
 
