@@ -22,7 +22,6 @@ struct Config {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
   uint32_t channels = default_channels();
-  uint32_t sockets_per_channel = 1;
   uint64_t chunk_bytes = 1 << 20;
   uint32_t window = 32;
   uint32_t socket_buffer = 4 << 20;
@@ -31,10 +30,7 @@ struct Config {
   uint32_t heartbeat_ms = 1000;
   uint32_t handshake_timeout_ms = 2000;
   // Waiting (docs/ARCHITECTURE.md, "Waking up").
-  uint32_t spin_us = 50;
   uint32_t busy_poll_us = default_busy_poll_us();
-  uint32_t staging_nap_us = 8;
-  uint32_t wait_nap_us = 20;
   std::string auth_token;
   std::string name;
   std::string unpack;  // "" = kernel when built, else d2d

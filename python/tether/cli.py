@@ -28,7 +28,7 @@ EPILOG = "\n".join([
     "units: sizes take binary suffixes K, M, G (1K = 1024 bytes; KiB, MiB, GiB are the same); GB/s is 10^9 "
     "bytes per second (the JSON key gbps), bytes per op = size x num_iovs; p50/p99 are per-op latencies in "
     "microseconds (lat_p50_us, lat_p99_us).",
-    "Knobs given as comma lists (--channels, --sockets-per-channel, --chunk-bytes, --window, --unpack) sweep: "
+    "Knobs given as comma lists (--channels, --chunk-bytes, --window, --unpack) sweep: "
     "every combination runs.",
     "Expected failures print one line; --debug (or TETHER_DEBUG=1) prints the traceback too.",
 ])
@@ -139,8 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PNG: GB/s against size, a line per configuration (needs matplotlib: pip install matplotlib)")
     b.add_argument("--channels", metavar="LIST", type=_csv(_count(), "count"), default=None,
                    help="progress threads / lanes per peer, comma list to sweep (default: the endpoint's)")
-    b.add_argument("--sockets-per-channel", metavar="LIST", type=_csv(_count(), "count"), default=None,
-                   help="tcp sockets per lane, comma list to sweep")
     b.add_argument("--chunk-bytes", metavar="LIST", type=_csv(parse_size, "size"), default=None,
                    help="chunk size (unit of pipelining), comma list with K/M/G suffixes to sweep")
     b.add_argument("--window", metavar="LIST", type=_csv(_count(), "count"), default=None,
@@ -392,8 +390,7 @@ def _plan(args) -> _Plan:
         role=role, torchrun=torchrun, device=device, ngpu=ngpu, transport_opts=transport_opts,
         gpu_kw=dict(device=args.local_gpu_idx, remote_device=args.remote_gpu_idx) if device == "gpu" else {},
         sizes=args.sizes or _csv(B.parse_size)(DEFAULT_SIZES),
-        knobs={"channels": args.channels, "sockets_per_channel": args.sockets_per_channel,
-               "chunk_bytes": args.chunk_bytes, "window": args.window, "unpack": args.unpack})
+        knobs={"channels": args.channels, "chunk_bytes": args.chunk_bytes, "window": args.window, "unpack": args.unpack})
 
 
 def _plan_cases(args, plan: _Plan) -> None:

@@ -163,7 +163,7 @@ wire::ClientHello EndpointImpl::client_hello() const {
   ch.has_token = !config_.auth_token.empty();
   std::memcpy(ch.endpoint_id, id_.data(), 16);
   ch.session = crypto::random_u64();
-  ch.lanes = config_.channels * config_.sockets_per_channel;  // TCP data sockets, if tcp is chosen
+  ch.lanes = config_.channels;  // TCP data sockets, if tcp is chosen
   ch.peer_timeout_ms = config_.peer_timeout_ms;
   ch.chunk_bytes = config_.chunk_bytes;
   ch.max_notify = config_.notify_max_bytes;
@@ -250,7 +250,7 @@ Status EndpointImpl::choose_nic_pairs(Connecting& c, int fd) const {
 // Data socket `lane` (from 1): channel c uses NIC pair c % n; a pair that cannot connect is skipped for the rest.
 Result<int> EndpointImpl::connect_data(Connecting& c, uint32_t lane, const sys::NicPair** pair) const {
   Result<int> fd = Status(Code::kInternal, "no lane");
-  const size_t first = ((lane - 1) / config_.sockets_per_channel) % c.pairs.size();
+  const size_t first = (lane - 1) % c.pairs.size();
   for (size_t k = 0; k < c.pairs.size(); ++k) {
     const size_t i = (first + k) % c.pairs.size();
     if (c.pair_bad[i]) continue;

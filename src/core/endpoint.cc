@@ -21,10 +21,9 @@ EndpointImpl::EndpointImpl(const Config& config, const EndpointId& id) : config_
 
 Result<std::shared_ptr<EndpointImpl>> EndpointImpl::create(const Config& config) {
   if (Status s = Config::check_process_env(); !s.is_ok()) return s;
-  if (config.chunk_bytes == 0 || config.window == 0 || config.channels == 0 || config.sockets_per_channel == 0)
-    return Status(Code::kInvalidArgument, "chunk_bytes, window, channels and sockets_per_channel must be positive");
-  if (uint64_t(config.channels) * config.sockets_per_channel > kMaxLanes)
-    return Status(Code::kInvalidArgument, "channels x sockets_per_channel must be at most 256");
+  if (config.chunk_bytes == 0 || config.window == 0 || config.channels == 0)
+    return Status(Code::kInvalidArgument, "chunk_bytes, window and channels must be positive");
+  if (config.channels > kMaxLanes) return Status(Code::kInvalidArgument, "channels must be at most 256");
   // The unpack mode: a typo is an error everywhere; a mode this machine cannot run only where GPUs exist.
   gpu::Unpack unpack = gpu::Unpack::kD2D;
   if (auto u = gpu::parse_unpack(config.unpack); u.is_ok()) {

@@ -78,7 +78,7 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   const LinkCounters& nic_counters(size_t i) const { return *nic_counters_[i]; }
   void pin_progress_thread(uint32_t index) const override;
   uint32_t thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic) const override {
-    return plan_.thread_for_lane(lane, nic, earlier_on_nic, config_.sockets_per_channel);
+    return plan_.thread_for_lane(lane, nic, earlier_on_nic);
   }
 
  private:

@@ -15,7 +15,7 @@
 
 namespace tether::core {
 
-constexpr uint32_t kMaxLanes = 256;  // channels x sockets_per_channel, and a hello's lanes
+constexpr uint32_t kMaxLanes = 256;  // channels, and a hello's lanes
 
 // Endpoint::metadata(): this header, then the listen host, the hostname and the control address.
 constexpr uint32_t kMetadataMagic = 0x4d525454;  // "TTRM"

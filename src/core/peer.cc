@@ -44,9 +44,7 @@ bool PeerState::lane_alive(uint32_t lane) const {
   return !failed_.load() && lane < lanes_ && !lane_dead_[lane];
 }
 
-uint32_t PeerState::spin_us() const { return endpoint_->config().spin_us; }
 uint32_t PeerState::busy_poll_us() const { return endpoint_->config().busy_poll_us; }
-uint32_t PeerState::wait_nap_us() const { return wait_naps_ ? endpoint_->config().wait_nap_us : 0; }
 
 uint32_t PeerState::quietest_lane() const {
   std::lock_guard lock(mu_);

@@ -55,9 +55,8 @@ class PeerState final : public transport::Link {
   std::shared_ptr<PeerState> self() { return std::static_pointer_cast<PeerState>(shared_from_this()); }
 
   uint32_t slot_count() const override { return uint32_t(slots_.size()); }  // chunk slots (indices in FrameHeader::slot)
-  uint32_t spin_us() const;
   uint32_t busy_poll_us() const override;  // Config::busy_poll_us
-  uint32_t wait_nap_us() const;   // Config::wait_nap_us where the transport's Caps::wait_naps, else 0
+  bool wait_naps() const { return wait_naps_; }  // the transport's Caps::wait_naps
   // The live lane with the fewest chunks in flight, the lowest such index on ties: where a transport
   // starts handing out a transfer's chunks. Lone transfers keep landing on the same lane, whose
   // threads are still awake from the last one (a woken thread costs more than a small copy).

@@ -79,8 +79,7 @@ void Peer::close() {
 // Transfer
 bool Transfer::done() const { return state_->is_finished(); }
 Status Transfer::wait(int64_t timeout_ms) const {
-  const core::PeerState* p = state_->peer.get();
-  return state_->wait(timeout_ms, p ? p->spin_us() : 0, p ? p->busy_poll_us() : 0, p ? p->wait_nap_us() : 0);
+  return state_->wait(timeout_ms);
 }
 bool Transfer::poll() const {
   if (state_->is_finished()) return true;

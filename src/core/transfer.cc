@@ -76,6 +76,12 @@ constexpr uint64_t kSpinMaxBytes = 256 << 10;  // larger transfers take long eno
 // Reads this large nap (nap_until_done), other transfers this large sleep at once: ≥ 200 us at 20 GB/s,
 // so a late wake-up costs little. Sizes between 256 KiB and 4 MiB were not measured and keep spinning.
 constexpr uint64_t kNapMinBytes = 4 << 20;
+// A small transfer's waiter spins this long even with busy polling off: a one-chunk round trip on one host
+// ends within it, and sleeping would add a cross-CPU wake-up to every small transfer.
+constexpr uint32_t kSpinUs = 50;
+// A large read's nap (nap_until_done): short enough that the late wake-up is small beside the transfer,
+// long enough that the waiter leaves its core to the lanes' threads; longer naps were level.
+constexpr uint32_t kWaitNapUs = 20;
 }  // namespace
 
 // A large read's waiter sleeps in timed naps until the transfer is done (or the timeout passes). A
@@ -93,15 +99,17 @@ void TransferState::nap_until_done(std::chrono::steady_clock::time_point end, ui
   if (slack > 0) ::prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(slack), 0, 0, 0);
 }
 
-Status TransferState::wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_us, uint32_t nap_us) {
+Status TransferState::wait(int64_t timeout_ms) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const uint64_t n = bytes.load(std::memory_order_relaxed);
-  // nap_us is non-zero only where the transport wants naps (tcp: Caps::wait_naps); without busy_us a large
-  // transfer's waiter sleeps at once anyway.
-  const bool large = nap_us && busy_us && n >= kNapMinBytes;
+  uint32_t spin_us = peer ? kSpinUs : 0;
+  const uint32_t busy_us = peer ? peer->busy_poll_us() : 0;
+  // Naps only where the transport wants them (tcp: Caps::wait_naps); without busy_us a large transfer's
+  // waiter sleeps at once anyway.
+  const bool large = peer && peer->wait_naps() && busy_us && n >= kNapMinBytes;
   if (large && op == OpKind::kRead) {
-    nap_until_done(timeout_ms < 0 ? Clock::time_point::max() : start + std::chrono::milliseconds(timeout_ms), nap_us);
+    nap_until_done(timeout_ms < 0 ? Clock::time_point::max() : start + std::chrono::milliseconds(timeout_ms), kWaitNapUs);
     spin_us = 0;  // done, or its time is up: what follows only collects the result
   } else if (large) {
     spin_us = 0;  // writes, sends: asleep on the condition variable at once

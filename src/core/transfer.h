@@ -81,9 +81,10 @@ struct TransferState {
   void release(int64_t n = 1);
   void finish(Status s);
   bool is_finished() const { return finished_.load(std::memory_order_acquire); }
-  // Spins (a small transfer: max(spin_us, busy_us); else busy_us), then sleeps; nap_us > 0 (with busy_us):
-  // a read of 4 MiB or more naps instead (nap_until_done), any other transfer that large sleeps at once.
-  Status wait(int64_t timeout_ms, uint32_t spin_us, uint32_t busy_us, uint32_t nap_us = 0);
+  // Spins (a small transfer: max(kSpinUs, the peer's busy_poll_us); else busy_poll_us), then sleeps; where
+  // the transport's Caps::wait_naps (with busy polling on) a read of 4 MiB or more naps instead
+  // (nap_until_done), any other transfer that large sleeps at once.
+  Status wait(int64_t timeout_ms);
   Status final_status() const;
 
  private:

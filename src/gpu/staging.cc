@@ -5,19 +5,9 @@
 #include <mutex>
 
 #include "gpu/copy_kernel.h"
-#include "sys/env.h"
 
 namespace tether::gpu {
 namespace {
-
-// Kernel-mode copies (several fragments) stage through device scratch memory: the copy engine moves the
-// slot's bytes across PCIe and the kernel only touches GPU memory. Two processes' kernels on one GPU take
-// turns, so a kernel reading or writing pinned memory over PCIe (TETHER_KERNEL_STAGING=direct) held the
-// GPU far longer than one that stays in device memory (docs/PERFORMANCE.md, "Defaults and why").
-bool scratch_staging() {
-  static const bool scratch = sys::env_text("TETHER_KERNEL_STAGING") != "direct";
-  return scratch;
-}
 
 // CUDA_ERROR_OUT_OF_MEMORY: a scratch buffer the GPU has no room for (its copies go direct instead).
 constexpr CUresult kCudaOutOfMemory = 2;
@@ -164,12 +154,13 @@ Status StagingRing::copy(StagingSlot& s, int device, const Fragment* frags, uint
       begin = std::min(begin, frags[i].offset);
       extent = std::max(extent, frags[i].offset + frags[i].length);
     }
-    CUdeviceptr base = 0;  // the slot's twin in device memory; 0: the kernel touches the pinned slot itself
-    if (scratch_staging()) {
-      auto scratch = scratch_for(device, extent);
-      if (!scratch.is_ok()) return scratch.status();
-      base = scratch.value();
-    }
+    // Stage through device scratch memory: the copy engine moves the slot's bytes across PCIe and the
+    // kernel only touches GPU memory. Two processes' kernels on one GPU take turns, so a kernel reading or
+    // writing pinned memory over PCIe held the GPU far longer (docs/PERFORMANCE.md, "Defaults and why").
+    // base 0 (no scratch memory free): the kernel touches the pinned slot itself.
+    auto scratch = scratch_for(device, extent);
+    if (!scratch.is_ok()) return scratch.status();
+    const CUdeviceptr base = scratch.value();
     auto slot_at = [&](const Fragment& f) { return base ? base + f.offset : host_at(f); };
     uint64_t* table = s.table.get();
     for (uint32_t i = 0; i < n; ++i) {

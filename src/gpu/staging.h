@@ -94,7 +94,7 @@ class StagingRing {
   // One stream per device for the whole ring: a lane's copies run in the order it issued them, so its
   // first chunk is done first instead of sharing the copy engine with the lane's later ones.
   std::vector<CUstream> streams_;
-  // Per device, the scratch buffer of kernel-mode copies (scratch_for; none with TETHER_KERNEL_STAGING=direct).
+  // Per device, the scratch buffer of kernel-mode copies (scratch_for).
   struct Scratch {
     CUdeviceptr ptr = 0;
     uint64_t bytes = 0;

@@ -326,16 +326,15 @@ Status pin_current_thread(const std::vector<int>& cpus) {
 
 // ---------------------------------------------------------------- plan
 
-uint32_t Plan::thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic, uint32_t sockets_per_channel) const {
+uint32_t Plan::thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic) const {
   const uint32_t n = uint32_t(threads.size());
-  const uint32_t per = std::max<uint32_t>(1, sockets_per_channel);
   if (n == 0) return 0;
-  if (nic < 0 || data.empty()) return (lane / per) % n;
+  if (nic < 0 || data.empty()) return lane % n;
   std::vector<uint32_t> serving;
   for (uint32_t t = 0; t < n; ++t)
     if (threads[t].nic == nic) serving.push_back(t);
   if (serving.empty()) return uint32_t(nic) % n;  // fewer threads than NICs
-  return serving[(earlier_on_nic / per) % serving.size()];
+  return serving[earlier_on_nic % serving.size()];
 }
 
 int Plan::data_index_of_addr(const std::string& addr) const {

@@ -115,7 +115,7 @@ struct Plan {
   std::vector<ThreadPlacement> threads; // one per progress thread (Config::channels)
   // Progress thread for lane `i` of a peer whose lane sits on data NIC `nic` (-1: unknown), given how
   // many earlier lanes of that peer sit on the same NIC.
-  uint32_t thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic, uint32_t sockets_per_channel) const;
+  uint32_t thread_for_lane(uint32_t lane, int nic, uint32_t earlier_on_nic) const;
   int data_index_of_addr(const std::string& addr) const;
 };
 Result<Plan> make_plan(const Config& config);

@@ -45,7 +45,7 @@ struct Caps {
   bool staged_gpu = false;      // GPU memory is staged through pinned host buffers on each side (tcp): a GPU
                                 // read is cut into smaller chunks that pipeline the copies (core: pipelined_chunk)
   bool pull_reads = false;      // large contiguous reads are pushed by the target (wire::kPull), moved as sends
-  bool wait_naps = false;       // wait() on a large read naps (Config::wait_nap_us), on another large transfer
+  bool wait_naps = false;       // wait() on a large read naps (core/transfer.cc), on another large transfer
                                 // sleeps, instead of spinning: the transport's own threads land its chunks (tcp)
   bool lanes_hold = false;      // each lane's thread holds its peer (Link::hold) until it retires the lane:
                                 // once the peer's last hold goes no lane reads its chunk slots, which are freed

@@ -100,8 +100,8 @@ TEST(Config, ValueKindsTakeTheirSpellings) {
     ASSERT_TRUE(c.set("peer_timeout", v).is_ok()) << v;
     EXPECT_EQ(c.peer_timeout_ms, 2500u) << v;
   }
-  ASSERT_TRUE(c.set("spin_us", "0.05ms").is_ok());
-  EXPECT_EQ(c.spin_us, 50u);
+  ASSERT_TRUE(c.set("busy_poll_us", "0.05ms").is_ok());
+  EXPECT_EQ(c.busy_poll_us, 50u);
   Status s = c.set("transport", "fabirc");
   EXPECT_EQ(s.message(), "option transport='fabirc': expected auto, tcp, ipc, fabric or netplugin");
   ASSERT_TRUE(c.set("unpack", "").is_ok());
@@ -110,10 +110,10 @@ TEST(Config, ValueKindsTakeTheirSpellings) {
 
 TEST(Config, ProcessWideKnobsAreCheckedToo) {
   EXPECT_TRUE(Config::check_process_env().is_ok());
-  setenv("TETHER_KERNEL_STAGING", "sideways", 1);
+  setenv("TETHER_NET_FAULT", "sideways", 1);
   Status s = Config::check_process_env();
-  unsetenv("TETHER_KERNEL_STAGING");
-  EXPECT_EQ(s.message(), "TETHER_KERNEL_STAGING='sideways': expected scratch or direct");
+  unsetenv("TETHER_NET_FAULT");
+  EXPECT_EQ(s.message(), "TETHER_NET_FAULT='sideways': expected consume_early");
 }
 
 }  // namespace

@@ -81,15 +81,14 @@ TEST(Topology, ThreadsFollowTheirNic) {
   Plan plan;
   plan.data = {nic("a0", "10.9.0.1"), nic("a1", "10.9.1.1")};
   for (int t = 0; t < 4; ++t) plan.threads.push_back(ThreadPlacement{t % 2, {}, ""});
-  // NIC 1 is served by threads 1 and 3; with two sockets per channel, pairs of lanes share a thread.
-  EXPECT_EQ(plan.thread_for_lane(0, 1, 0, 1), 1u);
-  EXPECT_EQ(plan.thread_for_lane(5, 1, 1, 1), 3u);
-  EXPECT_EQ(plan.thread_for_lane(5, 1, 1, 2), 1u);
-  EXPECT_EQ(plan.thread_for_lane(7, 1, 2, 2), 3u);
-  EXPECT_EQ(plan.thread_for_lane(6, -1, 0, 2), 3u);  // no NIC: by channel
+  // NIC 1 is served by threads 1 and 3, in turn.
+  EXPECT_EQ(plan.thread_for_lane(0, 1, 0), 1u);
+  EXPECT_EQ(plan.thread_for_lane(5, 1, 1), 3u);
+  EXPECT_EQ(plan.thread_for_lane(7, 1, 2), 1u);
+  EXPECT_EQ(plan.thread_for_lane(6, -1, 0), 2u);  // no NIC: by lane
   plan.threads.resize(1);
   plan.threads[0].nic = 0;
-  EXPECT_EQ(plan.thread_for_lane(3, 1, 0, 1), 0u);  // fewer threads than NICs
+  EXPECT_EQ(plan.thread_for_lane(3, 1, 0), 0u);  // fewer threads than NICs
 }
 
 TEST(Topology, PlanRejectsUnknownNames) {

@@ -219,7 +219,7 @@ bool drive_tx(Lane& l, Host* host, Status* error) {
   l.note_starving();
   // A head waiting for its copy out of the GPU needs no EPOLLOUT when the thread naps between polls of
   // that copy: a writable socket would end every nap at once (level-triggered).
-  l.tx.backlog.store(l.tx.count > 0 && !(copy_wait && host->config().staging_nap_us), std::memory_order_relaxed);
+  l.tx.backlog.store(l.tx.count > 0 && !copy_wait, std::memory_order_relaxed);
   return true;
 }
 

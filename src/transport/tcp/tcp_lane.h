@@ -36,7 +36,10 @@ constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: i
 constexpr uint32_t kStageSlots = 8;          // pinned bounce slots per lane and direction (GPU memory)
 
 constexpr uint32_t kReadAnswers = 64;           // kReadBatch answers a lane holds at once (then it stops reading)
-constexpr int kStagedLowat = 256 << 10;         // SO_RCVLOWAT while a staged payload arrives (staging_nap_us > 0)
+constexpr int kStagedLowat = 256 << 10;         // SO_RCVLOWAT while a staged payload arrives (kStagingNapUs)
+// A thread whose lanes wait only on staged GPU copies naps this long between polls of them (ProgressThread::run):
+// short beside a copy, so the next step still follows at once, yet it leaves the core to the kernel's TCP work.
+constexpr uint32_t kStagingNapUs = 8;
 constexpr uint64_t kSpinAfterBytes = 64 << 10;  // a progress loop that moved less is "small traffic"
 constexpr uint64_t kLaneQueueChunks = 2;        // chunks a lane's socket may hold (ours + the kernel's)
 constexpr uint64_t kSmallCopy = 256 << 10;      // staged copies up to this extend the busy window (run())
@@ -49,9 +52,8 @@ constexpr uint32_t kGpuBatchChunks = 2;
 
 constexpr uint64_t kTableBytes = uint64_t(wire::kMaxFragments) * sizeof(wire::Fragment);
 
-// First copies first (tcp_staging.cc): whether it is on, and per GPU the lanes whose every queued item
-// waits for its copy out of that GPU.
-bool first_copies();
+// First copies first (tcp_staging.cc): per GPU the lanes whose every queued item waits for its copy out
+// of that GPU.
 constexpr int kMaxGpus = 64;
 extern std::atomic<int> g_starving[kMaxGpus];
 
@@ -222,7 +224,7 @@ struct Lane {
   }
   // Whether to leave the copy engines of its GPU to lanes that wait for their first copy.
   bool yield_copies() const {
-    return first_copies() && tx.count > 0 && stage.starving_on < 0 && stage.device >= 0 &&
+    return tx.count > 0 && stage.starving_on < 0 && stage.device >= 0 &&
            g_starving[stage.device].load(std::memory_order_relaxed) > 0;
   }
   void copy_started(uint64_t bytes) {

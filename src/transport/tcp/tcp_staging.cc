@@ -7,7 +7,6 @@
 #include <cstring>
 
 #include "core/trace.h"
-#include "sys/env.h"
 #include "transport/tcp/tcp_lane.h"
 
 namespace tether::transport::tcp {
@@ -18,11 +17,7 @@ namespace trace = core::trace;
 // another lane of this process waits for its copy out of that GPU with nothing to send. Without it a
 // transfer's eight first copies finished in two waves, the late lanes' first copies far behind the
 // early ones: the early lanes' second copies took the copy engines from the late lanes' first
-// (docs/PERFORMANCE.md, "Defaults and why"). TETHER_X_FIRST_COPIES=0 turns it off, for A/B runs.
-bool first_copies() {
-  static const bool on = sys::env_flag("TETHER_X_FIRST_COPIES");
-  return on;
-}
+// (docs/PERFORMANCE.md, "Defaults and why"). Lane::note_starving and Lane::yield_copies keep it.
 std::atomic<int> g_starving[kMaxGpus];
 
 namespace {

@@ -137,7 +137,6 @@ void ProgressThread::update_lowat(Lane& l) {
   // still to come, and the last bytes would wait out epoll's 1 s. While a waiter reads its own answer
   // (TcpTransport::progress_lane) a raised mark is left as it is and the thread comes back without sleeping,
   // until it owns rx again and can lower it: the waiter may finish the payload and not wake us.
-  if (!host_->config().staging_nap_us) return;
   if (!l.try_own_rx()) {
     if (l.rx.lowat != 1) work_hint_.store(true, std::memory_order_relaxed);
     return;
@@ -197,19 +196,18 @@ void ProgressThread::run() {
   const auto busy = std::chrono::microseconds(host_->config().busy_poll_us);
   auto last_event = Clock::now() - busy;
   // Staged GPU copies keep the thread polling, but a turn that found nothing to do (no socket event, no
-  // byte moved, no copy started or finished) is followed by a nap of staging_nap_us, not a spin: 16
+  // byte moved, no copy started or finished) is followed by a nap of kStagingNapUs, not a spin: 16
   // lanes' threads spinning on 16 cores cost CPU-seconds per GB and gained nothing over short naps
   // (docs/PERFORMANCE.md, "Defaults and why").
-  const uint32_t nap_us = host_->config().staging_nap_us;
-  if (nap_us) ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us slack would stretch a nap
+  ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us slack would stretch a nap
   bool copies = false;  // the last turn left staged GPU copies in flight: the next one polls them
-  bool napping = false;  // ... and did nothing else: the next wait is a nap of nap_us, not a spin
+  bool napping = false;  // ... and did nothing else: the next wait is a nap, not a spin
   while (!stop_.load(std::memory_order_acquire)) {
     sleeping_.store(true, std::memory_order_seq_cst);
     const bool hinted = work_hint_.exchange(false, std::memory_order_seq_cst);
     const bool spinning = busy.count() > 0 && Clock::now() - last_event < busy;
     const bool nap_now = napping && !hinted;
-    int n = nap_now ? nap(events, 64, nap_us) : ::epoll_wait(epfd_, events, 64, hinted || spinning || copies ? 0 : 1000);
+    int n = nap_now ? nap(events, 64, kStagingNapUs) : ::epoll_wait(epfd_, events, 64, hinted || spinning || copies ? 0 : 1000);
     sleeping_.store(false, std::memory_order_relaxed);
     if (n > 0 && !hinted && !spinning && !copies) trace::mark(trace::Event::kWake, index_, 0, uint32_t(n));
     const uint64_t moved_before = moved();
@@ -231,12 +229,8 @@ void ProgressThread::run() {
       // (docs/PERFORMANCE.md, "Defaults and why").
       if (small_staging) last_event = Clock::now();
       // A turn that only polled the GPU (no socket event, no byte moved, no copy started or finished)
-      // naps (above), or with staging_nap_us 0 lets another runnable thread on this core go first: 16
-      // lanes' threads polling copies share 16 cores with the kernel's TCP work.
-      if (n == 0 && moved() == moved_before && copy_steps() == steps_before) {
-        if (nap_us) napping = true;
-        else sched_yield();
-      }
+      // naps (above).
+      if (n == 0 && moved() == moved_before && copy_steps() == steps_before) napping = true;
     } else if (n > 0 && busy.count() > 0) {
       // Otherwise only small traffic does: a host bulk flow's next event comes soon from its own
       // socket (data in, room to send), and a lane with unsent bytes is woken by EPOLLOUT; spinning
@@ -436,7 +430,7 @@ Status TcpTransport::register_region(core::RegionState& region, std::string*) {
 }
 
 uint32_t TcpTransport::lanes_for(std::string_view) const {
-  return host_->config().channels * host_->config().sockets_per_channel;
+  return host_->config().channels;
 }
 
 Status TcpTransport::attach(const std::shared_ptr<Link>& peer, const std::vector<int>& fds, std::string_view,
