@@ -4,7 +4,7 @@ each, rounds interleaved (the order rotates each round, since whichever runs lat
 a few % faster on the GPU host), then per table row each environment's median GB/s, its ratio to the
 first environment's, the rounds it won against it, and both processes' CPU-seconds per GB.
 
-    python3 bench/gpu/sweep_env.py --rounds 3 --env nap= --env spin=TETHER_WAIT_NAP_US=0 \\
+    python3 bench/gpu/sweep_env.py --rounds 3 --env kernel= --env d2d=TETHER_UNPACK=d2d \\
         -- 'tether bench --transport tcp --device gpu --local-gpu-idx 0 --remote-gpu-idx 0 --sizes 16M --mode read'
 
 --env NAME=ASSIGNMENTS (space-separated NAME=VALUE; empty for the defaults). Logs in --out.

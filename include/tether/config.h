@@ -69,7 +69,7 @@ struct Config {
   // is by set() (sizes with K/M/G units, booleans, durations; *_MS variables count milliseconds). A value
   // its option does not accept is kInvalidArgument naming the variable, its value and what it accepts.
   static Result<Config> from_env();
-  // The process-wide knobs (environment only: TETHER_TRACE, TETHER_KERNEL_STAGING, ...) checked the
+  // The process-wide knobs (environment only: TETHER_TRACE, TETHER_NET_FAULT, ...) checked the
   // same way; Endpoint::create calls it.
   static Status check_process_env();
   // Sets one option by the name Python's tether.Endpoint(...) keyword has ("channels", "peer_timeout"

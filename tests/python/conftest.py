@@ -15,8 +15,8 @@ from tether_testutil.data import MiB, rand_bytes  # noqa: E402
 # Configurations exercised by the correctness tests, on each transport that can carry a pair in
 # one process (auto picks ipc for same-host peers; tcp must keep passing the same tests).
 _SHAPES = {
-    "c1s1": dict(channels=1, sockets_per_channel=1),
-    "c2s2": dict(channels=2, sockets_per_channel=2),
+    "c1": dict(channels=1),
+    "c4": dict(channels=4),
     "chunk64k": dict(chunk_bytes=64 << 10),
 }
 CONFIGS = {f"{t}-{name}": dict(shape, transport=t) for t in ("tcp", "ipc") for name, shape in _SHAPES.items()}

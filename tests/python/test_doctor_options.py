@@ -16,10 +16,10 @@ from tether.api import effective_options
 
 TETHER_PATH = os.path.dirname(os.path.dirname(os.path.abspath(tether.__file__)))
 SET = {"TETHER_CHUNK_BYTES": "4M", "TETHER_PEER_TIMEOUT_MS": "2500", "TETHER_DISABLE_IPC": "yes",
-       "TETHER_KERNEL_STAGING": "direct", "TETHER_AUTH_TOKEN": "hunter2-secret"}
+       "TETHER_NET_FAULT": "consume_early", "TETHER_AUTH_TOKEN": "hunter2-secret"}
 # What each of SET reads as: the value as its keyword takes it (seconds for peer_timeout).
 WANT = {"TETHER_CHUNK_BYTES": "4194304", "TETHER_PEER_TIMEOUT_MS": "2.5", "TETHER_DISABLE_IPC": "1",
-        "TETHER_KERNEL_STAGING": "direct", "TETHER_AUTH_TOKEN": "(set)"}
+        "TETHER_NET_FAULT": "consume_early", "TETHER_AUTH_TOKEN": "(set)"}
 
 
 def doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -62,7 +62,7 @@ def test_doctor_json_names_the_variables_set_and_their_parsed_values():
     rows = {o["env"]: o for o in report["options"]}
     assert {env: (o["source"], o["value"]) for env, o in rows.items() if o["source"] != "default"} == {
         env: ("environment", WANT[env]) for env in SET}
-    assert rows["TETHER_KERNEL_STAGING"]["keyword"] is None and rows["TETHER_CHUNK_BYTES"]["keyword"] == "chunk_bytes"
+    assert rows["TETHER_NET_FAULT"]["keyword"] is None and rows["TETHER_CHUNK_BYTES"]["keyword"] == "chunk_bytes"
 
 
 @pytest.mark.budget(60)
@@ -72,14 +72,14 @@ def test_doctor_prints_the_effective_configuration():
     assert "hunter2" not in r.stdout and "the value an endpoint started here uses" in r.stdout
     lines = {env: next((line for line in r.stdout.splitlines() if env in line and " = " in line), "") for env in SET}
     shown = {"TETHER_CHUNK_BYTES": "4194304", "TETHER_PEER_TIMEOUT_MS": "2.5s", "TETHER_DISABLE_IPC": " on ",
-             "TETHER_KERNEL_STAGING": "direct", "TETHER_AUTH_TOKEN": "(set)"}
+             "TETHER_NET_FAULT": "consume_early", "TETHER_AUTH_TOKEN": "(set)"}
     for env, line in lines.items():
         assert "environment" in line and shown[env] in line, (env, r.stdout[-6000:])
     assert "TETHER_* set that are not options" not in r.stdout
 
 
 @pytest.mark.budget(90)
-@pytest.mark.parametrize("env,value", [("TETHER_WINDOW", "abc"), ("TETHER_KERNEL_STAGING", "bogus")])
+@pytest.mark.parametrize("env,value", [("TETHER_WINDOW", "abc"), ("TETHER_NET_FAULT", "bogus")])
 def test_doctor_names_a_bad_variable_in_one_line(env, value):
     r = doctor(**{env: value, "TETHER_CHNNELS": "4"})
     assert r.returncode == 0, r.stderr

@@ -177,13 +177,6 @@ def _two_batch_write(children, env, seed, fill_receiver_gpu=False):
     assert_bytes_equal(np.frombuffer(receiver.call("get", "dst"), np.uint8), expect.reshape(-1))
 
 
-def test_direct_staging_carries_two_chunk_batches(children):
-    """With TETHER_KERNEL_STAGING=direct the gather and unpack kernels read and write the pinned slots
-    over PCIe (the default stages through device scratch memory); a two-chunk batch spans two slots."""
-    GPU.unpack_mode("kernel")
-    _two_batch_write(children, {"TETHER_UNPACK": "kernel", "TETHER_KERNEL_STAGING": "direct"}, 45)
-
-
 def test_scattered_blocks_land_when_the_gpu_has_no_room_for_scratch(children):
     """Kernel-mode staging copies through a device scratch buffer; a GPU with no memory left for one (a
     serving engine took it) sends the ring's copies direct instead, and nothing is lost."""
@@ -249,15 +242,12 @@ def test_send_recv(pair, lk, rk):
     assert_poison(got[SIZE:])
 
 
-@pytest.mark.parametrize("nap_us", [0, 300])
-def test_staging_nap(children, nap_us):
-    """A progress thread whose lanes wait only on staged copies naps staging_nap_us between polls
-    (default 8); 0 spins instead. Both must move every byte, and naps far longer than a
-    copy must only slow a transfer down, never stall it: a copy is polled again after every nap, a
-    staged payload's SO_RCVLOWAT never asks for more than is still to come."""
-    env = {"TETHER_STAGING_NAP_US": str(nap_us)}
-    c = children("gpu-peer", env=env)
-    local = GPU.local(transport="tcp", staging_nap_us=nap_us)
+def test_staging_nap(children):
+    """A progress thread whose lanes wait only on staged copies naps between polls (tcp_lane.h
+    kStagingNapUs). Every byte must move, and a nap must never stall a transfer: a copy is polled again
+    after every nap, a staged payload's SO_RCVLOWAT never asks for more than is still to come."""
+    c = children("gpu-peer")
+    local = GPU.local(transport="tcp")
     try:
         peer = local.ep.connect(c.call("endpoint")["metadata"], timeout=10)
         n = 3 * SIZE

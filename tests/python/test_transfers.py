@@ -147,14 +147,14 @@ def test_writev_readv_1000_tiny_entries(pair):
 
 def test_writev_entries_larger_than_chunk(endpoints):
     """Entries of several chunks each (chunk 64 KiB, window 4): segments split across lanes."""
-    a = endpoints(chunk_bytes=64 * KiB, window=4, channels=2, sockets_per_channel=2)
+    a = endpoints(chunk_bytes=64 * KiB, window=4, channels=4)
     b = endpoints()
     peer = a.connect(b.metadata(), timeout=5)
     _scatter(np.random.default_rng(7), a, b, peer, 12, 100 * KiB, 700 * KiB, 5000)
 
 
 @pytest.mark.parametrize("opts", [dict(window=1, chunk_bytes=4096, channels=1),
-                                  dict(window=2, chunk_bytes=4099, channels=3, sockets_per_channel=2)],
+                                  dict(window=2, chunk_bytes=4099, channels=6)],
                          ids=["window1-chunk4k", "window2-chunk4099-6lanes"])
 def test_small_window_odd_chunk(endpoints, opts):
     a, b = endpoints(**opts), endpoints()
@@ -462,10 +462,10 @@ def _accepted(ep, n=1):
 
 
 @pytest.mark.parametrize("ca,cb", [
-    (dict(channels=1, sockets_per_channel=4), dict(channels=3)),
-    (dict(channels=4, sockets_per_channel=2, window=3), dict(channels=1)),
-    (dict(channels=1), dict(channels=4, sockets_per_channel=4, chunk_bytes=4096)),
-], ids=["1x4-to-3x1", "4x2w3-to-1x1", "1x1-to-4x4"])
+    (dict(channels=4), dict(channels=3)),
+    (dict(channels=8, window=3), dict(channels=1)),
+    (dict(channels=1), dict(channels=16, chunk_bytes=4096)),
+], ids=["4-to-3", "8w3-to-1", "1-to-16"])
 def test_asymmetric_configurations_both_directions(endpoints, ca, cb):
     """Lanes are decided by the connector; the acceptor spreads them over its own threads."""
     a, b = endpoints(name="a", **ca), endpoints(name="b", **cb)

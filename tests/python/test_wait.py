@@ -1,5 +1,5 @@
 """How wait() waits on a tcp transfer of 4 MiB or more where busy polling is on: a read in timed naps of
-wait_nap_us, a write asleep at once, instead of spinning (docs/ARCHITECTURE.md, "Waking up"). Either
+20 µs, a write asleep at once, instead of spinning (docs/ARCHITECTURE.md, "Waking up"). Either
 must keep every property of a wait: the bytes arrive whole, a timeout is honoured while the peer is
 silent, and the transfer still completes after it.
 
@@ -17,21 +17,12 @@ import tether
 from tether_testutil.data import MiB, assert_bytes_equal, poisoned, rand_bytes
 
 T = 20.0
-NAPPING = dict(transport="tcp", busy_poll_us=1000, wait_nap_us=20)
+NAPPING = dict(transport="tcp", busy_poll_us=1000)
 
 
-def test_the_option_and_its_environment_override(monkeypatch):
-    assert tether.Endpoint(transport="tcp").config.wait_nap_us == 20
-    assert tether.Endpoint(transport="tcp", wait_nap_us=0).config.wait_nap_us == 0
-    monkeypatch.setenv("TETHER_WAIT_NAP_US", "35")
-    assert tether.Endpoint(transport="tcp").config.wait_nap_us == 35
-
-
-@pytest.mark.parametrize("nap_us", [20, 0])
-def test_large_reads_arrive_whole_while_the_waiter_naps(endpoints, nap_us):
-    opts = dict(NAPPING, wait_nap_us=nap_us)
-    a = endpoints(name="ep-a", **opts)
-    b = endpoints(name="ep-b", **opts)
+def test_large_reads_arrive_whole_while_the_waiter_naps(endpoints):
+    a = endpoints(name="ep-a", **NAPPING)
+    b = endpoints(name="ep-b", **NAPPING)
     peer = a.connect(b.metadata(), timeout=5)
     for i, size in enumerate([1 * MiB + 1, 4 * MiB, 5 * MiB + 7, 16 * MiB]):  # spins, then naps
         src = rand_bytes(100 + i, size)
@@ -41,7 +32,7 @@ def test_large_reads_arrive_whole_while_the_waiter_naps(endpoints, nap_us):
         for _ in range(3):
             dst[:] = 0xA5
             peer.read(rd, desc, length=size).wait(T)
-            assert_bytes_equal(dst[:size], src, f"{size} B read with wait_nap_us={nap_us}")
+            assert_bytes_equal(dst[:size], src, f"{size} B read")
             assert (dst[size:] == 0xA5).all(), "bytes past the read were written"
 
 
