@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """The verdict of an A/B (bench/gpu/ab.sh): per table row, each round's GB/s of both builds, the
-medians, their ratio and how many rounds the new build won, from DIR/ab_{new,old}_ROUND.log.
+medians, their ratio and how many rounds the new build won, from DIR/ab_{new,old}_ROUND.log. A row
+without GB/s (a lone small op) is judged by its p50 µs, where lower wins.
 
     python3 bench/gpu/ab_table.py DIR
 
 Rows are matched by what identifies them in `tether bench`'s table (mode, transport, device, size,
 iovs, and config where a sweep prints one) and by their order among equal ones, so a command that runs
-the same row twice keeps both. A round counts as won when the new build's GB/s is higher.
+the same row twice keeps both; bench/peers/run.py's rows by system and workload.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import re
 import statistics
 import sys
 
-KEY_COLUMNS = ("mode", "transport", "device", "size", "iovs", "config")
+KEY_COLUMNS = ("system", "workload", "mode", "transport", "device", "size", "iovs", "config")
 
 
 def cpu_s_per_gb(cells: list[str], header: list[str], gbps: float) -> float | None:
@@ -33,9 +34,11 @@ def cpu_s_per_gb(cells: list[str], header: list[str], gbps: float) -> float | No
 
 
 def table_rows(path: str):
-    """(row key, the row as {column: cell}, its GB/s, CPU-s per GB or None) for every row of every bench
-    table in the log, in order."""
-    header, seen, in_header = None, collections.Counter(), False
+    """(row key, the row as {column: cell}, its figure, CPU-s per GB or None) for every row of every bench
+    table in the log, in order. The figure is GB/s, or for a row without one (a lone small op) its p50 µs,
+    whose key then ends in "p50 µs". bench/peers/run.py's tables leave `system` empty on a system's later
+    rows: it is carried down."""
+    header, seen, in_header, system = None, collections.Counter(), False, ""
     with open(path, errors="replace") as f:
         for line in f:
             if line.startswith("┃"):  # a header spans lines ("CPU%" over "client"): join each column's
@@ -47,28 +50,36 @@ def table_rows(path: str):
             in_header = False
             if line.startswith("│") and header:
                 cells = [c.strip() for c in line.strip().strip("│").split("│")]
+                if header[0] == "system":
+                    system = cells[0] or system
+                    cells[0] = system
                 if len(cells) != len(header) or not cells[0]:
                     continue
                 row = dict(zip(header, cells))
                 try:
-                    gbps = float(row.get("GB/s", "").replace(",", ""))
+                    gbps = float(row.get("GB/s", "").replace(",", "") or 0)
+                    p50 = float(row.get("p50 µs", "").replace(",", "") or 0)
                 except ValueError:
                     continue
-                ident = tuple(row.get(k, "") for k in KEY_COLUMNS)
+                ident = tuple(row.get(k, "") for k in KEY_COLUMNS) + ("" if gbps > 0 else "p50 µs",)
+                if gbps <= 0 and p50 <= 0:
+                    continue
                 seen[ident] += 1
-                yield (*ident, seen[ident]), row, gbps, cpu_s_per_gb(cells, header, gbps)
+                yield (*ident, seen[ident]), row, (gbps if gbps > 0 else p50), cpu_s_per_gb(cells, header, gbps)
 
 
 def rows_of(path: str) -> list[tuple[tuple, float, float | None]]:
-    """(row key, GB/s, CPU-s per GB or None) for every row of every bench table in the log, in order."""
+    """(row key, GB/s or p50 µs, CPU-s per GB or None) for every row of every bench table in the log, in order."""
     return [(key, gbps, cpu) for key, _, gbps, cpu in table_rows(path)]
 
 
 def row_name(key: tuple) -> str:
-    """A row's key (rows_of) as its table shows it: "read tcp gpu0>gpu0 16 MiB", "write ... 4096 x 16 KiB"."""
-    mode, transport, device, size, iovs, config, nth = key
+    """A row's key (rows_of) as its table shows it: "read tcp gpu0>gpu0 16 MiB", "write ... 4096 x 16 KiB",
+    "tether (ipc) 8 B write p50 µs"."""
+    system, workload, mode, transport, device, size, iovs, config, unit, nth = key
     blocks = f"{iovs} x {size}" if iovs not in ("", "1") else size
-    return " ".join(x for x in (mode, transport, device, blocks, config) if x) + (f" (#{nth})" if nth > 1 else "")
+    parts = (system, workload, mode, transport, device, blocks, config, unit)
+    return " ".join(x for x in parts if x) + (f" (#{nth})" if nth > 1 else "")
 
 
 def main() -> int:
@@ -88,7 +99,7 @@ def main() -> int:
         print(f"no rounds with both builds in {a.dir}", file=sys.stderr)
         return 1
     keys = [k for k in runs["new"][rounds[0]]]  # the first round's order
-    print(f"A/B, {len(rounds)} rounds, GB/s new / old per round; median ratio new/old; rounds won by new")
+    print(f"A/B, {len(rounds)} rounds, GB/s (or p50 µs) new / old per round; median ratio new/old; rounds won by new")
     for key in keys:
         pairs = [(runs["new"][r].get(key), runs["old"][r].get(key)) for r in rounds]
         pairs = [(n, o) for n, o in pairs if n is not None and o is not None]
@@ -96,7 +107,7 @@ def main() -> int:
             continue
         new_med = statistics.median(n for n, _ in pairs)
         old_med = statistics.median(o for _, o in pairs)
-        won = sum(n > o for n, o in pairs)
+        won = sum((n < o) if key[-2] else (n > o) for n, o in pairs)  # p50 µs: lower wins
         name = row_name(key)
         each = ", ".join(f"{n:g} / {o:g}" for n, o in pairs)
         ratio = new_med / old_med if old_med else float("inf")

@@ -1,4 +1,4 @@
-// What both sides of a connection's handshake share (docs/ARCHITECTURE.md, "Connecting"): the
+// What both sides of a connection's handshake share (docs/ARCHITECTURE.md, "Wire format and handshake"): the
 // endpoint metadata a connector is given, the proofs of the auth token, and the listener's state for
 // one socket whose handshake is under way. The connector's side is connect.cc, the listener's listener.cc.
 #pragma once
