@@ -82,13 +82,17 @@ def _version_tuple(v: str) -> tuple:
     return tuple(int(x) for x in v.split(".")[:3])
 
 
+def agents(spawn, backend, params=None, env=None):
+    """(initiator A, target B), fresh agents on `backend`; `link` them once their memory is registered."""
+    a, b = spawn(env), spawn(env)
+    a.call("create", "A", backend, params)
+    b.call("create", "B", backend, params)
+    return a, b
+
+
 @pytest.fixture
 def pair(spawn, backend):
-    """(initiator A, target B), fresh agents; `link` them once their memory is registered."""
-    a, b = spawn(), spawn()
-    a.call("create", "A", backend)
-    b.call("create", "B", backend)
-    return a, b
+    return agents(spawn, backend)
 
 
 def link(a, b, both=False):
@@ -115,20 +119,30 @@ def _bytes(agent, name) -> np.ndarray:
     return np.frombuffer(agent.call("get", name), dtype=np.uint8)
 
 
+def _register(agent, size: int, names, seed=None):
+    """Buffers `names` of `size` bytes (the first random from `seed`, the rest poisoned), registered."""
+    for i, name in enumerate(names):
+        agent.call("alloc", name, size, seed=seed if i == 0 else None)
+    agent.call("register", list(names))
+
+
+def linked(a, b, size: int, a_seed=None, b_seed=None, a_names=("src",), b_names=("dst",), both=False):
+    """A's buffers `a_names` and B's `b_names` (each side's first random from its seed), registered and
+    linked; A's dlists "l" (its own, whole) and "r" (B's) prepped."""
+    _register(a, size, a_names, a_seed)
+    _register(b, size, b_names, b_seed)
+    link(a, b, both)
+    a.call("prep", "l", "NIXL_INIT_AGENT", np.vstack([_whole(a, n) for n in a_names]))
+    a.call("prep", "r", "B", np.vstack([_whole(b, n) for n in b_names]))
+
+
 # --------------------------------------------------------------------------- data
 
 
 @pytest.mark.parametrize("size", [1, 4096 + 3, 9 * MiB + 7])
 def test_write_then_read_every_byte(pair, size):
     a, b = pair
-    a.call("alloc", "src", size, seed=1)
-    a.call("alloc", "back", size)
-    b.call("alloc", "dst", size)
-    a.call("register", ["src", "back"])
-    b.call("register", ["dst"])
-    link(a, b)
-    a.call("prep", "l", "NIXL_INIT_AGENT", np.vstack([_whole(a, "src"), _whole(a, "back")]))
-    a.call("prep", "r", "B", _whole(b, "dst"))
+    linked(a, b, size, 1, a_names=("src", "back"))
     a.call("xfer", "w", "WRITE", "l", [0], "r", [0])
     assert a.call("run", "w")[0] == "DONE"
     assert _bytes(b, "dst").tobytes() == rand_bytes(1, size).tobytes()
@@ -190,10 +204,8 @@ def test_write_notification_only_after_data(pair):
     """The target compares its buffer the moment the notification shows: every byte must be there."""
     a, b = pair
     size = 24 * MiB
-    a.call("alloc", "src", size, seed=5)
-    b.call("alloc", "dst", size)
-    a.call("register", ["src"])
-    b.call("register", ["dst"])
+    _register(a, size, ["src"], seed=5)
+    _register(b, size, ["dst"])
     link(a, b)
     a.call("prep", "l", "NIXL_INIT_AGENT", _rows(a.call("addr", "src")[1], size // 8, 8))
     a.call("prep", "r", "B", _rows(b.call("addr", "dst")[1], size // 8, 8))
@@ -210,13 +222,7 @@ def test_read_notification_only_after_data(pair):
     moment the notification shows, and the reader must still have every original byte."""
     a, b = pair
     size = 32 * MiB
-    b.call("alloc", "src", size, seed=6)
-    a.call("alloc", "dst", size)
-    b.call("register", ["src"])
-    a.call("register", ["dst"])
-    link(a, b)
-    a.call("prep", "l", "NIXL_INIT_AGENT", _whole(a, "dst"))
-    a.call("prep", "r", "B", _whole(b, "src"))
+    linked(a, b, size, b_seed=6, a_names=("dst",), b_names=("src",))
     b.start("on_notif_poison", "src")
     a.call("xfer", "rd", "READ", "l", [0], "r", [0], notif=b"read-done")
     assert a.call("run", "rd")[0] == "DONE"
@@ -241,13 +247,7 @@ def test_repost_handle(pair):
     """One prepared handle posted again and again once done, with new data each time."""
     a, b = pair
     size = 3 * MiB + 1
-    a.call("alloc", "src", size, seed=10)
-    b.call("alloc", "dst", size)
-    a.call("register", ["src"])
-    b.call("register", ["dst"])
-    link(a, b)
-    a.call("prep", "l", "NIXL_INIT_AGENT", _whole(a, "src"))
-    a.call("prep", "r", "B", _whole(b, "dst"))
+    linked(a, b, size, 10)
     a.call("xfer", "w", "WRITE", "l", [0], "r", [0], notif=b"n")
     for seed in range(10, 15):
         a.call("fill", "src", seed=seed)
@@ -262,13 +262,7 @@ def test_release_in_flight_does_not_block(pair, backend):
     the agents go on working."""
     a, b = pair
     size = 64 * MiB
-    a.call("alloc", "src", size, seed=20)
-    b.call("alloc", "dst", size)
-    a.call("register", ["src"])
-    b.call("register", ["dst"])
-    link(a, b)
-    a.call("prep", "l", "NIXL_INIT_AGENT", _whole(a, "src"))
-    a.call("prep", "r", "B", _whole(b, "dst"))
+    linked(a, b, size, 20)
     a.call("xfer", "warm", "WRITE", "l", [0], "r", [0])
     assert a.call("run", "warm")[0] == "DONE"  # connected, every lane up
     a.call("xfer", "w", "WRITE", "l", [0], "r", [0], notif=b"never")
@@ -292,10 +286,8 @@ def test_release_in_flight_does_not_block(pair, backend):
 
 def test_remove_remote_agent_then_add_again(pair):
     a, b = pair
-    a.call("alloc", "src", 4096, seed=30)
-    b.call("alloc", "dst", 4096)
-    a.call("register", ["src"])
-    b.call("register", ["dst"])
+    _register(a, 4096, ["src"], seed=30)
+    _register(b, 4096, ["dst"])
     link(a, b)
     md = b.call("metadata")
     a.call("remove_remote", "B")
@@ -310,13 +302,7 @@ def test_remove_remote_agent_then_add_again(pair):
 
 
 def _big_write(a, b, size=128 * MiB, both=False):
-    a.call("alloc", "src", size, seed=40)
-    b.call("alloc", "dst", size)
-    a.call("register", ["src"])
-    b.call("register", ["dst"])
-    link(a, b, both)
-    a.call("prep", "l", "NIXL_INIT_AGENT", _whole(a, "src"))
-    a.call("prep", "r", "B", _whole(b, "dst"))
+    linked(a, b, size, 40, both=both)
     a.call("xfer", "warm", "WRITE", "l", [0], "r", [0])
     assert a.call("run", "warm")[0] == "DONE"
     a.call("xfer", "w", "WRITE", "l", [0], "r", [0])
@@ -326,10 +312,7 @@ def test_peer_killed_mid_transfer_is_an_error_not_a_hang(spawn, backend):
     """The target is stopped before the write is posted, so the write cannot finish before the target is
     killed. UCX is held to tcp: over shared memory it writes a stopped process's memory itself (cross-memory
     attach) and the write is DONE at once, which tests nothing about a dead peer."""
-    env = {"UCX_TLS": "tcp"} if backend == "UCX" else None
-    a, b = spawn(env), spawn(env)
-    a.call("create", "A", backend)
-    b.call("create", "B", backend)
+    a, b = agents(spawn, backend, env={"UCX_TLS": "tcp"} if backend == "UCX" else None)
     _big_write(a, b)
     b.kill(signal.SIGSTOP)
     assert a.call("post", "w") == "PROC"  # a stopped target cannot take 128 MiB
@@ -345,9 +328,7 @@ def test_silent_peer_ends_in_an_error_within_the_peer_timeout(spawn, backend):
     peer_timeout. NIXL's UCX backend has no timeout (it stays PROC forever: a known complaint)."""
     if backend == "UCX":
         pytest.skip("UCX has no transfer timeout: a stopped peer leaves the transfer in PROC forever")
-    a, b = spawn(), spawn()
-    a.call("create", "A", backend, {"peer_timeout": "2", "heartbeat": "0.2"})
-    b.call("create", "B", backend, {"peer_timeout": "2", "heartbeat": "0.2"})
+    a, b = agents(spawn, backend, {"peer_timeout": "2", "heartbeat": "0.2"})
     _big_write(a, b)
     b.kill(signal.SIGSTOP)
     assert a.call("post", "w") == "PROC"
@@ -357,10 +338,8 @@ def test_silent_peer_ends_in_an_error_within_the_peer_timeout(spawn, backend):
 
 def test_garbage_metadata_is_an_error(pair, backend):
     a, b = pair
-    a.call("alloc", "src", 1000, seed=50)
-    b.call("alloc", "dst", 1000)
-    a.call("register", ["src"])
-    b.call("register", ["dst"])
+    _register(a, 1000, ["src"], seed=50)
+    _register(b, 1000, ["dst"])
     for junk in (b"", b"garbage", bytes(rand_bytes(1, 4000))):
         with pytest.raises(AgentError):
             a.call("add_remote", junk)
@@ -389,14 +368,7 @@ def test_deregister_while_transfers_run(pair):
     nothing crashes, and the agents work afterwards."""
     a, b = pair
     size = 8 * MiB
-    a.call("alloc", "src", size, seed=60)
-    b.call("alloc", "dst", size)
-    b.call("alloc", "dst2", size)
-    a.call("register", ["src"])
-    b.call("register", ["dst", "dst2"])
-    link(a, b)
-    a.call("prep", "l", "NIXL_INIT_AGENT", _whole(a, "src"))
-    a.call("prep", "r", "B", np.vstack([_whole(b, "dst"), _whole(b, "dst2")]))
+    linked(a, b, size, 60, b_names=("dst", "dst2"))
     keys = []
     for i in range(6):
         a.call("xfer", f"w{i}", "WRITE", "l", [0], "r", [0])
@@ -421,9 +393,7 @@ def test_process_exit_with_live_agents_is_clean(spawn, backend, who):
     other side sees an error, not a hang."""
     if backend == "UCX":
         pytest.skip("NIXL's UCX backend dies with SIGSEGV at such an exit (seen here with 1.5.1): a known complaint")
-    a, b = spawn(), spawn()
-    a.call("create", "A", backend)
-    b.call("create", "B", backend)
+    a, b = agents(spawn, backend)
     _big_write(a, b, 64 * MiB, both=True)
     a.call("post", "w")
     leaving = a if who == "initiator" else b
@@ -504,18 +474,9 @@ def test_every_tether_transport_through_nixl(spawn, nixl_site, transport):
     if transport == "netplugin":
         from tether_testutil.transports import build_testnet_plugin
         params["net_plugin"] = build_testnet_plugin()
-    a, b = spawn(), spawn()
-    a.call("create", "A", "TETHER", params)
-    b.call("create", "B", "TETHER", params)
+    a, b = agents(spawn, "TETHER", params)
     size = 5 * MiB + 3
-    a.call("alloc", "src", size, seed=70)
-    a.call("alloc", "back", size)
-    b.call("alloc", "dst", size)
-    a.call("register", ["src", "back"])
-    b.call("register", ["dst"])
-    link(a, b)
-    a.call("prep", "l", "NIXL_INIT_AGENT", np.vstack([_whole(a, "src"), _whole(a, "back")]))
-    a.call("prep", "r", "B", _whole(b, "dst"))
+    linked(a, b, size, 70, a_names=("src", "back"))
     a.call("xfer", "w", "WRITE", "l", [0], "r", [0], notif=b"over " + transport.encode())
     assert a.call("run", "w")[0] == "DONE"
     assert b.call("notifs", 1, T) == {"A": [b"over " + transport.encode()]}
@@ -539,9 +500,7 @@ def test_local_transfers_inside_one_agent(spawn):
     a = spawn()
     a.call("create", "A", "TETHER")
     size = 2 * MiB + 5
-    a.call("alloc", "src", size, seed=80)
-    a.call("alloc", "dst", size)
-    a.call("register", ["src", "dst"])
+    _register(a, size, ["src", "dst"], seed=80)
     a.call("prep", "l", "NIXL_INIT_AGENT", _whole(a, "src"))
     a.call("prep", "self", "A", _whole(a, "dst"))
     a.call("xfer", "w", "WRITE", "l", [0], "self", [0], notif=b"me")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from nixl_agent import AgentError
-from test_nixl import NO_NIXL, SITES, _bytes, _whole, link, nixl_site, spawn  # noqa: F401  (fixtures)
+from test_nixl import NO_NIXL, SITES, _bytes, _register, _whole, agents, linked, nixl_site, spawn  # noqa: F401  (fixtures)
 from tether_testutil.data import MiB, rand_bytes
 
 pytestmark = pytest.mark.skipif(not SITES, reason=NO_NIXL)
@@ -23,14 +23,10 @@ def test_add_write_remove_churn_leaves_nothing_behind(spawn, transport):
     """1,000 rounds of add_remote_agent / WRITE / remove_remote_agent after 50 of warm-up: the initiator's
     descriptors, threads and RSS stay flat, so do the target's descriptors, and every round's bytes landed."""
     warm, rounds, block = 50, 1000, 256
-    a, b = spawn(), spawn()
-    a.call("create", "A", "TETHER", {"transport": transport})
-    b.call("create", "B", "TETHER", {"transport": transport})
+    a, b = agents(spawn, "TETHER", {"transport": transport})
     size = (warm + rounds) * block
-    a.call("alloc", "src", size, seed=21)
-    b.call("alloc", "dst", size)
-    a.call("register", ["src"])
-    b.call("register", ["dst"])
+    _register(a, size, ["src"], seed=21)
+    _register(b, size, ["dst"])
     md, dst = b.call("metadata"), b.call("addr", "dst")[1:]
     a.call("churn", md, dst, "src", 0, warm, block, timeout=60)
     b_before = b.call("usage")
@@ -75,17 +71,9 @@ def test_link_heals_after_the_agent_was_stopped_past_peer_timeout(spawn, transpo
     while B is still stopped waits for the link (at most connect_timeout) and completes once B continues,
     without remove/re-add; the link stays up after."""
     params = {"transport": transport, "peer_timeout": "3", "heartbeat": "0.3", "connect_timeout": "5"}
-    a, b = spawn(), spawn()
-    a.call("create", "A", "TETHER", params)
-    b.call("create", "B", "TETHER", params)
+    a, b = agents(spawn, "TETHER", params)
     size = MiB + 5
-    a.call("alloc", "src", size, seed=31)
-    b.call("alloc", "dst", size)
-    a.call("register", ["src"])
-    b.call("register", ["dst"])
-    link(a, b)
-    a.call("prep", "l", "NIXL_INIT_AGENT", _whole(a, "src"))
-    a.call("prep", "r", "B", _whole(b, "dst"))
+    linked(a, b, size, 31)
     assert _attempt(a, "w0", 10) == "DONE"
     assert _bytes(b, "dst").tobytes() == rand_bytes(31, size).tobytes()
     b.kill(signal.SIGSTOP)
@@ -122,15 +110,13 @@ def test_agent_restarted_under_the_same_name(spawn):
     a loaded agent) and adds the new one; the dead links' descriptors go, transfers reach each new process."""
     a = spawn()
     a.call("create", "A", "TETHER", {"transport": "tcp"})
-    a.call("alloc", "src", 4096, seed=51)
-    a.call("register", ["src"])
+    _register(a, 4096, ["src"], seed=51)
     a.call("prep", "l", "NIXL_INIT_AGENT", _whole(a, "src"))
     fds = []
     for life in range(4):
         b = spawn()
         b.call("create", "B", "TETHER", {"transport": "tcp"})
-        b.call("alloc", "dst", 4096)
-        b.call("register", ["dst"])
+        _register(b, 4096, ["dst"])
         assert a.call("add_remote", b.call("metadata")) == "B"
         a.call("prep", f"r{life}", "B", _whole(b, "dst"))
         a.call("xfer", "w", "WRITE", "l", [0], f"r{life}", [0])
