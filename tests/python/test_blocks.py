@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil.child import Child
+from tether_testutil.child import child_endpoint
 from tether_testutil.data import KiB, POISON, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error
 
 T = 20.0
@@ -278,16 +278,8 @@ def test_tuple_path_errors_keep_their_index(duo):
 
 @pytest.fixture(scope="module")
 def child():
-    c = Child("blocks-child")
-    try:
-        c.info = c.call("endpoint", name="child-ep")
+    with child_endpoint("blocks-child", name="child-ep") as c:
         yield c
-    finally:
-        try:
-            c.call("close", timeout=10)
-        except Exception:  # noqa: BLE001
-            pass
-        c.cleanup()
 
 
 @pytest.fixture(params=["tcp", "ipc"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil.child import Child
+from tether_testutil.child import child_endpoint, write_then_read_child
 from tether_testutil.data import (
     KiB, MiB, POISON, assert_bytes_equal, assert_poison, disjoint_blocks, poisoned, rand_bytes, wait_error,
 )
@@ -23,17 +23,8 @@ T = 20.0  # generous bound for any single wait()
 @pytest.fixture(scope="module")
 def child():
     """One child process with an endpoint named 'child-ep' (default configuration)."""
-    c = Child("transfer-child")
-    try:
-        info = c.call("endpoint", name="child-ep")
-        c.info = info
+    with child_endpoint("transfer-child", name="child-ep") as c:
         yield c
-    finally:
-        try:
-            c.call("close", timeout=10)
-        except Exception:  # noqa: BLE001
-            pass
-        c.cleanup()
 
 
 @pytest.fixture
@@ -47,25 +38,7 @@ def to_child(child, endpoints, config):
 def test_cross_process_write_and_read(child, to_child, size):
     ep, peer = to_child
     assert peer.name == "child-ep"
-    lo, ro, pad = 3, 1001, 7
-    desc = child.call("register", "dst", size + ro + pad)
-    try:
-        src = rand_bytes(size + 1, size + lo)
-        peer.write(ep.register(src), desc, local_offset=lo, remote_offset=ro, length=size).wait(T)
-        got = np.frombuffer(child.call("get", "dst"), dtype=np.uint8)
-        assert_bytes_equal(got[ro:ro + size], src[lo:], "child buffer, written range")
-        assert_poison(got[:ro], "child buffer before the range")
-        assert_poison(got[ro + size:], "child buffer after the range")
-
-        child.call("fill", "dst", ("seed", 77))
-        expected = rand_bytes(77, size + ro + pad)
-        back = poisoned(size + 2 * lo)
-        peer.read(ep.register(back), desc, local_offset=lo, remote_offset=ro, length=size).wait(T)
-        assert_bytes_equal(back[lo:lo + size], expected[ro:ro + size], "read from the child")
-        assert_poison(back[:lo])
-        assert_poison(back[lo + size:])
-    finally:
-        child.call("deregister", "dst")
+    write_then_read_child(ep, peer, child, size, lo=3, ro=1001, pad=7, seeds=(size + 1, 77), timeout=T)
 
 
 def test_cross_process_writev_readv(child, to_child):

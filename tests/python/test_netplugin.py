@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil.child import Child
+from tether_testutil.child import child_endpoint, write_then_read_child
 from tether_testutil.data import KiB, MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
 from tether_testutil.transports import build_testnet_plugin
 from tether_testutil.wire import DESC_KEY, get_u64, set_u64
@@ -27,22 +27,13 @@ def plugin_path() -> str:
 
 
 def _child(plugin_path, name, env=None):
-    c = Child(name, env)
-    c.info = c.call("endpoint", name=name, net_plugin=plugin_path, net_comms=3)
-    return c
+    return child_endpoint(name, env, name=name, net_plugin=plugin_path, net_comms=3)
 
 
 @pytest.fixture(scope="module")
 def child(plugin_path):
-    c = _child(plugin_path, "np-child")
-    try:
+    with _child(plugin_path, "np-child") as c:
         yield c
-    finally:
-        try:
-            c.call("close", timeout=10)
-        except Exception:  # noqa: BLE001
-            pass
-        c.cleanup()
 
 
 @pytest.fixture(params=[dict(), dict(chunk_bytes=64 << 10, net_comms=4)], ids=["default", "chunk64k-comms4"])
@@ -57,25 +48,7 @@ def to_child(request, child, endpoints, plugin_path):
 @pytest.mark.parametrize("size", [1, 4 * KiB + 3, 1 * MiB + 5, 24 * MiB], ids=["1B", "4KiB+3", "1MiB+5", "24MiB"])
 def test_write_and_read_every_byte(child, to_child, size):
     ep, peer = to_child
-    lo, ro, pad = 3, 4097, 9
-    desc = child.call("register", "dst", size + ro + pad)
-    try:
-        src = rand_bytes(size, size + lo)
-        peer.write(ep.register(src), desc, local_offset=lo, remote_offset=ro, length=size).wait(T)
-        got = np.frombuffer(child.call("get", "dst"), dtype=np.uint8)
-        assert_bytes_equal(got[ro:ro + size], src[lo:], "child buffer, written range")
-        assert_poison(got[:ro], "before the range")
-        assert_poison(got[ro + size:], "after the range")
-
-        child.call("fill", "dst", ("seed", 99))
-        expected = rand_bytes(99, size + ro + pad)
-        back = poisoned(size + 2 * lo)
-        peer.read(ep.register(back), desc, local_offset=lo, remote_offset=ro, length=size).wait(T)
-        assert_bytes_equal(back[lo:lo + size], expected[ro:ro + size], "read from the child")
-        assert_poison(back[:lo])
-        assert_poison(back[lo + size:])
-    finally:
-        child.call("deregister", "dst")
+    write_then_read_child(ep, peer, child, size, lo=3, ro=4097, pad=9, seeds=(size, 99), timeout=T)
 
 
 def test_writev_readv_every_byte(child, to_child):
@@ -195,16 +168,13 @@ def test_consuming_before_unpack_would_be_caught(plugin_path, endpoints):
     src = rand_bytes(13, size)
     results = {}
     for fault in (None, "consume_early"):
-        c = _child(plugin_path, f"np-fault-{fault}", env={"TETHER_NET_FAULT": fault} if fault else None)
-        try:
+        with _child(plugin_path, f"np-fault-{fault}", env={"TETHER_NET_FAULT": fault} if fault else None) as c:
             ep = endpoints(transport="netplugin", net_plugin=plugin_path, chunk_bytes=256 << 10)
             peer = ep.connect(c.info["metadata"], timeout=10)
             desc = c.call("register", "dst", size)
             peer.write(ep.register(src), desc).wait(T)  # completes: the fault only corrupts data
             got = np.frombuffer(c.call("get", "dst"), dtype=np.uint8)
             results[fault] = int(np.count_nonzero(got != src))
-        finally:
-            c.cleanup()
     assert results[None] == 0
     assert results["consume_early"] > 0, "consuming before the unpack went unnoticed"
 

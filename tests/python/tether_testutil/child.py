@@ -8,11 +8,13 @@ import os
 import signal
 import sys
 import traceback
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import numpy as np
 
 from .agent import Agent
+from .data import assert_bytes_equal, assert_poison, poisoned, rand_bytes
 from .proc import wait_stopped
 
 
@@ -80,6 +82,21 @@ class Child:
         self.parent_conn.close()
 
 
+@contextmanager
+def child_endpoint(process: str, env: Optional[dict] = None, /, **endpoint: Any):
+    """A Child process with an endpoint made from `endpoint` (its info kept as `.info`); closed and killed at exit."""
+    c = Child(process, env)
+    try:
+        c.info = c.call("endpoint", **endpoint)
+        yield c
+    finally:
+        try:
+            c.call("close", timeout=10)
+        except Exception:  # noqa: BLE001
+            pass
+        c.cleanup()
+
+
 def agent_main(conn, env: dict) -> None:
     env = dict(env)
     ns = env.pop("TETHER_TEST_NETNS", None)
@@ -109,3 +126,27 @@ def agent_main(conn, env: dict) -> None:
 def child_bytes(child: Child, name: str, *span) -> np.ndarray:
     """The bytes of the child's buffer `name` (host or GPU; `span`: offset, length), as a uint8 array."""
     return np.frombuffer(child.call("get", name, *span), np.uint8)
+
+
+def write_then_read_child(ep, peer, child: Child, size: int, lo: int, ro: int, pad: int, seeds, timeout: float):
+    """`size` random bytes (seeds[0]) written from local offset `lo` to offset `ro` of a poisoned child
+    buffer `pad` bytes longer, then that buffer refilled (seeds[1]) and read back: every byte checked,
+    the poison around the range on both sides too."""
+    desc = child.call("register", "dst", size + ro + pad)
+    try:
+        src = rand_bytes(seeds[0], size + lo)
+        peer.write(ep.register(src), desc, local_offset=lo, remote_offset=ro, length=size).wait(timeout)
+        got = child_bytes(child, "dst")
+        assert_bytes_equal(got[ro:ro + size], src[lo:], "child buffer, written range")
+        assert_poison(got[:ro], "child buffer before the range")
+        assert_poison(got[ro + size:], "child buffer after the range")
+
+        child.call("fill", "dst", ("seed", seeds[1]))
+        expected = rand_bytes(seeds[1], size + ro + pad)
+        back = poisoned(size + 2 * lo)
+        peer.read(ep.register(back), desc, local_offset=lo, remote_offset=ro, length=size).wait(timeout)
+        assert_bytes_equal(back[lo:lo + size], expected[ro:ro + size], "read from the child")
+        assert_poison(back[:lo])
+        assert_poison(back[lo + size:])
+    finally:
+        child.call("deregister", "dst")
