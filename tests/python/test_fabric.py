@@ -38,6 +38,56 @@ def _fabric_ext(desc: bytes) -> tuple:
     return at, ext[0]
 
 
+def _assert_written_at_4097(c, src, n):
+    """The child's "dst" holds `src` (`n` bytes) at offset 4097, poison around it."""
+    got = child_bytes(c, "dst")
+    assert_poison(got[:4097], "before the written range")
+    assert_bytes_equal(got[4097:4097 + n], src, "written range")
+    assert_poison(got[4097 + n:], "after the written range")
+
+
+def _read_checked(me, c, peer, n):
+    """The child's random region "src" (`n` bytes, seed 2) read into a poisoned buffer at offset 50,
+    every byte and the poison around them checked; returns its descriptor."""
+    d_src = c.call("register", "src", n, fill=("seed", 2))
+    back = poisoned(n + 100)
+    peer.read(me.register(back), d_src, local_offset=50, length=n).wait(T)
+    assert_poison(back[:50])
+    assert_bytes_equal(back[50:50 + n], rand_bytes(2, n))
+    assert_poison(back[50 + n:])
+    return d_src
+
+
+def _kill_target_mid_transfer(me, c, peer, size, count):
+    """`count` reads and writes of `size` bytes in flight when the target process is killed: each but
+    the first one's outcome ("ok" or its error's name), the seconds since the kill, and the source region
+    and the target's descriptor."""
+    desc = c.call("register", "big", size, fill=("seed", 5))
+    sink = me.register(poisoned(size))
+    src = me.register(rand_bytes(6, size))
+    ts = [peer.read(sink, desc) if i % 2 else peer.write(src, desc) for i in range(count)]
+    ts[0].wait(T)
+    t_kill = time.monotonic()
+    c.kill(signal.SIGKILL)
+    outs = []
+    for t in ts[1:]:
+        try:
+            t.wait(max(0.01, 8.0 - (time.monotonic() - t_kill)))
+            outs.append("ok")
+        except tether.TetherError as e:
+            outs.append(type(e).__name__)
+    return outs, time.monotonic() - t_kill, src, desc
+
+
+def _survivor_serves_a_newcomer(me, children, src, env=None):
+    """After a peer died, `me` still serves fabric peers: a new child takes 1 MiB of `src` (seed 6)."""
+    c2 = children("newcomer", env=env)
+    p2 = me.connect(c2.call("endpoint", name="newcomer", **FAB)["metadata"], timeout=5)
+    d2 = c2.call("register", "d", 1 * MiB)
+    p2.write(src, d2, length=1 * MiB).wait(T)
+    assert_bytes_equal(child_bytes(c2, "d"), rand_bytes(6, 1 * MiB))
+
+
 def test_two_processes_every_operation(endpoints, children):
     me = endpoints(name="me", **FAB)
     c = children("other")
@@ -50,17 +100,8 @@ def test_two_processes_every_operation(endpoints, children):
     src = rand_bytes(1, n)
     rs = me.register(src)
     peer.write(rs, d_dst, remote_offset=4097, length=n).wait(T)
-    got = child_bytes(c, "dst")
-    assert_poison(got[:4097], "before the written range")
-    assert_bytes_equal(got[4097:4097 + n], src, "written range")
-    assert_poison(got[4097 + n:], "after the written range")
-    # read: the child's random region back into a poisoned buffer
-    d_src = c.call("register", "src", n, fill=("seed", 2))
-    back = poisoned(n + 100)
-    peer.read(me.register(back), d_src, local_offset=50, length=n).wait(T)
-    assert_poison(back[:50])
-    assert_bytes_equal(back[50:50 + n], rand_bytes(2, n))
-    assert_poison(back[50 + n:])
+    _assert_written_at_4097(c, src, n)
+    _read_checked(me, c, peer, n)  # the child's random region back into a poisoned buffer
     # vectored write: many small entries into disjoint ranges
     region = me.register(rand_bytes(3, 64 * 1024))
     c.call("fill", "dst", ("poison", 0xA5))
@@ -196,32 +237,13 @@ def test_peer_killed_mid_transfer_fails_in_bounded_time(endpoints, children):
     me = endpoints(name="survivor", **FAB)
     c = children("victim")
     peer = me.connect(c.call("endpoint", name="victim", **FAB)["metadata"], timeout=5)
-    desc = c.call("register", "big", 64 * MiB, fill=("seed", 5))
-    sink = me.register(poisoned(64 * MiB))
-    src = me.register(rand_bytes(6, 64 * MiB))
-    ts = [peer.read(sink, desc) if i % 2 else peer.write(src, desc) for i in range(24)]
-    ts[0].wait(T)
-    t_kill = time.monotonic()
-    c.kill(signal.SIGKILL)
-    outs = []
-    for t in ts[1:]:
-        try:
-            t.wait(max(0.01, 8.0 - (time.monotonic() - t_kill)))
-            outs.append("ok")
-        except tether.TetherError as e:
-            outs.append(type(e).__name__)
-    elapsed = time.monotonic() - t_kill
+    outs, elapsed, src, desc = _kill_target_mid_transfer(me, c, peer, 64 * MiB, 24)
     assert "Timeout" not in outs, f"transfers still running {elapsed:.1f} s after the peer died: {outs}"
     assert set(outs) <= {"ok", "ConnectionLost"}, outs
     assert "ConnectionLost" in outs
     assert wait_until(lambda: not peer.connected, 5)
     assert isinstance(wait_error(peer.write(src, desc), timeout=5), tether.ConnectionLost)
-    # the survivor still serves fabric peers
-    c2 = children("newcomer")
-    p2 = me.connect(c2.call("endpoint", name="newcomer", **FAB)["metadata"], timeout=5)
-    d2 = c2.call("register", "d", 1 * MiB)
-    p2.write(src, d2, length=1 * MiB).wait(T)
-    assert_bytes_equal(child_bytes(c2, "d"), rand_bytes(6, 1 * MiB))
+    _survivor_serves_a_newcomer(me, children, src)
 
 
 # ---------------------------------------------------------------- two network namespaces
@@ -412,17 +434,8 @@ def test_every_operation(endpoints, children, monkeypatch, staged):
         res = c.result()
         assert not res["timed_out"] and res["mismatch"] is None, res
         assert res["notes"][0][2] == b"w%d" % round_
-    got = child_bytes(c, "dst")
-    assert_poison(got[:4097], "before the written range")
-    assert_bytes_equal(got[4097:4097 + n], src, "written range")
-    assert_poison(got[4097 + n:], "after the written range")
-    # read
-    d_src = c.call("register", "src", n, fill=("seed", 2))
-    back = poisoned(n + 100)
-    peer.read(me.register(back), d_src, local_offset=50, length=n).wait(T)
-    assert_poison(back[:50])
-    assert_bytes_equal(back[50:50 + n], rand_bytes(2, n))
-    assert_poison(back[50 + n:])
+    _assert_written_at_4097(c, src, n)
+    d_src = _read_checked(me, c, peer, n)
     # writev: scattered blocks of odd sizes, one spanning chunks
     c.call("fill", "dst", ("poison", 0xA5))
     whole = rand_bytes(3, 4 * MiB)
@@ -496,29 +509,11 @@ def test_refusals_come_back_as_codes_and_touch_nothing(endpoints, children, monk
 @pytest.mark.parametrize("staged", ["both", "target"])
 def test_staged_peer_killed_mid_transfer_fails_in_bounded_time(endpoints, children, monkeypatch, staged):
     me, c, peer = _pair(endpoints, children, monkeypatch, staged, name="victim")
-    desc = c.call("register", "big", 32 * MiB, fill=("seed", 5))
-    sink = me.register(poisoned(32 * MiB))
-    src = me.register(rand_bytes(6, 32 * MiB))
-    ts = [peer.read(sink, desc) if i % 2 else peer.write(src, desc) for i in range(16)]
-    ts[0].wait(T)
-    t_kill = time.monotonic()
-    c.kill(signal.SIGKILL)
-    outs = []
-    for t in ts[1:]:
-        try:
-            t.wait(max(0.01, 8.0 - (time.monotonic() - t_kill)))
-            outs.append("ok")
-        except tether.TetherError as e:
-            outs.append(type(e).__name__)
+    outs, _, src, _ = _kill_target_mid_transfer(me, c, peer, 32 * MiB, 16)
     assert "Timeout" not in outs, f"transfers still running after the peer died: {outs}"
     assert set(outs) <= {"ok", "ConnectionLost"}, outs
     assert wait_until(lambda: not peer.connected, 5)
-    # the survivor still serves fabric peers
-    c2 = children("newcomer", env=STAGE if staged == "both" else {"TETHER_FABRIC_STAGE_HOST": "0"})
-    p2 = me.connect(c2.call("endpoint", name="newcomer", **FAB)["metadata"], timeout=5)
-    d2 = c2.call("register", "d", 1 * MiB)
-    p2.write(src, d2, length=1 * MiB).wait(T)
-    assert_bytes_equal(child_bytes(c2, "d"), rand_bytes(6, 1 * MiB))
+    _survivor_serves_a_newcomer(me, children, src, STAGE if staged == "both" else {"TETHER_FABRIC_STAGE_HOST": "0"})
 
 
 def test_many_small_transfers_in_flight(endpoints, children, monkeypatch):
