@@ -50,6 +50,17 @@ def pair(endpoints, config):
     return a, b, a.connect(b.metadata(), timeout=5)
 
 
+@pytest.fixture(params=["tcp", "ipc"])
+def duo(endpoints, request):
+    """(initiator over tcp or ipc, target, peer): refusal checks run on both transports, since ipc's
+    target must refuse what tcp's refuses, alike."""
+    a = endpoints(name="initiator", transport=request.param)
+    b = endpoints(name="target")
+    p = a.connect(b.metadata(), timeout=5)
+    assert p.transport == request.param
+    return a, b, p
+
+
 @pytest.fixture
 def children():
     """Factory: children(name=...) -> Child process; all are SIGCONT'ed and SIGKILL'ed at teardown."""

@@ -10,20 +10,12 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error
+from tether_testutil.data import (
+    MiB, assert_bytes_equal, assert_poison, immediate_error, poisoned, poisoned_target, rand_bytes, wait_error,
+)
 from tether_testutil.wire import DESC_KEY, DESC_LENGTH, DESC_OFFSET, DESC_REGION_ID, get_u64, set_u32, set_u64
 
 T = 20.0
-
-
-@pytest.fixture(params=["tcp", "ipc"])
-def duo(endpoints, request):
-    """Every check runs on both transports: ipc's target must refuse what tcp's refuses, alike."""
-    a = endpoints(name="initiator", transport=request.param)
-    b = endpoints(name="target")
-    p = a.connect(b.metadata(), timeout=5)
-    assert p.transport == request.param
-    return a, b, p
 
 
 def _fails_with(fn, exc, *args, **kw):
@@ -36,14 +28,6 @@ def _fails_with(fn, exc, *args, **kw):
     e = wait_error(t)
     assert isinstance(e, exc), f"expected {exc.__name__}, got {type(e).__name__}: {e}"
     assert t.status == "error" and t.error
-    return e
-
-
-def _immediate(t, exc):
-    """A local check: the transfer is already finished when the call returns."""
-    assert t.done(), "a locally detectable error must finish the transfer immediately"
-    e = wait_error(t, timeout=0.5)
-    assert isinstance(e, exc), f"expected {exc.__name__}, got {type(e).__name__}: {e}"
     return e
 
 
@@ -115,24 +99,20 @@ def test_descriptor_retargeted_to_another_region_is_denied(duo):
 
 def test_out_of_range_remote_offset_fails_locally(duo):
     a, b, peer = duo
-    dst = poisoned(1000)
-    d = b.register(dst).descriptor()
-    rs = a.register(rand_bytes(5, 1000))
-    _immediate(peer.write(rs, d, remote_offset=995, length=10), tether.OutOfRange)
-    _immediate(peer.write(rs, d, remote_offset=1001, length=0), tether.OutOfRange)
-    _immediate(peer.write(rs, d, remote_offset=1 << 63, length=1), tether.OutOfRange)
-    _immediate(peer.write(rs, d, remote_offset=1, length=(1 << 64) - 1), tether.OutOfRange)
-    _immediate(peer.read(a.register(poisoned(1000)), d, remote_offset=999, length=2), tether.OutOfRange)
-    e = _immediate(peer.write(rs, d, remote_offset=995, length=10), tether.OutOfRange)
+    dst, d, rs = poisoned_target(a, b, 1000, 5)
+    immediate_error(peer.write(rs, d, remote_offset=995, length=10), tether.OutOfRange)
+    immediate_error(peer.write(rs, d, remote_offset=1001, length=0), tether.OutOfRange)
+    immediate_error(peer.write(rs, d, remote_offset=1 << 63, length=1), tether.OutOfRange)
+    immediate_error(peer.write(rs, d, remote_offset=1, length=(1 << 64) - 1), tether.OutOfRange)
+    immediate_error(peer.read(a.register(poisoned(1000)), d, remote_offset=999, length=2), tether.OutOfRange)
+    e = immediate_error(peer.write(rs, d, remote_offset=995, length=10), tether.OutOfRange)
     assert isinstance(e, IndexError)
     assert_poison(dst)
 
 
 def test_negative_offsets_and_lengths_are_rejected(duo):
     a, b, peer = duo
-    dst = poisoned(100)
-    d = b.register(dst).descriptor()
-    rs = a.register(rand_bytes(6, 100))
+    dst, d, rs = poisoned_target(a, b, 100, 6)
     for kw in (dict(remote_offset=-1, length=1), dict(local_offset=-1, length=1), dict(length=-1)):
         with pytest.raises((TypeError, OverflowError, tether.TetherError)):
             peer.write(rs, d, **kw).wait(T)
@@ -147,9 +127,9 @@ def test_descriptor_grants_only_its_range(duo):
     assert tether.RemoteRegion(d).offset == 100 and tether.RemoteRegion(d).length == 50
     src = rand_bytes(7, 200)
     rs = a.register(src)
-    _immediate(peer.write(rs, d, length=51), tether.OutOfRange)
-    _immediate(peer.write(rs, d, remote_offset=1, length=50), tether.OutOfRange)
-    _immediate(peer.read(a.register(poisoned(200)), d, length=51), tether.OutOfRange)
+    immediate_error(peer.write(rs, d, length=51), tether.OutOfRange)
+    immediate_error(peer.write(rs, d, remote_offset=1, length=50), tether.OutOfRange)
+    immediate_error(peer.read(a.register(poisoned(200)), d, length=51), tether.OutOfRange)
     assert_poison(dst)
     peer.write(rs, d, length=50).wait(T)
     assert_bytes_equal(dst[100:150], src[:50], "granted range")
@@ -171,26 +151,25 @@ def test_local_range_out_of_bounds(duo):
     dst = poisoned(1000)
     d = b.register(dst).descriptor()
     small = a.register(rand_bytes(8, 100))
-    _immediate(peer.write(small, d, length=101), tether.OutOfRange)
-    _immediate(peer.write(small, d, local_offset=50, length=51), tether.OutOfRange)
-    _immediate(peer.write(small, d, local_offset=101, length=0), tether.OutOfRange)
-    _immediate(peer.read(a.register(poisoned(100)), d, local_offset=1, length=100), tether.OutOfRange)
-    _immediate(peer.send(small, offset=90, length=11), tether.OutOfRange)
-    _immediate(peer.recv(a.register(poisoned(10)), offset=5, length=6), tether.OutOfRange)
+    immediate_error(peer.write(small, d, length=101), tether.OutOfRange)
+    immediate_error(peer.write(small, d, local_offset=50, length=51), tether.OutOfRange)
+    immediate_error(peer.write(small, d, local_offset=101, length=0), tether.OutOfRange)
+    immediate_error(peer.read(a.register(poisoned(100)), d, local_offset=1, length=100), tether.OutOfRange)
+    immediate_error(peer.send(small, offset=90, length=11), tether.OutOfRange)
+    immediate_error(peer.recv(a.register(poisoned(10)), offset=5, length=6), tether.OutOfRange)
     assert_poison(dst)
 
 
 def test_one_bad_entry_rejects_the_whole_writev(duo):
     a, b, peer = duo
-    dst = poisoned(10000)
-    d = b.register(dst).descriptor()
-    rs = a.register(rand_bytes(9, 10000))
+    dst, d, rs = poisoned_target(a, b, 10000, 9)
     good = [(rs, i * 100, d, i * 100, 100) for i in range(20)]
     for bad in ((rs, 9990, d, 0, 11), (rs, 0, d, 9990, 11)):
-        e = _immediate(peer.writev(good + [bad] + good), tether.OutOfRange)
+        e = immediate_error(peer.writev(good + [bad] + good), tether.OutOfRange)
         assert "entry 20" in str(e)
     assert_poison(dst, "no entry of a rejected writev may land")
-    e = _immediate(peer.readv([(a.register(poisoned(100)), 0, d, 0, 100), (rs, 0, d, 0, 10001)]), tether.OutOfRange)
+    e = immediate_error(peer.readv([(a.register(poisoned(100)), 0, d, 0, 100), (rs, 0, d, 0, 10001)]),
+                        tether.OutOfRange)
     assert "entry 1" in str(e)
 
 
@@ -227,8 +206,8 @@ def test_deregistered_local_region(duo):
     d = b.register(poisoned(100)).descriptor()
     rs = a.register(rand_bytes(11, 100))
     a.deregister(rs)
-    _immediate(peer.write(rs, d), tether.RegionNotFound)
-    _immediate(peer.send(rs), tether.RegionNotFound)
+    immediate_error(peer.write(rs, d), tether.RegionNotFound)
+    immediate_error(peer.send(rs), tether.RegionNotFound)
 
 
 @pytest.mark.parametrize("how", ["bytes", "readonly=True", "numpy-readonly-flag"])
@@ -262,8 +241,8 @@ def test_readonly_local_region_cannot_receive(duo):
     a, b, peer = duo
     d = b.register(rand_bytes(14, 100)).descriptor()
     ro = a.register(bytes(100))
-    _immediate(peer.read(ro, d), tether.AccessDenied)
-    _immediate(peer.recv(ro), tether.AccessDenied)
+    immediate_error(peer.read(ro, d), tether.AccessDenied)
+    immediate_error(peer.recv(ro), tether.AccessDenied)
     with pytest.raises(tether.InvalidArgument):
         a.register(bytes(10), readonly=False)
     # a read-only region is a fine source
@@ -276,13 +255,13 @@ def test_descriptor_of_another_endpoint_on_wrong_peer(endpoints):
     c_mem = poisoned(100)
     d_c = c.register(c_mem).descriptor()
     rs = a.register(rand_bytes(16, 100))
-    e = _immediate(peer_ab.write(rs, d_c), tether.InvalidArgument)
+    e = immediate_error(peer_ab.write(rs, d_c), tether.InvalidArgument)
     assert isinstance(e, ValueError)
-    _immediate(peer_ab.read(a.register(poisoned(100)), d_c), tether.InvalidArgument)
-    _immediate(peer_ab.writev([(rs, 0, b.register(poisoned(100)).descriptor(), 0, 10), (rs, 0, d_c, 0, 10)]),
+    immediate_error(peer_ab.read(a.register(poisoned(100)), d_c), tether.InvalidArgument)
+    immediate_error(peer_ab.writev([(rs, 0, b.register(poisoned(100)).descriptor(), 0, 10), (rs, 0, d_c, 0, 10)]),
                tether.InvalidArgument)
     # a's own region descriptor is also not b's
-    _immediate(peer_ab.write(rs, rs.descriptor()), tether.InvalidArgument)
+    immediate_error(peer_ab.write(rs, rs.descriptor()), tether.InvalidArgument)
     assert_poison(c_mem)
 
 
@@ -306,9 +285,7 @@ def _desc_variants(good: bytes):
 
 def test_malformed_descriptors_are_invalid(duo):
     a, b, peer = duo
-    dst = poisoned(100)
-    good = b.register(dst).descriptor()
-    rs = a.register(rand_bytes(17, 100))
+    dst, good, rs = poisoned_target(a, b, 100, 17)
     for name, bad in _desc_variants(good).items():
         with pytest.raises(tether.InvalidArgument):
             tether.RemoteRegion(bad)
@@ -342,7 +319,7 @@ def test_failed_write_does_not_notify(duo):
     assert isinstance(wait_error(peer.write(rs, bad_key, notify=b"bad-key")), tether.AccessDenied)
     assert isinstance(wait_error(peer.writev([(rs, 0, good, 0, 10), (rs, 0, bad_key, 0, 10)], notify=b"partial")),
                       tether.AccessDenied)
-    _immediate(peer.write(rs, good, remote_offset=4000, length=100, notify=b"oob"), tether.OutOfRange)
+    immediate_error(peer.write(rs, good, remote_offset=4000, length=100, notify=b"oob"), tether.OutOfRange)
     b2 = b.register(poisoned(10))
     d2 = b2.descriptor()
     b.deregister(b2)

@@ -12,7 +12,9 @@ import pytest
 
 import tether
 from tether_testutil.child import child_endpoint
-from tether_testutil.data import KiB, POISON, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_error
+from tether_testutil.data import (
+    KiB, POISON, assert_bytes_equal, assert_poison, immediate_error, poisoned, poisoned_target, rand_bytes,
+)
 
 T = 20.0
 
@@ -112,65 +114,44 @@ def test_zero_blocks_and_zero_lengths(pair):
 # =========================================================================== errors
 
 
-@pytest.fixture(params=["tcp", "ipc"])
-def duo(endpoints, request):
-    a = endpoints(name="initiator", transport=request.param)
-    b = endpoints(name="target")
-    p = a.connect(b.metadata(), timeout=5)
-    assert p.transport == request.param
-    return a, b, p
-
-
-def _immediate(t, exc):
-    """A local check: the transfer is already finished when the call returns."""
-    assert t.done(), "a locally detectable error must finish the transfer immediately"
-    e = wait_error(t, timeout=0.5)
-    assert isinstance(e, exc), f"expected {exc.__name__}, got {type(e).__name__}: {e}"
-    return e
-
-
 def test_out_of_range_block_names_it_and_writes_nothing(duo):
     a, b, peer = duo
     n, size = 64, 100
-    dst = poisoned(n * size)
-    d = b.register(dst).descriptor()
-    rs = a.register(rand_bytes(9, n * size))
+    dst, d, rs = poisoned_target(a, b, n * size, 9)
     lo = np.arange(n, dtype=np.uint64) * size
     ro = lo[::-1].copy()
     bad_local, bad_remote = lo.copy(), ro.copy()
     bad_local[17] = n * size - 99       # one byte past the local region
     bad_remote[41] = n * size - 50      # 50 bytes past the descriptor
-    e = _immediate(peer.writev_blocks(rs, d, bad_local, ro, size), tether.OutOfRange)
+    e = immediate_error(peer.writev_blocks(rs, d, bad_local, ro, size), tether.OutOfRange)
     assert "(block 17)" in str(e) and "local range" in str(e), str(e)
-    e = _immediate(peer.writev_blocks(rs, d, lo, bad_remote, size), tether.OutOfRange)
+    e = immediate_error(peer.writev_blocks(rs, d, lo, bad_remote, size), tether.OutOfRange)
     assert "(block 41)" in str(e) and "remote range" in str(e), str(e)
     huge = lo.copy()
     huge[5] = (1 << 64) - 1  # offset + length wraps around 2**64
-    e = _immediate(peer.writev_blocks(rs, d, lo, huge, size), tether.OutOfRange)
+    e = immediate_error(peer.writev_blocks(rs, d, lo, huge, size), tether.OutOfRange)
     assert "(block 5)" in str(e)
     sink = poisoned(n * size)
-    e = _immediate(peer.readv_blocks(a.register(sink), d, bad_local, ro, size), tether.OutOfRange)
+    e = immediate_error(peer.readv_blocks(a.register(sink), d, bad_local, ro, size), tether.OutOfRange)
     assert "(block 17)" in str(e)
     assert_poison(dst, "no block of a rejected writev_blocks may land")
     assert_poison(sink, "no block of a rejected readv_blocks may land")
     # one block: no index in the message, as for write()
-    e = _immediate(peer.writev_blocks(rs, d, [n * size], [0], 1), tether.OutOfRange)
+    e = immediate_error(peer.writev_blocks(rs, d, [n * size], [0], 1), tether.OutOfRange)
     assert "block" not in str(e)
 
 
 def test_deregistered_readonly_and_foreign(duo, endpoints):
     a, b, peer = duo
-    dst = poisoned(1000)
-    d = b.register(dst).descriptor()
-    rs = a.register(rand_bytes(11, 1000))
+    dst, d, rs = poisoned_target(a, b, 1000, 11)
     a.deregister(rs)
-    e = _immediate(peer.writev_blocks(rs, d, [0, 10], [0, 10], 10), tether.RegionNotFound)
+    e = immediate_error(peer.writev_blocks(rs, d, [0, 10], [0, 10], 10), tether.RegionNotFound)
     assert "deregistered (block 0)" in str(e)
     ro_local = a.register(rand_bytes(12, 1000), readonly=True)
-    _immediate(peer.readv_blocks(ro_local, d, [0, 10], [0, 10], 10), tether.AccessDenied)
+    immediate_error(peer.readv_blocks(ro_local, d, [0, 10], [0, 10], 10), tether.AccessDenied)
     other = endpoints(name="other").register(poisoned(1000)).descriptor()
     rs2 = a.register(rand_bytes(13, 1000))
-    _immediate(peer.writev_blocks(rs2, other, [0, 10], [0, 10], 10), tether.InvalidArgument)
+    immediate_error(peer.writev_blocks(rs2, other, [0, 10], [0, 10], 10), tether.InvalidArgument)
     with pytest.raises(tether.InvalidArgument):
         peer.writev_blocks(rs2, b"not a descriptor", [0], [0], 10)
     assert_poison(dst)
@@ -178,9 +159,7 @@ def test_deregistered_readonly_and_foreign(duo, endpoints):
 
 def test_bad_block_arrays_are_refused_clearly(duo):
     a, b, peer = duo
-    dst = poisoned(1000)
-    d = b.register(dst).descriptor()
-    rs = a.register(rand_bytes(14, 1000))
+    dst, d, rs = poisoned_target(a, b, 1000, 14)
     # The Python API: what the columns may be.
     with pytest.raises(TypeError, match="integers"):
         peer.writev_blocks(rs, d, [0.0, 8.0], [0, 8], 8)
@@ -257,9 +236,9 @@ def test_tuple_path_errors_keep_their_index(duo):
     rs = a.register(rand_bytes(15, 1000))
     dead = a.register(rand_bytes(16, 1000))
     a.deregister(dead)
-    e = _immediate(peer.writev([(rs, 0, d, 0, 10)] * 5 + [(dead, 0, d, 0, 10)]), tether.RegionNotFound)
+    e = immediate_error(peer.writev([(rs, 0, d, 0, 10)] * 5 + [(dead, 0, d, 0, 10)]), tether.RegionNotFound)
     assert "deregistered (entry 5)" in str(e), str(e)
-    e = _immediate(peer.readv([(rs, 0, d, 0, 10), (rs, 0, d, 995, 10)]), tether.OutOfRange)
+    e = immediate_error(peer.readv([(rs, 0, d, 0, 10), (rs, 0, d, 995, 10)]), tether.OutOfRange)
     assert "(entry 1)" in str(e), str(e)
     with pytest.raises(tether.InvalidArgument, match="each entry"):
         peer.writev([(rs, 0, d, 0)])

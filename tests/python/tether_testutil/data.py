@@ -63,6 +63,21 @@ def wait_error(transfer, timeout: float = 10.0) -> BaseException:
     raise AssertionError(f"transfer unexpectedly succeeded: {transfer!r}")
 
 
+def immediate_error(transfer, exc) -> BaseException:
+    """A local check's refusal: the transfer is already finished when the call returns, failed with `exc`."""
+    assert transfer.done(), "a locally detectable error must finish the transfer immediately"
+    e = wait_error(transfer, timeout=0.5)
+    assert isinstance(e, exc), f"expected {exc.__name__}, got {type(e).__name__}: {e}"
+    return e
+
+
+def poisoned_target(initiator, target, size: int, seed: int) -> tuple:
+    """(a poisoned buffer of `size` bytes registered at `target`, its descriptor, `size` random bytes
+    from `seed` registered at `initiator`)."""
+    dst = poisoned(size)
+    return dst, target.register(dst).descriptor(), initiator.register(rand_bytes(seed, size))
+
+
 def outcome(transfer, timeout: float = 10.0) -> str:
     """'ok' or the exception class name; 'TIMEOUT' if still running after `timeout`."""
     import tether
