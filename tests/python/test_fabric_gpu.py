@@ -12,7 +12,7 @@ import pytest
 import tether
 from tether_testutil.data import MiB, POISON, assert_bytes_equal, assert_poison, rand_bytes
 from tether_testutil.child import child_bytes
-from tether_testutil.gpu import gpu_env, linked
+from tether_testutil.gpu import gpu_env, linked, read_checked, send_checked
 from tether_testutil.transports import transport_unusable
 
 GPU = gpu_env("fabric GPU tests")
@@ -59,11 +59,7 @@ def test_write_and_notify(pair, lk, rk):
 def test_read(pair, lk, rk):
     local, peer, c = pair
     desc = c.call("register", "src", SIZE, fill=("seed", 42), device=_dev(rk))
-    dst = local.region("dst", lk, SIZE + 100)
-    peer.read(dst, desc, local_offset=100).wait(T)
-    got = local.get("dst")
-    assert_poison(got[:100])
-    assert_bytes_equal(got[100:], rand_bytes(42, SIZE))
+    read_checked(local, peer, lk, desc, SIZE, 42, T)
     c.call("deregister", "src", timeout=10)  # its pins were let go: does not hang
 
 
@@ -91,13 +87,7 @@ def test_vectored_write_and_read(pair, lk, rk):
 def test_send_recv(pair, lk, rk):
     local, peer, c = pair
     c.call("register", "rbuf", SIZE + 7, device=_dev(rk))
-    c.start("recv", "rbuf", tag=5, accepted=True)
-    src = local.region("src", lk, SIZE, seed=44)
-    peer.send(src, tag=5).wait(T)
-    assert c.result(T)[:2] == ("ok", SIZE)
-    got = child_bytes(c, "rbuf")
-    assert_bytes_equal(got[:SIZE], rand_bytes(44, SIZE))
-    assert_poison(got[SIZE:])
+    send_checked(local, peer, c, lk, SIZE, T)
     # and back: the child sends from its memory into ours
     c.call("register", "sbuf", SIZE, fill=("seed", 45), device=_dev(rk))
     mine = local.region("mine", lk, SIZE + 3)

@@ -12,7 +12,7 @@ import pytest
 
 import tether
 from tether_testutil.data import MiB, POISON, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_until
-from tether_testutil.gpu import gpu_env, linked
+from tether_testutil.gpu import gpu_env, linked, read_checked, send_checked, shuffled_blocks, writev_readv_shuffled
 from tether_testutil.sockets import raw_peer, recv_exact, recv_until_closed
 from tether_testutil.wire import FRAME, KACK, KWRITE, KWRITE_BATCH, fragment, frame
 
@@ -55,11 +55,7 @@ def test_write_and_notify(pair, lk, rk):
 def test_read(pair, lk, rk):
     local, peer, c = pair
     desc = c.call("register", "src", SIZE, fill=("seed", 42), device=_dev(rk))
-    dst = local.region("dst", lk, SIZE + 100)
-    peer.read(dst, desc, local_offset=100).wait(T)
-    got = local.get("dst")
-    assert_poison(got[:100])
-    assert_bytes_equal(got[100:], rand_bytes(42, SIZE))
+    read_checked(local, peer, lk, desc, SIZE, 42, T)
     # the lanes' counters: every byte received, and time waiting on staging copies where GPU memory is
     lanes = local.ep.stats()["lanes"]
     assert sum(x["bytes_received"] for x in lanes) == SIZE, lanes
@@ -110,19 +106,8 @@ def test_vectored_write_and_read(pair, lk, rk):
     """Many small scattered blocks both ways (the KV-cache pattern), offsets shuffled."""
     local, peer, c = pair
     blocks, bs = 300, 16 * 1024 + 64
-    n = blocks * bs
-    desc = c.call("register", "dst", n, device=_dev(rk))
-    src = local.region("src", lk, n, seed=43)
-    order = np.random.default_rng(7).permutation(blocks)
-    peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
-    got = np.frombuffer(c.call("get", "dst"), np.uint8)
-    want = rand_bytes(43, n).reshape(blocks, bs)
-    expect = np.empty_like(want)
-    expect[order] = want
-    assert_bytes_equal(got, expect.reshape(-1))
-    back = local.region("back", lk, n)
-    peer.readv([(back, int(j) * bs, desc, int(j) * bs, bs) for j in order]).wait(T)
-    assert_bytes_equal(local.get("back"), expect.reshape(-1))
+    desc = c.call("register", "dst", blocks * bs, device=_dev(rk))
+    writev_readv_shuffled(local, peer, c, lk, desc, blocks, bs, T)
 
 
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
@@ -139,10 +124,7 @@ def test_small_gpu_blocks_travel_two_chunks_per_batch(pair, lk, rk):
     before = local.ep.stats()["chunks_sent"]
     peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
     assert local.ep.stats()["chunks_sent"] - before == 2
-    want = rand_bytes(44, n).reshape(blocks, bs)
-    expect = np.empty_like(want)
-    expect[order] = want
-    assert_bytes_equal(np.frombuffer(c.call("get", "dst"), np.uint8), expect.reshape(-1))
+    assert_bytes_equal(np.frombuffer(c.call("get", "dst"), np.uint8), shuffled_blocks(44, blocks, bs, order))
 
 
 def _two_batch_write(children, env, seed, fill_receiver_gpu=False):
@@ -171,10 +153,7 @@ def _two_batch_write(children, env, seed, fill_receiver_gpu=False):
     assert sender.call("stats")["chunks_sent"] - before == 2
     if fill_receiver_gpu:
         receiver.call("free_gpu")
-    want = rand_bytes(seed, n).reshape(blocks, bs)
-    expect = np.empty_like(want)
-    expect[order] = want
-    assert_bytes_equal(np.frombuffer(receiver.call("get", "dst"), np.uint8), expect.reshape(-1))
+    assert_bytes_equal(np.frombuffer(receiver.call("get", "dst"), np.uint8), shuffled_blocks(seed, blocks, bs, order))
 
 
 def test_scattered_blocks_land_when_the_gpu_has_no_room_for_scratch(children):
@@ -233,13 +212,7 @@ def test_long_frames_from_a_hand_made_peer_of_a_gpu_target(endpoints):
 def test_send_recv(pair, lk, rk):
     local, peer, c = pair
     c.call("register", "rbuf", SIZE + 7, device=_dev(rk))
-    c.start("recv", "rbuf", tag=5, accepted=True)
-    src = local.region("src", lk, SIZE, seed=44)
-    peer.send(src, tag=5).wait(T)
-    assert c.result(T)[:2] == ("ok", SIZE)
-    got = np.frombuffer(c.call("get", "rbuf"), np.uint8)
-    assert_bytes_equal(got[:SIZE], rand_bytes(44, SIZE))
-    assert_poison(got[SIZE:])
+    send_checked(local, peer, c, lk, SIZE, T)
 
 
 def test_staging_nap(children):

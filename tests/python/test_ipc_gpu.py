@@ -16,7 +16,7 @@ import pytest
 import tether
 from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
 from tether_testutil.child import child_bytes
-from tether_testutil.gpu import gpu_env, linked
+from tether_testutil.gpu import gpu_env, linked, read_checked, send_checked, write_notify_checked, writev_readv_shuffled
 
 GPU = gpu_env("ipc GPU tests")
 torch = GPU.torch
@@ -38,15 +38,7 @@ def pair(children):
 def test_write_and_notify(pair, lk, rk):
     local, peer, c = pair
     desc = c.call("register", "dst", SIZE + 10, device=_dev(rk))
-    src = local.region("src", lk, SIZE, seed=41)
-    c.start("check_on_notify", "dst", 41, 5, SIZE)
-    peer.write(src, desc, remote_offset=5, length=SIZE, notify=b"done").wait(T)
-    r = c.result(T)
-    assert not r["timed_out"] and r["mismatch"] is None, r
-    got = child_bytes(c, "dst")
-    assert_bytes_equal(got[5:5 + SIZE], rand_bytes(41, SIZE))
-    assert_poison(got[:5])
-    assert_poison(got[5 + SIZE:])
+    write_notify_checked(local, peer, c, lk, desc, SIZE, 5, 41, T)
     if lk != "host" and rk != "host":
         assert c.call("stats")["ipc_cuda_chunks"] >= 3  # the target's copy engines moved it
 
@@ -55,11 +47,7 @@ def test_write_and_notify(pair, lk, rk):
 def test_read(pair, lk, rk):
     local, peer, c = pair
     desc = c.call("register", "src", SIZE, fill=("seed", 42), device=_dev(rk))
-    dst = local.region("dst", lk, SIZE + 100)
-    peer.read(dst, desc, local_offset=100).wait(T)
-    got = local.get("dst")
-    assert_poison(got[:100])
-    assert_bytes_equal(got[100:], rand_bytes(42, SIZE))
+    read_checked(local, peer, lk, desc, SIZE, 42, T)
     # the target's region stayed pinned only until we said done: deregistering it does not hang
     c.call("deregister", "src", timeout=10)
 
@@ -69,32 +57,15 @@ def test_read(pair, lk, rk):
 def test_vectored_write_and_read(pair, lk, rk, blocks, bs):
     """Many small scattered blocks both ways in one writev/readv (batches: one kernel per batch)."""
     local, peer, c = pair
-    n = blocks * bs
-    desc = c.call("register", "dst", n, device=_dev(rk))
-    src = local.region("src", lk, n, seed=43)
-    order = np.random.default_rng(7).permutation(blocks)
-    peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
-    got = child_bytes(c, "dst")
-    want = rand_bytes(43, n).reshape(blocks, bs)
-    expect = np.empty_like(want)
-    expect[order] = want
-    assert_bytes_equal(got, expect.reshape(-1))
-    back = local.region("back", lk, n)
-    peer.readv([(back, int(j) * bs, desc, int(j) * bs, bs) for j in order]).wait(T)
-    assert_bytes_equal(local.get("back"), expect.reshape(-1))
+    desc = c.call("register", "dst", blocks * bs, device=_dev(rk))
+    writev_readv_shuffled(local, peer, c, lk, desc, blocks, bs, T)
 
 
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
 def test_send_recv(pair, lk, rk):
     local, peer, c = pair
     c.call("register", "rbuf", SIZE + 7, device=_dev(rk))
-    c.start("recv", "rbuf", tag=5, accepted=True)
-    src = local.region("src", lk, SIZE, seed=44)
-    peer.send(src, tag=5).wait(T)
-    assert c.result(T)[:2] == ("ok", SIZE)
-    got = child_bytes(c, "rbuf")
-    assert_bytes_equal(got[:SIZE], rand_bytes(44, SIZE))
-    assert_poison(got[SIZE:])
+    send_checked(local, peer, c, lk, SIZE, T)
 
 
 def test_child_writes_into_our_gpu(pair):

@@ -22,7 +22,9 @@ import pytest
 import tether
 from tether_testutil.child import Child
 from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, rand_bytes
-from tether_testutil.gpu import LocalMemory, gpu_env, linked
+from tether_testutil.gpu import (
+    LocalMemory, gpu_env, linked, read_checked, send_checked, write_notify_checked, writev_readv_shuffled,
+)
 
 GPU = gpu_env("netplugin GPU tests")
 
@@ -122,15 +124,7 @@ def test_write_and_notify(pair, lk, rk):
     local, peer, c = pair
     desc = c.call("register", "dst", SIZE + 200, device=_dev(rk))
     try:
-        src = local.region("src", lk, SIZE, seed=41)
-        c.start("check_on_notify", "dst", 41, 100, SIZE)
-        peer.write(src, desc, remote_offset=100, length=SIZE, notify=b"done").wait(T)
-        r = c.result(T)
-        assert not r["timed_out"] and r["mismatch"] is None, r
-        got = np.frombuffer(c.call("get", "dst"), np.uint8)
-        assert_bytes_equal(got[100:100 + SIZE], rand_bytes(41, SIZE))
-        assert_poison(got[:100])
-        assert_poison(got[100 + SIZE:])
+        write_notify_checked(local, peer, c, lk, desc, SIZE, 100, 41, T)
     finally:
         c.call("deregister", "dst")
 
@@ -140,11 +134,7 @@ def test_read(pair, lk, rk):
     local, peer, c = pair
     desc = c.call("register", "src", SIZE, fill=("seed", 42), device=_dev(rk))
     try:
-        dst = local.region("dst", lk, SIZE + 100)
-        peer.read(dst, desc, local_offset=100).wait(T)
-        got = local.get("dst")
-        assert_poison(got[:100])
-        assert_bytes_equal(got[100:], rand_bytes(42, SIZE))
+        read_checked(local, peer, lk, desc, SIZE, 42, T)
     finally:
         c.call("deregister", "src")
 
@@ -154,20 +144,9 @@ def test_writev_readv(pair, lk, rk):
     """Many small scattered blocks both ways, offsets shuffled."""
     local, peer, c = pair
     blocks, bs = 300, 16 * 1024 + 64
-    n = blocks * bs
-    desc = c.call("register", "dst", n, device=_dev(rk))
+    desc = c.call("register", "dst", blocks * bs, device=_dev(rk))
     try:
-        src = local.region("src", lk, n, seed=43)
-        order = np.random.default_rng(7).permutation(blocks)
-        peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
-        got = np.frombuffer(c.call("get", "dst"), np.uint8)
-        want = rand_bytes(43, n).reshape(blocks, bs)
-        expect = np.empty_like(want)
-        expect[order] = want
-        assert_bytes_equal(got, expect.reshape(-1))
-        back = local.region("back", lk, n)
-        peer.readv([(back, int(j) * bs, desc, int(j) * bs, bs) for j in order]).wait(T)
-        assert_bytes_equal(local.get("back"), expect.reshape(-1))
+        writev_readv_shuffled(local, peer, c, lk, desc, blocks, bs, T)
     finally:
         c.call("deregister", "dst")
 
@@ -177,14 +156,7 @@ def test_send_recv_both_ways(pair, lk, rk):
     local, peer, c = pair
     c.call("register", "rbuf", SIZE + 7, device=_dev(rk))
     try:
-        c.start("recv", "rbuf", tag=5, accepted=True)
-        src = local.region("src", lk, SIZE, seed=44)
-        peer.send(src, tag=5).wait(T)
-        assert c.result(T)[:2] == ("ok", SIZE)
-        got = np.frombuffer(c.call("get", "rbuf"), np.uint8)
-        assert_bytes_equal(got[:SIZE], rand_bytes(44, SIZE))
-        assert_poison(got[SIZE:])
-
+        send_checked(local, peer, c, lk, SIZE, T)
         c.call("fill", "rbuf", ("seed", 45))
         into = local.region("into", lk, SIZE + 64)
         t = peer.recv(into, tag=6)

@@ -1,5 +1,6 @@
 """GPU test modules: the GPUs, torch and kernels here (skipping a module, saying why, where there
-are none), this process's side of a two-process GPU test, and that side linked to a child's."""
+are none), this process's side of a two-process GPU test, that side linked to a child's, and the
+checks several transports' GPU modules run alike."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,7 +10,8 @@ import pytest
 
 import tether
 
-from .data import poisoned, rand_bytes
+from .child import child_bytes
+from .data import assert_bytes_equal, assert_poison, poisoned, rand_bytes
 
 
 def torch_gpus() -> tuple:
@@ -110,3 +112,61 @@ def linked(child, make_local, transport: str, /, **child_endpoint):
     assert peer.transport == transport
     yield local, peer, child
     local.ep.close()
+
+
+# The checks below take (local, peer, child) from `linked` and a local memory kind ("host", "gpu0", ...).
+
+def write_notify_checked(local, peer, child, kind: str, desc, size: int, offset: int, seed: int, timeout: float):
+    """`size` random bytes (`seed`) from a `kind` region written with a notification to `offset` of the
+    child's poisoned "dst" (`desc`): the child sees the data whole at the notification; poison around it."""
+    src = local.region("src", kind, size, seed=seed)
+    child.start("check_on_notify", "dst", seed, offset, size)
+    peer.write(src, desc, remote_offset=offset, length=size, notify=b"done").wait(timeout)
+    r = child.result(timeout)
+    assert not r["timed_out"] and r["mismatch"] is None, r
+    got = child_bytes(child, "dst")
+    assert_bytes_equal(got[offset:offset + size], rand_bytes(seed, size))
+    assert_poison(got[:offset])
+    assert_poison(got[offset + size:])
+
+
+def read_checked(local, peer, kind: str, desc, size: int, seed: int, timeout: float):
+    """The child's `size` random bytes (`seed`, at `desc`) read to offset 100 of a poisoned `kind` region "dst"."""
+    dst = local.region("dst", kind, size + 100)
+    peer.read(dst, desc, local_offset=100).wait(timeout)
+    got = local.get("dst")
+    assert_poison(got[:100])
+    assert_bytes_equal(got[100:], rand_bytes(seed, size))
+
+
+def shuffled_blocks(seed: int, blocks: int, bs: int, order) -> np.ndarray:
+    """What a destination holds once block i of `seed`'s random bytes went to block order[i]."""
+    want = rand_bytes(seed, blocks * bs).reshape(blocks, bs)
+    expect = np.empty_like(want)
+    expect[order] = want
+    return expect.reshape(-1)
+
+
+def writev_readv_shuffled(local, peer, child, kind: str, desc, blocks: int, bs: int, timeout: float):
+    """`blocks` blocks of `bs` bytes (seed 43) from a `kind` region written to shuffled places of the
+    child's "dst" (`desc`) in one writev, then read back from there in one readv: every byte both ways."""
+    src = local.region("src", kind, blocks * bs, seed=43)
+    order = np.random.default_rng(7).permutation(blocks)
+    peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(timeout)
+    expect = shuffled_blocks(43, blocks, bs, order)
+    assert_bytes_equal(child_bytes(child, "dst"), expect)
+    back = local.region("back", kind, blocks * bs)
+    peer.readv([(back, int(j) * bs, desc, int(j) * bs, bs) for j in order]).wait(timeout)
+    assert_bytes_equal(local.get("back"), expect)
+
+
+def send_checked(local, peer, child, kind: str, size: int, timeout: float):
+    """`size` random bytes (seed 44) from a `kind` region sent (tag 5) into the child's poisoned "rbuf",
+    which the caller registered, longer than `size`: every byte, and poison after them."""
+    child.start("recv", "rbuf", tag=5, accepted=True)
+    src = local.region("src", kind, size, seed=44)
+    peer.send(src, tag=5).wait(timeout)
+    assert child.result(timeout)[:2] == ("ok", size)
+    got = child_bytes(child, "rbuf")
+    assert_bytes_equal(got[:size], rand_bytes(44, size))
+    assert_poison(got[size:])
