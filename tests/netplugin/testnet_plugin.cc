@@ -453,26 +453,29 @@ int tn_dereg_mr(void*, void* mhandle) {
   return kSuccess;
 }
 
-bool covers(void* mhandle, const void* data, size_t size) {
+// A request on `c` for [data, data + size) in *out, or why not (kSuccess is 0): the memory is outside
+// `mhandle`'s registration, the comm failed, or all of its requests are in flight.
+int new_request(Comm* c, void* mhandle, const void* data, size_t size, const char* op, Request** out) {
   auto* m = static_cast<MemHandle*>(mhandle);
   const auto* p = static_cast<const uint8_t*>(data);
-  return m && p >= m->data && size <= m->size && size_t(p - m->data) <= m->size - size;
+  if (!m || p < m->data || size > m->size || size_t(p - m->data) > m->size - size) {
+    WARN("testnet: %s memory outside its registration", op);
+    return kInvalidArgument;
+  }
+  if (c->failed) return kSystemError;
+  if (!(*out = alloc_request(c))) {
+    WARN("testnet: unable to allocate requests (%d in flight on this comm)", kMaxRequests);
+    return kInternalError;
+  }
+  return kSuccess;
 }
 
 int tn_isend(void* send_comm, void* data, int size, int tag, void* mhandle, void** request) {
   *request = nullptr;
   auto* c = static_cast<Comm*>(send_comm);
   if (!c || c->recv || size < 0) return kInvalidArgument;
-  if (!covers(mhandle, data, size_t(size))) {
-    WARN("testnet: isend from memory outside its registration");
-    return kInvalidArgument;
-  }
-  if (c->failed) return kSystemError;
-  Request* r = alloc_request(c);
-  if (!r) {
-    WARN("testnet: unable to allocate requests (%d in flight on this comm)", kMaxRequests);
-    return kInternalError;
-  }
+  Request* r = nullptr;
+  if (int rc = new_request(c, mhandle, data, size_t(size), "isend from", &r)) return rc;
   r->recv = false;
   r->data = static_cast<uint8_t*>(data);
   if (static_cast<MemHandle*>(mhandle)->type == kPtrCuda && size > 0) {
@@ -502,16 +505,8 @@ int tn_irecv(void* recv_comm, int n, void** data, int* sizes, int* tags, void** 
     WARN("testnet: receive of %d bytes exceeds the 4 MiB unpack limit", sizes[0]);
     return kInvalidArgument;
   }
-  if (!covers(mhandles[0], data[0], size_t(sizes[0]))) {
-    WARN("testnet: irecv into memory outside its registration");
-    return kInvalidArgument;
-  }
-  if (c->failed) return kSystemError;
-  Request* r = alloc_request(c);
-  if (!r) {
-    WARN("testnet: unable to allocate requests (%d in flight on this comm)", kMaxRequests);
-    return kInternalError;
-  }
+  Request* r = nullptr;
+  if (int rc = new_request(c, mhandles[0], data[0], size_t(sizes[0]), "irecv into", &r)) return rc;
   r->recv = true;
   r->data = static_cast<uint8_t*>(data[0]);
   r->size = size_t(sizes[0]);
