@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -50,20 +51,42 @@ def row(attack, held, before, during, after, alone, under, outcome):
           f"{after[1]:.0f} MiB, legit write {alone * 1e3:.2f} ms alone / {under * 1e3:.2f} ms under attack; {outcome}")
 
 
-def target(name: str, transport: str = "auto", nofile: int = 0, **kw):
+class Scene:
+    """One attack's scene: a target endpoint in a child process with a 1 MiB region `desc`, and a legitimate
+    peer writing 1 MiB to it, timed alone (the best of three) before the attack, beside what the target held."""
+
+    def __init__(self, c: Child, info: dict, desc: bytes, me):
+        self.c, self.info, self.desc = c, info, desc
+        self.peer = me.connect(info["metadata"], timeout=5)
+        self.src = me.register(rand_bytes(1, 1 * MiB))
+        self.alone = min(self.write() for _ in range(3))
+        self.before = snapshot(c.pid)
+
+    def write(self) -> float:
+        return timed_write(self.peer, self.src, self.desc)
+
+    def holding(self) -> None:
+        """While the attack holds: the legitimate write's time and what the target holds."""
+        self.under, self.during = self.write(), snapshot(self.c.pid)
+
+    def row(self, attack: str, held: int, outcome: str) -> None:
+        """After the attack let go."""
+        row(attack, held, self.before, self.during, snapshot(self.c.pid), self.alone, self.under, outcome)
+
+
+@contextmanager
+def scene(name: str, transport: str = "auto", legit_transport: str = "auto", nofile: int = 0, **kw):
+    """A Scene whose target runs with endpoint options `kw` (and at most `nofile` descriptors); closed after."""
     c = Child(name)
-    if nofile:
-        c.call("setrlimit_nofile", nofile)
-    info = c.call("endpoint", name=name, transport=transport, **kw)
-    desc = c.call("register", "dst", 1 * MiB)
-    return c, info, desc
-
-
-def legit(info, transport="auto"):
-    me = tether.Endpoint(name="legit", transport=transport, channels=2)
-    peer = me.connect(info["metadata"], timeout=5)
-    src = me.register(rand_bytes(1, 1 * MiB))
-    return me, peer, src
+    try:
+        if nofile:
+            c.call("setrlimit_nofile", nofile)
+        info = c.call("endpoint", name=name, transport=transport, **kw)
+        desc = c.call("register", "dst", 1 * MiB)
+        with tether.Endpoint(name="legit", transport=legit_transport, channels=2) as me:
+            yield Scene(c, info, desc, me)
+    finally:
+        c.cleanup()
 
 
 def idle(address: str, n: int) -> list:
@@ -79,45 +102,33 @@ def idle(address: str, n: int) -> list:
 
 def attack_fd():
     """Item 1: a target limited to 128 descriptors; 300 idle TCP connections held against it."""
-    c, info, desc = target("fd-target", "tcp", nofile=128, handshake_timeout=5.0)
-    me, peer, src = legit(info, "tcp")
-    try:
-        alone = min(timed_write(peer, src, desc) for _ in range(3))
-        before = snapshot(c.pid)
-        socks = idle(info["address"], 300)
+    with scene("fd-target", "tcp", "tcp", nofile=128, handshake_timeout=5.0) as sc:
+        socks = idle(sc.info["address"], 300)
         time.sleep(0.5)
-        c0 = cpu_seconds(c.pid)
+        c0 = cpu_seconds(sc.c.pid)
         time.sleep(2.0)
-        cpu = cpu_seconds(c.pid) - c0
-        under = timed_write(peer, src, desc)
-        during = snapshot(c.pid)
+        cpu = cpu_seconds(sc.c.pid) - c0
+        sc.holding()
         for s in socks:
             s.close()
         time.sleep(1.0)
         t0 = time.monotonic()
         try:
             other = tether.Endpoint(name="newcomer", transport="tcp")
-            other.connect(info["metadata"], timeout=10)
+            other.connect(sc.info["metadata"], timeout=10)
             outcome = f"target CPU {cpu:.2f} s per 2 s; a new peer connected {time.monotonic() - t0:.2f} s after"
             other.close()
         except tether.TetherError as e:
             outcome = f"target CPU {cpu:.2f} s per 2 s; a new peer could not connect: {e}"
-        row("300 idle TCP connections, target limited to 128 fds", 300, before, during, snapshot(c.pid), alone, under,
-            outcome)
-    finally:
-        me.close()
-        c.cleanup()
+        sc.row("300 idle TCP connections, target limited to 128 fds", 300, outcome)
 
 
 def attack_notify():
     """Item 2: a token-less peer sends 150 x 1 MiB notifications the application does not read."""
-    c, info, desc = target("note-target")
-    me, peer, src = legit(info, "tcp")
-    flood = tether.Endpoint(name="flooder")
-    try:
-        alone = min(timed_write(peer, src, desc) for _ in range(3))
-        fp = flood.connect(info["metadata"], timeout=5)
-        before = snapshot(c.pid)
+    with scene("note-target", legit_transport="tcp") as sc:
+        flood = tether.Endpoint(name="flooder")
+        fp = flood.connect(sc.info["metadata"], timeout=5)
+        sc.before = snapshot(sc.c.pid)
         ts = [fp.notify(b"n" * (MiB - 64)) for _ in range(150)]
         refused = 0
         for t in ts:
@@ -125,19 +136,14 @@ def attack_notify():
                 t.wait(30)
             except tether.TetherError:
                 refused += 1
-        under = timed_write(peer, src, desc)
-        during = snapshot(c.pid)
+        sc.holding()
         flood.close()
         time.sleep(1.0)
-        left = snapshot(c.pid)
-        got = len(c.call("drain_notifications"))
+        left = snapshot(sc.c.pid)
+        got = len(sc.c.call("drain_notifications"))
         time.sleep(0.5)
-        row("150 x 1 MiB unread notifications", 1, before, during, snapshot(c.pid), alone, under,
-            f"{150 - refused} queued, {refused} refused; RSS {left[1]:.0f} MiB after the flooder left, "
-            f"{got} read by the application")
-    finally:
-        me.close()
-        c.cleanup()
+        sc.row("150 x 1 MiB unread notifications", 1, f"{150 - refused} queued, {refused} refused; RSS {left[1]:.0f} "
+               f"MiB after the flooder left, {got} read by the application")
 
 
 def forge_ipc(address, host, strip):
@@ -155,56 +161,39 @@ def forge_ipc(address, host, strip):
 def attack_ipc():
     """Item 3: 200 TCP connectors claim the target's host and pick ipc with an offer naming the
     target's own ipc socket; the connections are held."""
-    c, info, desc = target("ipc-target")
-    me, peer, src = legit(info)
-    try:
-        alone = min(timed_write(peer, src, desc) for _ in range(3))
-        before = snapshot(c.pid)
+    with scene("ipc-target") as sc:
         held, answers = [], {}
         for i in range(200):
-            s, a = forge_ipc(info["address"], host_id_of(info["metadata"]), strip=bool(i % 2))
+            s, a = forge_ipc(sc.info["address"], host_id_of(sc.info["metadata"]), strip=bool(i % 2))
             held.append(s)
             answers[a] = answers.get(a, 0) + 1
         time.sleep(0.5)
-        under = timed_write(peer, src, desc)
-        during = snapshot(c.pid)
+        sc.holding()
         for s in held:
             s.close()
         time.sleep(1.0)
-        row(f"200 forged same-host ipc handshakes ({peer.transport} legit peer)", 200, before, during, snapshot(c.pid),
-            alone, under, f"answers (status: count) {answers}")
-    finally:
-        me.close()
-        c.cleanup()
+        sc.row(f"200 forged same-host ipc handshakes ({sc.peer.transport} legit peer)", 200,
+               f"answers (status: count) {answers}")
 
 
 def attack_garbage():
     """The fuzzer's attack in bulk: 1000 connections each sending 4 KiB of random bytes."""
-    c, info, desc = target("garbage-target")
-    me, peer, src = legit(info, "tcp")
-    try:
-        alone = min(timed_write(peer, src, desc) for _ in range(3))
-        before = snapshot(c.pid)
+    with scene("garbage-target", legit_transport="tcp") as sc:
         rng = np.random.default_rng(7)
         held = []
         for i in range(1000):
-            s = raw_connect(info["address"])
+            s = raw_connect(sc.info["address"])
             try:
                 s.sendall((client_hello()[:8] if i % 2 else b"") + rng.bytes(4096))
             except OSError:
                 pass
             held.append(s)
         time.sleep(0.5)
-        under = timed_write(peer, src, desc)
-        during = snapshot(c.pid)
+        sc.holding()
         for s in held:
             s.close()
         time.sleep(1.0)
-        row("1000 connections sending 4 KiB of random bytes", 1000, before, during, snapshot(c.pid), alone, under,
-            f"legit peer connected: {peer.connected}")
-    finally:
-        me.close()
-        c.cleanup()
+        sc.row("1000 connections sending 4 KiB of random bytes", 1000, f"legit peer connected: {sc.peer.connected}")
 
 
 def attack_stop():
