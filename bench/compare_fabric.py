@@ -103,7 +103,6 @@ def main() -> int:
             checks.append((name, tether_write(opts, args.size, 3, True).check))
 
     med = {k: statistics.median(v) if v else None for k, v in rows.items()}
-    ceiling = med["raw_dc"]
     t = Table(title=f"tether fabric ({args.provider}) vs its provider's ceiling, loopback, {os.cpu_count()} CPUs "
                     f"({time.strftime('%Y-%m-%d')}), median of {args.rounds} interleaved rounds")
     for c in ("contender", "GB/s (median)", "per round", "÷ raw fi_write DC, same round (median)"):

@@ -9,7 +9,6 @@ and the ratio uses their mean.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -18,9 +17,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
+from compare_tcp import CHECK, options
 from tether import bench as B
 
 BIG = 256 << 20
@@ -37,11 +36,7 @@ def memcpy_gbps(src: np.ndarray, dst: np.ndarray, iters: int = 5) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--check", action="store_true", help="also verify every byte (separate pass)")
-    args = ap.parse_args()
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    args, console = options()
     src = np.random.default_rng(1).integers(0, 256, BIG, dtype=np.uint8)
     dst = np.ones(BIG, dtype=np.uint8)
     memcpy_gbps(src, dst, 2)  # warm
@@ -85,7 +80,7 @@ def main() -> int:
     for label, name, r, mc in rows:
         t.add_row(label, name, f"{r.gbps:.2f}", f"{r.lat_p50_us:.1f}", f"{mc:.2f}" if mc else "",
                   f"{r.gbps / mc:.2f}" if mc else "", f"{r.cpu_client:.0f}/{r.cpu_server:.0f}",
-                  {None: "-", True: "ok", False: "FAILED"}[r.check])
+                  CHECK[r.check])
         out.append(dict(B.result_dict(r), config=label, case=name, memcpy_gbps=mc))
     console.print(t)
     if args.json:

@@ -21,6 +21,15 @@ from rich.table import Table
 from tether import bench as B
 
 HERE = Path(__file__).resolve().parent
+CHECK = {None: "-", True: "ok", False: "FAILED"}  # a Result's every-byte check, as the tables show it
+
+
+def options() -> tuple[argparse.Namespace, Console]:
+    """The options compare_tcp.py and compare_ipc.py take, and a console as wide as the terminal (or 160)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--check", action="store_true", help="also verify every byte (separate pass)")
+    return ap.parse_args(), Console(width=None if sys.stdout.isatty() else 160)
 
 
 def iperf3(seconds: int = 5) -> float | None:
@@ -48,11 +57,7 @@ def pingpong(iters: int = 20000) -> tuple[float, float] | None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--check", action="store_true", help="also verify every byte (separate pass)")
-    args = ap.parse_args()
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    args, console = options()
     rows = []
     ceiling = iperf3()
     pp = pingpong()
@@ -89,7 +94,7 @@ def main() -> int:
         vs_i = f"{r.gbps / ceiling:.2f}" if ceiling and r.size >= 64 << 10 else ""
         vs_p = f"{r.lat_p50_us / pp[0]:.2f}" if pp and r.size == 8 else ""
         t.add_row(name, f"{r.gbps:.2f}", f"{r.lat_p50_us:.1f}", f"{r.lat_p99_us:.1f}", vs_i, vs_p,
-                  f"{r.cpu_client:.0f}/{r.cpu_server:.0f}", {None: "-", True: "ok", False: "FAILED"}[r.check])
+                  f"{r.cpu_client:.0f}/{r.cpu_server:.0f}", CHECK[r.check])
         out.append(dict(B.result_dict(r), case=name))
     console.print(t)
     if args.json:
