@@ -245,3 +245,11 @@ def start_target(target: Callable, what: str):
         proc.kill()
         raise RuntimeError(f"target: {info}")
     return proc, conn, info, raddr
+
+
+def stop_target(proc, conn) -> None:
+    """Asks the target side to exit; kills it where it has not within 10 s."""
+    conn.send(("exit",))
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()

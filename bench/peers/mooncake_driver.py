@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from common import (CAPACITY, POISON, WORKLOADS, alloc, checked, emit, layout, measure, quiet_stdout, serve,
-                    start_target)
+                    start_target, stop_target)
 
 SYSTEM = "Mooncake TE (tcp)"
 
@@ -101,10 +101,7 @@ def main() -> int:
             emit(SYSTEM, w.name, ok, **measure(w, post, wait))
         except Exception as e:
             emit(SYSTEM, w.name, note=f"{type(e).__name__}: {e}")
-    conn.send(("exit",))
-    proc.join(10)
-    if proc.is_alive():
-        proc.kill()
+    stop_target(proc, conn)
     return 0
 
 

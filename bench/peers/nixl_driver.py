@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from common import (CAPACITY, DEVICE, POISON, WORKLOADS, address, alloc, checked, emit, layout, measure, mem_type,
-                    quiet_stdout, serve, start_target)
+                    quiet_stdout, serve, start_target, stop_target)
 
 # variant: (backend, its parameters, environment)
 VARIANTS = {"tcp": ("UCX", {}, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}), "default": ("UCX", {}, {}),
@@ -168,10 +168,7 @@ def main(variant: str) -> int:
             emit(system, w.name, note=f"{type(e).__name__}: {e}")
         for h in handles:
             h.release()
-    conn.send(("exit",))
-    proc.join(10)
-    if proc.is_alive():
-        proc.kill()
+    stop_target(proc, conn)
     sys.stdout.flush()
     sys.stderr.flush()
     _exit()
