@@ -408,6 +408,20 @@ def test_process_exit_with_live_agents_is_clean(spawn, backend, who):
 # --------------------------------------------------------------------------- vLLM's calls
 
 
+def vllm_teardown(a, b, remote: str, me: str, requests: int, a_names):
+    """The end of vLLM's pattern: B got each request's "req-i:1" notification from `me` (A), a heartbeat
+    A sends reaches it, then A releases its dlists "local" and "remote", removes B and deregisters."""
+    got = b.call("notifs", requests, T)
+    assert sorted(got[me]) == [b"req-%d:1" % i for i in range(requests)]
+    a.call("send_notif", remote, b"HB:" + me.encode())
+    assert b.call("notifs", 1, T) == {me: [b"HB:" + me.encode()]}
+    a.call("release_dlist", "local")
+    a.call("release_dlist", "remote")
+    a.call("remove_remote", remote)
+    for name in a_names:
+        a.call("deregister", name)
+
+
 def test_vllm_nixl_connector_call_pattern(spawn, backend, nixl_site):
     """The calls vLLM's NixlConnector makes, in its order: prefill (B) registers its KV caches and
     publishes metadata; decode (A) adds it, preps both sides, pulls blocks by id with a notification
@@ -446,15 +460,7 @@ def test_vllm_nixl_connector_call_pattern(spawn, backend, nixl_site):
             want = rand_bytes(200 + r, blocks * block).reshape(blocks, block)
             for s, d in zip(rid, lid):
                 assert got[d].tobytes() == want[s].tobytes()
-    got = b.call("notifs", 4, T)
-    assert sorted(got["decode-uuid"]) == [b"req-%d:1" % i for i in range(4)]
-    a.call("send_notif", remote, b"HB:decode-uuid")
-    assert b.call("notifs", 1, T) == {"decode-uuid": [b"HB:decode-uuid"]}
-    a.call("release_dlist", "local")
-    a.call("release_dlist", "remote")
-    a.call("remove_remote", remote)
-    for name in a_names:
-        a.call("deregister", name)
+    vllm_teardown(a, b, remote, "decode-uuid", 4, a_names)
 
 
 # --------------------------------------------------------------------------- TETHER's own

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from nixl_agent import POISON, rand_bytes
-from test_nixl import SITES, T, nixl_site, spawn  # noqa: F401  (fixtures)
+from test_nixl import SITES, T, _whole, agents, nixl_site, spawn, vllm_teardown  # noqa: F401  (fixtures)
 from tether_testutil.data import MiB
 from tether_testutil.gpu import torch_gpus
 
@@ -42,11 +42,6 @@ def _rows(addr: int, block: int, count: int, dev: int) -> np.ndarray:
     r[:, 1] = block
     r[:, 2] = dev
     return r
-
-
-def _whole(agent, name) -> np.ndarray:
-    _, addr, n, dev = agent.call("addr", name)
-    return np.array([[addr, n, dev]], dtype=np.uint64)
 
 
 def _bytes(agent, name) -> np.ndarray:
@@ -149,22 +144,12 @@ def test_vllm_call_pattern_with_cuda_tensors(gpair, nixl_site):  # noqa: F811
                 assert got[d].tobytes() == want[filled[d]].tobytes(), f"layer row {r} block {d}"
             else:
                 assert (got[d] == POISON).all(), f"block {d} was written though no request named it"
-    got = b.call("notifs", 3, T)
-    assert sorted(got["A"]) == [b"req-%d:1" % i for i in range(3)]
-    a.call("send_notif", remote, b"HB:A")
-    assert b.call("notifs", 1, T) == {"A": [b"HB:A"]}
-    a.call("release_dlist", "local")
-    a.call("release_dlist", "remote")
-    a.call("remove_remote", remote)
-    for name in a_names:
-        a.call("deregister", name)
+    vllm_teardown(a, b, remote, "A", 3, a_names)
 
 
 def test_dram_to_vram_and_back(spawn):  # noqa: F811
     """Mixed memory: host buffer to a GPU buffer over tcp (staged) and back."""
-    a, b = spawn(), spawn()
-    a.call("create", "A", "TETHER", {"transport": "tcp"})
-    b.call("create", "B", "TETHER", {"transport": "tcp"})
+    a, b = agents(spawn, "TETHER", {"transport": "tcp"})
     size = 8 * MiB + 1
     _write_and_read_back(a, b, size, 31, None, DEV_B)
     a.call("xfer", "w", "WRITE", "l", [0], "r", [0])
