@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 
 CAPACITY = 336 << 20  # source and target buffers; the largest workload (298 x 1.15 MB) fits
-DEVICE = os.environ.get("PEERS_DEVICE", "cpu")  # "gpu": buffers in GPU 0's memory (run.py --device)
+DEVICE = os.environ.get("PEERS_DEVICE", "cpu")  # "gpu": buffers in GPU memory (run.py --device)
 POISON = 0xA5
 PIPE_TIMEOUT = 60.0  # seconds a driver waits on its target process before giving up
 
@@ -67,11 +67,19 @@ def layout(w: Workload, rng: np.random.Generator) -> list[tuple[int, int, int]]:
 
 # ---------------------------------------------------------------- buffers
 
-def alloc(n: int, fill: int = 0):
-    """A buffer of n bytes in host memory (numpy) or, with PEERS_DEVICE=gpu, GPU 0 (a torch tensor)."""
+def gpus() -> tuple[int, int]:
+    """The initiator's and the target's GPU with PEERS_DEVICE=gpu: GPU 0 -> GPU 1 where there are two
+    (over NVLink or PCIe, as a prefill and a decode worker on one node), else GPU 0 on both sides."""
+    import torch
+    return 0, (1 if torch.cuda.device_count() > 1 else 0)
+
+
+def alloc(n: int, fill: int = 0, target: bool = False):
+    """A buffer of n bytes in host memory (numpy) or, with PEERS_DEVICE=gpu, the initiator's or the
+    target's GPU (a torch tensor; gpus())."""
     if DEVICE == "gpu":
         import torch
-        return torch.full((n,), fill, dtype=torch.uint8, device="cuda:0")
+        return torch.full((n,), fill, dtype=torch.uint8, device=f"cuda:{gpus()[1 if target else 0]}")
     from tether.bench import huge_aligned  # from a 2 MiB boundary, as tether bench's own buffers
     buf = huge_aligned(n)
     buf.fill(fill)
@@ -86,6 +94,11 @@ def mem_type(buf) -> str:
     return "DRAM" if isinstance(buf, np.ndarray) else "VRAM"
 
 
+def device_id(buf) -> int:
+    """The GPU ordinal a GPU buffer lies on (NIXL's devId), 0 for host memory."""
+    return 0 if isinstance(buf, np.ndarray) else buf.device.index
+
+
 def _fill_random(buf, lo: int, n: int, rng) -> None:
     data = rng.integers(0, 256, n, dtype=np.uint8)
     if isinstance(buf, np.ndarray):
@@ -93,7 +106,7 @@ def _fill_random(buf, lo: int, n: int, rng) -> None:
     else:
         import torch
         buf[lo:lo + n].copy_(torch.from_numpy(data))
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(buf.device)
 
 
 def _fill_value(buf, lo: int, n: int, value: int) -> None:
@@ -102,7 +115,7 @@ def _fill_value(buf, lo: int, n: int, value: int) -> None:
     else:
         import torch
         buf[lo:lo + n].fill_(value)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(buf.device)
 
 
 def _span(buf, lo: int, n: int):
@@ -127,7 +140,7 @@ def serve(conn, buf: np.ndarray) -> None:
             else:  # fill_ only queues a kernel: done before the initiator's write may land
                 import torch
                 buf.fill_(POISON)
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(buf.device)
             conn.send(True)
         elif cmd == "randomize":  # [(offset, length), ...], seed: random bytes there (what a read fetches)
             rng = np.random.default_rng(args[1])

@@ -29,7 +29,7 @@ def _engine():
 def target(conn) -> None:
     try:
         te = _engine()
-        buf = alloc(CAPACITY, POISON)
+        buf = alloc(CAPACITY, POISON, target=True)
         rc = te.register_memory(buf.ctypes.data, buf.nbytes)
         if rc != 0:
             raise RuntimeError(f"register_memory returned {rc}")

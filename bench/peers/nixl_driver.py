@@ -5,7 +5,7 @@
     python nixl_driver.py tether-tcp  # TETHER with transport=tcp
     python nixl_driver.py tether      # TETHER as configured by default (same host: ipc)
 
-Host memory (DRAM descriptors), or GPU 0's memory (VRAM) with PEERS_DEVICE=gpu.
+Host memory (DRAM descriptors), or GPU memory (VRAM, GPU 0 -> GPU 1 where two exist) with PEERS_DEVICE=gpu.
 
 Each op is one NIXL transfer request, prepared once per workload and re-posted (NIXL's intended
 use); the 128-block batch is one request with 128 descriptors; "8 in flight" keeps 8 requests.
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from common import (CAPACITY, DEVICE, POISON, WORKLOADS, address, alloc, checked, emit, layout, measure, mem_type,
+from common import (CAPACITY, DEVICE, POISON, WORKLOADS, address, alloc, checked, device_id, emit, layout, measure, mem_type,
                     quiet_stdout, serve, start_target, stop_target)
 
 # variant: (backend, its parameters, environment)
@@ -41,7 +41,7 @@ def _agent(name: str, progress_thread: bool):
 
 
 def _register(agent, buf) -> None:
-    agent.register_memory([(address(buf), CAPACITY, 0, "")], mem_type(buf))
+    agent.register_memory([(address(buf), CAPACITY, device_id(buf), "")], mem_type(buf))
 
 
 def target(conn) -> None:
@@ -49,9 +49,9 @@ def target(conn) -> None:
         # The target's Python thread only waits on its pipe, so UCX needs the progress thread to take
         # in TCP data. It busy-polls (the Python API sets no delay): one core, all the time.
         agent = _agent("bench-target", progress_thread=True)
-        buf = alloc(CAPACITY, POISON)
+        buf = alloc(CAPACITY, POISON, target=True)
         _register(agent, buf)
-        conn.send(("ok", agent.get_agent_metadata(), address(buf)))
+        conn.send(("ok", agent.get_agent_metadata(), (address(buf), device_id(buf))))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}", 0))
         os._exit(0)
@@ -117,7 +117,7 @@ def main(variant: str) -> int:
             return 0
     proc = None
     try:
-        proc, conn, metadata, raddr = start_target(target, "agent")  # inherits the UCX environment above
+        proc, conn, metadata, (raddr, rdev) = start_target(target, "agent")  # inherits the UCX environment above
         # No progress thread here: a second spinning thread on a 2-core host pushed 64 KiB writes
         # from ~0.1 ms to 4-8 ms. The initiator progresses UCX itself in check_xfer_state().
         agent = _agent("bench-initiator", progress_thread=False)
@@ -133,13 +133,14 @@ def main(variant: str) -> int:
     rng = np.random.default_rng()
     base = address(src)
     mem = mem_type(src)
+    ldev = device_id(src)
     named = backend != "UCX"  # UCX's own report names its transport; TETHER's is its parameter
     for w in WORKLOADS:
         handles = []
         try:
             blocks = layout(w, rng)
-            local = agent.get_xfer_descs([(base + lo, n, 0) for lo, _, n in blocks], mem)
-            remote = agent.get_xfer_descs([(raddr + ro, n, 0) for _, ro, n in blocks], mem)
+            local = agent.get_xfer_descs([(base + lo, n, ldev) for lo, _, n in blocks], mem)
+            remote = agent.get_xfer_descs([(raddr + ro, n, rdev) for _, ro, n in blocks], mem)
             op = "READ" if w.mode == "read" else "WRITE"
             handles = [agent.initialize_xfer(op, local, remote, remote_name) for _ in range(max(1, w.depth))]
 

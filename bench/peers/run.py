@@ -114,7 +114,8 @@ def main() -> int:
     ap.add_argument("--json", help="also write the rows and the machine's details here")
     ap.add_argument("--only", nargs="+", choices=["iperf3"] + [d[0] for d in DRIVERS], help="run only these")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
-                    help="cpu: host memory (default); gpu: GPU 0's memory on both sides (two processes)")
+                    help="cpu: host memory (default); gpu: GPU memory, GPU 0 -> GPU 1 where two exist, else GPU 0 "
+                         "on both sides (two processes)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the drivers this many times, interleaved; rows show the median (and each round's "
                          "p50, or GB/s for bulk rows), for machines whose figures swing between runs")
@@ -142,7 +143,11 @@ def main() -> int:
     if args.rounds > 1:
         rows = merge_rounds(rows)
 
-    memory = "host memory" if args.device == "cpu" else "GPU 0's memory both sides"
+    memory = "host memory"
+    if args.device == "gpu":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from common import gpus
+        memory = "GPU {} -> GPU {}".format(*gpus())
     table = Table(title=f"tether vs peers: two processes on one host, {memory}, TCP loopback unless the "
                         f"system says otherwise — {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, "
                         f"{time.time() - t0:.0f} s")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import sys
 
-from common import CAPACITY, DEVICE, WORKLOADS, emit, quiet_stdout
+from common import CAPACITY, DEVICE, WORKLOADS, emit, gpus, quiet_stdout
 
 
 def main(transport: str) -> int:
     SYSTEM = f"tether ({transport})"
-    gpu = 0 if DEVICE == "gpu" else None
+    gpu, remote_gpu = gpus() if DEVICE == "gpu" else (None, None)
     quiet_stdout()
     try:
         from tether import bench as B
@@ -19,7 +19,7 @@ def main(transport: str) -> int:
         emit(SYSTEM, "not run", note=f"import tether failed (PYTHONPATH=python?): {e}")
         return 0
     try:
-        pair = B.LocalPair({"transport": transport}, CAPACITY, device=gpu, remote_device=gpu)
+        pair = B.LocalPair({"transport": transport}, CAPACITY, device=gpu, remote_device=remote_gpu)
     except Exception as e:
         emit(SYSTEM, "not run", note=f"start failed: {type(e).__name__}: {e}")
         return 0
