@@ -16,7 +16,8 @@ import pytest
 import tether
 from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes
 from tether_testutil.child import child_bytes
-from tether_testutil.gpu import gpu_env, linked, read_checked, send_checked, write_notify_checked, writev_readv_shuffled
+from tether_testutil.gpu import (gpu_env, linked, read_checked, send_checked, shuffled_blocks, write_notify_checked,
+                                 writev_readv_shuffled)
 
 GPU = gpu_env("ipc GPU tests")
 torch = GPU.torch
@@ -203,6 +204,46 @@ def test_one_sided_gpu_ops_in_flight_together(pair):
         assert_bytes_equal(got[o:o + block], expect[o:o + block], f"GPU read at {o}")
     if tether._tether.Config.from_env().busy_poll_us > 0:
         assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == 2 * n
+
+
+@pytest.mark.parametrize("lk,rk", ONE_SIDED_PAIRS, ids=["-".join(p) for p in ONE_SIDED_PAIRS])
+def test_one_sided_gpu_batches(pair, lk, rk):
+    """Scattered GPU blocks of a granted descriptor (a KV pull's shape): the first writev's batches ask
+    for the grant, later ones are copied by us alone, one kernel launch a batch over the target's
+    allocation (with the completer, busy polling on). Random data, shuffled places, poisoned
+    destinations, every byte, both ways; once the target deregisters, a batch is refused, not copied."""
+    local, peer, c = pair
+    blocks, bs = 4096, 16 * 1024
+    desc = c.call("register", "dst", blocks * bs, device=_dev(rk))
+    writev_readv_shuffled(local, peer, c, lk, desc, blocks, bs, T)  # asks for (and gets) the grant
+    s0 = local.ep.stats()["ipc_one_sided_chunks"]
+    src = local.region("src2", lk, blocks * bs, seed=53)
+    order = np.random.default_rng(8).permutation(blocks)
+    peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
+    expect = shuffled_blocks(53, blocks, bs, order)
+    assert_bytes_equal(child_bytes(c, "dst"), expect, "one-sided GPU write batches")
+    back = local.region("back2", lk, blocks * bs)
+    peer.readv([(back, int(j) * bs, desc, int(j) * bs, bs) for j in order]).wait(T)
+    assert_bytes_equal(local.get("back2"), expect, "one-sided GPU read batches")
+    completer = tether._tether.Config.from_env().busy_poll_us > 0
+    if completer:
+        assert local.ep.stats()["ipc_one_sided_chunks"] - s0 >= 2 * blocks // 1024, "the batches went as requests"
+    # A descriptor only ever read (a KV pull): the first readv's answers grant it.
+    kv = c.call("register", "kv", blocks * bs, fill=("seed", 54), device=_dev(rk))
+    want = rand_bytes(54, blocks * bs).reshape(blocks, bs)[order].reshape(-1)
+    for i in range(2):
+        s1 = local.ep.stats()["ipc_one_sided_chunks"]
+        got = local.region(f"kvback{i}", lk, blocks * bs)
+        peer.readv([(got, k * bs, kv, int(j) * bs, bs) for k, j in enumerate(order)]).wait(T)
+        assert_bytes_equal(local.get(f"kvback{i}"), want, f"KV pull {i}")
+    if completer:
+        assert local.ep.stats()["ipc_one_sided_chunks"] - s1 >= blocks // 1024, "the second pull went as requests"
+    c.call("deregister", "dst")
+    with pytest.raises(tether.RegionNotFound):
+        peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
+    with pytest.raises(tether.RegionNotFound):
+        peer.readv([(back, int(j) * bs, desc, int(j) * bs, bs) for j in order]).wait(T)
+    assert peer.connected
 
 
 def _one_sided_gpu_stream(pair, block, seed):

@@ -31,6 +31,23 @@ void take_grant(IpcPeer& ip, const Frame& f) {
   ip.os->remember(g);
 }
 
+// A grant in a read batch's answer: for the descriptor of its fragments (all one), lying where the
+// answer's first entry says (one_sided.h).
+void take_batch_grant(IpcPeer& ip, const Frame& f, const uint8_t* msg, const wire::Fragment& first) {
+  const BatchEntry e = batch_entry(msg, 0);
+  if (!ip.os || e.pad != uint32_t(Where::kCuda) || e.addr < first.offset || e.ref >= f.addr) return;
+  Grant g;
+  g.region = first.region_id;
+  g.key = first.key;
+  g.desc_offset = first.desc_offset;
+  g.desc_length = first.desc_length;
+  g.gpu = true;
+  g.readonly = (f.grant & kGrantReadOnly) != 0;
+  g.base = e.addr - first.offset;
+  g.ref = batch_ref(msg, f.hdr.fragments, e.ref);
+  ip.os->remember(g);
+}
+
 // Hands the answer to the core, its bytes counted when it succeeded (`received`: a read's).
 bool settle(Lane& l, const FrameHeader& h, uint8_t status, bool received) {
   if (status == 0) count_moved(*l.ip->host, received, h.length);
@@ -186,6 +203,7 @@ bool take_read_batch(Lane& l, const uint8_t* msg, size_t bytes) {
     lent = lent || w == uint32_t(Where::kCuda) || w == uint32_t(Where::kCma);
   }
   if (!copy_read_batch(l, f, msg, frags, pieces, device, &status)) return false;
+  if (status == 0 && (f.grant & kGranted)) take_batch_grant(*l.ip, f, msg, frags[0]);
   if (lent && !done_reading(l, h, "the peer let go of the regions while we read them")) return false;
   return settle(l, h, status, true);
 }

@@ -239,6 +239,15 @@ Status CudaLane::copy_many(int device, const uint64_t* triples, uint32_t n, bool
   return finish(d, "ipc batch copy");
 }
 
+Status CudaLane::start_many(int device, const uint64_t* triples, uint32_t n) {
+  if (n > kMaxBatch) return Status(Code::kInternal, "ipc: too many fragments for one copy");
+  auto d = ready(device);
+  if (!d.is_ok()) return d.status();
+  if (Status s = gpu::launch_copy(device, d.value()->stream, triples, n); !s.is_ok()) return s;
+  TETHER_CUDA_TRY("cuEventRecord", gpu::cuda()->cuEventRecord(d.value()->event, d.value()->stream));
+  return Status::ok();
+}
+
 Result<uint8_t*> CudaLane::bounce(uint64_t bytes) {
   if (bounce_size_ >= bytes) return bounce_;
   std::string why;

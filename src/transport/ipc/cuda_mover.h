@@ -107,6 +107,8 @@ class CudaLane {
   Status wait(int device);
   // `n` (src, dst, len) triples: one kernel launch when `kernel`, else one async copy each; waits.
   Status copy_many(int device, const uint64_t* triples, uint32_t n, bool kernel);
+  // `n` triples in one kernel launch, not waited for (done() and wait() as for start()).
+  Status start_many(int device, const uint64_t* triples, uint32_t n);
   // Pinned host memory of at least `bytes` (allocated on first use, grown rarely).
   Result<uint8_t*> bounce(uint64_t bytes);
 

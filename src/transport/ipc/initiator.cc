@@ -8,6 +8,7 @@
 
 #include "core/trace.h"
 #include "core/transfer.h"
+#include "gpu/copy_kernel.h"
 #include "transport/ipc/lane.h"
 
 namespace tether::transport::ipc {
@@ -32,13 +33,14 @@ Sent send(IpcPeer& ip, Link& p, uint32_t lane, const void* msg, size_t len) {
 
 // A kWriteBatch: the fragments and where each piece is, in one message; host pieces
 // are staged in the slot's part of the bounce segment when the target cannot reach us by address.
-Sent send_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
+Sent send_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op, uint8_t grant) {
   const uint32_t n = op.fragments;
   uint8_t* msg = message_buffer();
   auto* ents = reinterpret_cast<BatchEntry*>(msg + sizeof(Frame));
   auto* refs = reinterpret_cast<CudaRef*>(msg + sizeof(Frame) + n * sizeof(BatchEntry));
   Frame f{};
   f.hdr = op.hdr;
+  f.grant = grant;
   const bool gpu = op.device >= 0;
   f.where = uint8_t(gpu ? Where::kCuda : ip.out_cma.load(std::memory_order_relaxed) ? Where::kCma : Where::kShm);
   uint32_t nrefs = 0;
@@ -74,11 +76,12 @@ Sent send_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
 // A kReadBatch: the fragments, and whether the target may answer with addresses we read by attach
 // (kCma: our pieces are host memory and we may attach to it) or must push its host bytes into our
 // slot (kShm, from `addr`; `hdr.key`: the slot's size). GPU bytes are always answered as CudaRefs.
-Sent send_read_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
+Sent send_read_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op, uint8_t grant) {
   const uint32_t n = op.fragments;
   uint8_t* msg = message_buffer();
   Frame f{};
   f.hdr = op.hdr;
+  f.grant = grant;
   f.hdr.key = ip.slot_bytes;
   f.where = uint8_t(op.device < 0 && ip.cma ? Where::kCma : Where::kShm);
   f.addr = uint64_t(op.hdr.slot) * ip.slot_bytes;
@@ -123,6 +126,28 @@ void fault_in(const uint8_t* src, uint64_t len) {
   asm volatile("" : : "r"(sink));
 }
 
+// A one-sided GPU copy started on context `c`'s stream of `device`: handed to the completer, which
+// answers the chunk (*handed), else (the completer is full) waited for here. False: it failed.
+bool hand_over(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op, OneSidedInitiator::Context* c, int device,
+               bool read, bool* handed) {
+  GpuCompleter::Pending q;
+  q.os = ip.os.get();
+  q.ctx = c;
+  q.device = device;
+  q.finish = finish_one_sided;
+  q.peer = p.shared_from_this();
+  q.lane = lane;
+  q.slot = op.hdr.slot;
+  q.gen = op.hdr.gen;
+  q.length = op.hdr.length;
+  q.read = read;
+  if (p.hold()) {  // finish_one_sided lets go (the caller holds the peer too: this succeeds)
+    if (ip.completer->push(std::move(q))) return *handed = true;
+    p.let_go();
+  }
+  return c->cuda->wait(device).is_ok();
+}
+
 // A one-sided chunk of GPU memory at `at` in the granted allocation: copied here (small) or started
 // and handed to the completer, which answers it (*handed; it leaves the hazard then). False: it failed.
 bool one_sided_gpu(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op, const Grant& g, uint64_t at,
@@ -138,22 +163,7 @@ bool one_sided_gpu(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op, const
   if (h.length <= kOneSidedGpuMax) return c->cuda->copy(mp.device, dst, src, h.length).is_ok();
   // The completer waits for it; the poster goes on (one_sided.h).
   if (!c->cuda->start(mp.device, dst, src, h.length).is_ok()) return false;
-  GpuCompleter::Pending q;
-  q.os = ip.os.get();
-  q.ctx = c;
-  q.device = mp.device;
-  q.finish = finish_one_sided;
-  q.peer = p.shared_from_this();
-  q.lane = lane;
-  q.slot = h.slot;
-  q.gen = h.gen;
-  q.length = h.length;
-  q.read = read;
-  if (p.hold()) {  // finish_one_sided lets go (the caller holds the peer too: this succeeds)
-    if (ip.completer->push(std::move(q))) return *handed = true;
-    p.let_go();
-  }
-  return c->cuda->wait(mp.device).is_ok();  // the completer is full: wait here
+  return hand_over(ip, p, lane, op, c, mp.device, read, handed);
 }
 
 // A small chunk of a descriptor the target granted us (one_sided.h): we move it ourselves and answer
@@ -169,7 +179,7 @@ OneSided one_sided(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
       (!read && h.type != uint8_t(FrameType::kWrite)) || (!gpu && !ip.cma))
     return OneSided::kNo;
   Grant g;
-  if (!ip.os->find(h, &g)) return OneSided::kAsk;
+  if (!ip.os->find(h.region_id, h.key, h.desc_offset, h.desc_length, &g)) return OneSided::kAsk;
   if (g.gpu != gpu || (g.readonly && !read) || h.offset < h.desc_offset || h.offset - h.desc_offset > h.desc_length ||
       h.length > h.desc_length - (h.offset - h.desc_offset) || p.failed())
     return OneSided::kNo;
@@ -205,11 +215,73 @@ OneSided one_sided(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
   return OneSided::kMoved;
 }
 
+bool same_descriptor(const wire::Fragment& a, const wire::Fragment& b) {
+  return a.region_id == b.region_id && a.key == b.key && a.desc_offset == b.desc_offset && a.desc_length == b.desc_length;
+}
+
+// The triples of a GPU batch whose fragments all lie in the granted descriptor `g`, mapped at `mp`
+// (our pieces on its GPU); false when a fragment falls outside (the target's answer says what is wrong).
+bool batch_triples(const ChunkOp& op, const Grant& g, const Mapping& mp, bool read, uint64_t* t) {
+  for (uint32_t i = 0; i < op.fragments; ++i) {
+    const wire::Fragment& fr = op.frags[i];
+    const uint64_t at = g.base + fr.offset;
+    if (!same_descriptor(fr, op.frags[0]) || fr.offset < fr.desc_offset ||
+        !core::in_bounds(fr.offset - fr.desc_offset, fr.length, fr.desc_length) || at < g.base ||
+        !core::in_bounds(at, fr.length, mp.size) || !op.pieces[i].region || op.pieces[i].region->device != mp.device)
+      return false;
+    const uint64_t local = reinterpret_cast<uint64_t>(op.pieces[i].data), there = mp.ptr + at;
+    t[3 * i] = read ? there : local;
+    t[3 * i + 1] = read ? local : there;
+    t[3 * i + 2] = fr.length;
+  }
+  return true;
+}
+
+// A batch of GPU blocks in one descriptor the target granted us (one_sided.h), whatever its size: one
+// copy-kernel launch over the peer mapping, by us, answered by the completer, instead of a request the
+// target validates and copies. Only with the completer (busy polling on): the poster then goes on.
+OneSided one_sided_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
+  const bool read = op.hdr.type == uint8_t(FrameType::kReadBatch);
+  const wire::Fragment& f0 = op.frags[0];
+  if (!ip.os || !ip.completer || op.device < 0 || p.failed()) return OneSided::kNo;
+  Grant g;
+  if (!ip.os->find(f0.region_id, f0.key, f0.desc_offset, f0.desc_length, &g)) return OneSided::kAsk;
+  if (!g.gpu || (g.readonly && !read) || !gpu::copy_kernel(op.device).is_ok()) return OneSided::kNo;
+  bool gone = false;
+  OneSidedInitiator::Context* c = ip.os->enter(f0.region_id, false, &gone);
+  if (!c) {
+    if (!gone) return OneSided::kNo;
+    ip.os->forget(f0.region_id);
+    return OneSided::kAsk;
+  }
+  auto map = ip.imports->get(g.ref, op.device);
+  if (!c->triples) c->triples = std::make_unique<uint64_t[]>(3 * kMaxBatch);  // once per context
+  bool ok = map.is_ok() && op.fragments <= kMaxBatch && batch_triples(op, g, *map.value(), read, c->triples.get());
+  if (!ok) {
+    ip.os->leave(c);
+    return OneSided::kNo;
+  }
+  if (!c->cuda) c->cuda = std::make_unique<CudaLane>();
+  const int dev = map.value()->device;
+  bool handed = false;
+  ok = c->cuda->start_many(dev, c->triples.get(), op.fragments).is_ok() && hand_over(ip, p, lane, op, c, dev, read, &handed);
+  if (handed) return OneSided::kMoved;
+  ip.os->leave(c);
+  // Started and failed, or waited for: either way no request may follow (the bytes may have moved).
+  answer_one_sided(ip, p, lane, op.hdr.slot, op.hdr.gen, read, op.hdr.length, ok);
+  return OneSided::kMoved;
+}
+
 // Describes (and for shm, stages) a pulled chunk and sends it.
 Sent send_chunk(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
   trace::mark(trace::Event::kTaken, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
-  if (op.fragments > 0)
-    return op.hdr.type == uint8_t(FrameType::kReadBatch) ? send_read_batch(ip, p, lane, op) : send_batch(ip, p, lane, op);
+  if (op.fragments > 0) {
+    const OneSided os = one_sided_batch(ip, p, lane, op);
+    if (os == OneSided::kMoved) return Sent::kMoved;
+    const uint8_t grant = os == OneSided::kAsk ? kWantGrant : 0;
+    return op.hdr.type == uint8_t(FrameType::kReadBatch) ? send_read_batch(ip, p, lane, op, grant)
+                                                         : send_batch(ip, p, lane, op, grant);
+  }
   const OneSided os = one_sided(ip, p, lane, op);
   if (os == OneSided::kMoved) return Sent::kMoved;
   Frame f{};

@@ -87,11 +87,11 @@ bool revoke(OneSidedPage& ours, const OneSidedPage& theirs, uint32_t region, pid
   return true;
 }
 
-bool OneSidedInitiator::find(const wire::FrameHeader& h, Grant* out) const {
+bool OneSidedInitiator::find(uint32_t region, uint64_t key, uint64_t desc_offset, uint64_t desc_length,
+                             Grant* out) const {
   std::lock_guard lock(mu_);
-  const Grant& g = cache_[cache_slot(h.region_id, h.key)];
-  if (g.region == 0 || g.region != h.region_id || g.key != h.key || g.desc_offset != h.desc_offset ||
-      g.desc_length != h.desc_length)
+  const Grant& g = cache_[cache_slot(region, key)];
+  if (g.region == 0 || g.region != region || g.key != key || g.desc_offset != desc_offset || g.desc_length != desc_length)
     return false;
   *out = g;
   return true;

@@ -99,16 +99,17 @@ class OneSidedInitiator {
   OneSidedInitiator(const OneSidedPage* target, OneSidedPage* ours) : target_(target), ours_(ours) {
     for (uint32_t i = 0; i < kHazards; ++i) ctx_[i].index = i;
   }
-  // The grant covering the chunk `h` describes, if we have one.
-  bool find(const wire::FrameHeader& h, Grant* out) const;
+  // The grant covering the descriptor a chunk (or a batch's fragment) names, if we have one.
+  bool find(uint32_t region, uint64_t key, uint64_t desc_offset, uint64_t desc_length, Grant* out) const;
   void remember(const Grant& g);
   void forget(uint32_t region);
 
-  // A claimed hazard slot and its CUDA streams: one thread at a time.
+  // A claimed hazard slot, its CUDA streams and a GPU batch's (src, dst, len) triples: one thread at a time.
   struct Context {
     std::atomic<bool> busy{false};
     uint32_t index = 0;
     std::unique_ptr<CudaLane> cuda;
+    std::unique_ptr<uint64_t[]> triples;  // 3 * kMaxBatch, on the first batch
   };
   // A free context with its hazard naming `region` (a host read's: `read`), if the region is still
   // live for us; nullptr when none is free or the grant is gone (`*gone` then says which).

@@ -391,6 +391,20 @@ bool read_done(Lane& l, const FrameHeader& h) {
   return protocol_error(*l.peer, "read done for no read");
 }
 
+// A batch of GPU blocks that all lie in one descriptor, when the initiator asked: a grant of that
+// descriptor (one_sided.h), so that its next batches there are copied by the initiator itself. Where
+// its first fragment lies (the answer's header names that fragment) or, for a read batch, only the
+// flag (the initiator knows where each fragment lies from the answer's entries).
+Place batch_grant(Lane& l, const Frame& f, const uint8_t* msg, uint32_t pinned, CudaRef* ref) {
+  RegionState* r = l.pins[0];
+  if (!(f.grant & kWantGrant) || pinned != 1 || r->kind != MemoryKind::kCuda) return {};
+  const wire::Fragment fr = batch_entry(msg, 0).frag;
+  Place at{uint8_t(Where::kCuda), 0, ref};
+  if (!gpu_place(r, r->base + fr.offset, fr.length, ref, &at.addr)) return {};
+  at.grant = grant_for(*l.ip, f, *r);
+  return at.grant ? at : Place{};
+}
+
 // A kWriteBatch: every fragment is checked and pinned before any byte lands; GPU pieces into GPU
 // memory of one device go in one copy-kernel launch over peer pointers.
 bool serve_batch(Lane& l, const uint8_t* msg, size_t bytes) {
@@ -411,10 +425,21 @@ bool serve_batch(Lane& l, const uint8_t* msg, size_t bytes) {
     total += fr.length;
   }
   if (m.code == Code::kOk) m = total != h.length ? Moved{Code::kOk, EPROTO} : pull_batch(l, f, msg, n, total);
+  CudaRef gref;
+  const Place grant = m.code == Code::kOk && !m.err ? batch_grant(l, f, msg, pinned, &gref) : Place{};
   unpin(l, pinned);
   if (m.err) return lane_error(*l.peer, m.err);
   tally(l, m.code, false, h.length);
-  return answer_frame(l, h, m.code);
+  if (!grant.grant) return answer_frame(l, h, m.code);
+  // The answer names the granted descriptor as a kWrite's would (its first fragment).
+  const wire::Fragment fr = batch_entry(msg, 0).frag;
+  FrameHeader named = h;
+  named.region_id = fr.region_id;
+  named.key = fr.key;
+  named.desc_offset = fr.desc_offset;
+  named.desc_length = fr.desc_length;
+  named.offset = fr.offset;
+  return answer_frame(l, named, m.code, grant);
 }
 
 // A kReadBatch: every fragment is checked and pinned first; the answer says where each lies — in our
@@ -455,6 +480,8 @@ bool serve_read_batch(Lane& l, const uint8_t* msg, size_t bytes) {
     a.hdr.fragments = n;
     a.addr = nrefs;
     len += n * sizeof(BatchEntry) + nrefs * sizeof(CudaRef);
+    CudaRef unused;
+    a.grant = batch_grant(l, f, msg, pinned, &unused).grant;
   }
   tally(l, c, true, h.length);
   if (c == Code::kOk && lent) {
