@@ -99,8 +99,8 @@ constexpr Option kOptions[] = {
     {"ipc_gpu_chunk_bytes", "TETHER_IPC_GPU_CHUNK_BYTES", &C::ipc_gpu_chunk_bytes, Kind::kSize,
      "chunk size over ipc when both ends are GPU memory; smaller spreads a transfer over more lanes"},
     {"ipc_one_sided_bytes", "TETHER_IPC_ONE_SIDED_BYTES", &C::ipc_one_sided_bytes, Kind::kSize,
-     "ipc writes and reads up to this size of a granted descriptor are moved by the initiator itself, "
-     "sooner than a request; 0 = off"},
+     "ipc writes and reads up to this size of a granted descriptor, and batches of GPU blocks in one, are moved "
+     "by the initiator itself, sooner than a request; 0 = off"},
     {"fabric_library", "TETHER_LIBFABRIC_SO", &C::fabric_library, Kind::kText,
      "path of libfabric, for a site's own build; empty = the system's libfabric.so.1"},
     {"fabric_provider", "TETHER_FABRIC_PROVIDER", &C::fabric_provider, Kind::kText,

@@ -4,7 +4,9 @@
 // request that asked for it carries a GRANT (where that descriptor's bytes lie in its process and a
 // mark in its liveness table), and from then on the initiator moves chunks of that descriptor itself
 // (process_vm_writev/readv into host memory, a CUDA copy into the target's GPU allocation) and
-// answers them locally, without any message.
+// answers them locally, without any message. A batch of GPU blocks in one descriptor (a KV pull's
+// shape) goes the same way whatever its size, as one copy-kernel launch over the target's allocation:
+// its answer grants the descriptor as a single chunk's does.
 //
 // What keeps a one-sided copy from landing in memory the target has let go of is a hazard
 // protocol over shared memory (both pages below live in each side's bounce segment):
