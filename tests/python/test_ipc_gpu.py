@@ -247,13 +247,18 @@ def test_one_sided_gpu_batches(pair, lk, rk):
 
 
 def _one_sided_gpu_stream(pair, block, seed):
-    """The child writes `block`-byte pieces of its GPU memory into our 64 KiB GPU region one-sided without
-    pause (at least 200 done when this returns): (local, child, our region)."""
+    """The child writes `block`-byte pieces of its GPU memory into our GPU region one-sided without
+    pause (at least 200 done when this returns): (local, child, our region). "batch": writevs of
+    1,024 blocks of 4 KiB, each one copy-kernel launch over our allocation."""
     local, peer, c = pair
-    size = 64 * 1024
+    if block == "batch" and tether._tether.Config.from_env().busy_poll_us == 0:
+        pytest.skip("GPU batches go one-sided only where the completer runs (busy polling on)")
+    blocks = 1024 if block == "batch" else 1
+    block = 4096 if block == "batch" else block
+    size = max(64 * 1024, blocks * block)
     dst = local.region("dst", "gpu0", size)
     c.call("register", "s", size, fill=("seed", seed), device=GPU.other)
-    assert c.call("start_stream", "write", "s", dst.descriptor(), block, accepted=True)
+    assert c.call("start_stream", "write", "s", dst.descriptor(), block, accepted=True, blocks=blocks)
     deadline = time.monotonic() + 10
     while c.call("stats")["ipc_one_sided_chunks"] < 200 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -261,7 +266,7 @@ def _one_sided_gpu_stream(pair, block, seed):
     return local, c, dst
 
 
-@pytest.mark.parametrize("block", [4096, 64 * 1024], ids=["waited-by-poster", "completer"])
+@pytest.mark.parametrize("block", [4096, 64 * 1024, "batch"], ids=["waited-by-poster", "completer", "batches"])
 def test_deregister_ends_one_sided_gpu_writes_before_it_returns(pair, block):
     """The child writes into our GPU region one-sided without pause; from the moment deregister()
     returns no byte may land there, and its writes fail instead. 64 KiB copies are finished by the
@@ -349,7 +354,7 @@ def test_vmm_memory(children, lk, rk, how):
             assert_bytes_equal(got[ro:ro + ln], want[lo:lo + ln], f"block at {lo} of a VMM region and its head")
 
 
-@pytest.mark.parametrize("block", [4096, 64 * 1024], ids=["waited-by-poster", "completer"])
+@pytest.mark.parametrize("block", [4096, 64 * 1024, "batch"], ids=["waited-by-poster", "completer", "batches"])
 def test_deregister_under_a_stopped_one_sided_gpu_writer(pair, block):
     """As above, but the child is SIGSTOPped mid-stream (its completer too, with copies queued on the
     GPU) and continued 1.5 s later: whenever deregister() returns, nothing lands after it."""

@@ -177,20 +177,26 @@ class Agent(GpuCommands):
     def cmd_peers(self):
         return [(p.id, p.name, p.connected, p.error) for p in self.ep.peers()]
 
-    def cmd_start_stream(self, op, local, remote, length, accepted=False):
+    def cmd_start_stream(self, op, local, remote, length, accepted=False, blocks=1):
         """Background thread: keeps `op` ("write"/"read") of `length` bytes in flight (8 at a time)
-        until the process dies. Returns once the first one has completed."""
+        until the process dies; with `blocks` > 1, each op is a writev/readv of that many `length`-byte
+        blocks in reversed order. Returns once the first one has completed."""
         peer = self._peer(accepted)
         region = self.regions[local]
         first = threading.Event()
         self.bg_state["errors"] = []
+        spans = [(region, i * length, remote, (blocks - 1 - i) * length, length) for i in range(blocks)]
+
+        def post():
+            if blocks > 1:
+                return (peer.writev if op == "write" else peer.readv)(spans)
+            return (peer.write if op == "write" else peer.read)(region, remote, length=length)
 
         def loop():
             inflight = []
             while True:
                 while len(inflight) < 8:
-                    f = peer.write if op == "write" else peer.read
-                    inflight.append(f(region, remote, length=length))
+                    inflight.append(post())
                 t = inflight.pop(0)
                 try:
                     t.wait(30)
