@@ -13,39 +13,37 @@ namespace tether::transport::ipc {
 
 namespace {
 
-// A grant in a successful answer (one_sided.h). What the target says of its own memory can only
-// mislead copies into its own memory, so it is kept as said; one we cannot use is ignored.
+// Keeps a grant of the descriptor `named` names (a FrameHeader or a wire::Fragment), its offset 0 at
+// `base` in the target (GPU: in the allocation `ref`). What the target says of its own memory can
+// only mislead copies into its own memory, so it is kept as said.
+template <typename Named>
+void remember(IpcPeer& ip, const Named& named, uint8_t grant, bool gpu, uint64_t base, const CudaRef& ref) {
+  Grant g;
+  g.region = named.region_id;
+  g.key = named.key;
+  g.desc_offset = named.desc_offset;
+  g.desc_length = named.desc_length;
+  g.gpu = gpu;
+  g.readonly = (grant & kGrantReadOnly) != 0;
+  g.base = base;
+  if (gpu) g.ref = ref;
+  ip.os->remember(g);
+}
+
+// A grant in a successful answer (one_sided.h); one we cannot use is ignored.
 void take_grant(IpcPeer& ip, const Frame& f) {
   const FrameHeader& h = f.hdr;
   const bool gpu = f.where == uint8_t(Where::kCuda);
   if (!ip.os || h.region_id == 0 || f.addr < h.offset || (!gpu && (f.where != uint8_t(Where::kCma) || !ip.cma))) return;
-  Grant g;
-  g.region = h.region_id;
-  g.key = h.key;
-  g.desc_offset = h.desc_offset;
-  g.desc_length = h.desc_length;
-  g.gpu = gpu;
-  g.readonly = (f.grant & kGrantReadOnly) != 0;
-  g.base = f.addr - h.offset;
-  if (gpu) g.ref = f.cuda;
-  ip.os->remember(g);
+  remember(ip, h, f.grant, gpu, f.addr - h.offset, f.cuda);
 }
 
 // A grant in a read batch's answer: for the descriptor of its fragments (all one), lying where the
-// answer's first entry says (one_sided.h).
+// answer's first entry says.
 void take_batch_grant(IpcPeer& ip, const Frame& f, const uint8_t* msg, const wire::Fragment& first) {
   const BatchEntry e = batch_entry(msg, 0);
   if (!ip.os || e.pad != uint32_t(Where::kCuda) || e.addr < first.offset || e.ref >= f.addr) return;
-  Grant g;
-  g.region = first.region_id;
-  g.key = first.key;
-  g.desc_offset = first.desc_offset;
-  g.desc_length = first.desc_length;
-  g.gpu = true;
-  g.readonly = (f.grant & kGrantReadOnly) != 0;
-  g.base = e.addr - first.offset;
-  g.ref = batch_ref(msg, f.hdr.fragments, e.ref);
-  ip.os->remember(g);
+  remember(ip, first, f.grant, true, e.addr - first.offset, batch_ref(msg, f.hdr.fragments, e.ref));
 }
 
 // Hands the answer to the core, its bytes counted when it succeeded (`received`: a read's).
