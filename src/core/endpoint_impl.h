@@ -52,7 +52,6 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   std::vector<Peer> peers() const;
   void close();
 
-  // Called by peers and transports.
   // `device`: GPU of the chunks' local bytes, -1 host memory (transports rank their NICs by it).
   void wake_lanes(PeerState* peer, uint64_t chunks, int device = -1) {
     trace::mark(trace::Event::kPost, 0, 0, uint32_t(chunks));
@@ -100,15 +99,12 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   Result<Peer> attach_connected(Connecting& c);
   // ---- listener side (listener.cc)
   void accept_all();
-  // Takes the listening socket out of the event loop, or puts it back: paused while the handshakes
-  // under way are at max_pending_ or after accept() ran out of descriptors (retried after a pause).
-  void listen_paused(bool paused);
+  void listen_paused(bool paused);  // takes the listening socket out of the event loop, or puts it back
   void resume_listening(int64_t now);
   bool shed_oldest_pending(int64_t now, int64_t* retry_at);
   void advance_handshake(int fd);
   bool answer_hello(Pending& p);
   std::string offers_for(const wire::ClientHello& h);
-  void finish_accept(Pending& p);
   void accept_control(Pending& p);
   void join_data_socket(Pending& p);
   // ---- control thread (control_loop.cc)
@@ -142,8 +138,7 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   uint16_t port_ = 0;
   std::thread control_thread_;
   std::atomic<bool> closing_{false};
-  // Sockets of connect() calls still in their handshake: close() shuts them down so a connect to a
-  // peer that stopped answering ends at once instead of at connect_timeout.
+  // Sockets of connect() calls still in their handshake: close() shuts them down so those connects end at once.
   std::mutex connecting_mu_;
   std::vector<int> connecting_fds_;
   void track_connecting(int fd);
@@ -159,10 +154,8 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   std::unordered_map<int, std::unique_ptr<Pending>> pending_;
   std::unordered_map<uint64_t, std::shared_ptr<PeerState>> accepting_;  // session -> peer awaiting lanes
   int64_t last_tick_ms_ = 0;
-  // Hostile or broken connectors cannot starve the endpoint of descriptors, spin it or keep new peers
-  // out: at most max_pending_ handshakes at once (a quarter of the open-files limit); past it, or with
-  // accept() failing for descriptors, the oldest unfinished handshake is shed once it is
-  // kHandshakeGraceMs old, else the listener pauses until then (logged once per episode, at most every 10 s).
+  // Bounds against hostile connectors (listener.cc): at most max_pending_ handshakes at once (a quarter
+  // of the open-files limit); past it, or out of descriptors, the oldest is shed or the listener pauses.
   static constexpr int64_t kHandshakeGraceMs = 100;
   size_t max_pending_ = 1024;
   uint64_t next_pending_seq_ = 0;

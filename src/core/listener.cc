@@ -1,6 +1,5 @@
-// The listener's side of a connection: accepting sockets (bounded against floods: a cap on handshakes
-// under way, shedding the oldest, pausing while descriptors run out), each socket's handshake as its
-// bytes arrive, then the peer: its control socket accepted, its data sockets joined, attached, published.
+// The listener's side of a connection: accepting sockets (bounded against floods), each socket's
+// handshake as its bytes arrive, then the peer: control socket accepted, data sockets joined, published.
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -48,10 +47,8 @@ void EndpointImpl::resume_listening(int64_t now) {
   if (now >= listen_retry_at_ms_ || (!paused_for_fds_ && pending_.size() < max_pending_)) listen_paused(false);
 }
 
-// Sheds the unfinished handshake accepted first, once it has had kHandshakeGraceMs: a connector that
-// answers promptly is done long before, so under a flood of idle or slow handshakes new connections
-// still get in, while a burst of real ones (each done within the grace) is not cut. False, with *retry_at
-// the moment one will be old enough, when none is yet.
+// Sheds the oldest unfinished handshake once it is kHandshakeGraceMs old (a prompt connector is done
+// long before): a flood of idle handshakes cannot keep new peers out. False, with *retry_at, if none is.
 bool EndpointImpl::shed_oldest_pending(int64_t now, int64_t* retry_at) {
   auto oldest = pending_.end();
   for (auto it = pending_.begin(); it != pending_.end(); ++it)
@@ -171,7 +168,11 @@ void EndpointImpl::advance_handshake(int fd) {
     ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
     std::unique_ptr<Pending> owned = std::move(it->second);
     pending_.erase(it);
-    finish_accept(*owned);  // takes the fd
+    if (owned->hello.kind == uint8_t(wire::SocketKind::kControl)) {  // either takes the fd
+      accept_control(*owned);
+    } else {
+      join_data_socket(*owned);
+    }
     return;
   }
   reply(fd, &done, sizeof done);
@@ -220,9 +221,8 @@ bool EndpointImpl::answer_hello(Pending& p) {
   return reply(p.fd, out.data(), out.size()) && !bad;
 }
 
-// Only the transports the connector can choose, and of those only the ones of the highest priority
-// (it takes the highest both offer): building an offer can be costly (fabric opens its rails), and a
-// same-host peer that will take ipc needs no other.
+// Only the highest-priority transports the connector can choose (it takes the highest both offer):
+// building an offer can be costly (fabric opens its rails).
 std::string EndpointImpl::offers_for(const wire::ClientHello& h) {
   const bool same = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
   auto usable = [&](const transport::Transport& t) {
@@ -236,14 +236,6 @@ std::string EndpointImpl::offers_for(const wire::ClientHello& h) {
   for (auto& t : transports_)
     if (usable(*t) && t->priority() == best) offers.emplace_back(t->name(), t->offer(h.session));
   return wire::encode_offers(offers);
-}
-
-void EndpointImpl::finish_accept(Pending& p) {
-  if (p.hello.kind == uint8_t(wire::SocketKind::kControl)) {
-    accept_control(p);
-  } else {
-    join_data_socket(p);
-  }
 }
 
 // A control socket whose handshake passed: its peer, with the transport the connector chose.

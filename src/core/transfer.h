@@ -70,6 +70,10 @@ struct TransferState {
   std::atomic<uint64_t> received{0};   // recv: payload bytes placed so far
   uint64_t unit = 0;                   // recv: the sender's chunk size; placed: one bit per chunk (peer lock)
   std::vector<uint64_t> placed;
+  void expect_chunks(uint64_t length, uint64_t chunk) {
+    unit = chunk;
+    placed.assign((length / chunk + 64) / 64, 0);
+  }
 
   // Keeps the state alive while the engine owns it; dropped by finish().
   std::shared_ptr<TransferState> self;

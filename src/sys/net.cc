@@ -254,6 +254,10 @@ Status split_host_port(std::string_view s, std::string* host, uint16_t* port) {
   return Status::ok();
 }
 
+std::string join_host_port(const std::string& host, uint16_t port) {
+  return (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
 std::array<uint8_t, 32> host_id() {
   std::string id;
   std::ifstream boot("/proc/sys/kernel/random/boot_id");

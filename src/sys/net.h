@@ -34,8 +34,9 @@ void set_nonblocking(int fd);
 void set_nodelay(int fd);
 void close_fd(int& fd);
 
-// "host:port" -> parts. IPv6 literals as "[::1]:port".
+// "host:port" <-> parts. IPv6 literals as "[::1]:port".
 Status split_host_port(std::string_view s, std::string* host, uint16_t* port);
+std::string join_host_port(const std::string& host, uint16_t port);
 // Same boot and same network namespace <=> equal ids: loopback reaches the other side.
 std::array<uint8_t, 32> host_id();
 std::string hostname();
