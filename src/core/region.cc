@@ -70,9 +70,8 @@ Status RegionRegistry::unpublish(const Region& region) {
 }
 
 void RegionRegistry::wait_unpinned(const Region& region, const std::function<void(int64_t)>& stalled) {
-  // Remote accesses pin for one chunk at most, local transfers until they finish; a stalled peer
-  // is cut off (peer_timeout_ms, or `stalled`), so this ends. Yields first (a chunk takes microseconds),
-  // then sleeps: a long wait must not take a core.
+  // Ends: a stalled peer is cut off (peer_timeout_ms, or `stalled`). Yields first (a chunk takes
+  // microseconds), then sleeps: a long wait must not take a core.
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto next = start + std::chrono::milliseconds(10);

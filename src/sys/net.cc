@@ -61,7 +61,7 @@ int64_t now_ms() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
+static void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
 void set_nodelay(int fd) {
   int one = 1;

@@ -28,9 +28,7 @@ bool is_loopback_host(const std::string& host);
 // Exact reads/writes on a non-blocking socket, bounded by an absolute deadline.
 Status write_all(int fd, const void* buf, size_t len, int64_t deadline_ms);
 Status read_all(int fd, void* buf, size_t len, int64_t deadline_ms);
-// Non-blocking and TCP_NODELAY.
-void tune_data_socket(int fd);
-void set_nonblocking(int fd);
+void tune_data_socket(int fd);  // non-blocking and TCP_NODELAY
 void set_nodelay(int fd);
 void close_fd(int& fd);
 

@@ -128,7 +128,8 @@ const NicAddr* Nic::primary() const {
   return addrs.empty() ? nullptr : &addrs.front();
 }
 
-std::vector<Nic> discover_nics() {
+// Every interface with its addresses (getifaddrs for this network namespace, sysfs for the rest).
+static std::vector<Nic> discover_nics() {
   std::vector<Nic> out;
   std::map<std::string, size_t> index;
   ifaddrs* ifa = nullptr;
@@ -306,7 +307,7 @@ Result<std::vector<CpuBinding>> parse_cpu_bindings(std::string_view text) {
   return out;
 }
 
-std::vector<int> online_cpus() {
+static std::vector<int> online_cpus() {
   auto r = parse_cpu_list(read_line("/sys/devices/system/cpu/online"));
   if (r.is_ok() && !r.value().empty()) return r.take();
   std::vector<int> all;
