@@ -20,8 +20,7 @@ enum class Kind { kText, kChoice, kBool, kCount, kSize, kSeconds, kMicros };
 using Field = std::variant<std::monostate, std::string Config::*, uint16_t Config::*, uint32_t Config::*,
                            uint64_t Config::*, bool Config::*>;
 
-// One knob: its keyword (Python's tether.Endpoint, NIXL backend parameters; nullptr for a process-wide
-// knob read from the environment only), its variable, its field, its kind and a help line.
+// One knob (keyword nullptr: a process-wide knob, environment only).
 struct Option {
   const char* keyword;
   const char* env;
@@ -275,8 +274,7 @@ uint32_t default_channels() {
   return std::clamp<uint32_t>(n / 2, 4, 16);
 }
 
-// Waking a sleeping thread can cost more than an NVLink copy of several MiB (docs/PERFORMANCE.md,
-// "Defaults and why"); spinning pays only where cores are plentiful, as CUDA's own default scheduling assumes.
+// Spinning pays only where cores are plentiful (docs/PERFORMANCE.md, "Defaults and why").
 uint32_t default_busy_poll_us() { return std::thread::hardware_concurrency() >= 8 ? 1000 : 0; }
 
 Result<Config> Config::from_env() {

@@ -28,9 +28,9 @@ struct AtomicStats : transport::Traffic {
   std::atomic<uint64_t> reads_pushed{0};  // peers' pulled reads this side sent (wire::kPull)
 };
 
-// Shared ownership: the public Endpoint, every PeerState (so user-held Peer and Transfer handles
-// never dangle) and any thread blocked in one of its calls. close() drops the peers, so no cycle
-// outlives it, and ~Endpoint always calls close().
+// Owned by the public Endpoint, every PeerState (user-held handles never dangle) and any thread blocked
+// in one of its calls; close() (always called by ~Endpoint) drops the peers, so no cycle outlives it.
+// The transport::Host overrides say what they do in transport/host.h.
 class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, public transport::Host {
  public:
   static Result<std::shared_ptr<EndpointImpl>> create(const Config& config);
@@ -59,7 +59,6 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   }
   // Registers with the registry, then with every usable transport (descriptor extensions).
   Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
-  // How staged payloads reach GPU memory (Config::unpack, resolved once).
   gpu::Unpack unpack_mode() const override { return unpack_; }
   // (name, why unavailable — empty when usable) of every transport this build knows.
   std::vector<std::pair<std::string, std::string>> transport_status() const;

@@ -46,11 +46,10 @@ class PeerState final : public transport::Link {
   ~PeerState();
   std::shared_ptr<PeerState> self() { return std::static_pointer_cast<PeerState>(shared_from_this()); }
 
-  uint32_t slot_count() const override { return uint32_t(slots_.size()); }  // chunk slots (indices in FrameHeader::slot)
-  uint32_t busy_poll_us() const override;  // Config::busy_poll_us
+  // The transport::Link overrides say what they do in transport/link.h.
+  uint32_t slot_count() const override { return uint32_t(slots_.size()); }
+  uint32_t busy_poll_us() const override;
   bool wait_naps() const { return wait_naps_; }  // the transport's Caps::wait_naps
-  // The live lane with the fewest chunks in flight, the lowest on ties: lone transfers keep landing on
-  // the lane whose threads are still awake from the last one.
   uint32_t quietest_lane() const override;
   // Reads `lane` from the calling thread if nobody else is (a waiter fetching its own answer).
   void progress_lane(uint32_t lane);
@@ -68,41 +67,24 @@ class PeerState final : public transport::Link {
   Transfer post_notify(std::string data);
 
   // ---- transport side (called by the lane's progress thread only)
-  // Next chunk for `lane` if the lane's window allows; fills op and claims a slot.
   bool next_chunk(uint32_t lane, ChunkOp* op) override;
   bool has_work() const override {
     return queue_head_.load(std::memory_order_acquire) != nullptr || resend_count_.load(std::memory_order_acquire) > 0;
   }
-  // A target answered chunk (slot, gen). kProtocolError if the answer names no chunk of this lane.
   Code answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t status) override;
-  // The pieces of kReadBatch chunk (slot, gen): `n` fragments, where each lands, on GPU `device` (-1: host).
   Code read_batch(uint32_t lane, uint32_t slot, uint32_t gen, uint32_t n, const wire::Fragment** frags,
                   const Piece** pieces, int* device) override;
-  // Where a kReadResp payload of `length` bytes goes, on GPU `device` (-1: host). Given `pieces`, a
-  // kReadBatch chunk's answer is named there, `npieces` in order (and *dest is null).
   Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest, int* device,
                         const Piece** pieces = nullptr, uint32_t* npieces = nullptr) override;
-  // Target side of kSendData: where the bytes go inside the matched recv `token` (`unit`: the sender's
-  // chunk size, `flags`: the frame's). kOk with *dest null: a resent chunk already placed; discard it.
   Code resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint64_t unit, uint16_t flags,
                          uint8_t** dest, TransferState** recv, int* device) override;
-  // A chunk of a recv is in place; counted once even if it arrived twice (resent after a lost answer).
   void send_data_placed(TransferState* recv, uint64_t offset, uint64_t length) override;
-  // Target side of a kPull frame (a read this side pushes, Caps::pull_reads): checks the range as a
-  // kReadReq's, then starts the send, or answers kPullFail. False: malformed (the caller drops the peer).
   bool on_pull(const wire::FrameHeader& h) override;
-  // A lane died with a kSendData chunk half received: the sender resends it, unless the peer is gone.
   void abandon_send_data(TransferState* recv) override;
-  // A lane's socket failed: a link-level failure (connection lost, timeout) kills only the lane while
-  // another survives; anything else, or the last lane, fails the peer.
   void lane_failed(uint32_t lane, Status why) override;
-  // The lane is retired: its chunks in flight move to the surviving lanes, or (peer failed) are
-  // answered with `code`.
   void release_lane(uint32_t lane, Code code) override;
   LinkCounters& lane_counters(uint32_t lane) override { return lane_counters_[lane]; }
-  // Payload bytes of the chunks `lane` holds unanswered (a lock-free hint for the transport).
   uint64_t lane_bytes(uint32_t lane) const override { return lane_bytes_[lane].load(std::memory_order_relaxed); }
-  // The sum of lane_bytes.
   uint64_t unanswered_bytes() const override {
     uint64_t sum = 0;
     for (uint32_t i = 0; i < lanes_; ++i) sum += lane_bytes(i);
@@ -130,13 +112,10 @@ class PeerState final : public transport::Link {
   void cancel_region(const RegionState* region);
   // A read this side pushes to the peer still reads `region` (deregister() waits on its chunks' pins).
   bool pushes_from(const RegionState* region) const;
-  // Fails the peer once: every transfer still using it ends with `s`, sockets are shut down.
   void fail(Status s) override;
 
-  // ---- who may still touch the peer's sockets and transport state (docs/ARCHITECTURE.md, "Shutdown"):
-  // the control side, each lane's thread and any thread inside one transport call (Hold) hold the peer;
-  // the last to let go closes the sockets, so no descriptor number is reused while a thread could use it.
-  bool hold() override;  // false once everything was let go (a failed peer's resources are gone)
+  // ---- holds (transport/link.h): the control side holds the peer too, until let_go_control().
+  bool hold() override;
   void let_go() override;
   void let_go_control();            // the control side's hold; once
   bool released() const override { return released_.load(std::memory_order_acquire); }
