@@ -250,23 +250,21 @@ const char* env_value(const Option& o) {
   return v && *v ? v : nullptr;
 }
 
+}  // namespace
+
+namespace sys {
 // A process-wide knob's text: its variable's if the row accepts it, else the row's default.
-std::string knob_text(const char* name) {
+std::string env_text(const char* name) {
   const Option* o = by_env(name);
   if (!o) return {};
   const char* v = env_value(*o);
   Config scratch;
   return v && parse_value(*o, v, true, &scratch) ? std::string(v) : std::string(o->fallback);
 }
-
-}  // namespace
-
-namespace sys {
 bool env_flag(const char* name) {
   bool b = false;
-  return parse_bool(knob_text(name), &b) && b;
+  return parse_bool(env_text(name), &b) && b;
 }
-std::string env_text(const char* name) { return knob_text(name); }
 }  // namespace sys
 
 uint32_t default_channels() {

@@ -60,7 +60,6 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   // Registers with the registry, then with every usable transport (descriptor extensions).
   Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
   gpu::Unpack unpack_mode() const override { return unpack_; }
-  // (name, why unavailable — empty when usable) of every transport this build knows.
   std::vector<std::pair<std::string, std::string>> transport_status() const;
   void transport_counters(std::vector<std::pair<std::string, uint64_t>>& out) const {
     for (auto& t : transports_) t->counters(out);

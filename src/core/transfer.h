@@ -85,9 +85,7 @@ struct TransferState {
   void release(int64_t n = 1);
   void finish(Status s);
   bool is_finished() const { return finished_.load(std::memory_order_acquire); }
-  // Spins (a small transfer: max(kSpinUs, the peer's busy_poll_us); else busy_poll_us), then sleeps; where
-  // the transport's Caps::wait_naps (with busy polling on) a read of 4 MiB or more naps instead
-  // (nap_until_done), any other transfer that large sleeps at once.
+  // Spins, naps or sleeps by the transfer's size, busy_poll_us and the transport (transfer.cc).
   Status wait(int64_t timeout_ms);
   Status final_status() const;
 

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "sys/crypto.h"
@@ -76,9 +77,9 @@ void close_fd(int& fd) {
 Result<int> listen_tcp(const std::string& host, uint16_t port, uint32_t buffer_bytes) {
   auto res = resolve(host, port, true);
   if (!res.is_ok()) return res.status();
-  addrinfo* ai = res.value();
+  const std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> ai(res.value(), freeaddrinfo);
   Status last(Code::kUnavailable, "no address to listen on for '" + host + "'");
-  for (addrinfo* a = ai; a; a = a->ai_next) {
+  for (addrinfo* a = ai.get(); a; a = a->ai_next) {
     int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) { last = Status(Code::kUnavailable, errstr("socket")); continue; }
     int one = 1;
@@ -89,10 +90,8 @@ Result<int> listen_tcp(const std::string& host, uint16_t port, uint32_t buffer_b
       ::close(fd);
       continue;
     }
-    freeaddrinfo(ai);
     return fd;
   }
-  freeaddrinfo(ai);
   return last;
 }
 
@@ -108,13 +107,12 @@ Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline
                         const std::string& bind_addr) {
   auto res = resolve(host, port, false);
   if (!res.is_ok()) return res.status();
-  addrinfo* ai = res.value();
+  const std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> ai(res.value(), freeaddrinfo);
   Status last(Code::kConnectionLost, "no address for '" + host + "'");
-  for (addrinfo* a = ai; a; a = a->ai_next) {
+  for (addrinfo* a = ai.get(); a; a = a->ai_next) {
     int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) { last = Status(Code::kUnavailable, errstr("socket")); continue; }
-    int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    set_nodelay(fd);
     size_buffers(fd, buffer_bytes);
     if (!bind_addr.empty()) {
       sockaddr_storage ss{};
@@ -148,10 +146,8 @@ Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline
       ::close(fd);
       continue;
     }
-    freeaddrinfo(ai);
     return fd;
   }
-  freeaddrinfo(ai);
   return last;
 }
 
