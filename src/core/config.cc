@@ -187,8 +187,7 @@ std::string expected(const Option& o, bool env) {
   return "";
 }
 
-// Parses `text` by the row's kind; stores it in c's field when the row has one. False: refused,
-// nothing stored.
+// Parses `text` by the row's kind into c's field (if the row has one); false: refused, nothing stored.
 bool parse_value(const Option& o, std::string_view text, bool env, Config* c) {
   uint64_t n = 0;
   bool b = false;

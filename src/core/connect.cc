@@ -291,8 +291,7 @@ Result<Peer> EndpointImpl::attach_connected(Connecting& c) {
   return Peer(peer);
 }
 
-// The configured transport, else the highest priority one both sides can use (on this host, for
-// same-host-only ones).
+// The configured transport, else the highest priority one both sides can use.
 Result<std::pair<transport::Transport*, std::string>> EndpointImpl::choose_transport(const wire::Offers& theirs,
                                                                                      bool same_host) const {
   const std::string& want = config_.transport;

@@ -40,8 +40,7 @@ void EndpointImpl::listen_paused(bool paused) {
   ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
 }
 
-// Control thread, every turn: a paused listener is tried again after its pause, or, paused for the
-// handshake cap, as soon as a handshake has ended.
+// Every turn: a paused listener resumes after its pause, or (paused for the cap) once a handshake ended.
 void EndpointImpl::resume_listening(int64_t now) {
   if (listen_armed_) return;
   if (now >= listen_retry_at_ms_ || (!paused_for_fds_ && pending_.size() < max_pending_)) listen_paused(false);
@@ -179,8 +178,7 @@ void EndpointImpl::advance_handshake(int fd) {
   drop();
 }
 
-// Answers p.hello with our ServerHello (and, to a control socket, our offers); false: the socket is
-// to be dropped (not a tether peer, refused, or the answer did not go out).
+// Answers p.hello with our ServerHello (and, to a control socket, our offers); false: drop the socket.
 bool EndpointImpl::answer_hello(Pending& p) {
   const wire::ClientHello& h = p.hello;
   if (h.magic != wire::kMagic) return false;  // not a tether peer: say nothing

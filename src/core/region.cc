@@ -89,8 +89,7 @@ void RegionRegistry::wait_unpinned(const Region& region, const std::function<voi
   }
 }
 
-// (mu_ held) The region an access names, pinned, if its key, rights and bounds allow the access; else null
-// and *code.
+// (mu_ held) The region an access names, pinned, if key, rights and bounds allow it; else null and *code.
 const std::shared_ptr<RegionState>* RegionRegistry::pin_checked(uint32_t id, uint64_t key, uint64_t desc_offset,
                                                                 uint64_t desc_length, uint64_t offset,
                                                                 uint64_t length, bool write, Code* code) const {

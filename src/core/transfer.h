@@ -1,5 +1,4 @@
-// Transfer state: one user operation, cut into chunks by the peer's scheduler and
-// completed when every chunk has been answered by the target.
+// Transfer state: one user operation, cut into chunks by the peer's scheduler, done once all are answered.
 #pragma once
 #include <atomic>
 #include <chrono>
