@@ -570,16 +570,14 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
     local_offsets = np.array([lo for lo, _, _ in blocks], dtype=np.uint64)
     remote_offsets = np.array([ro for _, ro, _ in blocks], dtype=np.uint64)
 
+    one, many = (peer.write, peer.writev_blocks) if case.mode == "write" else (peer.read, peer.readv_blocks)
+
     def post():
-        if case.mode == "write":
-            if case.num_iovs == 1:
-                return peer.write(local, remote, local_offset=blocks[0][0], remote_offset=blocks[0][1], length=total)
-            return peer.writev_blocks(local, remote, local_offsets, remote_offsets, case.size)
-        if case.mode == "read":
-            if case.num_iovs == 1:
-                return peer.read(local, remote, local_offset=blocks[0][0], remote_offset=blocks[0][1], length=total)
-            return peer.readv_blocks(local, remote, local_offsets, remote_offsets, case.size)
-        return peer.send(local, length=total)
+        if case.mode == "send":
+            return peer.send(local, length=total)
+        if case.num_iovs == 1:
+            return one(local, remote, local_offset=blocks[0][0], remote_offset=blocks[0][1], length=total)
+        return many(local, remote, local_offsets, remote_offsets, case.size)
 
     if case.mode == "send" and case.num_iovs != 1:
         raise ValueError("send takes --num-iovs 1")

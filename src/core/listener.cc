@@ -250,16 +250,22 @@ void EndpointImpl::accept_control(Pending& p) {
   if (!chosen || cp.lanes == 0 || cp.lanes > kMaxLanes || (tcp_lanes && cp.lanes != h.lanes)) return refuse(fd);
   info.transport = name;
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, uint32_t(cp.lanes), chosen);  // packed: a copy
-  const bool early = !tcp_lanes && chosen->caps().attach_before_answer;
-  if (early) {  // attach and publish first: connect() returning there means peers() shows it here
-    Status s = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
-    if (!s.is_ok()) {
-      refuse(fd, s.code() == Code::kAccessDenied ? wire::HelloStatus::kNotSameHost : wire::HelloStatus::kBadRequest);
-      peer->fail(Status(s.code(), "accept: transport " + name + ": " + s.message()));
-      return;
+  // A transport with its own lanes: attached and published, or failed (false, *why says why).
+  auto attach = [&](Status* why) {
+    *why = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
+    if (!why->is_ok()) {
+      peer->fail(Status(why->code(), "accept: transport " + name + ": " + why->message()));
+      return false;
     }
     std::lock_guard lock(peers_mu_);
     peers_[peer->info().id] = peer;
+    return true;
+  };
+  Status why;
+  const bool early = !tcp_lanes && chosen->caps().attach_before_answer;
+  if (early && !attach(&why)) {  // attach first: connect() returning there means peers() shows it here
+    refuse(fd, why.code() == Code::kAccessDenied ? wire::HelloStatus::kNotSameHost : wire::HelloStatus::kBadRequest);
+    return;
   }
   peer->control_fd = fd;
   // Our data NICs follow the answer (a few hundred bytes: they fit a fresh socket's buffer).
@@ -283,17 +289,7 @@ void EndpointImpl::accept_control(Pending& p) {
     accepting_[uint64_t(h.session)] = peer;  // packed field: a copy, not a reference
     return;
   }
-  // Its own lanes: attach after answering, since attaching may need the connector to act.
-  Status s = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
-  if (!s.is_ok()) {
-    peer->fail(Status(s.code(), "accept: transport " + name + ": " + s.message()));
-    return;
-  }
-  {
-    std::lock_guard lock(peers_mu_);
-    peers_[peer->info().id] = peer;
-  }
-  adopt_peer(peer);
+  if (attach(&why)) adopt_peer(peer);  // after answering: attaching may need the connector to act
 }
 
 // A data socket of a peer accepted on its control socket: once the last one joins, the peer is attached.
