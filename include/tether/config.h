@@ -12,7 +12,7 @@
 namespace tether {
 
 // Defaults that depend on the machine: progress threads = half the CPUs, 4 to 16; busy polling 1000 µs
-// where there are 8 or more CPUs, else 0 (spinning pays only where cores are plentiful).
+// where there are 8 or more CPUs, else 0 (spinning pays only where cores are plentiful: docs/PERFORMANCE.md).
 uint32_t default_channels();
 uint32_t default_busy_poll_us();
 

@@ -279,9 +279,7 @@ class Peer:
 
     def read(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
              length: Optional[int] = None, notify: Optional[bytes] = None) -> Transfer:
-        """Remote [remote_offset, +length) -> local [local_offset, +length): exactly `length` bytes, or
-        OutOfRange naming both ranges (nothing moves). Default length: the rest of the local region
-        (`local.size - local_offset`), which the remote range must hold from `remote_offset` on.
+        """Remote [remote_offset, +length) -> local [local_offset, +length); length and errors as for `write`.
         `notify` reaches the target once every byte has arrived here (it may then reuse its memory)."""
         return self._rma(self._p.read, local, remote, local_offset, remote_offset, length, notify)
 

@@ -168,9 +168,7 @@ def collect() -> dict[str, Any]:
         sysctls[key] = {"value": value, "ok": ok, "advice": None if ok else advice.format(_bytes(socket_buffer))}
     cuda = ctypes.util.find_library("cuda") or (os.path.exists("/dev/nvidiactl") and "libcuda (driver present)")
     fabric = ctypes.util.find_library("fabric")
-    transports = {
-        "tcp": {"available": True, "why": "kernel sockets"},
-    }
+    transports = {"tcp": {"available": True, "why": "kernel sockets"}}
     usable = {"tcp": "kernel sockets", "ipc": "same-host peers: process_vm_readv / memfd segments, CUDA IPC (VMM: fds) for GPU memory",
               "netplugin": "NCCL net plugin " + _value(opts, "net_plugin")}
     try:

@@ -271,7 +271,6 @@ uint32_t default_channels() {
   return std::clamp<uint32_t>(n / 2, 4, 16);
 }
 
-// Spinning pays only where cores are plentiful (docs/PERFORMANCE.md, "Defaults and why").
 uint32_t default_busy_poll_us() { return std::thread::hardware_concurrency() >= 8 ? 1000 : 0; }
 
 Result<Config> Config::from_env() {
