@@ -1,7 +1,6 @@
-// Every knob of an Endpoint. The option table in src/core/config.cc (kOptions) is the one list: each
-// field's keyword, TETHER_* variable, kind and help line (why a user would turn it) are there, and
-// Config::options(), Python's keywords, the NIXL parameters, README's table and `tether doctor` come
-// from it. Defaults are the measured ones (docs/PERFORMANCE.md, "Defaults and why").
+// Every knob of an Endpoint. The option table in src/core/config.cc (kOptions) is the one list of
+// keywords, TETHER_* variables, kinds and help lines; every other view (Python, NIXL, README, `tether
+// doctor`) comes from it. Defaults: docs/PERFORMANCE.md, "Defaults and why".
 #pragma once
 #include <cstdint>
 #include <string>
@@ -13,7 +12,7 @@
 namespace tether {
 
 // Defaults that depend on the machine: progress threads = half the CPUs, 4 to 16; busy polling 1000 µs
-// where there are 8 or more CPUs, else 0 (spinning pays only where cores are plentiful).
+// where there are 8 or more CPUs, else 0 (spinning pays only where cores are plentiful: docs/PERFORMANCE.md).
 uint32_t default_channels();
 uint32_t default_busy_poll_us();
 
@@ -65,12 +64,10 @@ struct Config {
   uint32_t fabric_busy_poll = 0;
   uint32_t fabric_delivery_complete = 1;
 
-  // Defaults overridden by the TETHER_* variables that are set and not empty, each parsed as its keyword
-  // is by set() (sizes with K/M/G units, booleans, durations; *_MS variables count milliseconds). A value
-  // its option does not accept is kInvalidArgument naming the variable, its value and what it accepts.
+  // Defaults overridden by the TETHER_* variables set and not empty, parsed as set() parses its keyword
+  // (*_MS variables count milliseconds); a bad value is kInvalidArgument naming the variable.
   static Result<Config> from_env();
-  // The process-wide knobs (environment only: TETHER_TRACE, TETHER_NET_FAULT, ...) checked the
-  // same way; Endpoint::create calls it.
+  // The process-wide knobs (environment only: TETHER_TRACE, ...) checked the same way.
   static Status check_process_env();
   // Sets one option by the name Python's tether.Endpoint(...) keyword has ("channels", "peer_timeout"
   // in seconds, ...), from its text: kInvalidArgument names the option and what was wrong.
@@ -79,10 +76,8 @@ struct Config {
   std::string get(std::string_view option) const;
   // Every option name set() accepts, in declaration order.
   static std::vector<std::string> option_names();
-  // The option table: every knob, with its keyword ("" for a process-wide one), variable, kind (text,
-  // choice, bool, count, size, seconds, microseconds), default here, allowed values (choice), help line,
-  // what its variable accepts, and the variable's text where it is set and not empty (what from_env
-  // applies; "" = the default holds).
+  // The option table, a row per knob: keyword ("" for a process-wide one), variable, kind, default here,
+  // allowed values (choice), help line, what its variable accepts, and the variable's text if set.
   struct OptionInfo {
     std::string keyword, env, kind, default_value, choices, help, accepts, env_value;
   };

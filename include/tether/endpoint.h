@@ -110,11 +110,9 @@ class Transfer {
   Transfer() = default;
   explicit Transfer(std::shared_ptr<core::TransferState> s) : state_(std::move(s)) {}
   bool done() const;
-  // done(), after doing from the calling thread what finishes this transfer soonest (never blocks): a
-  // small transfer's answer is read from its lane if one is waiting there (where progress threads spin:
-  // only when nothing else is in flight on the peer), and a lone one-sided GPU copy over ipc is polled
-  // here. A caller that polls in a loop (NIXL's checkXfer) then sees a small transfer finish without
-  // waiting for another thread to wake or to hand it over.
+  // done(), after doing from the calling thread what finishes this transfer soonest, without blocking
+  // (a small transfer's waiting answer, a one-sided GPU copy): a caller polling in a loop (NIXL's
+  // checkXfer) sees a small transfer finish without waiting for another thread to wake.
   bool poll() const;
   // Waits up to timeout_ms (negative: forever). Returns the transfer's status, or kTimeout
   // if it is still running (it keeps running).
@@ -187,12 +185,11 @@ struct Notification {
 // What a lane or a NIC carried. errors: lanes lost; resends: chunks moved off a lost lane.
 struct LinkStats {
   uint64_t bytes_sent = 0, bytes_received = 0, chunks_sent = 0, chunks_received = 0, errors = 0, resends = 0;
-  // tcp lanes (and their NICs; 0 elsewhere): seconds inside sendmsg / recv, and waiting on GPU staging copies
-  // (from each copy's start until the lane saw it done). Against wall time they show where a lane's
-  // time goes: the kernel's copies, the GPU's, or neither (asleep, waiting for work or a wake-up).
+  // tcp lanes (and their NICs; 0 elsewhere): seconds inside sendmsg / recv and waiting on GPU staging
+  // copies: against wall time, where a lane's time goes.
   double send_s = 0, recv_s = 0, staging_s = 0;
-  // tcp lanes staging GPU memory: the most pinned staging slots (chunk_bytes each) one ring of the lane
-  // (tx or rx) held at once, of 8; a NIC: the most of its lanes'. 0 where nothing was staged.
+  // tcp lanes staging GPU memory: the most staging slots one ring of the lane held at once (a NIC: of
+  // its lanes); 0 where nothing was staged.
   uint64_t staging_slots_peak = 0;
 };
 struct NicStats {
@@ -214,8 +211,7 @@ struct EndpointStats {
   uint64_t reads_pushed = 0;  // peers' reads this endpoint sent as pushes (tcp, GPU memory on either side)
   std::vector<NicStats> nics;    // NICs that are data NICs or carried a lane
   std::vector<LaneStats> lanes;  // lanes of the peers connected now
-  // What each transport counts of its own, as (name, value), names prefixed by the transport
-  // (ipc: ipc_cma_chunks, ipc_shm_chunks, ipc_inline_chunks, ipc_one_sided_chunks, ipc_cuda_chunks, ipc_cuda_opens).
+  // What each transport counts of its own, as (name, value), names prefixed by the transport ("ipc_cma_chunks").
   std::vector<std::pair<std::string, uint64_t>> transport_counters;
 };
 

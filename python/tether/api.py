@@ -259,6 +259,15 @@ class Peer:
     connected = property(lambda self: self._p.connected)
     error = property(lambda self: self._p.error)
 
+    def _rma(self, call, local: Region, remote: Remote, local_offset, remote_offset, length, notify) -> Transfer:
+        if isinstance(remote, str):
+            remote = _remote(remote)
+        if length is None:
+            length = _rest(local, local_offset)
+        notify = _notify_arg(notify)
+        return Transfer(_u64_args(lambda: call(local._r, local_offset, remote, remote_offset, length, notify),
+                                  local_offset=local_offset, remote_offset=remote_offset, length=length))
+
     def write(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
               length: Optional[int] = None, notify: Optional[bytes] = None) -> Transfer:
         """Local [local_offset, +length) -> remote [remote_offset, +length): exactly `length` bytes, or
@@ -266,27 +275,13 @@ class Peer:
         the rest of the local region (`local.size - local_offset`), which the remote range must hold
         from `remote_offset` on. `remote`: a descriptor (bytes, its .hex() text, or a RemoteRegion).
         `notify` reaches the target only after the data is in place."""
-        if isinstance(remote, str):
-            remote = _remote(remote)
-        if length is None:
-            length = _rest(local, local_offset)
-        notify = _notify_arg(notify)
-        return Transfer(_u64_args(lambda: self._p.write(local._r, local_offset, remote, remote_offset, length, notify),
-                                  local_offset=local_offset, remote_offset=remote_offset, length=length))
+        return self._rma(self._p.write, local, remote, local_offset, remote_offset, length, notify)
 
     def read(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
              length: Optional[int] = None, notify: Optional[bytes] = None) -> Transfer:
-        """Remote [remote_offset, +length) -> local [local_offset, +length): exactly `length` bytes, or
-        OutOfRange naming both ranges (nothing moves). Default length: the rest of the local region
-        (`local.size - local_offset`), which the remote range must hold from `remote_offset` on.
+        """Remote [remote_offset, +length) -> local [local_offset, +length); length and errors as for `write`.
         `notify` reaches the target once every byte has arrived here (it may then reuse its memory)."""
-        if isinstance(remote, str):
-            remote = _remote(remote)
-        if length is None:
-            length = _rest(local, local_offset)
-        notify = _notify_arg(notify)
-        return Transfer(_u64_args(lambda: self._p.read(local._r, local_offset, remote, remote_offset, length, notify),
-                                  local_offset=local_offset, remote_offset=remote_offset, length=length))
+        return self._rma(self._p.read, local, remote, local_offset, remote_offset, length, notify)
 
     def writev(self, entries: Sequence[Tuple[Region, int, Remote, int, int]],
                notify: Optional[bytes] = None) -> Transfer:
@@ -308,8 +303,8 @@ class Peer:
         as they are); `lengths`: one int for every block, or one per block; zero-length blocks are
         allowed. Checked like `writev` before any byte moves; errors name the block ("(block 17)").
         Much cheaper to post than `writev` with a tuple per block."""
-        return Transfer(self._p.writev_blocks(local._r, _remote(remote) if isinstance(remote, str) else remote, _blocks(local_offsets, remote_offsets, lengths),
-                                              _notify_arg(notify)))
+        return Transfer(self._p.writev_blocks(local._r, _remote(remote) if isinstance(remote, str) else remote,
+                                              _blocks(local_offsets, remote_offsets, lengths), _notify_arg(notify)))
 
     def readv_blocks(self, local: Region, remote: Remote, local_offsets: Offsets, remote_offsets: Offsets,
                      lengths: Union[int, Offsets], notify: Optional[bytes] = None) -> Transfer:
@@ -320,17 +315,16 @@ class Peer:
 
     def send(self, local: Region, *, offset: int = 0, length: Optional[int] = None, tag: int = 0) -> Transfer:
         """Two-sided: matched by the peer's recv with the same tag, in posting order."""
-        if length is None:
-            length = local.size - offset
-        return Transfer(_u64_args(lambda: self._p.send(local._r, offset, length, tag), offset=offset, length=length,
-                                  tag=tag))
+        return self._two_sided(self._p.send, local, offset, length, tag)
 
     def recv(self, local: Region, *, offset: int = 0, length: Optional[int] = None, tag: int = 0) -> Transfer:
         """Posts room for one message; `Transfer.bytes` is its length once done."""
+        return self._two_sided(self._p.recv, local, offset, length, tag)
+
+    def _two_sided(self, call, local: Region, offset, length, tag) -> Transfer:
         if length is None:
             length = local.size - offset
-        return Transfer(_u64_args(lambda: self._p.recv(local._r, offset, length, tag), offset=offset, length=length,
-                                  tag=tag))
+        return Transfer(_u64_args(lambda: call(local._r, offset, length, tag), offset=offset, length=length, tag=tag))
 
     def notify(self, data: bytes) -> Transfer:
         return Transfer(self._p.notify(bytes(data)))

@@ -6,6 +6,7 @@ GB/s uses 1 GB = 1e9 B; bytes moved per op = size x num_iovs.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -35,11 +36,8 @@ HUGE_PAGE = 2 << 20
 
 
 def huge_aligned(n: int) -> np.ndarray:
-    """n bytes of host memory starting on a 2 MiB boundary. A large allocation starts 16 bytes into
-    an mmap'd area, so its first up-to-2 MiB lie in 4 KiB pages while the rest can be transparent
-    huge pages, and a small op at offset 0 would measure the first case only (process_vm_writev of
-    64 KiB: 6.0 µs over 4 KiB pages, 3.5–4.0 µs over a huge page, cpu-2c): aligned, every op sees
-    what the bulk of a large buffer is."""
+    """n bytes of host memory starting on a 2 MiB boundary: unaligned, a small op at offset 0 would
+    land in the 4 KiB pages before the first transparent huge page, unlike the bulk of the buffer."""
     raw = np.empty(n + HUGE_PAGE, dtype=np.uint8)
     pad = -raw.ctypes.data % HUGE_PAGE
     return raw[pad:pad + n]
@@ -123,8 +121,7 @@ def cpu_seconds() -> float:
 
 def stolen_seconds() -> float:
     """CPU-seconds the hypervisor has held this machine's CPUs back so far (/proc/stat's steal; 0 where
-    there is none). On the GPU hosts, a VM, rows that ran at half their rate came with it (docs/PERFORMANCE.md,
-    "How we measure"): a figure taken while it grew measures the host as much as tether."""
+    there is none): a figure taken while it grew measures the host as much as tether."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
@@ -236,6 +233,14 @@ def memory_shortfall(capacity: int, host_buffers: int, per_process: int, gpu_buf
 
 def digest(buf: np.ndarray) -> bytes:
     return hashlib.blake2b(memoryview(buf), digest_size=16).digest()
+
+
+def spans_digest(buf: Mem, spans: list[tuple[int, int]]) -> bytes:
+    """digest() of the (offset, length) spans' bytes, concatenated in order."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in buf.pieces(spans):
+        h.update(memoryview(p))
+    return h.digest()
 
 
 @dataclass
@@ -407,16 +412,10 @@ def serve(ep: "tether.Endpoint", channel) -> bool:
             return True
         if cmd == "verify":  # [(offset, length), ...], expected digest of their concatenation
             spans, expect = args
-            h = hashlib.blake2b(digest_size=16)
-            for p in buf.pieces(spans):
-                h.update(memoryview(p))
-            return h.digest() == expect
+            return spans_digest(buf, spans) == expect
         if cmd == "fill":  # random source data for reads; returns the digest of the spans
-            h = hashlib.blake2b(digest_size=16)
             buf.randomize_spans(args[0], rng)
-            for p in buf.pieces(args[0]):
-                h.update(memoryview(p))
-            return h.digest()
+            return spans_digest(buf, args[0])
         if peer is None:  # only receives need the link itself
             peer = getattr(channel, "peer", None) or ep.peers()[0]
         if cmd == "recv":  # post `count` receives of `size` bytes, one after another
@@ -478,10 +477,7 @@ class Pair:
         self.src_region = ep.register(self.src.obj)
 
     def ask(self, cmd, *args):
-        if self.lock is None:
-            self.channel.send((cmd, self.slot, *args))
-            return self.channel.recv()
-        with self.lock:  # slots sharing one channel: keep each question next to its answer
+        with self.lock or contextlib.nullcontext():  # slots sharing one channel: each question by its answer
             self.channel.send((cmd, self.slot, *args))
             return self.channel.recv()
 
@@ -574,16 +570,14 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
     local_offsets = np.array([lo for lo, _, _ in blocks], dtype=np.uint64)
     remote_offsets = np.array([ro for _, ro, _ in blocks], dtype=np.uint64)
 
+    one, many = (peer.write, peer.writev_blocks) if case.mode == "write" else (peer.read, peer.readv_blocks)
+
     def post():
-        if case.mode == "write":
-            if case.num_iovs == 1:
-                return peer.write(local, remote, local_offset=blocks[0][0], remote_offset=blocks[0][1], length=total)
-            return peer.writev_blocks(local, remote, local_offsets, remote_offsets, case.size)
-        if case.mode == "read":
-            if case.num_iovs == 1:
-                return peer.read(local, remote, local_offset=blocks[0][0], remote_offset=blocks[0][1], length=total)
-            return peer.readv_blocks(local, remote, local_offsets, remote_offsets, case.size)
-        return peer.send(local, length=total)
+        if case.mode == "send":
+            return peer.send(local, length=total)
+        if case.num_iovs == 1:
+            return one(local, remote, local_offset=blocks[0][0], remote_offset=blocks[0][1], length=total)
+        return many(local, remote, local_offsets, remote_offsets, case.size)
 
     if case.mode == "send" and case.num_iovs != 1:
         raise ValueError("send takes --num-iovs 1")
@@ -650,20 +644,14 @@ def _checked_iteration(pair: Pair, case: Case, blocks, post, rng) -> bool:
         pair.src.randomize_spans([(lo, n) for lo, _, n in blocks], rng)
         pair.ask("poison", pair.capacity)
         post().wait(120)
-        h = hashlib.blake2b(digest_size=16)
         spans = sorted(((ro, lo, n) for lo, ro, n in blocks))
-        for p in pair.src.pieces([(lo, n) for _, lo, n in spans]):
-            h.update(memoryview(p))
-        return pair.ask("verify", [(ro, n) for ro, _, n in spans], h.digest())
+        return pair.ask("verify", [(ro, n) for ro, _, n in spans], spans_digest(pair.src, [(lo, n) for _, lo, n in spans]))
     if case.mode == "read":
         by_remote = sorted(blocks, key=lambda b: b[1])
         expect_by_remote = pair.ask("fill", [(ro, n) for _, ro, n in by_remote])
         pair.src.fill(POISON)
         post().wait(120)
-        h = hashlib.blake2b(digest_size=16)
-        for p in pair.src.pieces([(lo, n) for lo, _, n in by_remote]):
-            h.update(memoryview(p))
-        return h.digest() == expect_by_remote
+        return spans_digest(pair.src, [(lo, n) for lo, _, n in by_remote]) == expect_by_remote
     data = rng.integers(0, 256, total, dtype=np.uint8)
     pair.src.put(0, data)
     pair.ask("recv_check", total, digest(data))

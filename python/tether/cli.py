@@ -89,8 +89,7 @@ def _choice(what: str, *allowed: str):
 
 
 class _Parser(argparse.ArgumentParser):
-    """A usage mistake is one line naming the option and where the options are listed, not the whole
-    usage block (which buried the message under a dozen lines)."""
+    """A usage mistake is one line naming the option, not the whole usage block that would bury it."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
@@ -201,7 +200,6 @@ def _run_server(args, options: dict) -> int:
     from rich.console import Console
 
     from tether import bench as B
-    import tether
 
     console = Console(stderr=True)
     host, port = "0.0.0.0", 0
@@ -242,9 +240,7 @@ def print_whole(table, stderr: bool = False) -> None:
 
 
 def stats_tables(stats: dict, combo: dict, side: str = "driving side") -> None:
-    """Per-NIC and per-channel (lane) counters: bytes, chunks, lanes lost, chunks resent elsewhere, and
-    (tcp lanes) milliseconds inside sendmsg / recv and waiting on GPU staging copies, and the most pinned
-    staging slots (chunk bytes each) one of a lane's rings held at once, over the run so far."""
+    """Per-NIC and per-channel (lane) counters over the run so far (tether.EndpointStats's LinkStats)."""
     from rich.table import Table
 
     cols = ("MiB sent", "MiB received", "chunks sent", "chunks received", "errors", "resends",
@@ -376,8 +372,7 @@ def _transport_options(args, role: str) -> dict:
 
 
 def _plan(args) -> _Plan:
-    """Who runs what, with what memory and transport; the checks run in this order (the first one that
-    fails is the one reported)."""
+    """Who runs what, with what memory and transport; the first check that fails is the one reported."""
     from tether import bench as B
 
     role, torchrun = _role(args)
@@ -595,7 +590,7 @@ STEAL_FLAG_PCT = 1.0  # rows during which the hypervisor took at least this % of
 
 def steal_line(results) -> Optional[str]:
     """The rows during which the hypervisor held this machine's CPUs back (bench.stolen_seconds), for the
-    caption; None when none was. On the GPU hosts the rows that ran at half their rate came with it."""
+    caption; None when none was."""
     from tether import bench as B
 
     hit = [r for r in results if r.steal_pct >= STEAL_FLAG_PCT]
@@ -755,11 +750,6 @@ def doctor(args) -> int:
     return 0
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or "(no message)"
-    return f"{type(e).__name__}: {text}"
-
-
 # Failures a user can cause or meet (a refused connection, a dead server, no memory): one line, not a
 # traceback. Anything else is a bug in tether and keeps its traceback.
 def _expected() -> tuple:
@@ -787,7 +777,8 @@ def main(argv: Optional[list] = None) -> int:
     except _expected() as e:
         if debug:
             traceback.print_exc()
-        print(f"tether {args.command}: {_one_line(e)}", file=sys.stderr)
+        text = " ".join(str(e).split()) or "(no message)"  # one line
+        print(f"tether {args.command}: {type(e).__name__}: {text}", file=sys.stderr)
         return 1
 
 

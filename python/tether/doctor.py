@@ -35,20 +35,24 @@ def _nics(topology: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _gpus() -> list[dict[str, Any]]:
-    """GPUs from nvidia-smi (index, name, PCI bus id, memory), with their sysfs PCI path and NUMA node."""
+def _run(*cmd: str, check: bool = False) -> Optional[str]:
+    """`cmd`'s stdout; None where the tool is missing or cannot be run (or, with `check`, fails)."""
     import shutil
     import subprocess
 
-    if not shutil.which("nvidia-smi"):
-        return []
+    if not shutil.which(cmd[0]):
+        return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,pci.bus_id,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=check).stdout
     except (subprocess.SubprocessError, OSError):
-        return []
+        return None
+
+
+def _gpus() -> list[dict[str, Any]]:
+    """GPUs from nvidia-smi (index, name, PCI bus id, memory), with their sysfs PCI path and NUMA node."""
+    out = _run("nvidia-smi", "--query-gpu=index,name,pci.bus_id,memory.total", "--format=csv,noheader", check=True)
     gpus = []
-    for line in out.strip().splitlines():
+    for line in (out or "").strip().splitlines():
         idx, name, bus, mem = [x.strip() for x in line.split(",")]
         bus = bus.lower()
         if bus.count(":") == 2 and len(bus.split(":")[0]) == 8:  # 00000000:18:00.0 -> 0000:18:00.0
@@ -63,15 +67,7 @@ def _gpus() -> list[dict[str, Any]]:
 
 
 def _nvlink_matrix() -> str:
-    import shutil
-    import subprocess
-
-    if not shutil.which("nvidia-smi"):
-        return ""
-    try:
-        return subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout.strip()
-    except (subprocess.SubprocessError, OSError):
-        return ""
+    return (_run("nvidia-smi", "topo", "-m") or "").strip()
 
 
 def topology(gpus: list[dict]) -> dict[str, Any]:
@@ -124,14 +120,8 @@ def _nccl_net_plugins() -> list[str]:
 
 def _fabric_providers() -> list[str] | None:
     """Provider names from `fi_info -l` (libfabric-bin), or None where it cannot tell."""
-    import shutil
-    import subprocess
-
-    if not shutil.which("fi_info"):
-        return None
-    try:
-        out = subprocess.run(["fi_info", "-l"], capture_output=True, text=True, timeout=20).stdout
-    except (subprocess.SubprocessError, OSError):
+    out = _run("fi_info", "-l")
+    if out is None:
         return None
     return sorted({line.strip().rstrip(":") for line in out.splitlines() if line.strip().endswith(":")})
 
@@ -178,9 +168,7 @@ def collect() -> dict[str, Any]:
         sysctls[key] = {"value": value, "ok": ok, "advice": None if ok else advice.format(_bytes(socket_buffer))}
     cuda = ctypes.util.find_library("cuda") or (os.path.exists("/dev/nvidiactl") and "libcuda (driver present)")
     fabric = ctypes.util.find_library("fabric")
-    transports = {
-        "tcp": {"available": True, "why": "kernel sockets"},
-    }
+    transports = {"tcp": {"available": True, "why": "kernel sockets"}}
     usable = {"tcp": "kernel sockets", "ipc": "same-host peers: process_vm_readv / memfd segments, CUDA IPC (VMM: fds) for GPU memory",
               "netplugin": "NCCL net plugin " + _value(opts, "net_plugin")}
     try:

@@ -1,25 +1,14 @@
-"""`tether bench --full-mesh`: many flows at once, the seeds' run_p2p_fullmesh.sh done as a feature.
+"""`tether bench --full-mesh`: many flows at once.
 
-Flows:
-- host memory (default): N pairs, pair i = one initiator and one target, both in host memory;
-- GPU memory (--device gpu): every ordered GPU pair i>j (i != j) of N GPUs at once, N*(N-1) flows,
-  each writing (or reading) between GPU i memory on the initiating side and GPU j memory on the target.
+Flows: host memory (default), N pairs of one initiator and one target; GPU memory (--device gpu),
+every ordered GPU pair i>j of N GPUs, N*(N-1) flows from GPU i memory to GPU j memory.
 
-Two shapes, as the seeds compared them:
-- one process per GPU/pair (default).
-  Host memory: N driver processes, each with its own endpoint and its own target process.
-  GPU memory: N processes, process i owns GPU i and one endpoint. That endpoint drives the N-1 flows
-  out of GPU i (one thread each) and is also the target of the N-1 flows into GPU i (one command
-  thread each answers its initiator over a pipe); so every flow crosses between two processes and
-  each process holds (N-1) sources and (N-1) targets on its own GPU.
-- one process for all (--single-process): one endpoint on each side (two processes in all) serves
-  every flow; one driver thread per flow, so the flows share the lanes, NICs and progress threads.
-  GPU memory: the initiating process holds every source (flow i>j's on GPU i), the target process
-  every target (on GPU j).
+Shapes: one process per pair or GPU (default; a GPU's process drives the flows out of its GPU, a thread
+each, and answers the flows into it), or --single-process: one endpoint on each side serves every flow,
+a driver thread each, so the flows share lanes, NICs and progress threads.
 
-Every case starts on a barrier, and every flow waits for all others once more right before its
-timed pass, so the timed passes overlap (checked passes and warm-ups come first).
-Rows: one per flow, then (GPU memory) one per GPU for its egress, then the aggregate
+Every case starts on a barrier and every flow waits once more right before its timed pass, so the timed
+passes overlap. Rows: one per flow, then (GPU memory) one per GPU for its egress, then the aggregate
 (all bytes moved / the slowest flow's time).
 """
 from __future__ import annotations
@@ -171,11 +160,7 @@ def _gpu_worker(g: int, options: dict, capacity: int, cases: list, outgoing: lis
                     errors.append(traceback.format_exc())
                     timing.abort()
 
-            threads = [threading.Thread(target=drive, args=p) for p in pairs]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            _all_at_once(drive, pairs)
             if errors:  # a flow's own failure, not the broken barrier it left the others
                 raise RuntimeError(f"GPU {g}: " + next((e for e in errors if _BROKEN not in e), errors[0]))
         for _, pair in pairs:
@@ -190,6 +175,15 @@ def _gpu_worker(g: int, options: dict, capacity: int, cases: list, outgoing: lis
     finally:
         if ep is not None:
             ep.close()
+
+
+def _all_at_once(target: Callable, args: list) -> None:
+    """target(*a) for every a, each in its own thread; returns once all have ended."""
+    threads = [threading.Thread(target=target, args=a) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def _collect(procs, out, want: int, progress: Optional[Callable]) -> dict:
@@ -309,11 +303,7 @@ def run_single_process(n: int, options: dict, capacity: int, cases: list, gpu: b
                     start.abort()
                     timing.abort()
 
-            threads = [threading.Thread(target=drive, args=(s,)) for s in range(len(fl))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            _all_at_once(drive, [(s,) for s in range(len(fl))])
             if errors:
                 raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
             if progress:

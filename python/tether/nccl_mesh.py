@@ -1,19 +1,13 @@
 """NCCL all-pairs send/recv, the reference beside `tether bench --full-mesh --device gpu`.
 
-N ranks (one process per GPU, torch.distributed with the NCCL backend, rendezvous through a file
-store). Per size, every rank posts one isend to every other rank and one irecv from every other rank
-at once (one batch_isend_irecv of 2(N-1) ops): N*(N-1) flows of `size` bytes per op, the same flows
-as tether's GPU full mesh. An op ends when every one of its works is waited for and the GPU is
-synchronised; the timed pass starts on a barrier.
+N ranks, one process per GPU (torch.distributed, NCCL backend). Per op every rank sends to and receives
+from every other rank in one batch_isend_irecv: the N*(N-1) flows of tether's GPU full mesh. Before the
+timed pass one op from random sources into poisoned buffers is checked: the parent compares the digests
+of each flow's two ends.
 
-Check: before the timed pass, one op from random sources into poisoned receive buffers; every rank
-hashes (BLAKE2b) what it sent to and received from each peer, and the parent compares the digests of
-each flow's two ends: every byte of every flow is checked once.
-
-Rows (tether.bench.Result): one per rank for its egress ((N-1) x size x iters / that rank's time;
-NCCL runs a batch as one group, so there is no per-flow time to report), then the aggregate: all
-bytes / the slowest rank's time. `--socket` forces NCCL's own TCP path on loopback (no NVLink/P2P,
-no shared memory, no InfiniBand; 4 threads x 4 sockets), the baseline for GPU memory over TCP.
+Rows (tether.bench.Result): one per rank for its egress (NCCL runs a batch as one group: there is no
+per-flow time), then the aggregate: all bytes / the slowest rank's time. `--socket` forces NCCL's own
+TCP path on loopback, the baseline for GPU memory over TCP.
 
     python3 -m tether.nccl_mesh --gpus N --sizes 16M,256M [--iters K] [--socket] [--json PATH]
 """
@@ -153,22 +147,20 @@ def run(n: int, sizes: list[int], iters: Optional[int] = None, warmup: Optional[
             # flow i>j is good when what rank i sent to j hashes like what rank j received from i
             ok = all(got[i][2][j] == got[j][3][i] for i in range(n) for j in range(n) if i != j)
             per_op = np.max(np.stack([got[r][1] for r in range(n)]), axis=0)
+
+            def row(pair: str, device: str, iters: int, gbps: float, lat, check: bool) -> B.Result:
+                return B.Result(
+                    mode="send", transport=transport, device=device, size=size, num_iovs=n - 1, iters=iters, gbps=gbps,
+                    lat_p50_us=float(np.percentile(lat, 50) * 1e6), lat_p99_us=float(np.percentile(lat, 99) * 1e6),
+                    cpu_client=float("nan"), cpu_server=float("nan"), check=check,
+                    config={"pair": pair, "shape": "nccl all-pairs"})
+
             for r in range(n):
                 elapsed, lat = got[r][0], got[r][1]
                 flows_ok = all(got[r][2][j] == got[j][3][r] for j in range(n) if j != r)
-                rows.append(B.Result(
-                    mode="send", transport=transport, device=f"{where}{r}>*", size=size, num_iovs=n - 1, iters=it,
-                    gbps=size * (n - 1) * it / elapsed / 1e9,
-                    lat_p50_us=float(np.percentile(lat, 50) * 1e6), lat_p99_us=float(np.percentile(lat, 99) * 1e6),
-                    cpu_client=float("nan"), cpu_server=float("nan"), check=flows_ok,
-                    config={"pair": f"{r}>*", "shape": "nccl all-pairs"}))
+                rows.append(row(f"{r}>*", f"{where}{r}>*", it, size * (n - 1) * it / elapsed / 1e9, lat, flows_ok))
             slowest = max(got[r][0] for r in range(n))
-            rows.append(B.Result(
-                mode="send", transport=transport, device=f"{where} x{n}", size=size, num_iovs=n - 1, iters=it * n,
-                gbps=size * n * (n - 1) * it / slowest / 1e9,
-                lat_p50_us=float(np.percentile(per_op, 50) * 1e6), lat_p99_us=float(np.percentile(per_op, 99) * 1e6),
-                cpu_client=float("nan"), cpu_server=float("nan"), check=ok,
-                config={"pair": "all", "shape": "nccl all-pairs"}))
+            rows.append(row("all", f"{where} x{n}", it * n, size * n * (n - 1) * it / slowest / 1e9, per_op, ok))
     finally:
         for p in procs:
             p.join(5 if rows and len(rows) == len(plan) * (n + 1) else 1)

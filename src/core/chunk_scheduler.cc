@@ -10,12 +10,9 @@ namespace {
 
 constexpr uint64_t kStagedReadChunks = 3;  // a staged read's smaller chunks a lane holds requested at once
 
-// A staged GPU read moves each chunk three times in a row (the target copies it out of its GPU, sends
-// it, we copy it into ours): a read of only a few chunks per lane cannot overlap them. Such reads use
-// chunks of total / (8 x lanes), down to 256 KiB; from two full chunks per lane on, the full chunk
-// (16 MiB over 8 lanes: Caps::read_depth's two requests per lane pipeline them), which cost less CPU
-// than small chunks there. Writes lost with small chunks and keep full ones (docs/PERFORMANCE.md,
-// "Defaults and why" and "Tried and lost").
+// A staged GPU read moves each chunk three times in a row (out of the target's GPU, over the wire,
+// into ours): a read of only a few chunks per lane cuts smaller ones so the copies overlap; from two
+// full chunks per lane on, read_depth pipelines full ones (docs/PERFORMANCE.md, "Defaults and why").
 uint64_t pipelined_chunk(uint64_t chunk, uint64_t total, uint32_t lanes) {
   if (total >= 2 * uint64_t(lanes) * chunk) return chunk;
   constexpr uint64_t kFloor = 256 << 10;
@@ -86,9 +83,8 @@ uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk, uint64
 }
 
 bool PeerState::next_chunk(uint32_t lane, ChunkOp* op) {
-  // Nothing queued: answered without the lock. Spinning progress threads (busy_poll_us) ask on every
-  // turn, and taking mu_ each time made posters wait for it. A chunk queued just after this check is
-  // followed by the poster's wake().
+  // Without the lock: spinning threads ask on every turn; a chunk queued after this check is followed
+  // by the poster's wake().
   if (!has_work()) return false;
   TransferState* drained = nullptr;  // its last chunk left: the queue's hold is released
   TransferState* stopped = nullptr;  // a pushed send whose region went: failed, the reader told
@@ -154,11 +150,7 @@ bool PeerState::take_resend(uint32_t lane, ChunkOp* op, TransferState** stopped)
   Slot& s = slots_[idx];
   RegionState* pinned = pin_source(*s.transfer);
   if (s.transfer->pushed && !pinned) {  // its region is gone: the chunk cannot be read again, answered here
-    *stopped = s.transfer;
-    s.used = false;
-    s.transfer = nullptr;
-    ++s.gen;
-    free_slots_.push_back(idx);
+    *stopped = free_slot(idx);
     return false;
   }
   s.lane = lane;
@@ -172,9 +164,8 @@ bool PeerState::take_resend(uint32_t lane, ChunkOp* op, TransferState** stopped)
   return true;
 }
 
-// A pushed send's chunk reads the region it names: pinned while the transport reads it (as a read's
-// answer is), so deregister waits for chunks being sent, never for a stalled reader's answers. Null: not
-// a pushed send, or its region is no longer published.
+// A pushed send's region, pinned while this chunk is sent (deregister waits for that, never for a
+// stalled reader); null: not a pushed send, or its region is no longer published.
 RegionState* PeerState::pin_source(const TransferState& t) {
   return t.pushed && endpoint_->registry().pin_published(*t.source) ? t.source.get() : nullptr;
 }
@@ -191,21 +182,32 @@ uint64_t PeerState::chunk_bytes_for(const TransferState& t, const Segment& seg) 
   return read_chunk_bytes(t, device_of(seg), seg.remote, gpu_both ? gpu_chunk_ : info_.chunk_bytes);
 }
 
-// A read request costs its lane nothing to send, so without a bound the first lanes to run took their
-// whole windows of large chunks and the rest of the transfer waited on them (Caps::read_depth; in
-// bytes, so small reads still fill the window: a round trip each, they need the depth).
+// A read request costs its lane nothing to send: unbounded, the first lanes to run took whole windows
+// of large chunks (Caps::read_depth; in bytes, so small reads, a round trip each, still fill the window).
 bool PeerState::read_depth_reached(const TransferState& t, uint32_t lane, uint64_t chunk) const {
   if (!read_depth_ || t.op != OpKind::kRead) return false;
   uint64_t depth = uint64_t(read_depth_) * info_.chunk_bytes;
-  // A staged read cut into chunks of a quarter of chunk_bytes or less (pipelined_chunk) keeps at most
-  // kStagedReadChunks of them per lane: less is left on each lane when the last is handed out; larger
-  // reads in 512 KiB chunks lost and keep the window (docs/PERFORMANCE.md, "Defaults and why").
+  // Small pipelined chunks: few per lane, so less is left on each lane when the last is handed out.
   if (staged_gpu_ && chunk * 4 <= info_.chunk_bytes) depth = std::min(depth, kStagedReadChunks * chunk);
   return lane_bytes_[lane].load(std::memory_order_relaxed) >= depth;
 }
 
-// Takes a free slot for the chunk of `t` that starts at its cursor, on `lane`; fills the header's slot
-// and generation and what the transport needs of the local side.
+TransferState* PeerState::free_slot(uint32_t idx) {
+  Slot& s = slots_[idx];
+  TransferState* t = s.transfer;
+  s.used = false;
+  s.transfer = nullptr;
+  ++s.gen;
+  free_slots_.push_back(idx);
+  return t;
+}
+
+uint32_t PeerState::new_token() {
+  const uint32_t token = next_token_++;
+  return token != 0 ? token : next_token_++;
+}
+
+// A free slot for the chunk at `t`'s cursor on `lane`; fills what the transport needs of the local side.
 PeerState::Slot& PeerState::claim_slot(TransferState* t, uint32_t lane, const Segment& seg, RegionState* pinned,
                                        ChunkOp* op) {
   const uint32_t idx = free_slots_.back();
@@ -236,8 +238,7 @@ bool PeerState::cut_batch(TransferState* t, Slot& s, const Segment& seg, uint64_
   const bool write = t->op == OpKind::kWrite;
   const bool batches = write || (t->op == OpKind::kRead && batch_reads_);
   if (!batches || batch_max_ < 2) return false;
-  // A write batch that GPU memory stages on either side may carry more: each costs a kernel launch there,
-  // and two processes' kernels on one GPU take turns (Caps::gpu_batch_chunks).
+  // A write batch staged through GPU memory may carry more: each costs a kernel launch (Caps::gpu_batch_chunks).
   const bool gpu_batch = write && (device_of(seg) >= 0 || remote_gpu(seg));
   const uint32_t n = pack_batch(t, s, chunk, gpu_batch ? chunk * gpu_batch_chunks_ : chunk);
   if (n < 2) return false;
@@ -274,10 +275,6 @@ void PeerState::cut_chunk(TransferState* t, Slot& s, const Segment& seg, uint64_
   }
 }
 
-Status PeerState::chunk_error(const Slot& s, uint8_t status) const {
-  return refusal(s.transfer ? op_name(s.transfer->op) : "chunk", s.length, status);
-}
-
 Status PeerState::refusal(const char* what, uint64_t bytes, uint8_t status) const {
   const Code c = static_cast<Code>(status);
   std::string msg = std::string(what) + " of " + std::to_string(bytes) + " bytes refused by peer '" + info_.name + "': ";
@@ -302,12 +299,8 @@ Code PeerState::answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t statu
     if (slot >= slots_.size()) return Code::kProtocolError;
     Slot& s = slots_[slot];
     if (!s.used || s.gen != gen || s.lane != lane) return Code::kProtocolError;
-    if (status != 0) err = chunk_error(s, status);
-    t = s.transfer;
-    s.used = false;
-    s.transfer = nullptr;
-    ++s.gen;
-    free_slots_.push_back(slot);
+    if (status != 0) err = refusal(s.transfer ? op_name(s.transfer->op) : "chunk", s.length, status);
+    t = free_slot(slot);
     --lane_inflight_[lane];
     lane_bytes_[lane].fetch_sub(s.length, std::memory_order_relaxed);
   }

@@ -20,8 +20,7 @@ enum class Kind { kText, kChoice, kBool, kCount, kSize, kSeconds, kMicros };
 using Field = std::variant<std::monostate, std::string Config::*, uint16_t Config::*, uint32_t Config::*,
                            uint64_t Config::*, bool Config::*>;
 
-// One knob: its keyword (Python's tether.Endpoint, NIXL backend parameters; nullptr for a process-wide
-// knob read from the environment only), its variable, its field, its kind and a help line.
+// One knob (keyword nullptr: a process-wide knob, environment only).
 struct Option {
   const char* keyword;
   const char* env;
@@ -188,8 +187,7 @@ std::string expected(const Option& o, bool env) {
   return "";
 }
 
-// Parses `text` by the row's kind; stores it in c's field when the row has one. False: refused,
-// nothing stored.
+// Parses `text` by the row's kind into c's field (if the row has one); false: refused, nothing stored.
 bool parse_value(const Option& o, std::string_view text, bool env, Config* c) {
   uint64_t n = 0;
   bool b = false;
@@ -251,23 +249,21 @@ const char* env_value(const Option& o) {
   return v && *v ? v : nullptr;
 }
 
+}  // namespace
+
+namespace sys {
 // A process-wide knob's text: its variable's if the row accepts it, else the row's default.
-std::string knob_text(const char* name) {
+std::string env_text(const char* name) {
   const Option* o = by_env(name);
   if (!o) return {};
   const char* v = env_value(*o);
   Config scratch;
   return v && parse_value(*o, v, true, &scratch) ? std::string(v) : std::string(o->fallback);
 }
-
-}  // namespace
-
-namespace sys {
 bool env_flag(const char* name) {
   bool b = false;
-  return parse_bool(knob_text(name), &b) && b;
+  return parse_bool(env_text(name), &b) && b;
 }
-std::string env_text(const char* name) { return knob_text(name); }
 }  // namespace sys
 
 uint32_t default_channels() {
@@ -275,8 +271,6 @@ uint32_t default_channels() {
   return std::clamp<uint32_t>(n / 2, 4, 16);
 }
 
-// Waking a sleeping thread can cost more than an NVLink copy of several MiB (docs/PERFORMANCE.md,
-// "Defaults and why"); spinning pays only where cores are plentiful, as CUDA's own default scheduling assumes.
 uint32_t default_busy_poll_us() { return std::thread::hardware_concurrency() >= 8 ? 1000 : 0; }
 
 Result<Config> Config::from_env() {

@@ -1,6 +1,5 @@
-// EndpointImpl::connect, the connector's side of a connection: the control socket and its handshake
-// (which chooses the transport), then the data sockets a transport with tcp lanes needs, each on a
-// pair of NICs, then the peer: attached to its transport and published.
+// EndpointImpl::connect, the connector's side: the control socket and its handshake (which chooses the
+// transport), the data sockets a transport with tcp lanes needs, then the peer, attached and published.
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -73,8 +72,7 @@ Status client_handshake(int fd, const wire::ClientHello& ch, const std::string& 
 
 // A control handshake that failed names where it went; one that timed out says what that usually means.
 Status at_address(const Status& s, const std::string& host, uint16_t port) {
-  const std::string where = host.find(':') != std::string::npos ? "[" + host + "]:" + std::to_string(port)
-                                                                 : host + ":" + std::to_string(port);
+  const std::string where = sys::join_host_port(host, port);
   if (s.code() == Code::kTimeout)
     return Status(s.code(), "connect to " + where + ": it accepted the connection but never answered the handshake; "
                             "is a tether endpoint listening there (or something else, on the wrong port)?");
@@ -82,8 +80,7 @@ Status at_address(const Status& s, const std::string& host, uint16_t port) {
 }
 }  // namespace
 
-// One connect() under way. Its sockets are listed for close() (which shuts them down, so a connect to
-// a peer that stopped answering ends at once) until they are handed to the peer or closed.
+// One connect() under way; its sockets stay in connecting_fds_ until handed to the peer or closed.
 struct EndpointImpl::Connecting {
   EndpointImpl* ep;
   int64_t deadline;
@@ -194,8 +191,7 @@ Status EndpointImpl::choose_offer(Connecting& c, std::string_view offers, wire::
   return Status::ok();
 }
 
-// The control socket, then (the control handshake chose a transport with tcp lanes) each data socket,
-// each with its handshake.
+// The control socket, then the data sockets of a transport with tcp lanes, each with its handshake.
 Status EndpointImpl::open_sockets(Connecting& c) {
   const std::string control_bind = plan_.control >= 0 ? plan_.all[size_t(plan_.control)].primary()->addr : "";
   const Chooser choose = [&](std::string_view offers, wire::ClientProof* cp, std::string* offer) {
@@ -288,16 +284,14 @@ Result<Peer> EndpointImpl::attach_connected(Connecting& c) {
     }
     peers_[info.id] = peer;     // visible to peers() and deregister() at once
     to_adopt_.push_back(peer);  // the control thread starts reading its control socket
-    // Failed since attach (its lanes saw the other side leave): reap() may have looked for it before
-    // it was listed; listed again so it is reaped and its descriptors close.
+    // Failed since attach: reap() may have looked for it before it was listed.
     if (peer->failed()) to_reap_.push_back(info.id);
   }
   wake_control();
   return Peer(peer);
 }
 
-// The transport for a peer whose listener offered `theirs`: the configured one, else the highest
-// priority both sides can use. Same-host-only transports need a peer on this host.
+// The configured transport, else the highest priority one both sides can use.
 Result<std::pair<transport::Transport*, std::string>> EndpointImpl::choose_transport(const wire::Offers& theirs,
                                                                                      bool same_host) const {
   const std::string& want = config_.transport;

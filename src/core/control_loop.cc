@@ -1,6 +1,5 @@
-// The control thread: one epoll loop over the listening socket, the sockets whose handshakes are under
-// way and every peer's control socket; it reads and answers control messages, sends what peers
-// queued, heartbeats, times out silent peers and reaps failed ones.
+// The control thread: one epoll loop over the listening socket, handshakes under way and every peer's
+// control socket; it answers control messages, heartbeats, times out silent peers and reaps failed ones.
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <malloc.h>
@@ -23,8 +22,7 @@ constexpr int kControlReadsPerTurn = 16;       // then other sockets get their t
 constexpr size_t kKeepCapacity = 256 << 10;    // a control buffer larger than this is given back once empty
 }  // namespace
 
-// Control thread: starts serving a published peer's control socket. A peer that failed already is
-// skipped: reap() has taken it out of peers_, and a registration now would never be removed.
+// Starts serving a published peer's control socket; not a failed one's (reap() would never remove it).
 void EndpointImpl::adopt_peer(const std::shared_ptr<PeerState>& peer) {
   if (peer->failed()) return;
   epoll_event ev{};
@@ -117,10 +115,8 @@ bool EndpointImpl::parse_control(PeerState& peer) {
   return true;
 }
 
-// Sends what the peer's control output holds. A peer that does not read its control connection is
-// not read either while more than kControlBacklog bytes wait for it (its answers cannot pile up
-// here); it then falls silent to us and peer_timeout_ms ends it. Answers raised on its data lanes are
-// bounded by kAnswerBacklog instead (PeerState::send_answer).
+// Sends what the peer's control output holds; past kControlBacklog unsent bytes the peer is not read
+// either (core/peer.h), so it falls silent to us and peer_timeout_ms ends it.
 void EndpointImpl::flush_control(PeerState& peer) {
   if (peer.failed()) return;
   if (peer.take_control_output(&peer.ctl_pending, peer.ctl_sent)) peer.last_sent_ms = sys::now_ms();
@@ -156,8 +152,7 @@ void EndpointImpl::tick(const std::vector<std::shared_ptr<PeerState>>& peers) {
   last_tick_ms_ = now;
   trace::flush();  // TETHER_TRACE only: what was recorded since the last tick
 #ifdef __GLIBC__
-  // Notifications read by now were freed by the caller; glibc keeps freed heap (thread arenas, a raised
-  // mmap threshold) unless asked, so a burst of large ones would stay resident (docs/RELIABILITY.md, the notification attack).
+  // glibc keeps freed heap unless asked: a burst of large notifications, read by now, would stay resident.
   if (trim_due_.exchange(false, std::memory_order_relaxed)) ::malloc_trim(0);
 #endif
   for (auto& p : peers) {

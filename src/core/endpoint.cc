@@ -111,10 +111,7 @@ void EndpointImpl::close() {
   trace::flush();  // TETHER_TRACE: this process's events so far
 }
 
-std::string EndpointImpl::address() const {
-  const std::string& h = config_.host;
-  return (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(port_);
-}
+std::string EndpointImpl::address() const { return sys::join_host_port(config_.host, port_); }
 
 std::string EndpointImpl::metadata() const {
   const std::string host = config_.host, hn = sys::hostname(), ctl = control_hint();

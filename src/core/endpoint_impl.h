@@ -28,9 +28,9 @@ struct AtomicStats : transport::Traffic {
   std::atomic<uint64_t> reads_pushed{0};  // peers' pulled reads this side sent (wire::kPull)
 };
 
-// Shared ownership: the public Endpoint, every PeerState (so user-held Peer and Transfer handles
-// never dangle) and any thread blocked in one of its calls. close() drops the peers, so no cycle
-// outlives it, and ~Endpoint always calls close().
+// Owned by the public Endpoint, every PeerState (user-held handles never dangle) and any thread blocked
+// in one of its calls; close() (always called by ~Endpoint) drops the peers, so no cycle outlives it.
+// The transport::Host overrides say what they do in transport/host.h.
 class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, public transport::Host {
  public:
   static Result<std::shared_ptr<EndpointImpl>> create(const Config& config);
@@ -52,7 +52,6 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   std::vector<Peer> peers() const;
   void close();
 
-  // Called by peers and transports.
   // `device`: GPU of the chunks' local bytes, -1 host memory (transports rank their NICs by it).
   void wake_lanes(PeerState* peer, uint64_t chunks, int device = -1) {
     trace::mark(trace::Event::kPost, 0, 0, uint32_t(chunks));
@@ -60,9 +59,7 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   }
   // Registers with the registry, then with every usable transport (descriptor extensions).
   Result<Region> register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly);
-  // How staged payloads reach GPU memory (Config::unpack, resolved once).
   gpu::Unpack unpack_mode() const override { return unpack_; }
-  // (name, why unavailable — empty when usable) of every transport this build knows.
   std::vector<std::pair<std::string, std::string>> transport_status() const;
   void transport_counters(std::vector<std::pair<std::string, uint64_t>>& out) const {
     for (auto& t : transports_) t->counters(out);
@@ -100,15 +97,12 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   Result<Peer> attach_connected(Connecting& c);
   // ---- listener side (listener.cc)
   void accept_all();
-  // Takes the listening socket out of the event loop, or puts it back: paused while the handshakes
-  // under way are at max_pending_ or after accept() ran out of descriptors (retried after a pause).
-  void listen_paused(bool paused);
+  void listen_paused(bool paused);  // takes the listening socket out of the event loop, or puts it back
   void resume_listening(int64_t now);
   bool shed_oldest_pending(int64_t now, int64_t* retry_at);
   void advance_handshake(int fd);
   bool answer_hello(Pending& p);
   std::string offers_for(const wire::ClientHello& h);
-  void finish_accept(Pending& p);
   void accept_control(Pending& p);
   void join_data_socket(Pending& p);
   // ---- control thread (control_loop.cc)
@@ -142,8 +136,7 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   uint16_t port_ = 0;
   std::thread control_thread_;
   std::atomic<bool> closing_{false};
-  // Sockets of connect() calls still in their handshake: close() shuts them down so a connect to a
-  // peer that stopped answering ends at once instead of at connect_timeout.
+  // Sockets of connect() calls still in their handshake: close() shuts them down so those connects end at once.
   std::mutex connecting_mu_;
   std::vector<int> connecting_fds_;
   void track_connecting(int fd);
@@ -159,10 +152,8 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
   std::unordered_map<int, std::unique_ptr<Pending>> pending_;
   std::unordered_map<uint64_t, std::shared_ptr<PeerState>> accepting_;  // session -> peer awaiting lanes
   int64_t last_tick_ms_ = 0;
-  // Hostile or broken connectors cannot starve the endpoint of descriptors, spin it or keep new peers
-  // out: at most max_pending_ handshakes at once (a quarter of the open-files limit); past it, or with
-  // accept() failing for descriptors, the oldest unfinished handshake is shed once it is
-  // kHandshakeGraceMs old, else the listener pauses until then (logged once per episode, at most every 10 s).
+  // Bounds against hostile connectors (listener.cc): at most max_pending_ handshakes at once (a quarter
+  // of the open-files limit); past it, or out of descriptors, the oldest is shed or the listener pauses.
   static constexpr int64_t kHandshakeGraceMs = 100;
   size_t max_pending_ = 1024;
   uint64_t next_pending_seq_ = 0;

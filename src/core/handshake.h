@@ -49,8 +49,7 @@ std::string read_name(const char (&src)[64]);
 crypto::Digest proof(const std::string& token, const char* who, const uint8_t* cn, const uint8_t* sn,
                      uint64_t session = 0, uint32_t lane = 0);
 
-// What the other side's hello (a ServerHello to the connector, a ClientHello to the listener) says of
-// it, under a new peer id; the transport is filled in by the caller.
+// What the other side's hello says of it, under a new peer id; the caller fills in the transport.
 template <class Hello>
 PeerInfo EndpointImpl::describe_peer(const Hello& h) {
   PeerInfo info;

@@ -13,11 +13,7 @@ struct LinkCounters {
   std::atomic<uint64_t> bytes_sent{0}, bytes_received{0}, chunks_sent{0}, chunks_received{0};
   std::atomic<uint64_t> errors{0};   // lanes lost (socket error, timeout, peer closed it)
   std::atomic<uint64_t> resends{0};  // chunks in flight on a lost lane, moved to a surviving one
-  // tcp lanes (where a lane's time goes): time inside sendmsg and recv, and from the start of each GPU
-  // staging copy until the lane saw it finished (out of the GPU before a send, into it after a receive).
-  std::atomic<uint64_t> send_ns{0}, recv_ns{0}, staging_ns{0};
-  // tcp lanes with GPU memory: the most pinned staging slots (chunk_bytes each) one of the lane's rings,
-  // tx or rx, held at once; a NIC's: the most of its lanes'. Sizes the ring (kStageSlots) against use.
+  std::atomic<uint64_t> send_ns{0}, recv_ns{0}, staging_ns{0};  // tcp lanes: tether::LinkStats::send_s, ...
   std::atomic<uint64_t> staging_slots_peak{0};
 };
 

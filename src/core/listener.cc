@@ -1,6 +1,5 @@
-// The listener's side of a connection: accepting sockets (bounded against floods: a cap on handshakes
-// under way, shedding the oldest, pausing while descriptors run out), each socket's handshake as its
-// bytes arrive, then the peer: its control socket accepted, its data sockets joined, attached, published.
+// The listener's side of a connection: accepting sockets (bounded against floods), each socket's
+// handshake as its bytes arrive, then the peer: control socket accepted, data sockets joined, published.
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -41,17 +40,14 @@ void EndpointImpl::listen_paused(bool paused) {
   ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
 }
 
-// Control thread, every turn: a paused listener is tried again after its pause, or, paused for the
-// handshake cap, as soon as a handshake has ended.
+// Every turn: a paused listener resumes after its pause, or (paused for the cap) once a handshake ended.
 void EndpointImpl::resume_listening(int64_t now) {
   if (listen_armed_) return;
   if (now >= listen_retry_at_ms_ || (!paused_for_fds_ && pending_.size() < max_pending_)) listen_paused(false);
 }
 
-// Sheds the unfinished handshake accepted first, once it has had kHandshakeGraceMs: a connector that
-// answers promptly is done long before, so under a flood of idle or slow handshakes new connections
-// still get in, while a burst of real ones (each done within the grace) is not cut. False, with *retry_at
-// the moment one will be old enough, when none is yet.
+// Sheds the oldest unfinished handshake once it is kHandshakeGraceMs old (a prompt connector is done
+// long before): a flood of idle handshakes cannot keep new peers out. False, with *retry_at, if none is.
 bool EndpointImpl::shed_oldest_pending(int64_t now, int64_t* retry_at) {
   auto oldest = pending_.end();
   for (auto it = pending_.begin(); it != pending_.end(); ++it)
@@ -171,15 +167,18 @@ void EndpointImpl::advance_handshake(int fd) {
     ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
     std::unique_ptr<Pending> owned = std::move(it->second);
     pending_.erase(it);
-    finish_accept(*owned);  // takes the fd
+    if (owned->hello.kind == uint8_t(wire::SocketKind::kControl)) {  // either takes the fd
+      accept_control(*owned);
+    } else {
+      join_data_socket(*owned);
+    }
     return;
   }
   reply(fd, &done, sizeof done);
   drop();
 }
 
-// Answers p.hello with our ServerHello (and, to a control socket, our offers); false: the socket is
-// to be dropped (not a tether peer, refused, or the answer did not go out).
+// Answers p.hello with our ServerHello (and, to a control socket, our offers); false: drop the socket.
 bool EndpointImpl::answer_hello(Pending& p) {
   const wire::ClientHello& h = p.hello;
   if (h.magic != wire::kMagic) return false;  // not a tether peer: say nothing
@@ -220,9 +219,8 @@ bool EndpointImpl::answer_hello(Pending& p) {
   return reply(p.fd, out.data(), out.size()) && !bad;
 }
 
-// Only the transports the connector can choose, and of those only the ones of the highest priority
-// (it takes the highest both offer): building an offer can be costly (fabric opens its rails), and a
-// same-host peer that will take ipc needs no other.
+// Only the highest-priority transports the connector can choose (it takes the highest both offer):
+// building an offer can be costly (fabric opens its rails).
 std::string EndpointImpl::offers_for(const wire::ClientHello& h) {
   const bool same = std::memcmp(h.host_id, host_id_.data(), 32) == 0;
   auto usable = [&](const transport::Transport& t) {
@@ -236,14 +234,6 @@ std::string EndpointImpl::offers_for(const wire::ClientHello& h) {
   for (auto& t : transports_)
     if (usable(*t) && t->priority() == best) offers.emplace_back(t->name(), t->offer(h.session));
   return wire::encode_offers(offers);
-}
-
-void EndpointImpl::finish_accept(Pending& p) {
-  if (p.hello.kind == uint8_t(wire::SocketKind::kControl)) {
-    accept_control(p);
-  } else {
-    join_data_socket(p);
-  }
 }
 
 // A control socket whose handshake passed: its peer, with the transport the connector chose.
@@ -260,16 +250,22 @@ void EndpointImpl::accept_control(Pending& p) {
   if (!chosen || cp.lanes == 0 || cp.lanes > kMaxLanes || (tcp_lanes && cp.lanes != h.lanes)) return refuse(fd);
   info.transport = name;
   auto peer = std::make_shared<PeerState>(shared_from_this(), info, uint32_t(cp.lanes), chosen);  // packed: a copy
-  const bool early = !tcp_lanes && chosen->caps().attach_before_answer;
-  if (early) {  // attach and publish first: connect() returning there means peers() shows it here
-    Status s = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
-    if (!s.is_ok()) {
-      refuse(fd, s.code() == Code::kAccessDenied ? wire::HelloStatus::kNotSameHost : wire::HelloStatus::kBadRequest);
-      peer->fail(Status(s.code(), "accept: transport " + name + ": " + s.message()));
-      return;
+  // A transport with its own lanes: attached and published, or failed (false, *why says why).
+  auto attach = [&](Status* why) {
+    *why = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
+    if (!why->is_ok()) {
+      peer->fail(Status(why->code(), "accept: transport " + name + ": " + why->message()));
+      return false;
     }
     std::lock_guard lock(peers_mu_);
     peers_[peer->info().id] = peer;
+    return true;
+  };
+  Status why;
+  const bool early = !tcp_lanes && chosen->caps().attach_before_answer;
+  if (early && !attach(&why)) {  // attach first: connect() returning there means peers() shows it here
+    refuse(fd, why.code() == Code::kAccessDenied ? wire::HelloStatus::kNotSameHost : wire::HelloStatus::kBadRequest);
+    return;
   }
   peer->control_fd = fd;
   // Our data NICs follow the answer (a few hundred bytes: they fit a fresh socket's buffer).
@@ -293,17 +289,7 @@ void EndpointImpl::accept_control(Pending& p) {
     accepting_[uint64_t(h.session)] = peer;  // packed field: a copy, not a reference
     return;
   }
-  // Its own lanes: attach after answering, since attaching may need the connector to act.
-  Status s = chosen->attach(peer, {}, p.offer, false, sys::now_ms() + config_.connect_timeout_ms);
-  if (!s.is_ok()) {
-    peer->fail(Status(s.code(), "accept: transport " + name + ": " + s.message()));
-    return;
-  }
-  {
-    std::lock_guard lock(peers_mu_);
-    peers_[peer->info().id] = peer;
-  }
-  adopt_peer(peer);
+  if (attach(&why)) adopt_peer(peer);  // after answering: attaching may need the connector to act
 }
 
 // A data socket of a peer accepted on its control socket: once the last one joins, the peer is attached.

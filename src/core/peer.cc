@@ -158,17 +158,14 @@ void PeerState::release_lane(uint32_t lane, Code code) {
     for (uint32_t i = 0; i < slots_.size(); ++i) {
       Slot& s = slots_[i];
       if (!s.used || s.lane != lane) continue;
-      ++s.gen;  // an answer to the lost copy can no longer match
-      if (survivors) {
-        s.lane = UINT32_MAX;
-        resend_.push_back(i);
-        ++moved;
+      if (!survivors) {
+        orphans.push_back(free_slot(i));
         continue;
       }
-      orphans.push_back(s.transfer);
-      s.used = false;
-      s.transfer = nullptr;
-      free_slots_.push_back(i);
+      ++s.gen;  // an answer to the lost copy can no longer match
+      s.lane = UINT32_MAX;
+      resend_.push_back(i);
+      ++moved;
     }
     if (survivors)  // a pull that went on this lane may never have reached the target: sent again
       for (const auto& [token, t] : matched_)
@@ -209,14 +206,7 @@ void PeerState::fail(Status s) {
     for (auto& [tag, q] : posted_recvs_) release.insert(release.end(), q.begin(), q.end());
     for (auto& [token, t] : matched_) release.push_back(t);
     for (auto& [id, t] : awaiting_ack_) finish.push_back(t);
-    for (uint32_t i : resend_) {  // chunks waiting for a surviving lane: there is none now
-      Slot& s = slots_[i];
-      release.push_back(s.transfer);
-      s.used = false;
-      s.transfer = nullptr;
-      ++s.gen;
-      free_slots_.push_back(i);
-    }
+    for (uint32_t i : resend_) release.push_back(free_slot(i));  // waiting for a surviving lane: none now
     resend_.clear();
     pulls_out_.clear();  // their reads are in matched_, released above
     publish_resends();

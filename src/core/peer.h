@@ -30,23 +30,15 @@ using transport::ChunkOp;
 using transport::PeerInfo;
 using transport::Piece;
 
-// What one peer can make this side hold through its control connection (docs/RELIABILITY.md, "Bounds").
-// Its control connection is not read while more than kControlBacklog bytes of control output wait for it;
-// answers raised elsewhere (a refused kPull arrives on a data lane) are not throttled by that, so an
-// answer that would take the unsent control bytes past kAnswerBacklog drops the peer instead
-// (kResourceExhausted). kAnswerBacklog leaves room for what one turn of reading a control connection
-// answers past kControlBacklog: a peer throttled there never reaches it.
+// What one peer can make this side hold (docs/RELIABILITY.md, "Bounds"): its control connection is not
+// read while kControlBacklog bytes of control output wait for it; answers raised elsewhere (a refused
+// kPull arrives on a data lane) drop it past kAnswerBacklog, which a throttled peer never reaches.
 constexpr size_t kControlBacklog = 1 << 20;
 constexpr size_t kAnswerBacklog = 4 * kControlBacklog;
-// Messages (RTS) of one peer that no recv here has matched yet; one more is refused (its CTS carries
-// kResourceExhausted, and the send fails there).
+// RTSs of one peer no recv here has matched yet; one more is refused (kResourceExhausted in its CTS).
 constexpr size_t kMaxUnexpected = 1 << 14;
 
-// Blocks of a write or read that share one local region and one remote descriptor (the public
-// tether::BlockRun): a whole Peer::writev(Block) call, a run of consecutive entries of an IoEntry list
-// (or of the Python tuples) naming the same two, or one run of a multi-region call. Borrowed for the
-// duration of post_rma only.
-using tether::BlockRun;
+using tether::BlockRun;  // blocks sharing one local region and one descriptor; borrowed by post_rma only
 
 class PeerState final : public transport::Link {
  public:
@@ -54,16 +46,14 @@ class PeerState final : public transport::Link {
   ~PeerState();
   std::shared_ptr<PeerState> self() { return std::static_pointer_cast<PeerState>(shared_from_this()); }
 
-  uint32_t slot_count() const override { return uint32_t(slots_.size()); }  // chunk slots (indices in FrameHeader::slot)
-  uint32_t busy_poll_us() const override;  // Config::busy_poll_us
+  // The transport::Link overrides say what they do in transport/link.h.
+  uint32_t slot_count() const override { return uint32_t(slots_.size()); }
+  uint32_t busy_poll_us() const override;
   bool wait_naps() const { return wait_naps_; }  // the transport's Caps::wait_naps
-  // The live lane with the fewest chunks in flight, the lowest such index on ties: where a transport
-  // starts handing out a transfer's chunks. Lone transfers keep landing on the same lane, whose
-  // threads are still awake from the last one (a woken thread costs more than a small copy).
   uint32_t quietest_lane() const override;
   // Reads `lane` from the calling thread if nobody else is (a waiter fetching its own answer).
   void progress_lane(uint32_t lane);
-  // Finishes from the calling thread, a waiter, work another thread would hand back (Transport::finish_here).
+  // Finishes from the calling thread work another thread would hand back (Transport::finish_here).
   void finish_here();
   bool failed() const override { return failed_.load(std::memory_order_acquire); }
   Status error() const override;
@@ -77,43 +67,24 @@ class PeerState final : public transport::Link {
   Transfer post_notify(std::string data);
 
   // ---- transport side (called by the lane's progress thread only)
-  // Next chunk for `lane` if the lane's window allows; fills op and claims a slot.
   bool next_chunk(uint32_t lane, ChunkOp* op) override;
   bool has_work() const override {
     return queue_head_.load(std::memory_order_acquire) != nullptr || resend_count_.load(std::memory_order_acquire) > 0;
   }
-  // A target answered chunk (slot, gen). kProtocolError if the answer names no chunk of this lane.
   Code answer(uint32_t lane, uint32_t slot, uint32_t gen, uint8_t status) override;
-  // The pieces of kReadBatch chunk (slot, gen): `n` fragments, where each lands, on GPU `device` (-1: host).
   Code read_batch(uint32_t lane, uint32_t slot, uint32_t gen, uint32_t n, const wire::Fragment** frags,
                   const Piece** pieces, int* device) override;
-  // Where a kReadResp payload of `length` bytes goes.
-  // `device` is the GPU the bytes go to, or -1 for host memory. A kReadBatch chunk's answer (tcp) lands
-  // in its `npieces` pieces, in order: given `pieces`, such a chunk is named there (and *dest is null).
   Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest, int* device,
                         const Piece** pieces = nullptr, uint32_t* npieces = nullptr) override;
-  // Target side of kSendData: where the bytes go inside the matched recv `token` (`unit`: the sender's
-  // chunk size, `flags`: the frame's). kOk with *dest null: a resent chunk already placed; discard it.
   Code resolve_send_data(uint32_t token, uint64_t offset, uint64_t length, uint64_t unit, uint16_t flags,
                          uint8_t** dest, TransferState** recv, int* device) override;
-  // A chunk of a recv is in place; counted once even if it arrived twice (resent after a lost answer).
   void send_data_placed(TransferState* recv, uint64_t offset, uint64_t length) override;
-  // Target side of a kPull frame (a read this side pushes, Caps::pull_reads): checks the range as a
-  // kReadReq's, then starts the send, or answers kPullFail. False: malformed (the caller drops the peer).
   bool on_pull(const wire::FrameHeader& h) override;
-  // A lane died with a kSendData chunk half received: the sender resends it, unless the peer is gone.
   void abandon_send_data(TransferState* recv) override;
-  // A lane's socket failed. Link-level failures (connection lost, timeout) kill only the lane while
-  // another survives: its socket is shut down and its thread retires it. Anything else, or the last
-  // lane, fails the peer.
   void lane_failed(uint32_t lane, Status why) override;
-  // The lane is retired: its chunks in flight move to the surviving lanes, or (peer failed) are
-  // answered with `code`.
   void release_lane(uint32_t lane, Code code) override;
   LinkCounters& lane_counters(uint32_t lane) override { return lane_counters_[lane]; }
-  // Payload bytes of the chunks `lane` holds unanswered (a lock-free hint for the transport).
   uint64_t lane_bytes(uint32_t lane) const override { return lane_bytes_[lane].load(std::memory_order_relaxed); }
-  // Payload bytes of every lane's unanswered chunks (a lock-free hint: the sum of lane_bytes).
   uint64_t unanswered_bytes() const override {
     uint64_t sum = 0;
     for (uint32_t i = 0; i < lanes_; ++i) sum += lane_bytes(i);
@@ -123,8 +94,8 @@ class PeerState final : public transport::Link {
 
   // ---- control side (control thread)
   void on_control(wire::ControlType type, const uint8_t* body, uint32_t length);
-  // Takes the queued control bytes to send into `out`, the control thread's unsent bytes from `sent` on
-  // (called by the control thread); control_unsent() then counts them until the next set_control_unsent().
+  // Appends the queued control bytes to `out` (unsent from `sent` on); ctl_unsent_ counts them until the
+  // next set_control_unsent().
   bool take_control_output(std::string* out, size_t sent);
   void set_control_unsent(size_t bytes) { ctl_unsent_.store(bytes, std::memory_order_relaxed); }
   void touch() { last_heard_ms_.store(sys::now_ms(), std::memory_order_relaxed); }
@@ -141,17 +112,10 @@ class PeerState final : public transport::Link {
   void cancel_region(const RegionState* region);
   // A read this side pushes to the peer still reads `region` (deregister() waits on its chunks' pins).
   bool pushes_from(const RegionState* region) const;
-  // Fails the peer once: every transfer still using it ends with `s`, sockets are shut down.
   void fail(Status s) override;
 
-  // ---- who may still touch the peer's sockets and its transport state (docs/ARCHITECTURE.md, "Shutdown")
-  // Each such thread holds the peer: the control side (one hold, let go by the control thread once
-  // fail() shut the sockets down and it stopped reading the control socket, or by Endpoint::close),
-  // each lane's thread (from attach until it retires the lane) and any other thread for one call into
-  // the transport (Hold). The last to let go closes the sockets and has the transport drop its state:
-  // a closed peer frees all of it at once, whoever keeps a Peer handle, and no descriptor number is
-  // reused while a thread could still use it.
-  bool hold() override;  // false once everything was let go (a failed peer's resources are gone)
+  // ---- holds (transport/link.h): the control side holds the peer too, until let_go_control().
+  bool hold() override;
   void let_go() override;
   void let_go_control();            // the control side's hold; once
   bool released() const override { return released_.load(std::memory_order_acquire); }
@@ -182,8 +146,7 @@ class PeerState final : public transport::Link {
     std::unique_ptr<wire::Fragment[]> frags;  // a batched chunk's fragments (allocated once, on first batch)
     std::unique_ptr<Piece[]> pieces;
   };
-  // The chunk scheduler's steps (chunk_scheduler.cc; mu_ held). take_chunk: the next chunk for `lane`
-  // (*drained: a transfer whose last chunk left; *stopped: a pushed send whose region went).
+  // The chunk scheduler's steps (chunk_scheduler.cc; mu_ held).
   bool take_chunk(uint32_t lane, ChunkOp* op, TransferState** drained, TransferState** stopped);
   bool take_pull(uint32_t lane, ChunkOp* op);
   bool take_resend(uint32_t lane, ChunkOp* op, TransferState** stopped);
@@ -191,16 +154,15 @@ class PeerState final : public transport::Link {
   void pop_queue_head(TransferState* t);
   uint64_t chunk_bytes_for(const TransferState& t, const Segment& seg) const;
   bool read_depth_reached(const TransferState& t, uint32_t lane, uint64_t chunk) const;
+  TransferState* free_slot(uint32_t idx);  // back to the free list; its gen moves on, so late answers miss
+  uint32_t new_token();                     // a recv token, never 0
   Slot& claim_slot(TransferState* t, uint32_t lane, const Segment& seg, RegionState* pinned, ChunkOp* op);
   bool cut_batch(TransferState* t, Slot& s, const Segment& seg, uint64_t chunk, ChunkOp* op);
   void cut_chunk(TransferState* t, Slot& s, const Segment& seg, uint64_t chunk, ChunkOp* op);
-  // Packs whole small segments of a write (or, batch_reads_, a read) after the cursor into one batch
-  // chunk.
   uint32_t pack_batch(TransferState* t, Slot& s, uint64_t chunk, uint64_t limit);
 
   Transfer start(std::shared_ptr<TransferState> t);  // registers the keepalive
   void enqueue(TransferState* t);                    // puts on the work queue, wakes lanes
-  Transfer finished_with(std::shared_ptr<TransferState> t, Status s);
   // Pairs a recv with an RTS (mu_ held); returns the CTS to send once the lock is dropped.
   wire::CtsBody match(TransferState* recv, const wire::RtsBody& rts, TransferState** release_now);
   // Control messages in, one handler each (on_control): false for a malformed one, which drops the peer.
@@ -228,17 +190,14 @@ class PeerState final : public transport::Link {
     std::memcpy(out, body, sizeof(T));
     return true;
   }
-  Status chunk_error(const Slot& s, uint8_t status) const;
   Status refusal(const char* what, uint64_t bytes, uint8_t status) const;
-  // A read the target pushes (Caps::pull_reads): one kPull frame instead of a request per chunk; the
-  // target's lanes move it as a send, this side lands it as a matched recv.
+  // A read the target pushes (Caps::pull_reads): one kPull frame, moved by the target as a send.
   bool pulls(const TransferState& t) const;
   void pull(TransferState* t);
 
   void push_stopped(TransferState* t);     // its region was deregistered: fail it, tell the reader
   Status notify_too_large(size_t bytes) const;
-  // The bytes of a read's chunks: `chunk`, or for a GPU read staged through host (Caps::staged_gpu) a
-  // smaller size that pipelines the copies (pipelined_chunk, chunk_scheduler.cc).
+  // `chunk`, or smaller for a GPU read staged through host (pipelined_chunk, chunk_scheduler.cc).
   uint64_t read_chunk_bytes(const TransferState& t, int local_device, const RemoteRegion* remote, uint64_t chunk) const;
 
   const std::shared_ptr<EndpointImpl> endpoint_;
@@ -270,8 +229,7 @@ class PeerState final : public transport::Link {
   std::vector<uint8_t> lane_dead_;
   uint32_t live_lanes_;
   std::vector<uint32_t> resend_;         // slots whose lane died, for the next lane with room (capacity: all slots)
-  // kPull frames to send: (token, resent). Their reads are in matched_ from the post on; a pull whose lane
-  // died before its read completed comes back resent.
+  // kPull frames to send: (token, resent); their reads are in matched_ from the post on.
   std::deque<std::pair<uint32_t, bool>> pulls_out_;
   std::atomic<uint32_t> resend_count_{0};  // resend_ + pulls_out_ (has_work() reads it without the lock)
   void publish_resends() { resend_count_.store(uint32_t(resend_.size() + pulls_out_.size()), std::memory_order_release); }
@@ -283,8 +241,8 @@ class PeerState final : public transport::Link {
   uint32_t next_token_ = 1;
   std::unordered_map<uint64_t, TransferState*> awaiting_cts_;     // msg id -> send
   std::unordered_map<uint64_t, std::deque<TransferState*>> posted_recvs_;  // tag -> recvs
-  // RTSs of one tag no recv matched yet, in arrival order from `head` on (a vector, not a deque: a deque's
-  // first block alone is 512 bytes, and a peer chooses how many tags it uses).
+  // RTSs of one tag no recv matched yet, from `head` on (not a deque: its first block alone is 512
+  // bytes, and a peer chooses how many tags it uses).
   struct Unmatched {
     std::vector<wire::RtsBody> rts;
     size_t head = 0;

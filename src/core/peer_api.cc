@@ -71,8 +71,7 @@ bool Peer::connected() const { return !state_->failed(); }
 Status Peer::error() const { return state_->error(); }
 void Peer::close() {
   state_->fail(Status(Code::kCancelled, "peer '" + state_->info().name + "' was closed locally"));
-  // Its sockets, segments and lane threads go as soon as every thread using them lets go: the control
-  // thread within a wake-up, lanes once they answered what they held (bounded: deregister_timeout).
+  // Bounded: the control thread lets go within a wake-up, lanes once they answered what they held.
   (void)state_->wait_released(2000);
 }
 
@@ -87,11 +86,8 @@ bool Transfer::poll() const {
   if (!p) return false;
   p->finish_here();  // one-sided GPU copies: the caller finishes them itself (Transport::finish_here)
   const uint32_t lane = state_->lane_hint.load(std::memory_order_relaxed);
-  // A small transfer's answer is read by the caller where no other thread is reading that lane. Where
-  // progress threads spin, only for a lone transfer (nothing else in flight or queued on the peer):
-  // NIXL's checkXfer would otherwise wait for a tcp thread tether's own wait() never waits for, but a
-  // caller polling beside threads busy with other transfers slowed the many-in-flight rows
-  // (docs/PERFORMANCE.md, "Defaults and why"). Large transfers: their lanes' threads are awake anyway.
+  // A small transfer's answer is read here; where progress threads spin, only for a lone transfer (a
+  // caller polling beside busy threads slows them). Large transfers: their lanes' threads are awake.
   const uint64_t bytes = state_->bytes.load(std::memory_order_relaxed);
   if (lane != UINT32_MAX && bytes <= (256u << 10) &&
       (p->busy_poll_us() == 0 || (!p->has_work() && p->unanswered_bytes() <= bytes)))

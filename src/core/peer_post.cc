@@ -31,6 +31,16 @@ std::string out_of_range(const Block& b, uint64_t local_size, uint64_t remote_si
          " of a local region of " + std::to_string(local_size) + " bytes)";
 }
 
+// Why a send or recv cannot use [offset, +length) of `local` (ok: it can).
+Status check_two_sided(OpKind op, const Region& local, uint64_t offset, uint64_t length) {
+  const auto& l = local.state();
+  if (!l || !l->live.load()) return Status(Code::kNotFound, std::string(op_name(op)) + ": local region is not registered");
+  if (op == OpKind::kRecv && l->readonly) return Status(Code::kAccessDenied, "recv into a read-only region");
+  if (!in_bounds(offset, length, l->size))
+    return Status(Code::kOutOfRange, std::string(op_name(op)) + ": range exceeds local region of " + std::to_string(l->size) + " bytes");
+  return Status::ok();
+}
+
 }  // namespace
 
 Transfer PeerState::start(std::shared_ptr<TransferState> t) {
@@ -113,10 +123,8 @@ Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, cons
 
 Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
   if (failed()) return invalid(self(), OpKind::kSend, error());
+  if (Status s = check_two_sided(OpKind::kSend, local, offset, length); !s.is_ok()) return invalid(self(), OpKind::kSend, s);
   const auto& l = local.state();
-  if (!l || !l->live.load()) return invalid(self(), OpKind::kSend, Status(Code::kNotFound, "send: local region is not registered"));
-  if (!in_bounds(offset, length, l->size))
-    return invalid(self(), OpKind::kSend, Status(Code::kOutOfRange, "send: range exceeds local region of " + std::to_string(l->size) + " bytes"));
   auto t = std::make_shared<TransferState>();
   t->op = OpKind::kSend;
   t->tag = tag;
@@ -146,11 +154,8 @@ Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t len
 
 Transfer PeerState::post_recv(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
   if (failed()) return invalid(self(), OpKind::kRecv, error());
+  if (Status s = check_two_sided(OpKind::kRecv, local, offset, length); !s.is_ok()) return invalid(self(), OpKind::kRecv, s);
   const auto& l = local.state();
-  if (!l || !l->live.load()) return invalid(self(), OpKind::kRecv, Status(Code::kNotFound, "recv: local region is not registered"));
-  if (l->readonly) return invalid(self(), OpKind::kRecv, Status(Code::kAccessDenied, "recv into a read-only region"));
-  if (!in_bounds(offset, length, l->size))
-    return invalid(self(), OpKind::kRecv, Status(Code::kOutOfRange, "recv: range exceeds local region of " + std::to_string(l->size) + " bytes"));
   auto t = std::make_shared<TransferState>();
   t->op = OpKind::kRecv;
   t->tag = tag;

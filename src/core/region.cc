@@ -70,9 +70,8 @@ Status RegionRegistry::unpublish(const Region& region) {
 }
 
 void RegionRegistry::wait_unpinned(const Region& region, const std::function<void(int64_t)>& stalled) {
-  // Remote accesses pin for one chunk at most, local transfers until they finish; a stalled peer
-  // is cut off (peer_timeout_ms, or `stalled`), so this ends. Yields first (a chunk takes microseconds),
-  // then sleeps: a long wait must not take a core.
+  // Ends: a stalled peer is cut off (peer_timeout_ms, or `stalled`). Yields first (a chunk takes
+  // microseconds), then sleeps: a long wait must not take a core.
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto next = start + std::chrono::milliseconds(10);
@@ -90,8 +89,7 @@ void RegionRegistry::wait_unpinned(const Region& region, const std::function<voi
   }
 }
 
-// (mu_ held) The region an access names, pinned, if its key, rights and bounds allow the access; else null
-// and *code.
+// (mu_ held) The region an access names, pinned, if key, rights and bounds allow it; else null and *code.
 const std::shared_ptr<RegionState>* RegionRegistry::pin_checked(uint32_t id, uint64_t key, uint64_t desc_offset,
                                                                 uint64_t desc_length, uint64_t offset,
                                                                 uint64_t length, bool write, Code* code) const {

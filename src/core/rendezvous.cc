@@ -10,11 +10,9 @@ namespace tether::core {
 // ---- pulled reads
 
 bool PeerState::pulls(const TransferState& t) const {
-  // Contiguous, GPU memory staged on either side, and long enough that every lane moves two chunks or
-  // more: requested chunk by chunk, a staged read's lane got its depth back only after the chunk's copy
-  // into this side's GPU and its target lanes sat idle much of a large read; pushed, the target's lanes
-  // take chunks as their sockets drain, as a write's do (docs/PERFORMANCE.md, "Defaults and why").
-  // Host-memory reads were level and keep their requests.
+  // Contiguous, staged GPU memory on either side, two chunks or more per lane: requested chunk by
+  // chunk, the target's lanes sat idle while each chunk was copied into this side's GPU; pushed, they
+  // take chunks as their sockets drain (docs/PERFORMANCE.md, "Defaults and why").
   if (!pull_reads_ || t.op != OpKind::kRead || t.segments.size() != 1) return false;
   const Segment& g = t.segments[0];
   const bool gpu = device_of(g) >= 0 || remote_gpu(g);
@@ -29,11 +27,9 @@ void PeerState::pull(TransferState* t) {
     if (failed_.load()) {
       t->record_error(error_);
     } else {
-      uint32_t token = next_token_++;
-      if (token == 0) token = next_token_++;
+      const uint32_t token = new_token();
       t->msg_id = token;
-      t->unit = info_.chunk_bytes;  // the sender cuts by the chunk size both sides agreed on
-      t->placed.assign((g.length / t->unit + 64) / 64, 0);
+      t->expect_chunks(g.length, info_.chunk_bytes);  // the sender cuts by the chunk size both sides agreed on
       matched_[token] = t;
       pulls_out_.emplace_back(token, false);  // its kPull frame, for the next lane that looks (next_chunk)
       publish_resends();
@@ -44,8 +40,7 @@ void PeerState::pull(TransferState* t) {
     t->release();
     return;
   }
-  // One frame: the posting thread sends it itself where a lane is free (TcpTransport::wake), so no
-  // control thread stands between the post and the target's lanes (wire version 8).
+  // One frame: the posting thread sends it itself where a lane is free (TcpTransport::wake).
   endpoint_->wake_lanes(this, 1, device);
 }
 
@@ -131,8 +126,7 @@ Code PeerState::resolve_send_data(uint32_t token, uint64_t offset, uint64_t leng
   if (r->unit != unit) {
     for (uint64_t w : r->placed)
       if (w) return Code::kInvalidArgument;  // the unit changed mid-message
-    r->unit = unit;
-    r->placed.assign((total / unit + 64) / 64, 0);  // sized at match for our own chunk size: rare
+    r->expect_chunks(total, unit);  // sized at match for our own chunk size: rare
   }
   r->pending.fetch_add(1, std::memory_order_relaxed);
   *dest = r->segments[0].local + offset;
@@ -201,14 +195,12 @@ wire::CtsBody PeerState::match(TransferState* recv, const wire::RtsBody& rts, Tr
     return cts;
   }
   recv->bytes.store(rts.length, std::memory_order_release);
-  recv->unit = info_.chunk_bytes;  // the chunk size both sides agreed on at connect
-  recv->placed.assign((rts.length / recv->unit + 64) / 64, 0);
+  recv->expect_chunks(rts.length, info_.chunk_bytes);  // the chunk size both sides agreed on at connect
   if (rts.length == 0) {
     *release_now = recv;
     return cts;
   }
-  uint32_t token = next_token_++;
-  if (token == 0) token = next_token_++;
+  const uint32_t token = new_token();
   recv->msg_id = token;
   matched_[token] = recv;
   cts.token = token;
@@ -308,8 +300,7 @@ bool PeerState::on_pull_cancel(const uint8_t* body, uint32_t length) {
   if (!body_as(body, length, &token)) return false;
   std::shared_ptr<TransferState> t;
   {
-    // Still in pushes_: not drained, so not finished, and `self` is not being dropped (transfer_drained
-    // takes it out under this lock first). The copy keeps it alive through cancel().
+    // Still in pushes_ (transfer_drained takes it out under this lock): `self` is alive; the copy keeps it so.
     std::lock_guard lock(mu_);
     if (auto it = pushes_.find(token); it != pushes_.end()) t = it->second->self;
   }

@@ -1,10 +1,7 @@
-// A per-frame event trace, for finding where a transfer's time goes (staging copies, socket calls,
-// wake-ups; tcp and ipc lanes mark their steps). Off unless TETHER_TRACE names a file prefix;
-// then each process records events into a preallocated buffer (no allocation, no lock, no I/O on the
-// path), and the control thread appends them to <prefix>.<pid>.tsv every tick (≤ 200 ms) and when an
-// endpoint closes: a process that never closes its endpoint (os._exit, NIXL's examples) loses only its
-// last tick. CLOCK_MONOTONIC is shared by the processes of a host, so both sides' files merge into one
-// timeline (bench/tools/trace_report.py).
+// A per-frame event trace, for finding where a transfer's time goes. Off unless TETHER_TRACE names a
+// file prefix; then events go to a preallocated buffer (no allocation, lock or I/O on the path) that
+// the control thread appends to <prefix>.<pid>.tsv every tick and at close. Both sides' files share
+// CLOCK_MONOTONIC, so they merge into one timeline (bench/tools/trace_report.py).
 #pragma once
 #include <cstdint>
 

@@ -69,28 +69,20 @@ Status TransferState::final_status() const {
 }
 
 namespace {
-// Threads of this process spinning in wait(): one at most, so spinners never starve the
-// progress threads that must run for the transfer to finish (2-core machines).
+// Threads of this process spinning in wait(): one at most, so spinners never starve the progress threads.
 std::atomic<int> g_spinners{0};
 constexpr uint64_t kSpinMaxBytes = 256 << 10;  // larger transfers take long enough to sleep
-// Reads this large nap (nap_until_done), other transfers this large sleep at once: ≥ 200 us at 20 GB/s,
-// so a late wake-up costs little. Sizes between 256 KiB and 4 MiB were not measured and keep spinning.
+// Reads this large nap, other transfers this large sleep at once: a late wake-up costs little beside them.
 constexpr uint64_t kNapMinBytes = 4 << 20;
-// A small transfer's waiter spins this long even with busy polling off: a one-chunk round trip on one host
-// ends within it, and sleeping would add a cross-CPU wake-up to every small transfer.
+// A small transfer's waiter spins this long even with busy polling off: a one-chunk round trip on one
+// host ends within it, and sleeping would add a cross-CPU wake-up to every small transfer.
 constexpr uint32_t kSpinUs = 50;
-// A large read's nap (nap_until_done): short enough that the late wake-up is small beside the transfer,
-// long enough that the waiter leaves its core to the lanes' threads; longer naps were level.
-constexpr uint32_t kWaitNapUs = 20;
+constexpr uint32_t kWaitNapUs = 20;  // short beside a large read, long enough to leave the core to the lanes
 }  // namespace
 
-// A large read's waiter sleeps in timed naps until the transfer is done (or the timeout passes). A
-// timer wakes the thread on its own CPU; a notify from a lane's thread needs a cross-CPU wake-up, which
-// is slow, hence spinning. But a spinner holds a core for the whole transfer while every lane's thread
-// lands and copies the read's chunks (tcp: 8 lanes' threads on each side of a 16-core host), so naps
-// made large reads faster at less CPU, while writes lost with them (docs/PERFORMANCE.md, "Defaults and
-// why"). A large write's waiter instead sleeps on the condition variable at once: its end is an ack the
-// lane's thread reads anyway, so spinning first bought nothing but CPU-seconds.
+// A large read's waiter sleeps in timed naps: a timer wakes it on its own CPU (a lane's notify would
+// need a slow cross-CPU wake-up), and, unlike a spinner, it leaves its core to the lanes' threads that
+// land the read (docs/PERFORMANCE.md, "Defaults and why").
 void TransferState::nap_until_done(std::chrono::steady_clock::time_point end, uint32_t nap_us) const {
   const int slack = ::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us would stretch every nap
@@ -105,8 +97,7 @@ Status TransferState::wait(int64_t timeout_ms) {
   const uint64_t n = bytes.load(std::memory_order_relaxed);
   uint32_t spin_us = peer ? kSpinUs : 0;
   const uint32_t busy_us = peer ? peer->busy_poll_us() : 0;
-  // Naps only where the transport wants them (tcp: Caps::wait_naps); without busy_us a large transfer's
-  // waiter sleeps at once anyway.
+  // Naps only where the transport wants them (Caps::wait_naps); without busy_us it sleeps at once anyway.
   const bool large = peer && peer->wait_naps() && busy_us && n >= kNapMinBytes;
   if (large && op == OpKind::kRead) {
     nap_until_done(timeout_ms < 0 ? Clock::time_point::max() : start + std::chrono::milliseconds(timeout_ms), kWaitNapUs);

@@ -1,5 +1,4 @@
-// Transfer state: one user operation, cut into chunks by the peer's scheduler and
-// completed when every chunk has been answered by the target.
+// Transfer state: one user operation, cut into chunks by the peer's scheduler, done once all are answered.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -70,6 +69,10 @@ struct TransferState {
   std::atomic<uint64_t> received{0};   // recv: payload bytes placed so far
   uint64_t unit = 0;                   // recv: the sender's chunk size; placed: one bit per chunk (peer lock)
   std::vector<uint64_t> placed;
+  void expect_chunks(uint64_t length, uint64_t chunk) {
+    unit = chunk;
+    placed.assign((length / chunk + 64) / 64, 0);
+  }
 
   // Keeps the state alive while the engine owns it; dropped by finish().
   std::shared_ptr<TransferState> self;
@@ -81,9 +84,7 @@ struct TransferState {
   void release(int64_t n = 1);
   void finish(Status s);
   bool is_finished() const { return finished_.load(std::memory_order_acquire); }
-  // Spins (a small transfer: max(kSpinUs, the peer's busy_poll_us); else busy_poll_us), then sleeps; where
-  // the transport's Caps::wait_naps (with busy polling on) a read of 4 MiB or more naps instead
-  // (nap_until_done), any other transfer that large sleeps at once.
+  // Spins, naps or sleeps by the transfer's size, busy_poll_us and the transport (transfer.cc).
   Status wait(int64_t timeout_ms);
   Status final_status() const;
 

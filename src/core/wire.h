@@ -16,10 +16,7 @@
 namespace tether::wire {
 
 constexpr uint32_t kMagic = 0x52485454;  // "TTHR"
-constexpr uint16_t kVersion = 8;  // 3: ClientHello::transports; 4: max_notify in both hellos, NotifyAckBody;
-                                  // 5: tcp carries kReadBatch; 6: tcp GPU write batches of two chunks;
-                                  // 7: kPull / kPullFail / kPullCancel (reads the target pushes);
-                                  // 8: kPull is a data frame (FrameType), no longer a control message
+constexpr uint16_t kVersion = 8;  // raised with every change peers must agree on (the history is in git)
 
 // ---- handshake (every socket, control or data) ----
 // A transport's bit in ClientHello::transports (0 for a name not listed).
@@ -89,14 +86,10 @@ enum class FrameType : uint8_t {
   kSendData = 5,   // sender -> receiver, into a matched recv (recv_token); answered by kAck
   kWriteBatch = 6, // many small writes in one chunk: `fragments`, length = payload bytes;
                    // `count` Fragments follow the header, then the payloads in that order; one kAck
-  kReadBatch = 7,  // many small reads in one chunk (transports with Caps::batch_reads). tcp: as kWriteBatch,
-                   // `fragments`, length = bytes asked, the Fragments follow, no payload;
-                   // answered by one kReadResp carrying the fragments' bytes in table order (ipc: its
-                   // own frame)
-  kPull = 8,       // a read the target pushes (Caps::pull_reads): send [offset, +length) of the region as
-                   // kSendData for recv token `pull_token` (gen 0, no payload, no answer; checked as a kReadReq
-                   // header is; a refusal comes back as ControlType::kPullFail). kFlagResent: sent again
-                   // after its lane died; a target already pushing that token ignores it.
+  kReadBatch = 7,  // many small reads in one chunk (Caps::batch_reads): as kWriteBatch without payloads,
+                   // length = bytes asked; one kReadResp carries the fragments' bytes in table order
+  kPull = 8,       // a read the target pushes (Caps::pull_reads): [offset, +length) of the region as kSendData
+                   // for `pull_token`; gen 0, no payload, no answer; refused by ControlType::kPullFail
 };
 
 // One small write inside a kWriteBatch frame; checked like a kWrite header.
@@ -108,9 +101,8 @@ struct Fragment {
   uint64_t length;
 };
 constexpr uint32_t kMaxFragments = 128;  // per kWriteBatch (tcp: and kReadBatch) frame
-// A chunk sent again on another lane after its first lane died. The target treats a resent kSendData
-// for a message it already completed as done (its first copy was placed; only the answer was lost), and
-// a resent kPull for a read it already pushes as said.
+// A chunk sent again after its first lane died: a target that already placed it (kSendData) or already
+// pushes it (kPull) ignores it.
 constexpr uint16_t kFlagResent = 1;
 constexpr uint16_t kKnownFlags = kFlagResent;
 
@@ -147,8 +139,7 @@ enum class ControlType : uint8_t {
   kRts = 4,         // ready to send: u64 msg id, u64 tag, u64 length
   kCts = 5,         // clear to send: u64 msg id, u32 token, u8 status
   kCancel = 6,      // u32 token: the sender withdrew the message this CTS was for
-  // 7 was kPull before version 8 (now FrameType::kPull, on a lane: no control thread on either side
-  // between the read's post and the target's lanes).
+  // 7 is unused (was kPull, now a FrameType).
   kPullFail = 8,    // PullFailBody: the range a kPull named is refused (a tether::Code)
   kPullCancel = 9,  // u32 token: the reader cancelled the pulled read; stop sending it
 };

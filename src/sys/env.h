@@ -1,7 +1,5 @@
-// Option values from text: one parser per kind, shared by keywords given as text (Config::set, NIXL
-// backend parameters, Python keywords given as str) and TETHER_* variables, so both take the same
-// spellings. Each takes the whole text or nothing (no sign, no spaces) and leaves *out untouched when
-// it refuses.
+// Option values from text, one parser per kind, shared by keywords and TETHER_* variables so both take
+// the same spellings. Each takes the whole text or nothing and leaves *out untouched when it refuses.
 #pragma once
 
 #include <cstdint>
@@ -21,10 +19,8 @@ bool parse_bool(std::string_view text, bool* out);
 // `plain_us`; a number with us, ms or s counts those.
 bool parse_duration(std::string_view text, double plain_us, double field_us, uint64_t max, uint64_t* out);
 
-// Process-wide knobs that are not Endpoint options (diagnostics, A/B switches, test faults): each is a
-// row of the option table (src/core/config.cc defines these), read once by the code it steers and
-// checked when an endpoint is created, so a bad value fails there naming the variable. A value the
-// table refuses reads as the row's default.
+// Process-wide knobs (diagnostics, test faults): rows of the option table (src/core/config.cc), checked
+// when an endpoint is created; a value the table refuses reads as the row's default.
 bool env_flag(const char* name);
 std::string env_text(const char* name);
 

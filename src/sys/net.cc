@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "sys/crypto.h"
@@ -61,7 +62,7 @@ int64_t now_ms() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
+static void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
 void set_nodelay(int fd) {
   int one = 1;
@@ -76,9 +77,9 @@ void close_fd(int& fd) {
 Result<int> listen_tcp(const std::string& host, uint16_t port, uint32_t buffer_bytes) {
   auto res = resolve(host, port, true);
   if (!res.is_ok()) return res.status();
-  addrinfo* ai = res.value();
+  const std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> ai(res.value(), freeaddrinfo);
   Status last(Code::kUnavailable, "no address to listen on for '" + host + "'");
-  for (addrinfo* a = ai; a; a = a->ai_next) {
+  for (addrinfo* a = ai.get(); a; a = a->ai_next) {
     int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) { last = Status(Code::kUnavailable, errstr("socket")); continue; }
     int one = 1;
@@ -89,10 +90,8 @@ Result<int> listen_tcp(const std::string& host, uint16_t port, uint32_t buffer_b
       ::close(fd);
       continue;
     }
-    freeaddrinfo(ai);
     return fd;
   }
-  freeaddrinfo(ai);
   return last;
 }
 
@@ -108,13 +107,12 @@ Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline
                         const std::string& bind_addr) {
   auto res = resolve(host, port, false);
   if (!res.is_ok()) return res.status();
-  addrinfo* ai = res.value();
+  const std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> ai(res.value(), freeaddrinfo);
   Status last(Code::kConnectionLost, "no address for '" + host + "'");
-  for (addrinfo* a = ai; a; a = a->ai_next) {
+  for (addrinfo* a = ai.get(); a; a = a->ai_next) {
     int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) { last = Status(Code::kUnavailable, errstr("socket")); continue; }
-    int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    set_nodelay(fd);
     size_buffers(fd, buffer_bytes);
     if (!bind_addr.empty()) {
       sockaddr_storage ss{};
@@ -148,10 +146,8 @@ Result<int> connect_tcp(const std::string& host, uint16_t port, int64_t deadline
       ::close(fd);
       continue;
     }
-    freeaddrinfo(ai);
     return fd;
   }
-  freeaddrinfo(ai);
   return last;
 }
 
@@ -252,6 +248,10 @@ Status split_host_port(std::string_view s, std::string* host, uint16_t* port) {
   *host = std::string(h);
   *port = uint16_t(v);
   return Status::ok();
+}
+
+std::string join_host_port(const std::string& host, uint16_t port) {
+  return (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
 std::array<uint8_t, 32> host_id() {

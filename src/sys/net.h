@@ -28,14 +28,13 @@ bool is_loopback_host(const std::string& host);
 // Exact reads/writes on a non-blocking socket, bounded by an absolute deadline.
 Status write_all(int fd, const void* buf, size_t len, int64_t deadline_ms);
 Status read_all(int fd, void* buf, size_t len, int64_t deadline_ms);
-// Non-blocking and TCP_NODELAY.
-void tune_data_socket(int fd);
-void set_nonblocking(int fd);
+void tune_data_socket(int fd);  // non-blocking and TCP_NODELAY
 void set_nodelay(int fd);
 void close_fd(int& fd);
 
-// "host:port" -> parts. IPv6 literals as "[::1]:port".
+// "host:port" <-> parts. IPv6 literals as "[::1]:port".
 Status split_host_port(std::string_view s, std::string* host, uint16_t* port);
+std::string join_host_port(const std::string& host, uint16_t port);
 // Same boot and same network namespace <=> equal ids: loopback reaches the other side.
 std::array<uint8_t, 32> host_id();
 std::string hostname();

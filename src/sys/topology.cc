@@ -128,7 +128,8 @@ const NicAddr* Nic::primary() const {
   return addrs.empty() ? nullptr : &addrs.front();
 }
 
-std::vector<Nic> discover_nics() {
+// Every interface with its addresses (getifaddrs for this network namespace, sysfs for the rest).
+static std::vector<Nic> discover_nics() {
   std::vector<Nic> out;
   std::map<std::string, size_t> index;
   ifaddrs* ifa = nullptr;
@@ -306,7 +307,7 @@ Result<std::vector<CpuBinding>> parse_cpu_bindings(std::string_view text) {
   return out;
 }
 
-std::vector<int> online_cpus() {
+static std::vector<int> online_cpus() {
   auto r = parse_cpu_list(read_line("/sys/devices/system/cpu/online"));
   if (r.is_ok() && !r.value().empty()) return r.take();
   std::vector<int> all;
@@ -352,17 +353,17 @@ Result<Plan> make_plan(const Config& config) {
       if (plan.all[i].name == name) return int(i);
     return -1;
   };
-  auto known = [&] {
-    std::string s;
-    for (auto& n : plan.all) s += (s.empty() ? "" : ", ") + n.name;
-    return s;
+  auto unknown = [&](const std::string& what, const std::string& name) {  // "<what> 'eth9', which ..."
+    std::string known;
+    for (auto& n : plan.all) known += (known.empty() ? "" : ", ") + n.name;
+    return Status(Code::kInvalidArgument, what + " '" + name + "', which this host does not have (it has: " + known + ")");
   };
   if (!config.nics.empty()) {
     for (const std::string& raw : split(config.nics, ',')) {
       const std::string name = trim(raw);
       if (name.empty()) continue;
       const int i = find(name);
-      if (i < 0) return Status(Code::kInvalidArgument, "TETHER_NICS names '" + name + "', which this host does not have (it has: " + known() + ")");
+      if (i < 0) return unknown("TETHER_NICS names", name);
       const Nic& n = plan.all[size_t(i)];
       if (!n.primary()) return Status(Code::kInvalidArgument, "TETHER_NICS names '" + name + "', which has no IP address");
       if (std::none_of(plan.data.begin(), plan.data.end(), [&](const Nic& d) { return d.name == name; })) plan.data.push_back(n);
@@ -375,8 +376,7 @@ Result<Plan> make_plan(const Config& config) {
   }
   if (!config.control_nic.empty()) {
     plan.control = find(config.control_nic);
-    if (plan.control < 0)
-      return Status(Code::kInvalidArgument, "TETHER_CONTROL_NIC names '" + config.control_nic + "', which this host does not have (it has: " + known() + ")");
+    if (plan.control < 0) return unknown("TETHER_CONTROL_NIC names", config.control_nic);
     if (!plan.all[size_t(plan.control)].primary())
       return Status(Code::kInvalidArgument, "TETHER_CONTROL_NIC names '" + config.control_nic + "', which has no IP address");
   }
@@ -391,9 +391,7 @@ Result<Plan> make_plan(const Config& config) {
   const std::vector<int> online = online_cpus();
   for (auto* list : {&tx.value(), &rx.value()})
     for (auto& b : *list) {
-      if (find(b.nic) < 0)
-        return Status(Code::kInvalidArgument, std::string(list == &tx.value() ? "TETHER_TX_CPUS" : "TETHER_RX_CPUS") +
-                                                  " names NIC '" + b.nic + "', which this host does not have (it has: " + known() + ")");
+      if (find(b.nic) < 0) return unknown(list == &tx.value() ? "TETHER_TX_CPUS names NIC" : "TETHER_RX_CPUS names NIC", b.nic);
       for (int c : b.cpus)
         if (std::find(online.begin(), online.end(), c) == online.end())
           return Status(Code::kInvalidArgument, "CPU " + std::to_string(c) + " bound to " + b.nic + " is not online (online: " +

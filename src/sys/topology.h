@@ -1,7 +1,5 @@
-// NIC topology: which network interfaces this host has (addresses, speed, NUMA node, PCI path, local
-// CPUs), which of them an endpoint uses for data and control, how they rank for a device, how lanes pair
-// local and remote NICs, and where progress threads run. Read once when an endpoint is created; never on
-// the data path.
+// NIC topology: this host's interfaces, which an endpoint uses for data and control, how they rank for
+// a device, how lanes pair local and remote NICs, where progress threads run. Read once, at create().
 #pragma once
 #include <cstdint>
 #include <string>
@@ -32,18 +30,12 @@ struct Nic {
   const NicAddr* primary() const;
 };
 
-// Every interface with its addresses (getifaddrs for this network namespace, sysfs for the rest).
-std::vector<Nic> discover_nics();
-
 // Fills pci_path, numa_node and local_cpus from the PCI function at or above the sysfs path `device`
-// (a link such as /sys/class/net/X/device or /sys/bus/pci/devices/DDDD:BB:DD.F, resolved with
-// realpath; a virtio NIC sits one level below its function). False, and nothing filled, when it
-// leads to no PCI function (a virtual interface, a missing path).
+// (a virtio NIC sits one level below its function). False, nothing filled: no PCI function there.
 bool read_pci_location(Nic& n, const std::string& device);
 
-// How near a NIC is to a device: shared leading components of the two sysfs PCI paths count most
-// (fewer bridges between the device and the NIC), then a shared NUMA node, then speed. Equal values
-// are equally near.
+// How near a NIC is to a device: shared leading sysfs PCI path components (fewer bridges) count most,
+// then a shared NUMA node, then speed.
 struct Closeness {
   size_t shared = 0;        // leading path components in common (0: either path unknown)
   bool same_numa = false;
@@ -62,9 +54,8 @@ Closeness closeness(const Nic& nic, const std::string& device_pci_path, int devi
 // Indices of `nics`, nearest first (by closeness; ties keep the given order).
 std::vector<size_t> rank_nics(const std::vector<Nic>& nics, const std::string& device_pci_path, int device_numa);
 
-// The NUMA node every CPU this process may run on belongs to (sched_getaffinity against
-// /sys/devices/system/node), or -1 when they span several nodes or it cannot tell. Host memory a
-// process confined to one node allocates lands there (first touch), so it stands for host memory's node.
+// The NUMA node every CPU this process may run on belongs to, or -1 (several, or unknown): where its
+// host memory lands (first touch).
 int affinity_numa_node();
 
 // A NIC as the other side advertises it (the listener's data NICs travel in the handshake).
@@ -84,9 +75,8 @@ struct NicPair {
   std::string remote_addr;
   std::string remote_name;
 };
-// Pairs of (local data NIC, remote NIC) that share a subnet, in local use order, spread so that
-// consecutive entries use different local NICs. Empty when none share a subnet (the caller then uses its control
-// address for every lane).
+// Pairs of (local data NIC, remote NIC) that share a subnet, in local use order, consecutive entries on
+// different local NICs; empty when none share one.
 std::vector<NicPair> pair_nics(const std::vector<Nic>& local, const std::vector<RemoteNic>& remote);
 bool same_subnet(const NicAddr& a, const std::string& b_addr, int b_prefix);
 
@@ -100,7 +90,6 @@ struct CpuBinding {
 // "eth1:8-21;eth2:22-35".
 Result<std::vector<CpuBinding>> parse_cpu_bindings(std::string_view text);
 Status pin_current_thread(const std::vector<int>& cpus);
-std::vector<int> online_cpus();
 
 // What an endpoint decided from its Config and this host.
 struct ThreadPlacement {
