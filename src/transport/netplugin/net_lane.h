@@ -130,8 +130,11 @@ class NetLane {
   bool finish_rx(RxPosted& r);
   bool finish_deferred();
   bool start_unpack(RxPosted& r, size_t i, uint64_t size);
+  bool fail(Status why);  // kills the lane; false
   bool fail_plugin(const char* call, int rc);
   bool protocol_error(const char* what);
+  // Receive k's fragments in the unpack metadata (*n of them), checked against its `length`; null: lane killed.
+  const netabi::UnpackEntry* unpack_frags(uint64_t k, uint64_t length, uint64_t* n);
   // Registrations on the send comm of regions (or staging slots), by their owner.
   using Registrations = std::vector<std::pair<const void*, void*>>;
   void* mr_for(Registrations& mrs, const void* owner, void* base, uint64_t size, int type, const char* call);
