@@ -97,11 +97,6 @@ std::string interface_of(const void* addr, size_t len) {
 
 }  // namespace
 
-const std::vector<std::string>& known_providers() {
-  static const std::vector<std::string> names{"cxi", "efa", "verbs", "tcp", "shm"};
-  return names;
-}
-
 MrMode MrMode::from(const fi_info* info) {
   MrMode m;
   const int bits = info->domain_attr->mr_mode;
@@ -223,9 +218,7 @@ size_t pick_rails(const RailOrder& order, size_t lanes, size_t k, uint64_t turn,
 bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::string* why) {
   std::string provider = opt.provider;
   if (!provider.empty()) {
-    bool known = false;
-    for (const auto& p : known_providers()) known |= p == provider;
-    if (!known) {
+    if (provider != "cxi" && provider != "efa" && provider != "verbs" && provider != "tcp" && provider != "shm") {
       *why = "TETHER_FABRIC_PROVIDER=" + provider + ": not one of cxi, efa, verbs, tcp, shm";
       return false;
     }

@@ -81,7 +81,4 @@ RailOrder rank_rails(const std::vector<sys::Nic>& locations, const std::string& 
 // Allocates nothing (the data path calls it).
 size_t pick_rails(const RailOrder& order, size_t lanes, size_t k, uint64_t turn, uint32_t* out);
 
-// The provider names tether knows, in "auto" order, and whether `name` is one of them.
-const std::vector<std::string>& known_providers();
-
 }  // namespace tether::transport::fabric

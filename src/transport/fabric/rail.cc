@@ -22,7 +22,6 @@ std::unique_ptr<Rail> Rail::open(const Discovery& d, uint32_t index, std::string
   r->info_ = lib.dupinfo(d.rails[index]);
   const fi_info* info = r->info_;
   r->domain_ = info->domain_attr->name ? info->domain_attr->name : "?";
-  r->max_msg_ = info->ep_attr->max_msg_size ? info->ep_attr->max_msg_size : (1ull << 30);
   auto fail = [&](const char* what, int rc) {
     *why = "rail " + r->domain_ + ": " + what + ": " + lib.error(rc);
     return nullptr;

@@ -37,8 +37,6 @@ class Rail {
   const std::string& domain() const { return domain_; }
   const std::string& address() const { return address_; }   // fi_getname: what peers insert
   const Lib& lib() const { return lib_; }
-  size_t max_msg() const { return max_msg_; }
-  bool can_wait() const { return can_wait_; }
   bool delivery_complete() const { return delivery_complete_; }
 
   // Address vector. FI_ADDR_NOTAVAIL (with *why) when the provider rejects the address.
@@ -80,7 +78,6 @@ class Rail {
   bool delivery_complete_ = false;
   bool fence_ = false;
   bool can_wait_ = false;
-  size_t max_msg_ = 0;
   std::string domain_, address_;
   fi_info* info_ = nullptr;   // our copy
   fid_fabric* fabric_ = nullptr;
