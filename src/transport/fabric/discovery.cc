@@ -260,8 +260,7 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
   d.lib = &lib;
   d.provider = provider;
   d.delivery_complete = dc;
-  // shm's completion queue wait is not woken by its peers' progress (measured: a write hangs while
-  // the target sleeps in fi_cq_sread), so its threads poll.
+  // shm's completion queue wait is not woken by its peers' progress, so its threads poll.
   d.busy_poll = opt.busy_poll || provider == "shm";
   for (fi_info* i = list; i; i = i->next) {
     if (core_name(i) != provider) continue;

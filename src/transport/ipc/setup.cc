@@ -289,8 +289,7 @@ struct Rendezvous {
   }
 };
 
-// Listener's lane 0: the connector's stage 3 (its verdict: may we describe our chunks by address?).
-// Our lanes serve from the start (attach_listener); we send only from here on.
+// Our lanes serve from the start (attach_listener); we send only once the connector's verdict is in.
 bool finish_listener_setup(Lane& l) {
   Link& p = *l.peer;
   IpcPeer& ip = *l.ip;

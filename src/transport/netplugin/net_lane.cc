@@ -350,7 +350,7 @@ bool NetLane::progress_rx() {
       if (!done) break;
       if (size != r.expect) return protocol_error("a payload whose length differs from its header");
       if (consume_early_ && r.dest && size > 0) {
-        // The seeds' bug, on purpose: the pages go back at test-done and the copy runs later (as an
+        // The fault, on purpose: the pages go back at test-done and the copy runs later (as a careless
         // asynchronous unpack would), after the plugin has received the next frames.
         uint64_t n = 0;
         const netabi::UnpackEntry* frags = finish_deferred() ? unpack_frags(r.k + 1, size, &n) : nullptr;

@@ -115,10 +115,8 @@ class AnswerRing {
     return true;
   }
   bool pop(TxItem* out) {
-    const size_t h = head_.load(std::memory_order_relaxed);
-    if (h == tail_.load(std::memory_order_acquire)) return false;
-    *out = items_[h % kAnswerRing];
-    head_.store(h + 1, std::memory_order_release);
+    if (!peek(out)) return false;
+    head_.store(head_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
     return true;
   }
 
