@@ -50,7 +50,6 @@ class StageMem {
   void release();
   uint8_t* at(uint32_t slot) const { return base_ + uint64_t(slot) * bytes_; }
   void* desc() const { return mr_.desc; }
-  uint32_t slots() const { return slots_; }
   uint64_t bytes() const { return bytes_; }
   // A free slot, or -1. Slots are handed out in turn so their copies overlap.
   int acquire() {

@@ -133,7 +133,7 @@ struct Lane {
   struct Held { uint32_t slot, gen; RegionState* pin; };
   std::mutex held_mu;                // held: the lane thread changes it; deregister looks for a region in it
   std::vector<Held> held;            // regions pinned for reads the initiator is copying out (until kReadDone)
-  uint32_t held_reads = 0;           // reads in `held` (a batch holds several pins): held_bound() at most
+  uint32_t held_reads = 0;           // reads in `held` (a batch holds several pins): at most 2 x slot_count
   RegionState* pins[kMaxBatch];      // a batch's pinned regions (one per run of one descriptor)
   RegionState* dests[kMaxBatch];     // each fragment's region
   std::shared_ptr<Mapping> maps[kMaxBatch];
