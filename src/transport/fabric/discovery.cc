@@ -100,53 +100,12 @@ std::string interface_of(const void* addr, size_t len) {
 MrMode MrMode::from(const fi_info* info) {
   MrMode m;
   const int bits = info->domain_attr->mr_mode;
-  m.local = bits & FI_MR_LOCAL;
   m.virt_addr = bits & FI_MR_VIRT_ADDR;
-  m.prov_key = bits & FI_MR_PROV_KEY;
-  m.allocated = bits & FI_MR_ALLOCATED;
   m.endpoint = bits & FI_MR_ENDPOINT;
   m.hmem = (bits & FI_MR_HMEM) || (info->caps & FI_HMEM);
   m.key_size = info->domain_attr->mr_key_size ? info->domain_attr->mr_key_size : 8;
-  // FI_MR_BASIC (old style) means virtual addresses, provider keys, allocated memory.
-  if (bits == FI_MR_BASIC) m.virt_addr = m.prov_key = m.allocated = true;
+  if (bits == FI_MR_BASIC) m.virt_addr = true;  // old style: virtual addresses, provider keys, allocated memory
   return m;
-}
-
-std::string MrMode::describe() const {
-  std::string s;
-  auto add = [&](bool on, const char* n) {
-    if (!on) return;
-    if (!s.empty()) s += ",";
-    s += n;
-  };
-  add(local, "local");
-  add(virt_addr, "virt_addr");
-  add(prov_key, "prov_key");
-  add(allocated, "allocated");
-  add(endpoint, "endpoint");
-  add(hmem, "hmem");
-  return (s.empty() ? "none" : s) + " key_size=" + std::to_string(key_size);
-}
-
-Discovery& Discovery::operator=(Discovery&& o) noexcept {
-  if (this == &o) return *this;
-  for (fi_info* i : rails) lib->freeinfo(i);
-  lib = o.lib;
-  provider = std::move(o.provider);
-  provider_full = std::move(o.provider_full);
-  rails = std::move(o.rails);
-  o.rails.clear();
-  locations = std::move(o.locations);
-  mr = o.mr;
-  delivery_complete = o.delivery_complete;
-  fence = o.fence;
-  busy_poll = o.busy_poll;
-  warning = std::move(o.warning);
-  return *this;
-}
-
-Discovery::~Discovery() {
-  for (fi_info* i : rails) lib->freeinfo(i);
 }
 
 sys::Nic rail_location(const fi_info* info, const std::string& sysfs_root) {
@@ -281,7 +240,7 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
         d.warning = "provider " + provider + " offers neither FI_DELIVERY_COMPLETE nor read-after-write "
                     "ordering: a notification may reach the target before the data it announces";
     }
-    d.rails.push_back(lib.dupinfo(i));
+    d.rails.emplace_back(lib.dupinfo(i), InfoFree{&lib});
     d.locations.push_back(rail_location(i));
   }
   lib.freeinfo(list);

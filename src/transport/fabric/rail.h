@@ -33,7 +33,6 @@ class Rail {
   Rail(const Rail&) = delete;
   Rail& operator=(const Rail&) = delete;
 
-  uint32_t index() const { return index_; }
   const std::string& domain() const { return domain_; }
   const std::string& address() const { return address_; }   // fi_getname: what peers insert
   const Lib& lib() const { return lib_; }
@@ -73,7 +72,6 @@ class Rail {
  private:
   Rail(const Lib& lib) : lib_(lib) {}
   const Lib& lib_;
-  uint32_t index_ = 0;
   MrMode mode_;
   bool delivery_complete_ = false;
   bool fence_ = false;

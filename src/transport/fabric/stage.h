@@ -64,11 +64,6 @@ class StageMem {
     return -1;
   }
   void free_slot(int s) { if (s >= 0) busy_[size_t(s)] = 0; }
-  bool has_free() const {
-    for (uint8_t b : busy_)
-      if (!b) return true;
-    return base_ == nullptr;  // not allocated yet: its first acquire will find one
-  }
 
  private:
   Rail* rail_ = nullptr;
