@@ -27,9 +27,6 @@ namespace tether::transport {
 class Link;
 
 struct Caps {
-  bool host_memory = false;     // reads/writes host memory directly
-  bool cuda_memory = false;     // reads/writes GPU memory directly (else the core stages through host)
-  bool one_sided = false;       // target CPU not involved (RDMA)
   bool same_host_only = false;  // only offered to peers on this host (ipc)
   bool uses_tcp_lanes = false;  // its lanes are the TCP data sockets opened during connect
   // The listener attaches and publishes the peer before answering (attach() needs nothing from the

@@ -229,7 +229,6 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
     if (!seen.insert(dom).second) continue;   // one rail per domain (NIC); the first is preferred
     if (opt.max_rails && d.rails.size() >= opt.max_rails) break;
     if (d.rails.empty()) {
-      d.provider_full = i->fabric_attr->prov_name;
       d.mr = MrMode::from(i);
       d.mr.hmem = d.mr.hmem && hmem;
       d.fence = i->caps & FI_FENCE;

@@ -44,7 +44,6 @@ struct InfoFree {
 struct Discovery {
   const Lib* lib = nullptr;
   std::string provider;            // core provider name (first of "tcp;ofi_rxm")
-  std::string provider_full;       // as libfabric names it
   std::vector<std::unique_ptr<fi_info, InfoFree>> rails;  // one per domain
   std::vector<sys::Nic> locations; // per rail: its NIC's PCI path and NUMA node (empty path: unknown)
   MrMode mr;

@@ -247,9 +247,6 @@ class FabricTransportImpl final : public Transport {
   const char* name() const override { return "fabric"; }
   Caps caps() const override {
     Caps c;
-    c.host_memory = true;
-    c.cuda_memory = true;  // directly with FI_HMEM, else staged (docs/FABRIC.md, GPU memory)
-    c.one_sided = true;
     c.attach_before_answer = true;  // attaching inserts the connector's addresses; nothing to wait for
     return c;
   }

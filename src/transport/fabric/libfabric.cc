@@ -44,7 +44,6 @@ const Lib* Lib::load(const std::string& requested, std::string* why) {
     ::dlclose(h);
     return fail(path + ": " + missing);
   }
-  lib->path = path;
   // An older library than our headers would misread the structs we hand it.
   if (lib->version() < FI_VERSION(1, 9))
     return fail(path + " is libfabric " + std::to_string(lib->major()) + "." + std::to_string(lib->minor()) +

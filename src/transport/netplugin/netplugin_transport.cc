@@ -197,8 +197,6 @@ NetpluginTransport::~NetpluginTransport() { stop(); }
 
 Caps NetpluginTransport::caps() const {
   Caps c;
-  c.host_memory = true;
-  c.cuda_memory = true;  // GPU destinations through the lane's unpacker; GPU sources direct or staged
   return c;
 }
 

@@ -383,7 +383,6 @@ TcpTransport::~TcpTransport() { stop(); }
 
 Caps TcpTransport::caps() const {
   Caps c;
-  c.host_memory = true;
   c.uses_tcp_lanes = true;
   c.staged_gpu = true;
   c.batch_fragments = wire::kMaxFragments;
