@@ -18,7 +18,6 @@
 #include "transport/host.h"
 #include "transport/link.h"
 
-
 namespace tether::transport::tcp {
 
 using core::RegionState;

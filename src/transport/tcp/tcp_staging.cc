@@ -1,8 +1,7 @@
 // GPU staging of a tcp lane: payloads from or to GPU memory go through pinned bounce slots (a
 // gpu::StagingRing per direction). The tx owner copies (gathers) a chunk out of the GPU into a slot and
 // sends it once the copy is done; the rx owner lands a payload in a slot and copies (unpacks) it to the
-// GPU, answering the frame once that copy is done. First copies first keeps lanes from starving each
-// other of the GPU's copy engines.
+// GPU, answering the frame once that copy is done.
 #include <algorithm>
 #include <cstring>
 
