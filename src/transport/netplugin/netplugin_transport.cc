@@ -39,8 +39,6 @@ bool parse_offer(std::string_view bytes, OfferHeader* h) {
          bytes.size() == sizeof(OfferHeader) + size_t(h->lanes) * netabi::kHandleMaxSize;
 }
 
-using sys::cpu_relax;
-
 }  // namespace
 
 // Drives its lanes: plugins progress inside test(), so a thread with work in flight polls; an idle
@@ -107,7 +105,7 @@ class NetProgressThread {
       // Nothing moved: spin a little (an answer is usually microseconds away), then sleep longer
       // and longer; wake() cuts the sleep short when new chunks are queued.
       if (++idle < 200) {
-        cpu_relax();
+        sys::cpu_relax();
         continue;
       }
       const int timeout_ms = idle < 400 ? 0 : 1;
