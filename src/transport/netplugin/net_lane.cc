@@ -195,8 +195,9 @@ bool NetLane::read_unpacked(uint64_t k, void* out, uint64_t length) {
   uint64_t n = 0;
   const netabi::UnpackEntry* frags = unpack_frags(k, length, &n);
   if (!frags) return false;
-  Status s = unpacker_->read(frags, n, static_cast<const uint8_t*>(unpack_->bounce_buf), out);
-  return s.is_ok() || fail(s);
+  if (Status s = unpacker_->read(frags, n, static_cast<const uint8_t*>(unpack_->bounce_buf), out); !s.is_ok())
+    return fail(s);
+  return true;
 }
 
 bool NetLane::unpack_wait() {
@@ -301,7 +302,8 @@ bool NetLane::start_unpack(RxPosted& r, size_t i, uint64_t size) {
   const uint8_t* from;
   netabi::UnpackEntry whole{uint32_t(i * kMaxFrame), uint32_t(size), 0};
   if (unpack_device_) {
-    if (!(frags = unpack_frags(r.k + 1, size, &n))) return false;
+    frags = unpack_frags(r.k + 1, size, &n);
+    if (!frags) return false;
     from = static_cast<const uint8_t*>(unpack_->bounce_buf);
   } else {
     frags = &whole;
@@ -352,8 +354,9 @@ bool NetLane::progress_rx() {
       if (consume_early_ && r.dest && size > 0) {
         // The fault, on purpose: the pages go back at test-done and the copy runs later (as a careless
         // asynchronous unpack would), after the plugin has received the next frames.
+        if (!finish_deferred()) return false;
         uint64_t n = 0;
-        const netabi::UnpackEntry* frags = finish_deferred() ? unpack_frags(r.k + 1, size, &n) : nullptr;
+        const netabi::UnpackEntry* frags = unpack_frags(r.k + 1, size, &n);
         if (!frags) return false;
         deferred_frags_.assign(frags, frags + n);
         if (!consume(r.preq)) return false;

@@ -133,8 +133,8 @@ int ProgressThread::nap(epoll_event* events, int max, uint32_t us) {
 
 void ProgressThread::update_lowat(Lane& l) {
   // A staged payload wakes a napping thread by the 256 KiB, not per segment. Only rx's owner may read
-  // rx.left (a stale one could set a mark above what is still to come); while a waiter owns rx the
-  // thread comes back without sleeping until it can lower the mark itself.
+  // rx.left: a stale one could set a mark above what is still to come, and the last bytes would wait
+  // out epoll's 1 s. While a waiter owns rx the thread comes back without sleeping until it can lower it.
   if (!l.try_own_rx()) {
     if (l.rx.lowat != 1) work_hint_.store(true, std::memory_order_relaxed);
     return;
@@ -476,8 +476,8 @@ void TcpTransport::progress_lane(Link* peer, uint32_t lane) {
   std::shared_ptr<Lane> l = state->lanes[lane].lock();
   if (!l || l->dead.load(std::memory_order_relaxed) || !l->try_own_rx()) return;
   if (!l->dead.load(std::memory_order_relaxed)) tcp::receive(*l, host_, tcp::kPollBudget);
-  // The progress thread may sleep in epoll unaware of what this read left (a GPU copy to poll, a staged
-  // payload half in, answers to send), and the caller may stop polling at any time.
+  // The progress thread may sleep in epoll (up to 1 s) unaware of what this read left (a GPU copy to
+  // poll, a staged payload half in, answers to send), and the caller may stop polling at any time.
   const bool left = l->stage.gpu_rx_count > 0 || (l->rx.state == tcp::RxState::kPayload && l->rx.device >= 0);
   l->disown_rx();
   if (left || !l->answers.empty() || l->rx.paused.load(std::memory_order_relaxed)) l->thread->wake();
