@@ -40,8 +40,8 @@ struct Caps {
   bool staged_gpu = false;      // GPU memory is staged through pinned host buffers on each side: a GPU
                                 // read is cut into smaller chunks that pipeline the copies
   bool pull_reads = false;      // large contiguous reads are pushed by the target (wire::kPull), moved as sends
-  bool wait_naps = false;       // waiting on a large transfer naps instead of spinning: the transport's own
-                                // threads land its chunks
+  bool wait_naps = false;       // wait() on a large read naps, on another large transfer sleeps, instead of
+                                // spinning: the transport's own threads land its chunks
   bool lanes_hold = false;      // each lane's thread holds its peer (Link::hold) until it retires the lane,
                                 // so the peer's chunk slots outlive every lane reading them
 };

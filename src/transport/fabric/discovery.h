@@ -37,7 +37,7 @@ struct MrMode {
 
 // An fi_info of our own (fi_dupinfo), freed through the library that made it.
 struct InfoFree {
-  const Lib* lib;
+  const Lib* lib = nullptr;
   void operator()(fi_info* i) const { lib->freeinfo(i); }
 };
 
