@@ -85,8 +85,7 @@ class Link : public std::enable_shared_from_this<Link> {
   virtual Code read_batch(uint32_t lane, uint32_t slot, uint32_t gen, uint32_t n, const wire::Fragment** frags,
                           const Piece** pieces, int* device) = 0;
   // Where a kReadResp payload of `length` bytes goes; `device` the GPU it goes to, or -1 for host memory.
-  // A kReadBatch chunk's answer (tcp) lands in its `npieces` pieces, in order: given `pieces`, such a
-  // chunk is named there (and *dest is null).
+  // Given `pieces`, a kReadBatch chunk's answer lands in its `npieces` pieces, in order (*dest null).
   virtual Code read_destination(uint32_t lane, uint32_t slot, uint32_t gen, uint64_t length, uint8_t** dest,
                                 int* device, const Piece** pieces = nullptr, uint32_t* npieces = nullptr) = 0;
   // Target side of kSendData: where the bytes go inside the matched recv `token` (`unit`: the sender's
@@ -100,8 +99,8 @@ class Link : public std::enable_shared_from_this<Link> {
   virtual bool on_pull(const wire::FrameHeader& h) = 0;
   // A lane died with a kSendData chunk half received: the sender resends it, unless the peer is gone.
   virtual void abandon_send_data(core::TransferState* recv) = 0;
-  // A lane's link failed. Link-level failures (connection lost, timeout) kill only the lane while another
-  // survives: its socket is shut down and its thread retires it. Anything else, or the last lane, fails the peer.
+  // A lane's link failed. A link-level failure (connection lost, timeout) kills only the lane while another
+  // survives; anything else, or the last lane, fails the peer.
   virtual void lane_failed(uint32_t lane, Status why) = 0;
   // The lane is retired: its chunks in flight move to the surviving lanes, or (peer failed) are answered with `code`.
   virtual void release_lane(uint32_t lane, Code code) = 0;

@@ -27,28 +27,23 @@ namespace tether::transport {
 class Link;
 
 struct Caps {
-  bool host_memory = false;     // reads/writes host memory directly
-  bool cuda_memory = false;     // reads/writes GPU memory directly (else the core stages through host)
-  bool one_sided = false;       // target CPU not involved (RDMA)
   bool same_host_only = false;  // only offered to peers on this host (ipc)
   bool uses_tcp_lanes = false;  // its lanes are the TCP data sockets opened during connect
-  // attach() needs nothing from the connector: the listener attaches and publishes the peer before
-  // answering, so when connect() returns there, peers() shows the peer here (as with tcp lanes).
+  // The listener attaches and publishes the peer before answering (attach() needs nothing from the
+  // connector), so when connect() returns, the listener's peers() shows it.
   bool attach_before_answer = false;
-  uint32_t batch_fragments = 0; // most fragments in one kWriteBatch chunk (many small writes in one
-                                // frame, one answer); 0: no batches
-  bool batch_reads = false;     // small reads are batched too, as kReadBatch chunks (ipc)
-  uint32_t gpu_batch_chunks = 1;  // a kWriteBatch from or to GPU memory carries up to this many chunks' bytes
-                                  // (staged: each batch costs a gather and an unpack kernel)
+  uint32_t batch_fragments = 0; // most small writes in one kWriteBatch chunk (one answer); 0: no batches
+  bool batch_reads = false;     // small reads are batched too, as kReadBatch chunks
+  uint32_t gpu_batch_chunks = 1;  // chunks' bytes a kWriteBatch from or to GPU memory may carry
   uint64_t gpu_chunk_bytes = 0; // chunk size when both ends of a write/read are GPU memory (0: the peer's chunk_bytes)
   uint32_t read_depth = 0;      // reads one lane keeps requested at once, in chunk_bytes (0: its whole window)
-  bool staged_gpu = false;      // GPU memory is staged through pinned host buffers on each side (tcp): a GPU
-                                // read is cut into smaller chunks that pipeline the copies (core: pipelined_chunk)
+  bool staged_gpu = false;      // GPU memory is staged through pinned host buffers on each side: a GPU
+                                // read is cut into smaller chunks that pipeline the copies
   bool pull_reads = false;      // large contiguous reads are pushed by the target (wire::kPull), moved as sends
-  bool wait_naps = false;       // wait() on a large read naps (core/transfer.cc), on another large transfer
-                                // sleeps, instead of spinning: the transport's own threads land its chunks (tcp)
-  bool lanes_hold = false;      // each lane's thread holds its peer (Link::hold) until it retires the lane:
-                                // once the peer's last hold goes no lane reads its chunk slots, which are freed
+  bool wait_naps = false;       // wait() on a large read naps, on another large transfer sleeps, instead of
+                                // spinning: the transport's own threads land its chunks
+  bool lanes_hold = false;      // each lane's thread holds its peer (Link::hold) until it retires the lane,
+                                // so the peer's chunk slots outlive every lane reading them
 };
 
 class Transport {
@@ -64,9 +59,8 @@ class Transport {
   // Bytes telling the peer connecting in `session` how to reach us (fabric addresses, plugin
   // listen handles...). Called on the control thread during each handshake.
   virtual std::string offer(uint64_t session) { (void)session; return {}; }
-  // The connector's offer, answering the listener's `remote_offer` (called during the handshake, before
-  // the connector answers it). A transport may prepare here what the listener's attach() must find
-  // (ipc opens its lanes to the listener: the proof that both are on one host).
+  // The connector's offer, answering the listener's `remote_offer` before the connector answers the
+  // handshake: it may prepare what the listener's attach() must find (ipc opens its lanes here).
   virtual Result<std::string> connector_offer(uint64_t session, std::string_view remote_offer) {
     (void)remote_offer;
     return offer(session);
@@ -103,9 +97,8 @@ class Transport {
   // Called by a thread spinning on a small transfer: progress lane `lane` of `peer` from the calling
   // thread if no other thread is doing so (saves waking a progress thread for the answer).
   virtual void progress_lane(Link* peer, uint32_t lane) { (void)peer; (void)lane; }
-  // Called by a thread waiting for a transfer of `peer` (wait()'s spin, a caller polling done()):
-  // finish from the calling thread what would otherwise finish on another thread and be handed back
-  // (ipc: one-sided GPU copies), so a lone op stays on one core. Never blocks; cheap when idle.
+  // Called by a thread waiting for a transfer of `peer`: finish here what would otherwise finish on
+  // another thread and be handed back, so a lone op stays on one core. Never blocks; cheap when idle.
   virtual void finish_here(Link* peer) { (void)peer; }
   // The peer's last hold went (Link::hold: its lanes retired, the control side and every caller
   // let go): drop what the transport keeps for it (peer.transport_state), which no thread uses now.

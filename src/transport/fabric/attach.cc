@@ -18,7 +18,7 @@ struct Offer {
 
   std::string encode() const {
     std::string o(reinterpret_cast<const char*>(&kOfferMagic), 4);
-    o += be_u64(session) + be_u64(bounce);
+    o += u64_bytes(session) + u64_bytes(bounce);
     o += char(uint8_t(provider.size()));
     o += provider;
     o += char(uint8_t(rails.size()));

@@ -97,61 +97,15 @@ std::string interface_of(const void* addr, size_t len) {
 
 }  // namespace
 
-const std::vector<std::string>& known_providers() {
-  static const std::vector<std::string> names{"cxi", "efa", "verbs", "tcp", "shm"};
-  return names;
-}
-
 MrMode MrMode::from(const fi_info* info) {
   MrMode m;
   const int bits = info->domain_attr->mr_mode;
-  m.local = bits & FI_MR_LOCAL;
   m.virt_addr = bits & FI_MR_VIRT_ADDR;
-  m.prov_key = bits & FI_MR_PROV_KEY;
-  m.allocated = bits & FI_MR_ALLOCATED;
   m.endpoint = bits & FI_MR_ENDPOINT;
   m.hmem = (bits & FI_MR_HMEM) || (info->caps & FI_HMEM);
   m.key_size = info->domain_attr->mr_key_size ? info->domain_attr->mr_key_size : 8;
-  // FI_MR_BASIC (old style) means virtual addresses, provider keys, allocated memory.
-  if (bits == FI_MR_BASIC) m.virt_addr = m.prov_key = m.allocated = true;
+  if (bits == FI_MR_BASIC) m.virt_addr = true;  // old style: virtual addresses, provider keys, allocated memory
   return m;
-}
-
-std::string MrMode::describe() const {
-  std::string s;
-  auto add = [&](bool on, const char* n) {
-    if (!on) return;
-    if (!s.empty()) s += ",";
-    s += n;
-  };
-  add(local, "local");
-  add(virt_addr, "virt_addr");
-  add(prov_key, "prov_key");
-  add(allocated, "allocated");
-  add(endpoint, "endpoint");
-  add(hmem, "hmem");
-  return (s.empty() ? "none" : s) + " key_size=" + std::to_string(key_size);
-}
-
-Discovery& Discovery::operator=(Discovery&& o) noexcept {
-  if (this == &o) return *this;
-  for (fi_info* i : rails) lib->freeinfo(i);
-  lib = o.lib;
-  provider = std::move(o.provider);
-  provider_full = std::move(o.provider_full);
-  rails = std::move(o.rails);
-  o.rails.clear();
-  locations = std::move(o.locations);
-  mr = o.mr;
-  delivery_complete = o.delivery_complete;
-  fence = o.fence;
-  busy_poll = o.busy_poll;
-  warning = std::move(o.warning);
-  return *this;
-}
-
-Discovery::~Discovery() {
-  for (fi_info* i : rails) lib->freeinfo(i);
 }
 
 sys::Nic rail_location(const fi_info* info, const std::string& sysfs_root) {
@@ -223,9 +177,7 @@ size_t pick_rails(const RailOrder& order, size_t lanes, size_t k, uint64_t turn,
 bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::string* why) {
   std::string provider = opt.provider;
   if (!provider.empty()) {
-    bool known = false;
-    for (const auto& p : known_providers()) known |= p == provider;
-    if (!known) {
+    if (provider != "cxi" && provider != "efa" && provider != "verbs" && provider != "tcp" && provider != "shm") {
       *why = "TETHER_FABRIC_PROVIDER=" + provider + ": not one of cxi, efa, verbs, tcp, shm";
       return false;
     }
@@ -267,8 +219,7 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
   d.lib = &lib;
   d.provider = provider;
   d.delivery_complete = dc;
-  // shm's completion queue wait is not woken by its peers' progress (measured: a write hangs while
-  // the target sleeps in fi_cq_sread), so its threads poll.
+  // shm's completion queue wait is not woken by its peers' progress, so its threads poll.
   d.busy_poll = opt.busy_poll || provider == "shm";
   for (fi_info* i = list; i; i = i->next) {
     if (core_name(i) != provider) continue;
@@ -278,7 +229,6 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
     if (!seen.insert(dom).second) continue;   // one rail per domain (NIC); the first is preferred
     if (opt.max_rails && d.rails.size() >= opt.max_rails) break;
     if (d.rails.empty()) {
-      d.provider_full = i->fabric_attr->prov_name;
       d.mr = MrMode::from(i);
       d.mr.hmem = d.mr.hmem && hmem;
       d.fence = i->caps & FI_FENCE;
@@ -289,7 +239,7 @@ bool discover(const Lib& lib, const DiscoveryOptions& opt, Discovery* out, std::
         d.warning = "provider " + provider + " offers neither FI_DELIVERY_COMPLETE nor read-after-write "
                     "ordering: a notification may reach the target before the data it announces";
     }
-    d.rails.push_back(lib.dupinfo(i));
+    d.rails.emplace_back(lib.dupinfo(i), InfoFree{&lib});
     d.locations.push_back(rail_location(i));
   }
   lib.freeinfo(list);

@@ -5,6 +5,7 @@
 #include <rdma/fabric.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,38 +23,34 @@ struct DiscoveryOptions {
   bool busy_poll = false;         // never sleep in the completion queue
 };
 
-// How a provider wants memory registered (fi_info domain_attr->mr_mode, caps).
+// How a provider wants memory registered (fi_info domain_attr->mr_mode, caps). FI_MR_LOCAL,
+// FI_MR_PROV_KEY and FI_MR_ALLOCATED need no choice: every operation passes its descriptor, every
+// registration requests a key the provider may override, and tether regions are always backed.
 struct MrMode {
-  bool local = false;      // FI_MR_LOCAL: local buffers of an operation need their MR descriptor
   bool virt_addr = false;  // FI_MR_VIRT_ADDR: remote addresses are virtual addresses, else offsets
-  bool prov_key = false;   // FI_MR_PROV_KEY: the provider picks keys; else we request one
-  bool allocated = false;  // FI_MR_ALLOCATED: only backed memory (tether regions always are)
   bool endpoint = false;   // FI_MR_ENDPOINT: bind each MR to the endpoint, then enable it
   bool hmem = false;       // FI_MR_HMEM (and caps FI_HMEM): device memory registers directly
   size_t key_size = 8;     // bytes of a key (cxi uses small keys)
 
   static MrMode from(const fi_info* info);
-  std::string describe() const;   // "local,virt_addr,..." for doctor and logs
+};
+
+// An fi_info of our own (fi_dupinfo), freed through the library that made it.
+struct InfoFree {
+  const Lib* lib = nullptr;
+  void operator()(fi_info* i) const { lib->freeinfo(i); }
 };
 
 struct Discovery {
   const Lib* lib = nullptr;
   std::string provider;            // core provider name (first of "tcp;ofi_rxm")
-  std::string provider_full;       // as libfabric names it
-  std::vector<fi_info*> rails;     // one per domain, owned
+  std::vector<std::unique_ptr<fi_info, InfoFree>> rails;  // one per domain
   std::vector<sys::Nic> locations; // per rail: its NIC's PCI path and NUMA node (empty path: unknown)
   MrMode mr;
   bool delivery_complete = false;  // writes can ask FI_DELIVERY_COMPLETE (tx op_flags accepted)
   bool fence = false;              // FI_FENCE: a fenced read waits for earlier writes (caps)
   bool busy_poll = false;          // progress threads poll without sleeping in fi_cq_sread
   std::string warning;             // known-bad version, printed once by the transport
-
-  Discovery() = default;
-  Discovery(const Discovery&) = delete;
-  Discovery& operator=(const Discovery&) = delete;
-  Discovery(Discovery&& o) noexcept { *this = std::move(o); }
-  Discovery& operator=(Discovery&& o) noexcept;
-  ~Discovery();
 };
 
 // Fills *out, or returns false with *why (no library, no provider, no RDM+RMA domain).
@@ -80,8 +77,5 @@ RailOrder rank_rails(const std::vector<sys::Nic>& locations, const std::string& 
 // first, rotated by `turn` (round-robin among the equally near), then the others nearest first.
 // Allocates nothing (the data path calls it).
 size_t pick_rails(const RailOrder& order, size_t lanes, size_t k, uint64_t turn, uint32_t* out);
-
-// The provider names tether knows, in "auto" order, and whether `name` is one of them.
-const std::vector<std::string>& known_providers();
 
 }  // namespace tether::transport::fabric

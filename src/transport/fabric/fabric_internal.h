@@ -34,8 +34,8 @@ using wire::FrameType;
 
 struct Lane;
 
-// Names the offer and the message layout: "TFA2" since SendHeader grew to 72 bytes (staged GPU
-// writes/reads), so a peer of the older layout is refused at attach, saying so, not misread.
+// Names the offer and the message layout: raised with any layout change, so that a peer of another
+// layout is refused at attach, saying so, not misread.
 constexpr uint32_t kOfferMagic = 0x32414654;  // "TFA2"
 constexpr uint32_t kBounceBuffers = 8;        // posted receives per rail (send/recv chunks)
 constexpr int kIdleWaitMs = 20;               // a sleeping progress thread still notices failed peers
@@ -48,11 +48,10 @@ constexpr uint32_t kStageSlots = 8;           // per lane: chunks of memory libf
 // the target's CPU serves, copying through its bounce buffers).
 constexpr uint8_t kExtTwoSided = 1;
 
-// Two-sided messages: a send/recv chunk (header, then payload) and the receiver's answer to it.
-// The sender's chunk is answered only by the ack, i.e. once its bytes are in the recv buffer.
-// Writes and reads of a region the provider cannot reach (kExtTwoSided) are messages too: the
-// target validates them against its registry like any transport's frames, copies, and answers
-// with kAck (a write, or a refused read) or kReadData (a read's bytes).
+// Two-sided messages: a send/recv chunk (header, then payload), answered by the receiver's ack once
+// its bytes are in the recv buffer. Writes and reads of a region the provider cannot reach
+// (kExtTwoSided) are messages too, validated by the target like any frame and answered with kAck
+// (a write, or a refused read) or kReadData (a read's bytes).
 enum class MsgType : uint8_t { kData = 1, kAck = 2, kWrite = 3, kReadReq = 4, kReadData = 5 };
 struct SendHeader {
   uint64_t session;   // names the peer link on either side
@@ -91,7 +90,7 @@ struct OpCtx {
 };
 
 
-inline std::string be_u64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+inline std::string u64_bytes(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }  // host order
 
 // Descriptor extension: u8 rails, then per rail {u64 key, u64 base}.
 inline bool ext_rail(std::string_view ext, uint32_t rail, uint64_t* key, uint64_t* base) {
@@ -248,9 +247,6 @@ class FabricTransportImpl final : public Transport {
   const char* name() const override { return "fabric"; }
   Caps caps() const override {
     Caps c;
-    c.host_memory = true;
-    c.cuda_memory = true;  // directly with FI_HMEM, else staged (docs/FABRIC.md, GPU memory)
-    c.one_sided = true;
     c.attach_before_answer = true;  // attaching inserts the connector's addresses; nothing to wait for
     return c;
   }
@@ -305,8 +301,7 @@ class FabricTransportImpl final : public Transport {
   std::string why_;
   Discovery disc_;
   // Test knob TETHER_FABRIC_STAGE_HOST=1: host regions are treated like device memory on a provider
-  // without FI_HMEM (not registered; reached through staging and two-sided messages), so that path
-  // runs for real on machines without a GPU.
+  // without FI_HMEM, so the staged path runs on machines without a GPU.
   const bool stage_host_ = sys::env_flag("TETHER_FABRIC_STAGE_HOST");
   std::mutex open_mu_;
   bool opened_ = false;

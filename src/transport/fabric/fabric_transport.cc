@@ -123,7 +123,7 @@ Status FabricTransportImpl::register_region(RegionState& region, std::string* de
       for (uint32_t j = 0; j < i; ++j) rails_[j]->rail().deregister(&mrs[j]);
       return required ? Status(Code::kUnavailable, why) : Status::ok();
     }
-    ext += be_u64(mrs[i].key) + be_u64(mrs[i].base);
+    ext += u64_bytes(mrs[i].key) + u64_bytes(mrs[i].base);
   }
   {
     std::unique_lock lock(regions_mu_);
@@ -145,15 +145,10 @@ void FabricTransportImpl::deregister_region(RegionState& region) {
   for (uint32_t i = 0; i < mrs.size() && i < rails_.size(); ++i) rails_[i]->rail().deregister(&mrs[i]);
 }
 
-// Lane i sits on rail i, so waking lane i's thread offers the queued chunks to rail i. Which rails
-// are offered them first follows the rail order of the memory they come from (rank_rails):
-//  - few chunks (fewer than the peer's lanes): rotate over the rails nearest that memory (`best`,
-//    equally near), so small transfers from a GPU stay on the NICs beside it; only when there are
-//    more chunks than near rails do the next-ranked rails get woken.
-//  - many chunks: every lane is woken, nearest first, and lanes take chunks as fast as their rails drain.
-//    Large transfers use all rails on purpose: one more hop over PCIe or the socket link costs less
-//    than leaving NICs idle, and lanes taking chunks already gives a slower (farther) rail fewer chunks.
-//    To keep a GPU's traffic on its own NIC(s) name them in TETHER_FABRIC_DOMAINS.
+// Lane i sits on rail i. Few chunks rotate over the rails nearest their memory (rank_rails), so small
+// transfers from a GPU stay on the NICs beside it; many chunks wake every lane, nearest first: one more
+// PCIe hop costs less than an idle NIC, and a farther rail that drains slower takes fewer chunks anyway.
+// To keep a GPU's traffic on its own NIC(s) name them in TETHER_FABRIC_DOMAINS.
 void FabricTransportImpl::wake(Link* peer, uint64_t chunks, int device) {
   auto* state = static_cast<FabricPeer*>(peer->transport_state.get());
   if (!state || state->lanes.empty()) return;

@@ -5,10 +5,7 @@
 // target's registration, whose key and base travel in the descriptor's "fabric" extension; the
 // target's CPU only progresses its provider. Send/recv chunks are two-sided messages into bounce
 // buffers the receiver posts, copied into the matched recv (the core's RTS/CTS picked it).
-// A lane is (peer, rail): lane i of a peer uses local rail i and the peer's rail i. Lanes take
-// chunks when they have room, so large transfers stripe across rails by drain rate and small ones
-// go to the lane woken next: round-robin over the rails nearest the chunk's memory (rail ranking,
-// docs/FABRIC.md).
+// A lane is (peer, rail): lane i of a peer uses local rail i and the peer's rail i (docs/FABRIC.md).
 #pragma once
 #include <memory>
 #include <string>

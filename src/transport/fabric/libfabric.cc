@@ -21,21 +21,20 @@ bool sym(void* h, const char* name, F* out, std::string* why) {
 
 const Lib* Lib::load(const std::string& requested, std::string* why) {
   static std::mutex mu;
-  static std::map<std::string, std::unique_ptr<Lib>> loaded;   // path -> table (null: failed)
-  static std::map<std::string, std::string> failures;
+  static std::map<std::string, std::unique_ptr<Lib>> loaded;   // path -> table
+  static std::map<std::string, std::string> failures;         // path -> why it failed
   const std::string path = requested.empty() ? "libfabric.so.1" : requested;
   std::lock_guard<std::mutex> lock(mu);
-  if (auto it = loaded.find(path); it != loaded.end()) return it->second.get();
-  if (auto it = failures.find(path); it != failures.end()) {
-    *why = it->second;
+  auto fail = [&](const std::string& reason) -> const Lib* {
+    *why = failures[path] = reason;
     return nullptr;
-  }
+  };
+  if (auto it = loaded.find(path); it != loaded.end()) return it->second.get();
+  if (auto it = failures.find(path); it != failures.end()) return fail(it->second);
   void* h = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!h) {
     const char* e = ::dlerror();
-    *why = "cannot load " + path + ": " + (e ? e : "unknown error");
-    failures[path] = *why;
-    return nullptr;
+    return fail("cannot load " + path + ": " + (e ? e : "unknown error"));
   }
   auto lib = std::make_unique<Lib>();
   std::string missing;
@@ -43,18 +42,12 @@ const Lib* Lib::load(const std::string& requested, std::string* why) {
       !sym(h, "fi_freeinfo", &lib->freeinfo, &missing) || !sym(h, "fi_dupinfo", &lib->dupinfo, &missing) ||
       !sym(h, "fi_fabric", &lib->fabric, &missing) || !sym(h, "fi_strerror", &lib->strerror, &missing)) {
     ::dlclose(h);
-    *why = path + ": " + missing;
-    failures[path] = *why;
-    return nullptr;
+    return fail(path + ": " + missing);
   }
-  lib->path = path;
   // An older library than our headers would misread the structs we hand it.
-  if (lib->version() < FI_VERSION(1, 9)) {
-    *why = path + " is libfabric " + std::to_string(lib->major()) + "." + std::to_string(lib->minor()) +
-           ", older than 1.9";
-    failures[path] = *why;
-    return nullptr;
-  }
+  if (lib->version() < FI_VERSION(1, 9))
+    return fail(path + " is libfabric " + std::to_string(lib->major()) + "." + std::to_string(lib->minor()) +
+                ", older than 1.9");
   return (loaded[path] = std::move(lib)).get();
 }
 

@@ -18,7 +18,6 @@ struct Lib {
   struct fi_info* (*dupinfo)(const struct fi_info*);
   int (*fabric)(struct fi_fabric_attr*, struct fid_fabric**, void*);
   const char* (*strerror)(int);
-  std::string path;   // what was opened
 
   // `path` empty: TETHER_LIBFABRIC_SO's value comes in through Config; the default is the
   // system's libfabric.so.1. Loaded once per path and never unloaded (providers keep threads).

@@ -15,14 +15,12 @@ constexpr size_t kCqSize = 4096;
 std::unique_ptr<Rail> Rail::open(const Discovery& d, uint32_t index, std::string* why) {
   const Lib& lib = *d.lib;
   std::unique_ptr<Rail> r(new Rail(lib));
-  r->index_ = index;
   r->mode_ = d.mr;
   r->delivery_complete_ = d.delivery_complete;
   r->fence_ = d.fence;
-  r->info_ = lib.dupinfo(d.rails[index]);
+  r->info_ = lib.dupinfo(d.rails[index].get());
   const fi_info* info = r->info_;
   r->domain_ = info->domain_attr->name ? info->domain_attr->name : "?";
-  r->max_msg_ = info->ep_attr->max_msg_size ? info->ep_attr->max_msg_size : (1ull << 30);
   auto fail = [&](const char* what, int rc) {
     *why = "rail " + r->domain_ + ": " + what + ": " + lib.error(rc);
     return nullptr;

@@ -33,12 +33,9 @@ class Rail {
   Rail(const Rail&) = delete;
   Rail& operator=(const Rail&) = delete;
 
-  uint32_t index() const { return index_; }
   const std::string& domain() const { return domain_; }
   const std::string& address() const { return address_; }   // fi_getname: what peers insert
   const Lib& lib() const { return lib_; }
-  size_t max_msg() const { return max_msg_; }
-  bool can_wait() const { return can_wait_; }
   bool delivery_complete() const { return delivery_complete_; }
 
   // Address vector. FI_ADDR_NOTAVAIL (with *why) when the provider rejects the address.
@@ -75,12 +72,10 @@ class Rail {
  private:
   Rail(const Lib& lib) : lib_(lib) {}
   const Lib& lib_;
-  uint32_t index_ = 0;
   MrMode mode_;
   bool delivery_complete_ = false;
   bool fence_ = false;
   bool can_wait_ = false;
-  size_t max_msg_ = 0;
   std::string domain_, address_;
   fi_info* info_ = nullptr;   // our copy
   fid_fabric* fabric_ = nullptr;

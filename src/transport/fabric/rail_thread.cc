@@ -1,7 +1,5 @@
 // A rail's progress thread and the initiator side of its lanes: taking chunks from the peer,
 // posting them (one-sided RMA, two-sided messages, or through a staging slot), and completing them.
-#include <cstring>
-
 #include "sys/crypto.h"
 #include "sys/net.h"
 #include "sys/thread_name.h"

@@ -50,7 +50,6 @@ class StageMem {
   void release();
   uint8_t* at(uint32_t slot) const { return base_ + uint64_t(slot) * bytes_; }
   void* desc() const { return mr_.desc; }
-  uint32_t slots() const { return slots_; }
   uint64_t bytes() const { return bytes_; }
   // A free slot, or -1. Slots are handed out in turn so their copies overlap.
   int acquire() {
@@ -65,11 +64,6 @@ class StageMem {
     return -1;
   }
   void free_slot(int s) { if (s >= 0) busy_[size_t(s)] = 0; }
-  bool has_free() const {
-    for (uint8_t b : busy_)
-      if (!b) return true;
-    return base_ == nullptr;  // not allocated yet: its first acquire will find one
-  }
 
  private:
   Rail* rail_ = nullptr;

@@ -1,6 +1,5 @@
-// The target side of a rail: messages landing in its bounce buffers (acks, send/recv chunks, and
-// two-sided writes, reads and read answers for memory libfabric cannot reach), each checked before
-// a byte is touched, copied to its place, answered, and the buffer posted again.
+// The target side of a rail: messages landing in its bounce buffers, checked, copied, answered, and
+// the buffer posted again.
 #include <cstring>
 
 #include "transport/fabric/fabric_internal.h"

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 
-#include "gpu/cuda_api.h"
 #include "sys/proc.h"
 #include "transport/ipc/lane.h"
 
@@ -14,8 +13,6 @@ using namespace ipc;
 
 Caps IpcTransport::caps() const {
   Caps c;
-  c.host_memory = true;
-  c.cuda_memory = gpu::cuda() != nullptr;
   c.same_host_only = true;
   c.attach_before_answer = true;  // the connector's lanes are here before it answers: attach needs nothing more
   c.batch_fragments = kMaxBatch;

@@ -1,10 +1,8 @@
 // ipc transport: two processes on one host (same boot, same network namespace, same user).
-// Lanes are unix-domain SOCK_SEQPACKET sockets carrying the tcp transport's 56-byte FrameHeader
-// plus where the initiator's local bytes are; the TARGET validates every request against its
-// registry (region, key, bounds, read-only) and then moves the bytes itself with a Mover
-// (host_mover.h): cross-memory attach where the kernel allows it towards that peer, else a
-// shared-memory bounce segment. No byte crosses a socket. Small chunks of a descriptor the target
-// has validated once are moved by the initiator itself (one_sided.h).
+// Lanes are unix-domain SOCK_SEQPACKET sockets carrying the FrameHeader plus where the initiator's
+// local bytes are; the TARGET validates every request against its registry and then moves the bytes
+// itself with a Mover (host_mover.h). Small chunks of a descriptor the target has validated once are
+// moved by the initiator itself (one_sided.h).
 //
 // Each lane has one thread blocked in recv() on its socket: it serves the peer's requests and
 // takes the answers to ours. Requests are sent by whichever thread takes the chunk (the posting

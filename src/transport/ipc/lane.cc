@@ -94,8 +94,6 @@ ssize_t recv_msg(int fd, void* buf, size_t len, int* got_fd, int64_t deadline_ms
   return n;
 }
 
-// Any thread may send: each builds its larger messages (batches, inline writes) in its own buffer,
-// made on its first such message.
 uint8_t* message_buffer() {
   thread_local std::unique_ptr<uint8_t[]> buffer;
   if (!buffer) buffer = std::make_unique<uint8_t[]>(kMaxMsg);
@@ -159,13 +157,9 @@ namespace {
 
 // The lane's next message, from its ring or its socket: its length, 0 when the other side closed the
 // lane, -1 (errno) when the socket failed, kRingBroken when the other side broke the ring's rules.
-// Within `busy_us` of the last message it polls without sleeping: a request or an answer usually
-// follows soon, and a sleeping thread takes longer to wake than an NVLink copy of a few MiB takes
-// (docs/ARCHITECTURE.md, "Waking up"). Doorbells (one byte) only wake it.
-//
-// Polling lanes do not send queued chunks themselves: tried, it made lone and many-in-flight
-// transfers slower — packing a batch holds the peer's mutex, and lanes that met it slept on it
-// (docs/PERFORMANCE.md, "Tried and lost").
+// Within `busy_us` of the last message it polls without sleeping: an answer usually follows soon, and
+// a wake-up takes longer than a copy of a few MiB (docs/ARCHITECTURE.md, "Waking up"). Doorbells (one
+// byte) only wake it. Polling lanes send no queued chunks: lanes meeting the peer's mutex slept on it.
 constexpr ssize_t kRingBroken = -2;
 ssize_t next_msg(Lane& l, uint32_t busy_us, std::chrono::steady_clock::time_point* last) {
   using Clock = std::chrono::steady_clock;
@@ -269,9 +263,8 @@ void retire_lane(Lane* l) {
   }
   l->cuda.reset();  // waits for its streams
   p.release_lane(l->index, Code::kConnectionLost);  // after fail(): nothing new can be pulled
-  // Let go at once, so a dead peer's sockets and segments go with it (the last hold closes them, even
-  // while the application keeps a Peer handle); the thread is joined within a tick.
-  // Never the endpoint's last reference: close() joins every lane thread before it lets go.
+  // Let go at once, so a dead peer's sockets and segments go with it even while the application keeps
+  // a Peer handle; the thread is joined within a tick. Never the endpoint's last reference.
   std::shared_ptr<Link> peer;
   std::shared_ptr<IpcPeer> held_ip;
   {

@@ -37,12 +37,7 @@ using wire::FrameHeader;
 using wire::FrameType;
 
 constexpr uint32_t kHelloMagic = 0x43504954;  // "TIPC"
-constexpr uint16_t kIpcVersion = 8;  // 2: GPU memory (CudaRef in every frame), batches; 3: kRelease, VMM;
-                                     // 4: host reads copied by the initiator (kReadReq with kCma);
-                                     // 5: the connector opens the lanes, to the listener (same host proven);
-                                     // 6: message rings at the end of each bounce segment (ring.h);
-                                     // 7: grants and one-sided small ops (one_sided.h);
-                                     // 8: a hazard names the thread that holds it (one_sided.h)
+constexpr uint16_t kIpcVersion = 8;  // raised whenever a message below changes (both sides must match)
 
 #pragma pack(push, 1)
 // Every message on a lane after its setup: the tcp frame header, and for requests where the
@@ -138,7 +133,7 @@ struct Lane {
   struct Held { uint32_t slot, gen; RegionState* pin; };
   std::mutex held_mu;                // held: the lane thread changes it; deregister looks for a region in it
   std::vector<Held> held;            // regions pinned for reads the initiator is copying out (until kReadDone)
-  uint32_t held_reads = 0;           // reads in `held` (a batch holds several pins): held_bound() at most
+  uint32_t held_reads = 0;           // reads in `held` (a batch holds several pins): at most 2 x slot_count
   RegionState* pins[kMaxBatch];      // a batch's pinned regions (one per run of one descriptor)
   RegionState* dests[kMaxBatch];     // each fragment's region
   std::shared_ptr<Mapping> maps[kMaxBatch];
@@ -153,7 +148,7 @@ bool send_msg(int fd, const void* buf, size_t len, int pass_fd);
 ssize_t recv_msg(int fd, void* buf, size_t len, int* got_fd, int64_t deadline_ms, int flags = 0);
 // One message on lane `lane`; false (the peer failed with why): the lane is gone.
 bool send_or_fail(IpcPeer& ip, Link& p, uint32_t lane, const void* msg, size_t len);
-// The calling thread's buffer for one message of up to kMaxMsg bytes.
+// The calling thread's buffer for one message of up to kMaxMsg bytes (batches, inline writes).
 uint8_t* message_buffer();
 void fail_peer(Link& p, Code c, const std::string& why);
 bool protocol_error(Link& p, const std::string& why);  // fails the peer; false

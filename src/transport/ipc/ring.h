@@ -1,9 +1,8 @@
 // A lane's small messages in shared memory, one direction. The sender writes records into a ring in
-// its own bounce segment; the receiver, which maps that segment, copies them out. While the receiver
-// polls (busy_poll_us), a message costs no system call at all; while it sleeps in recv() on the lane
-// socket, the sender wakes it with a one-byte message there (a doorbell). Messages too large for a
-// record, or that find the ring full, go over the socket as before: the protocol needs no order
-// between two messages of a lane (each request is answered on its own; docs/ARCHITECTURE.md).
+// its own bounce segment; the receiver, which maps that segment, copies them out. A polling receiver
+// costs the sender no system call; one asleep in recv() on the lane socket is woken by a one-byte
+// message there (a doorbell). Messages too large for a record, or that find the ring full, go over
+// the socket: the protocol needs no order between two messages of a lane.
 //
 // Each side keeps its own index privately and reads the other's from shared memory only to bound
 // its own: what the other process wrote there is checked before it is used, never trusted.

@@ -289,8 +289,7 @@ struct Rendezvous {
   }
 };
 
-// Listener's lane 0: the connector's stage 3 (its verdict: may we describe our chunks by address?).
-// Our lanes serve from the start (attach_listener); we send only from here on.
+// Our lanes serve from the start (attach_listener); we send only once the connector's verdict is in.
 bool finish_listener_setup(Lane& l) {
   Link& p = *l.peer;
   IpcPeer& ip = *l.ip;
@@ -346,17 +345,13 @@ IpcTransport::~IpcTransport() {
   for (auto& [session, ip] : prepared_) close_fds(*ip);
 }
 
-// The listener's offer: version, session, the challenge for that session, then the name of our lane
-// socket. The connector's: version, session, challenge (it has opened its lanes to that socket).
 std::string IpcTransport::offer(uint64_t session) {
   if (!rendezvous_) return {};
   return offer_bytes(session, rendezvous_->challenge(session), rendezvous_->name);
 }
 
-// Connector, before it answers the listener's handshake: opens every lane to the listener's socket and
-// introduces it (stage 1, our segment on lane 0). An abstract unix socket can be reached only from
-// this host's network namespace, so lanes arriving there are what proves to the listener that we share
-// its host; it never connects anywhere itself.
+// Connector, before it answers the listener's handshake: opens and introduces every lane (open_lanes).
+// The listener never connects anywhere itself: lanes reaching its abstract socket prove we share its host.
 Result<std::string> IpcTransport::connector_offer(uint64_t session, std::string_view remote_offer) {
   uint64_t theirs = 0, challenge = 0;
   std::string name;
@@ -415,10 +410,9 @@ Status IpcTransport::attach(const std::shared_ptr<Link>& peer, const std::vector
   return initiator ? attach_connector(peer, remote_offer, deadline) : attach_listener(peer, remote_offer, deadline);
 }
 
-// Control thread, before the handshake is answered: the connector's lanes must be here already (it
-// opened them before answering), from one process of our user, each once, with the challenge we gave
-// that session. Then we probe the connector, answer on lane 0 (stage 2) and serve; the lane-0 thread
-// waits for the connector's verdict (stage 3) before we send. Nothing here blocks.
+// Control thread, before the handshake is answered: the connector's lanes must be parked here already
+// (Rendezvous::claim). Then we probe the connector, answer on lane 0 (stage 2) and serve; the lane-0
+// thread waits for the connector's verdict (stage 3) before we send. Nothing here blocks.
 Status IpcTransport::attach_listener(const std::shared_ptr<Link>& peer, std::string_view remote_offer, int64_t deadline) {
   uint64_t session = 0, challenge = 0;
   std::string name;

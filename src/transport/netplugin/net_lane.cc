@@ -69,15 +69,27 @@ void NetLane::kill(Status why) {
   peer_->fail(std::move(why));
 }
 
-bool NetLane::fail_plugin(const char* call, int rc) {
-  kill(Status(Code::kConnectionLost, "net plugin '" + net_->name() + "' " + call + " on a lane to peer '" +
-                                         peer_->info().name + "': " + net_result_name(rc)));
+bool NetLane::fail(Status why) {
+  kill(std::move(why));
   return false;
 }
 
+bool NetLane::fail_plugin(const char* call, int rc) {
+  return fail(Status(Code::kConnectionLost, "net plugin '" + net_->name() + "' " + call + " on a lane to peer '" +
+                                                peer_->info().name + "': " + net_result_name(rc)));
+}
+
 bool NetLane::protocol_error(const char* what) {
-  kill(Status(Code::kProtocolError, std::string("peer '") + peer_->info().name + "' sent " + what));
-  return false;
+  return fail(Status(Code::kProtocolError, std::string("peer '") + peer_->info().name + "' sent " + what));
+}
+
+const netabi::UnpackEntry* NetLane::unpack_frags(uint64_t k, uint64_t length, uint64_t* n) {
+  const int slot = int(k % netabi::kUnpackQueueDepth);
+  *n = unpack_->meta->cnt[slot];
+  const netabi::UnpackEntry* frags = unpack_->meta->mem[slot];
+  if (check_fragments(frags, *n, length) == Code::kOk) return frags;
+  protocol_error("unpack metadata outside the message (plugin bug)");
+  return nullptr;
 }
 
 bool NetLane::step() {
@@ -180,24 +192,18 @@ bool NetLane::consume(void* req) {
 
 // Copies a small received message (a header) out of the bounce pages into host memory.
 bool NetLane::read_unpacked(uint64_t k, void* out, uint64_t length) {
-  const int slot = int(k % netabi::kUnpackQueueDepth);
-  const uint64_t n = unpack_->meta->cnt[slot];
-  const netabi::UnpackEntry* frags = unpack_->meta->mem[slot];
-  if (check_fragments(frags, n, length) != Code::kOk) return protocol_error("unpack metadata outside the message (plugin bug)");
-  if (Status s = unpacker_->read(frags, n, static_cast<const uint8_t*>(unpack_->bounce_buf), out); !s.is_ok()) {
-    kill(s);
-    return false;
-  }
+  uint64_t n = 0;
+  const netabi::UnpackEntry* frags = unpack_frags(k, length, &n);
+  if (!frags) return false;
+  if (Status s = unpacker_->read(frags, n, static_cast<const uint8_t*>(unpack_->bounce_buf), out); !s.is_ok())
+    return fail(s);
   return true;
 }
 
 bool NetLane::unpack_wait() {
   for (;;) {
     auto d = unpacker_->done();
-    if (!d.is_ok()) {
-      kill(d.status());
-      return false;
-    }
+    if (!d.is_ok()) return fail(d.status());
     if (d.value()) return true;
     std::this_thread::yield();
   }
@@ -237,19 +243,17 @@ bool NetLane::on_header(RxPosted& r) {
       r.expect = 0;
       return true;
     }
+    case FrameType::kReadResp:
+      if (h.status == 0) {
+        if (h.length > kMaxFrame || peer_->read_destination(index_, h.slot, h.gen, h.length, &r.dest, &r.device) != Code::kOk)
+          return protocol_error("read data for no read");
+        r.expect = h.length;
+        return true;
+      }
+      [[fallthrough]];  // a refused read is answered like an ack
     case FrameType::kAck:
       if (peer_->answer(index_, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
       r.expect = 0;
-      return true;
-    case FrameType::kReadResp:
-      if (h.status != 0) {
-        if (peer_->answer(index_, h.slot, h.gen, h.status) != Code::kOk) return protocol_error("an answer to no request");
-        r.expect = 0;
-        return true;
-      }
-      if (h.length > kMaxFrame || peer_->read_destination(index_, h.slot, h.gen, h.length, &r.dest, &r.device) != Code::kOk)
-        return protocol_error("read data for no read");
-      r.expect = h.length;
       return true;
     case FrameType::kWriteBatch:  // never sent to us: Caps::batch_fragments is 0
     case FrameType::kReadBatch:   // nor this: Caps::batch_reads is false
@@ -286,10 +290,7 @@ bool NetLane::finish_deferred() {
   has_deferred_ = false;
   Status s = unpacker_->start(deferred_frags_.data(), deferred_frags_.size(),
                               static_cast<const uint8_t*>(unpack_->bounce_buf), deferred_.dest, deferred_.device);
-  if (!s.is_ok()) {
-    kill(s);
-    return false;
-  }
+  if (!s.is_ok()) return fail(s);
   return unpack_wait() && finish_rx(deferred_);
 }
 
@@ -301,19 +302,14 @@ bool NetLane::start_unpack(RxPosted& r, size_t i, uint64_t size) {
   const uint8_t* from;
   netabi::UnpackEntry whole{uint32_t(i * kMaxFrame), uint32_t(size), 0};
   if (unpack_device_) {
-    const int slot = int((r.k + 1) % netabi::kUnpackQueueDepth);
-    n = unpack_->meta->cnt[slot];
-    frags = unpack_->meta->mem[slot];
-    if (check_fragments(frags, n, size) != Code::kOk) return protocol_error("unpack metadata outside the message (plugin bug)");
+    frags = unpack_frags(r.k + 1, size, &n);
+    if (!frags) return false;
     from = static_cast<const uint8_t*>(unpack_->bounce_buf);
   } else {
     frags = &whole;
     from = landing_.get();
   }
-  if (Status s = unpacker_->start(frags, n, from, r.dest, r.device); !s.is_ok()) {
-    kill(s);
-    return false;
-  }
+  if (Status s = unpacker_->start(frags, n, from, r.dest, r.device); !s.is_ok()) return fail(s);
   r.unpacking = true;
   return true;
 }
@@ -356,13 +352,13 @@ bool NetLane::progress_rx() {
       if (!done) break;
       if (size != r.expect) return protocol_error("a payload whose length differs from its header");
       if (consume_early_ && r.dest && size > 0) {
-        // The seeds' bug, on purpose: the pages go back at test-done and the copy runs later (as an
+        // The fault, on purpose: the pages go back at test-done and the copy runs later (as a careless
         // asynchronous unpack would), after the plugin has received the next frames.
         if (!finish_deferred()) return false;
-        const int slot = int((r.k + 1) % netabi::kUnpackQueueDepth);
-        const uint64_t n = unpack_->meta->cnt[slot];
-        if (check_fragments(unpack_->meta->mem[slot], n, size) != Code::kOk) return protocol_error("bad unpack metadata");
-        deferred_frags_.assign(unpack_->meta->mem[slot], unpack_->meta->mem[slot] + n);
+        uint64_t n = 0;
+        const netabi::UnpackEntry* frags = unpack_frags(r.k + 1, size, &n);
+        if (!frags) return false;
+        deferred_frags_.assign(frags, frags + n);
         if (!consume(r.preq)) return false;
         r.preq = nullptr;
         deferred_ = r;
@@ -379,10 +375,7 @@ bool NetLane::progress_rx() {
     // The pages go back only after the unpack has completed: the plugin reuses them at once.
     if (r.unpacking) {
       auto d = unpacker_->done();
-      if (!d.is_ok()) {
-        kill(d.status());
-        return false;
-      }
+      if (!d.is_ok()) return fail(d.status());
       if (!d.value()) {
         moved = true;  // a GPU copy finishes in microseconds: keep polling rather than sleep
         break;

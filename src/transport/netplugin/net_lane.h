@@ -86,9 +86,7 @@ class NetLane {
   uint64_t request_dereg(const core::RegionState* r);
   bool dereg_done(uint64_t ticket) const { return dereg_done_.load(std::memory_order_acquire) >= ticket; }
 
-  const std::shared_ptr<Link>& peer() const { return peer_; }
   uint32_t index() const { return index_; }
-  int device() const { return comms_.dev; }
 
  private:
   struct TxFrame {
@@ -105,8 +103,7 @@ class NetLane {
     uint64_t seq = 0;                  // frame number: tags 2*seq (header), 2*seq+1 (payload)
     bool payload_posted = false;
     bool hdone = false, pdone = false;
-    int stage_device = -1;             // >= 0: GPU payload sent from a pinned copy (slot)
-    gpu::StagingSlot* slot = nullptr;  // held until the payload send has completed
+    gpu::StagingSlot* slot = nullptr;  // a GPU payload sent from this pinned copy, held until the send completes
   };
   enum class RxStage { kHeader, kPayload, kUnpacking };
   struct RxPosted {
@@ -130,8 +127,11 @@ class NetLane {
   bool finish_rx(RxPosted& r);
   bool finish_deferred();
   bool start_unpack(RxPosted& r, size_t i, uint64_t size);
+  bool fail(Status why);  // kills the lane; false
   bool fail_plugin(const char* call, int rc);
   bool protocol_error(const char* what);
+  // Receive k's fragments in the unpack metadata (*n of them), checked against its `length`; null: lane killed.
+  const netabi::UnpackEntry* unpack_frags(uint64_t k, uint64_t length, uint64_t* n);
   // Registrations on the send comm of regions (or staging slots), by their owner.
   using Registrations = std::vector<std::pair<const void*, void*>>;
   void* mr_for(Registrations& mrs, const void* owner, void* base, uint64_t size, int type, const char* call);

@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -14,8 +13,8 @@
 #include "sys/cpu.h"
 #include "sys/net.h"
 #include "sys/thread_name.h"
-#include "transport/netplugin/bindings.h"
 #include "sys/env.h"
+#include "sys/topology.h"
 
 namespace tether::transport {
 
@@ -38,8 +37,6 @@ bool parse_offer(std::string_view bytes, OfferHeader* h) {
   return h->magic == kOfferMagic && h->lanes > 0 && h->lanes <= kMaxLanes &&
          bytes.size() == sizeof(OfferHeader) + size_t(h->lanes) * netabi::kHandleMaxSize;
 }
-
-using sys::cpu_relax;
 
 }  // namespace
 
@@ -79,7 +76,7 @@ class NetProgressThread {
  private:
   void run() {
     sys::name_this_thread("net");
-    if (!cpus_.empty()) (void)pin_this_thread(cpus_);  // best effort: a bad set was refused at startup
+    (void)sys::pin_current_thread(cpus_);  // best effort: a bad set was refused at startup
     uint32_t idle = 0;
     while (!stop_.load(std::memory_order_acquire)) {
       {
@@ -107,7 +104,7 @@ class NetProgressThread {
       // Nothing moved: spin a little (an answer is usually microseconds away), then sleep longer
       // and longer; wake() cuts the sleep short when new chunks are queued.
       if (++idle < 200) {
-        cpu_relax();
+        sys::cpu_relax();
         continue;
       }
       const int timeout_ms = idle < 400 ? 0 : 1;
@@ -189,18 +186,14 @@ NetpluginTransport::NetpluginTransport(Host* host) : host_(host) {
     unavailable_ = s.message();
     return;
   }
-  if (!cfg.net_bindings.empty()) {
-    auto b = parse_net_bindings(cfg.net_bindings);
-    if (!b.is_ok()) unavailable_ = b.status().message();
-  }
+  if (auto b = sys::parse_cpu_bindings(cfg.net_bindings); !b.is_ok())
+    unavailable_ = "TETHER_NET_BINDINGS: " + b.status().message();
 }
 
 NetpluginTransport::~NetpluginTransport() { stop(); }
 
 Caps NetpluginTransport::caps() const {
   Caps c;
-  c.host_memory = true;
-  c.cuda_memory = true;  // GPU destinations through the lane's unpacker; GPU sources direct or staged
   return c;
 }
 
@@ -277,8 +270,9 @@ void NetpluginTransport::start_threads() {
   const size_t ndev = devices_.size();
   // Thread t serves device t % ndev: a multiple of the device count, at least one per device.
   size_t n = std::max<size_t>(ndev, host_->config().channels / ndev * ndev);
-  std::map<std::string, std::vector<int>> bindings;
-  if (!host_->config().net_bindings.empty()) bindings = parse_net_bindings(host_->config().net_bindings).take();
+  auto parsed = sys::parse_cpu_bindings(host_->config().net_bindings);  // checked in the constructor
+  std::map<std::string, std::vector<int>> bindings;  // plugin device name -> CPUs
+  for (auto& b : parsed.value()) bindings[b.nic].insert(bindings[b.nic].end(), b.cpus.begin(), b.cpus.end());
   for (size_t t = 0; t < n; ++t) {
     auto it = bindings.find(devices_[t % ndev].name);
     threads_.push_back(std::make_unique<NetProgressThread>(it == bindings.end() ? std::vector<int>{} : it->second));

@@ -24,18 +24,7 @@ void plugin_logger(int level, unsigned long, const char* file, int line, const c
 
 template <typename P>
 NetDeviceProps common_props(const P& p) {
-  NetDeviceProps out;
-  out.name = p.name ? p.name : "";
-  out.pci_path = p.pci_path ? p.pci_path : "";
-  out.guid = p.guid;
-  out.ptr_support = p.ptr_support;
-  out.speed_mbps = p.speed;
-  out.latency_us = p.latency;
-  out.max_comms = p.max_comms;
-  out.max_recvs = p.max_recvs;
-  out.device_type = p.net_device_type;
-  out.device_version = p.net_device_version;
-  return out;
+  return NetDeviceProps{p.name ? p.name : "", p.ptr_support, p.net_device_type, p.net_device_version};
 }
 
 }  // namespace
@@ -63,7 +52,6 @@ Result<std::shared_ptr<NetPlugin>> NetPlugin::load(const std::string& path) {
   }
   std::shared_ptr<NetPlugin> p(new NetPlugin());
   p->lib_ = lib;
-  p->path_ = path;
   if (auto* t = static_cast<const netabi::NetV9*>(::dlsym(lib, "ncclNetPlugin_v9"))) {
     p->v9_ = t, p->version_ = 9, p->name_ = t->name ? t->name : "";
   } else if (auto* t8 = static_cast<const netabi::NetV8*>(::dlsym(lib, "ncclNetPlugin_v8"))) {
@@ -97,12 +85,10 @@ Result<NetDeviceProps> NetPlugin::properties(int dev) const {
     netabi::PropertiesV9 p{};
     rc = v9_->get_properties(dev, &p);
     out = common_props(p);
-    out.reg_is_global = p.reg_is_global != 0;
   } else if (v8_) {
     netabi::PropertiesV8 p{};
     rc = v8_->get_properties(dev, &p);
     out = common_props(p);
-    out.reg_is_global = p.reg_is_global != 0;
   } else {
     netabi::PropertiesV7 p{};
     rc = v7_->get_properties(dev, &p);

@@ -11,16 +11,10 @@
 
 namespace tether::transport {
 
+// What tether uses of a device's properties (getProperties).
 struct NetDeviceProps {
   std::string name;
-  std::string pci_path;
-  uint64_t guid = 0;
   int ptr_support = 0;
-  bool reg_is_global = false;
-  int speed_mbps = 0;
-  float latency_us = 0;
-  int max_comms = 0;
-  int max_recvs = 1;
   int device_type = netabi::kDeviceHost;
   int device_version = 0;
 };
@@ -35,7 +29,6 @@ class NetPlugin {
 
   int abi_version() const { return version_; }   // 7, 8 or 9
   const std::string& name() const { return name_; }
-  const std::string& path() const { return path_; }
   int devices() const { return ndev_; }
   Result<NetDeviceProps> properties(int dev) const;
 
@@ -61,7 +54,7 @@ class NetPlugin {
   void* lib_ = nullptr;
   int version_ = 0;
   int ndev_ = 0;
-  std::string name_, path_;
+  std::string name_;
   const netabi::NetV7* v7_ = nullptr;
   const netabi::NetV8* v8_ = nullptr;
   const netabi::NetV9* v9_ = nullptr;

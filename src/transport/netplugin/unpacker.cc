@@ -1,6 +1,5 @@
 #include "transport/netplugin/unpacker.h"
 
-#include <algorithm>
 #include <cstring>
 #include <vector>
 

@@ -1,18 +1,9 @@
 // Unpack: moving a receive's bytes from where the plugin put them (its bounce pages, or the lane's
 // landing area for ordinary plugins) to their destination, fragment by fragment, as the plugin's
 // unpack metadata describes them. The receive's pages may be handed back (irecvConsumed) only once
-// done() says the copy has completed: the plugin reuses them at once.
-//
-// Bounce pages in host memory: a memcpy per fragment into host destinations; GPU destinations get
-// one cuMemcpyAsync per fragment (the kernel cannot read pageable host memory).
-// Bounce pages in GPU memory (TCPX devmem), by TETHER_UNPACK:
-//   kernel  one launch of the shared copy kernel per receive (descriptors in the launch), on the
-//           bounce buffer's GPU; done = its CUDA event. Destinations in host memory or on another
-//           GPU get the d2d path (the kernel would need mapped or peer memory).
-//   d2d     one cuMemcpyAsync per fragment (UVA: any destination); done = the CUDA event.
-//   host    the same copies, waited for before start() returns (debugging).
-// Empty = kernel when the build has the kernels, else d2d. One unpacker per lane, used by the lane's
-// progress thread only; one copy in flight at a time.
+// done() says the copy has completed: the plugin reuses them at once. How each TETHER_UNPACK mode
+// copies from host or GPU bounce pages: docs/NETPLUGIN.md, "Receive (unpack)". One unpacker per
+// lane, used by the lane's progress thread only; one copy in flight at a time.
 #pragma once
 #include <cstdint>
 #include <memory>

@@ -79,14 +79,12 @@ bool queue_answers(Lane& l, Host* host, Status* error) {
 // chunks and set the pace at the end of every transfer. False: a copy failed.
 bool take_chunks(Lane& l, Host* host, Status* error) {
   ChunkOp op;
-  // (The kernel holds at most the lane's unanswered chunks, so ask it only when those are many.)
+  // The kernel holds at most the lane's unanswered chunks, so ask it only when those are many.
   const uint64_t limit = kLaneQueueChunks * l.peer->info().chunk_bytes;
   const uint64_t queued = l.peer->has_work() && l.peer->lane_bytes(l.index) >= limit ? kernel_queued(l.fd) : 0;
-  // A lane stages one chunk at a time: all lanes' copies share the GPU's copy engines, so at the
-  // start of a transfer each lane's first chunk is out sooner (and on the wire sooner) when second
-  // chunks wait; later ones are copied while the one before is sent (docs/PERFORMANCE.md, "Defaults and why").
-  // (A lane writing holds at most three of its eight tx slots here, so a free run of two for a batch is
-  // there and contiguous chunks do not wait on it; staged read answers it also serves may hold more.)
+  // A lane stages one chunk at a time: all lanes' copies share the GPU's copy engines, so each lane's
+  // first chunk is on the wire sooner when second chunks wait; later ones are copied while the one
+  // before is sent.
   const bool yield_copies = l.yield_copies();  // first copies first
   while (!yield_copies && l.tx.unsent + queued < limit && l.tx.count < kTxRing / 2 && l.tx.unstaged == 0 &&
          (!l.stage.tx_ring || l.stage.tx_ring->has_free(kGpuBatchChunks)) && l.peer->next_chunk(l.index, &op)) {
@@ -195,9 +193,7 @@ bool drive_tx(Lane& l, Host* host, Status* error) {
       copy_wait = true;
       break;
     }
-    // A copy just finished: start the next one (the chunks taken above) before this sendmsg, which on loopback
-    // moves the bytes to the receiver itself (as long as a copy, or longer). Else each chunk's copy waited for
-    // the previous chunk's send and a staged lane took copy + send time per chunk, not the larger of the two.
+    // A copy just finished: start the next one before this sendmsg, so that copy and send overlap.
     if (staged_now) continue;
     msghdr msg{};
     msg.msg_iov = iov;
@@ -245,73 +241,6 @@ size_t read_socket(Lane& l, void* dst, size_t want) {
   l.io_bytes.fetch_add(uint64_t(r), std::memory_order_relaxed);
   return size_t(r);
 }
-
-bool on_header(Lane& l, Host* host);
-
-}  // namespace
-
-void receive(Lane& l, Host* host, uint64_t budget) {
-  LaneRx& rx = l.rx;
-  if (l.stage.gpu_rx_count > 0) complete_gpu_rx(l, host);
-  while (!l.dead.load(std::memory_order_relaxed) && !rx.paused.load(std::memory_order_relaxed) && budget > 0) {
-    const size_t buffered = rx.end - rx.begin;
-    if (rx.state != RxState::kHeader) {
-      size_t n;
-      if (buffered > 0) {
-        n = size_t(std::min<uint64_t>(buffered, rx.left));
-        if (rx.dest) std::memcpy(rx.dest, rx.buf.get() + rx.begin, n);
-        rx.begin += n;
-      } else {
-        // Payload goes straight to its destination; discarded bytes through the buffer.
-        void* dst = rx.dest ? static_cast<void*>(rx.dest) : static_cast<void*>(rx.buf.get());
-        size_t want = size_t(std::min<uint64_t>(rx.left, rx.dest ? rx.left : kRxBuffer));
-        n = read_socket(l, dst, want);
-        if (n == 0) return;
-        rx.begin = rx.end = 0;
-      }
-      if (rx.dest) rx.dest += n;
-      rx.left -= n;
-      budget -= std::min<uint64_t>(budget, n);
-      if (rx.left == 0) {
-        if (rx.nfrags > 0 && !rx.slot && rx.state == RxState::kPayload && ++rx.frag < rx.nfrags) {
-          rx.dest = rx.frag_dest[rx.frag];  // next piece of a batch, straight to its place
-          rx.left = rx.frag_len[rx.frag];
-        } else {
-          payload_done(l, host);
-        }
-      }
-      continue;
-    }
-    if (buffered >= sizeof(FrameHeader)) {
-      std::memcpy(&rx.hdr, rx.buf.get() + rx.begin, sizeof(FrameHeader));
-      size_t need = sizeof(FrameHeader);
-      const auto type = static_cast<FrameType>(rx.hdr.type);
-      if (type == FrameType::kWriteBatch || type == FrameType::kReadBatch) {
-        if (rx.hdr.fragments < 2 || rx.hdr.fragments > wire::kMaxFragments) {
-          protocol_error(l, "sent a malformed batch");
-          return;
-        }
-        need += size_t(rx.hdr.fragments) * sizeof(wire::Fragment);  // the table is read with the header
-      }
-      if (buffered >= need) {
-        if (!on_header(l, host)) return;  // paused (no room to answer) or dead
-        rx.begin += need;
-        budget -= std::min<uint64_t>(budget, need);
-        continue;
-      }
-    }
-    if (rx.begin > 0) {
-      std::memmove(rx.buf.get(), rx.buf.get() + rx.begin, buffered);
-      rx.begin = 0;
-      rx.end = buffered;
-    }
-    const size_t n = read_socket(l, rx.buf.get() + rx.end, kRxBuffer - rx.end);
-    if (n == 0) return;
-    rx.end += n;
-  }
-}
-
-namespace {
 
 // kWrite, kSendData: checked (region, key, bounds; or the matched recv), then the payload lands in place
 // or in a bounce slot; a refused one is discarded, then answered with the error.
@@ -427,6 +356,67 @@ bool on_header(Lane& l, Host* host) {
 }
 
 }  // namespace
+
+void receive(Lane& l, Host* host, uint64_t budget) {
+  LaneRx& rx = l.rx;
+  if (l.stage.gpu_rx_count > 0) complete_gpu_rx(l, host);
+  while (!l.dead.load(std::memory_order_relaxed) && !rx.paused.load(std::memory_order_relaxed) && budget > 0) {
+    const size_t buffered = rx.end - rx.begin;
+    if (rx.state != RxState::kHeader) {
+      size_t n;
+      if (buffered > 0) {
+        n = size_t(std::min<uint64_t>(buffered, rx.left));
+        if (rx.dest) std::memcpy(rx.dest, rx.buf.get() + rx.begin, n);
+        rx.begin += n;
+      } else {
+        // Payload goes straight to its destination; discarded bytes through the buffer.
+        void* dst = rx.dest ? static_cast<void*>(rx.dest) : static_cast<void*>(rx.buf.get());
+        size_t want = size_t(std::min<uint64_t>(rx.left, rx.dest ? rx.left : kRxBuffer));
+        n = read_socket(l, dst, want);
+        if (n == 0) return;
+        rx.begin = rx.end = 0;
+      }
+      if (rx.dest) rx.dest += n;
+      rx.left -= n;
+      budget -= std::min<uint64_t>(budget, n);
+      if (rx.left == 0) {
+        if (rx.nfrags > 0 && !rx.slot && rx.state == RxState::kPayload && ++rx.frag < rx.nfrags) {
+          rx.dest = rx.frag_dest[rx.frag];  // next piece of a batch, straight to its place
+          rx.left = rx.frag_len[rx.frag];
+        } else {
+          payload_done(l, host);
+        }
+      }
+      continue;
+    }
+    if (buffered >= sizeof(FrameHeader)) {
+      std::memcpy(&rx.hdr, rx.buf.get() + rx.begin, sizeof(FrameHeader));
+      size_t need = sizeof(FrameHeader);
+      const auto type = static_cast<FrameType>(rx.hdr.type);
+      if (type == FrameType::kWriteBatch || type == FrameType::kReadBatch) {
+        if (rx.hdr.fragments < 2 || rx.hdr.fragments > wire::kMaxFragments) {
+          protocol_error(l, "sent a malformed batch");
+          return;
+        }
+        need += size_t(rx.hdr.fragments) * sizeof(wire::Fragment);  // the table is read with the header
+      }
+      if (buffered >= need) {
+        if (!on_header(l, host)) return;  // paused (no room to answer) or dead
+        rx.begin += need;
+        budget -= std::min<uint64_t>(budget, need);
+        continue;
+      }
+    }
+    if (rx.begin > 0) {
+      std::memmove(rx.buf.get(), rx.buf.get() + rx.begin, buffered);
+      rx.begin = 0;
+      rx.end = buffered;
+    }
+    const size_t n = read_socket(l, rx.buf.get() + rx.end, kRxBuffer - rx.end);
+    if (n == 0) return;
+    rx.end += n;
+  }
+}
 
 void payload_done(Lane& l, Host* host) {
   LaneRx& rx = l.rx;

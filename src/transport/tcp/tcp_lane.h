@@ -18,7 +18,6 @@
 #include "transport/host.h"
 #include "transport/link.h"
 
-
 namespace tether::transport::tcp {
 
 using core::RegionState;
@@ -37,23 +36,21 @@ constexpr uint32_t kStageSlots = 8;          // pinned bounce slots per lane and
 
 constexpr uint32_t kReadAnswers = 64;           // kReadBatch answers a lane holds at once (then it stops reading)
 constexpr int kStagedLowat = 256 << 10;         // SO_RCVLOWAT while a staged payload arrives (kStagingNapUs)
-// A thread whose lanes wait only on staged GPU copies naps this long between polls of them (ProgressThread::run):
-// short beside a copy, so the next step still follows at once, yet it leaves the core to the kernel's TCP work.
+// A thread whose lanes wait only on staged GPU copies naps this long between polls of them: short beside
+// a copy, yet it leaves the core to the kernel's TCP work.
 constexpr uint32_t kStagingNapUs = 8;
 constexpr uint64_t kSpinAfterBytes = 64 << 10;  // a progress loop that moved less is "small traffic"
 constexpr uint64_t kLaneQueueChunks = 2;        // chunks a lane's socket may hold (ours + the kernel's)
 constexpr uint64_t kSmallCopy = 256 << 10;      // staged copies up to this extend the busy window (run())
 
-// Chunks' bytes a kWriteBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each batch is a
-// gather kernel on the sender and an unpack kernel on the receiver, and between two processes on one
-// GPU those take turns, so fewer, larger batches move scattered blocks faster and at less CPU per GB
-// (docs/PERFORMANCE.md, "Defaults and why"). Both sides must agree (wire version 6): a receiver kills the lane on a longer batch.
+// Chunks' bytes a kWriteBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each batch costs
+// a gather and an unpack kernel, so fewer, larger batches move scattered blocks faster. Both sides must
+// agree (wire version 6): a receiver kills the lane on a longer batch.
 constexpr uint32_t kGpuBatchChunks = 2;
 
 constexpr uint64_t kTableBytes = uint64_t(wire::kMaxFragments) * sizeof(wire::Fragment);
 
-// First copies first (tcp_staging.cc): per GPU the lanes whose every queued item waits for its copy out
-// of that GPU.
+// First copies first (tcp_staging.cc): per GPU, the lanes whose every queued item waits for its copy out of it.
 constexpr int kMaxGpus = 64;
 extern std::atomic<int> g_starving[kMaxGpus];
 
@@ -117,10 +114,8 @@ class AnswerRing {
     return true;
   }
   bool pop(TxItem* out) {
-    const size_t h = head_.load(std::memory_order_relaxed);
-    if (h == tail_.load(std::memory_order_acquire)) return false;
-    *out = items_[h % kAnswerRing];
-    head_.store(h + 1, std::memory_order_release);
+    if (!peek(out)) return false;
+    head_.store(head_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
     return true;
   }
 
@@ -129,8 +124,7 @@ class AnswerRing {
   std::atomic<size_t> head_{0}, tail_{0};
 };
 
-// Send state: belongs to whoever holds `owned` (the progress thread, or a user thread sending a small
-// transfer inline).
+// Send state: belongs to whoever holds `owned` (the progress thread, or a user thread sending inline).
 struct LaneTx {
   std::atomic<bool> owned{false};
   std::atomic<bool> backlog{false};  // unsent bytes wait for EPOLLOUT
@@ -167,13 +161,11 @@ struct LaneRx {
   std::vector<std::unique_ptr<ReadAnswer>> read_answers;  // kReadBatch answers, grown up to kReadAnswers
 };
 
-// GPU staging, created on a lane's first GPU chunk. tx_ring, tx_gather, device and starving_on belong
-// to the tx owner; rx_ring, rx_unpack and the gpu_rx FIFO (frames whose copy to the GPU is in flight)
-// to the rx owner.
+// GPU staging, created on a lane's first GPU chunk. The tx_* fields, device and starving_on belong to
+// the tx owner; the rx_* and gpu_rx* fields (frames whose copy to the GPU is in flight) to the rx owner.
 struct LaneStaging {
   std::unique_ptr<gpu::StagingRing> tx_ring, rx_ring;
-  // The most slots each ring held at once, as last published to the counters (each its ring's owner's).
-  uint32_t tx_peak = 0, rx_peak = 0;
+  uint32_t tx_peak = 0, rx_peak = 0;  // the most slots each ring held at once, as last published
   gpu::Fragment tx_gather[wire::kMaxFragments];  // a GPU batch's pieces, for the gather
   gpu::Fragment rx_unpack[wire::kMaxFragments];
   GpuRx gpu_rx[kStageSlots];
@@ -256,7 +248,7 @@ void push_ack(Lane& l, const FrameHeader& h, uint8_t status);
 void payload_done(Lane& l, Host* host);
 
 // ---- GPU staging (tcp_staging.cc)
-// Pins a lane's staging for the GPUs in `gpus` (a bit per device) before its first GPU chunk.
+// Pins a lane's staging for the GPUs in `gpus` (a bit per device) ahead of its first GPU chunk.
 void prepare_staging(Lane& l, Host* host, uint64_t gpus);
 // Starts copying a GPU payload into a pinned tx slot. False without an error: no slot is free yet.
 bool stage_tx(Lane& l, Host* host, TxItem& it, Status* error);
@@ -264,7 +256,7 @@ bool stage_tx(Lane& l, Host* host, TxItem& it, Status* error);
 bool gpu_rx_room(const Lane& l, uint64_t length);
 // Points the payload of the frame being received at a bounce slot; payload_done copies it to `final`.
 bool land_in_bounce(Lane& l, Host* host, int device, uint8_t* final);
-// The frame received into a bounce slot is complete: starts its copy (or unpack) to the GPU.
+// The frame received into a bounce slot is complete: starts its copy to the GPU, then answers it once done.
 void unpack_to_gpu(Lane& l, Host* host);
 // Answers, in order, the frames whose copy from a bounce slot to the GPU has finished. Caller owns rx.
 void complete_gpu_rx(Lane& l, Host* host);

@@ -1,8 +1,7 @@
 // GPU staging of a tcp lane: payloads from or to GPU memory go through pinned bounce slots (a
 // gpu::StagingRing per direction). The tx owner copies (gathers) a chunk out of the GPU into a slot and
 // sends it once the copy is done; the rx owner lands a payload in a slot and copies (unpacks) it to the
-// GPU, answering the frame once that copy is done. First copies first keeps lanes from starving each
-// other of the GPU's copy engines.
+// GPU, answering the frame once that copy is done.
 #include <algorithm>
 #include <cstring>
 
@@ -14,10 +13,8 @@ namespace tether::transport::tcp {
 namespace trace = core::trace;
 
 // First copies first: a lane that has a chunk to send starts no copy of its next one out of a GPU while
-// another lane of this process waits for its copy out of that GPU with nothing to send. Without it a
-// transfer's eight first copies finished in two waves, the late lanes' first copies far behind the
-// early ones: the early lanes' second copies took the copy engines from the late lanes' first
-// (docs/PERFORMANCE.md, "Defaults and why"). Lane::note_starving and Lane::yield_copies keep it.
+// another lane waits for its copy out of that GPU with nothing to send, or the early lanes' second
+// copies take the copy engines from the late lanes' first. Lane::note_starving and yield_copies keep it.
 std::atomic<int> g_starving[kMaxGpus];
 
 namespace {
@@ -43,9 +40,8 @@ void note_staging_peak(Lane& l, const gpu::StagingRing& ring, uint32_t* publishe
 
 }  // namespace
 
-// Pinning is slow, and the first transfers would otherwise carry its whole cost. Skips a side another
-// thread holds; that side prepares lazily. A failure here is met again, and reported, by the first
-// transfer that needs the ring.
+// Pinning is slow: done here, the first transfers do not carry it. A side another thread holds is
+// skipped and prepares lazily; a failure is met again, and reported, by the first transfer.
 void prepare_staging(Lane& l, Host* host, uint64_t gpus) {
   auto each = [&](gpu::StagingRing& ring) {
     for (int d = 0; d < 64; ++d)
@@ -134,9 +130,8 @@ void complete_gpu_rx(Lane& l, Host* host) {
   }
 }
 
-// Checked before a frame is resolved, so nothing is undone. No GPU-bound frame is longer than
-// kGpuBatchChunks chunks: a longer one goes to host memory or is refused by land_in_bounce, and must not
-// wait here for a run of slots the ring never has.
+// Checked before a frame is resolved, so nothing is undone. A frame longer than kGpuBatchChunks chunks
+// is never GPU-bound (land_in_bounce refuses it): it must not wait for a run of slots the ring never has.
 bool gpu_rx_room(const Lane& l, uint64_t length) {
   const LaneStaging& s = l.stage;
   if (!s.rx_ring) return true;
@@ -162,7 +157,6 @@ bool land_in_bounce(Lane& l, Host* host, int device, uint8_t* final) {
   return true;
 }
 
-// The frame's answer goes out when the copy has finished (complete_gpu_rx).
 void unpack_to_gpu(Lane& l, Host* host) {
   LaneRx& rx = l.rx;
   LaneStaging& s = l.stage;

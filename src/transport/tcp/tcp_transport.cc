@@ -132,11 +132,9 @@ int ProgressThread::nap(epoll_event* events, int max, uint32_t us) {
 }
 
 void ProgressThread::update_lowat(Lane& l) {
-  // A staged payload wakes a napping thread by the 256 KiB, not per segment. The rx state belongs to
-  // whoever owns rx: read unowned (TSAN found it), a stale rx.left could set a mark above what is
-  // still to come, and the last bytes would wait out epoll's 1 s. While a waiter reads its own answer
-  // (TcpTransport::progress_lane) a raised mark is left as it is and the thread comes back without sleeping,
-  // until it owns rx again and can lower it: the waiter may finish the payload and not wake us.
+  // A staged payload wakes a napping thread by the 256 KiB, not per segment. Only rx's owner may read
+  // rx.left: a stale one could set a mark above what is still to come, and the last bytes would wait
+  // out epoll's 1 s. While a waiter owns rx the thread comes back without sleeping until it can lower it.
   if (!l.try_own_rx()) {
     if (l.rx.lowat != 1) work_hint_.store(true, std::memory_order_relaxed);
     return;
@@ -189,16 +187,12 @@ void ProgressThread::run() {
   started_.store(true, std::memory_order_release);
   epoll_event events[64];
   // Within busy_poll_us of the last event of small traffic or of staged GPU copies the thread polls
-  // instead of sleeping: a request or an answer usually follows soon, and waking a sleeping thread
-  // costs more than a small transfer (docs/ARCHITECTURE.md, "Waking up"; 0 on small machines, where
-  // the other side needs the core).
+  // instead of sleeping: an answer usually follows soon, and a wake-up costs more than a small transfer.
   using Clock = std::chrono::steady_clock;
   const auto busy = std::chrono::microseconds(host_->config().busy_poll_us);
   auto last_event = Clock::now() - busy;
-  // Staged GPU copies keep the thread polling, but a turn that found nothing to do (no socket event, no
-  // byte moved, no copy started or finished) is followed by a nap of kStagingNapUs, not a spin: 16
-  // lanes' threads spinning on 16 cores cost CPU-seconds per GB and gained nothing over short naps
-  // (docs/PERFORMANCE.md, "Defaults and why").
+  // Staged GPU copies keep the thread polling, but a turn that did nothing (no socket event, no byte
+  // moved, no copy started or finished) is followed by a short nap: spinning cost CPU and gained nothing.
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us slack would stretch a nap
   bool copies = false;  // the last turn left staged GPU copies in flight: the next one polls them
   bool napping = false;  // ... and did nothing else: the next wait is a nap, not a spin
@@ -220,21 +214,14 @@ void ProgressThread::run() {
     const bool staging = serve_lanes(&small_staging);  // a lane has staged GPU copies in flight
     copies = staging;
     if (staging) {
-      // Copies in flight keep the thread polling them (`copies`): each chunk's next step (its copy done,
-      // the next chunk to stage or to land) follows within microseconds, and a sleeping thread's wake-up
-      // there slowed staged transfers (docs/PERFORMANCE.md, "Tried and lost"). Only copies of chunks up to
-      // 256 KiB (small transfers, and staged reads under two full chunks per lane, whose 256 KiB chunks
-      // were slower without it) keep it spinning after them: after larger ones every lane's thread spun
-      // for busy_poll_us at each transfer's end, more CPU-seconds per GB for the same rates
-      // (docs/PERFORMANCE.md, "Defaults and why").
+      // Each chunk's next step follows its copy within microseconds, so copies in flight keep the thread
+      // polling; only small copies (up to kSmallCopy) also keep it spinning for busy_poll_us after them,
+      // as spinning at the end of every large transfer cost CPU for no gain.
       if (small_staging) last_event = Clock::now();
-      // A turn that only polled the GPU (no socket event, no byte moved, no copy started or finished)
-      // naps (above).
       if (n == 0 && moved() == moved_before && copy_steps() == steps_before) napping = true;
     } else if (n > 0 && busy.count() > 0) {
-      // Otherwise only small traffic does: a host bulk flow's next event comes soon from its own
-      // socket (data in, room to send), and a lane with unsent bytes is woken by EPOLLOUT; spinning
-      // through them cost more CPU per GB with no gain (docs/PERFORMANCE.md, "Defaults and why").
+      // Otherwise only small traffic spins: a bulk flow's next event comes from its own socket
+      // (data in, or EPOLLOUT for unsent bytes).
       bool backlog = false;
       for (auto& l : lanes_) backlog |= l->tx.backlog.load(std::memory_order_relaxed);
       if (moved() - moved_before < kSpinAfterBytes && !backlog) last_event = Clock::now();
@@ -350,18 +337,15 @@ void ProgressThread::retire(Lane& l) {
       g.recv->release();
     }
   }
-  for (size_t i = 0; i < l.tx.count; ++i) {
-    TxItem& it = l.tx.ring[(l.tx.head + i) % kTxRing];
+  auto drop = [](const TxItem& it) {
     if (it.pin) it.pin->unpin();
     if (it.batch) it.batch->release();
-  }
+  };
+  for (size_t i = 0; i < l.tx.count; ++i) drop(l.tx.ring[(l.tx.head + i) % kTxRing]);
   l.tx.count = 0;
   l.note_starving();  // no longer counted in g_starving
   TxItem a;
-  while (l.answers.pop(&a)) {
-    if (a.pin) a.pin->unpin();
-    if (a.batch) a.batch->release();
-  }
+  while (l.answers.pop(&a)) drop(a);
   l.peer->release_lane(l.index, Code::kConnectionLost);
   // tx and rx stay owned: the lane is dead and no other thread touches its socket. The fd is closed
   // when the peer's last hold goes (Link::hold), so its number is not reused while another
@@ -399,23 +383,16 @@ TcpTransport::~TcpTransport() { stop(); }
 
 Caps TcpTransport::caps() const {
   Caps c;
-  c.host_memory = true;
   c.uses_tcp_lanes = true;
   c.staged_gpu = true;
   c.batch_fragments = wire::kMaxFragments;
   // Reads are paced like writes (kLaneQueueChunks chunks' bytes per socket): a lane asks for more only
   // as answers come in, so a transfer's chunks spread over every lane and faster lanes still take more.
-  // Filling the window at once left a large host read on a few of its lanes (docs/PERFORMANCE.md,
-  // "Defaults and why").
   c.read_depth = uint32_t(tcp::kLaneQueueChunks);
   c.wait_naps = true;  // every lane's answers are landed by its thread (ARCHITECTURE.md, "Waking up")
-  // Small reads travel as kReadBatch chunks: one request and one answer for up to kMaxFragments blocks
-  // (a KV pull of 4,096 × 16 KiB blocks from GPU memory was 4,096 round trips and copies otherwise).
-  c.batch_reads = true;
+  c.batch_reads = true;  // one request and one answer for up to kMaxFragments small reads
   c.gpu_batch_chunks = tcp::kGpuBatchChunks;
-  // Large reads staged through GPU memory are pushed by the target (wire::kPull, Link::pulls); a
-  // pushed chunk keeps its region pinned until sent (TxItem::pin), as a read's answer does.
-  c.pull_reads = true;
+  c.pull_reads = true;  // large staged GPU reads are pushed by the target (wire::kPull)
   c.lanes_hold = true;  // attach() takes a hold per lane; retiring the lane lets go
   return c;
 }
@@ -466,10 +443,8 @@ Status TcpTransport::attach(const std::shared_ptr<Link>& peer, const std::vector
 void TcpTransport::wake(Link* peer, uint64_t chunks, int) {
   auto* state = static_cast<TcpPeerLanes*>(peer->transport_state.get());
   if (chunks <= 1 && state && !state->lanes.empty()) {
-    // A one-chunk transfer is sent by the posting thread itself when a lane's tx is free: that
-    // saves waking a progress thread, a large part of a small write's latency on few cores.
-    // From the quietest lane (Link::quietest_lane): lone transfers keep to one lane, whose
-    // progress threads on both sides are still awake from the last one.
+    // A one-chunk transfer is sent by the posting thread itself when a lane's tx is free (a wake-up is
+    // much of a small write's latency), from the quietest lane, whose threads are still awake.
     const size_t n = state->lanes.size();
     const uint32_t first = peer->quietest_lane();
     for (size_t i = 0; i < n; ++i) {
@@ -501,13 +476,10 @@ void TcpTransport::progress_lane(Link* peer, uint32_t lane) {
   std::shared_ptr<Lane> l = state->lanes[lane].lock();
   if (!l || l->dead.load(std::memory_order_relaxed) || !l->try_own_rx()) return;
   if (!l->dead.load(std::memory_order_relaxed)) tcp::receive(*l, host_, tcp::kPollBudget);
-  // What this read leaves for the progress thread, which may be asleep in epoll with nothing to tell it:
-  // a copy into the GPU it started (only rx polling finishes it), a staged payload it left half in (the
-  // socket's low mark still asks for the bytes it took). The caller may stop polling at any time (wait()
-  // spins for busy_poll_us only): without this wake a transfer sat out the thread's 1 s epoll timeout.
+  // The progress thread may sleep in epoll (up to 1 s) unaware of what this read left (a GPU copy to
+  // poll, a staged payload half in, answers to send), and the caller may stop polling at any time.
   const bool left = l->stage.gpu_rx_count > 0 || (l->rx.state == tcp::RxState::kPayload && l->rx.device >= 0);
   l->disown_rx();
-  // Answers this read produced (acks for the peer's own writes) go out from the progress thread.
   if (left || !l->answers.empty() || l->rx.paused.load(std::memory_order_relaxed)) l->thread->wake();
 }
 

@@ -1,8 +1,7 @@
-// TCP transport: kernel sockets driven by progress threads (internals: tcp_lane.h).
-// Lane l of every peer belongs to progress thread l % threads.
-// Each lane takes chunks only when its socket has drained what it had, so a slow socket
-// carries proportionally less (no static split). Payload is received straight into the
-// destination region; headers and small frames go through a per-lane 64 KiB buffer.
+// TCP transport: kernel sockets driven by progress threads (internals: tcp_lane.h). Each lane takes
+// chunks only when its socket has drained what it had, so a slow socket carries proportionally less.
+// Payload is received straight into the destination region; headers and small frames go through a
+// per-lane buffer.
 #pragma once
 #include <atomic>
 #include <memory>
