@@ -225,7 +225,6 @@ PeerState::Slot& PeerState::claim_slot(TransferState* t, uint32_t lane, const Se
   op->hdr.slot = idx;
   op->hdr.gen = s.gen;
   op->segment = &seg;
-  op->segment_offset = t->cur_offset;
   op->pin = pinned;
   op->device = s.device;
   op->local = s.local;

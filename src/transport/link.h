@@ -41,7 +41,6 @@ struct ChunkOp {
   uint64_t length = 0;
   uint8_t* local = nullptr;                // the chunk's local bytes (a read's destination)
   const core::Segment* segment = nullptr;  // local region, remote descriptor (transport extensions)
-  uint64_t segment_offset = 0;             // where in the segment this chunk starts
   uint32_t fragments = 0;                  // kWriteBatch and kReadBatch only
   const wire::Fragment* frags = nullptr;
   const Piece* pieces = nullptr;
