@@ -107,10 +107,13 @@ void answer_one_sided(IpcPeer& ip, Link& p, uint32_t lane, uint32_t slot, uint32
 }
 
 // A one-sided GPU copy the completer saw finish (or fail: the chunk fails, as no copy can be undone).
+// Its answer frees a window slot that a queued chunk may be waiting for, and no lane thread hears
+// of it (no message came): the chunks it lets go are taken here.
 void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
   auto& p = *static_cast<Link*>(q.peer.get());
   auto& ip = *static_cast<IpcPeer*>(p.transport_state.get());  // kept by the hold one_sided() took
   answer_one_sided(ip, p, q.lane, q.slot, q.gen, q.read, q.length, ok);
+  pump_all(ip, p, /*one_round=*/true);
   p.let_go();
 }
 
