@@ -33,6 +33,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "budget(seconds): wall-clock budget of one test (the watchdog; default 45)")
     config.addinivalue_line("markers", "lab: a lab harness (bench/ tools, minutes of benchmark rounds); "
                                        "left out unless selected with -m lab")
+    config.addinivalue_line("markers", "gpu_alone: takes a whole GPU's memory; bench/gpu/par_tests.sh runs it after "
+                                       "the other modules, not beside them")
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, _on_signal)
 

@@ -156,6 +156,7 @@ def _two_batch_write(children, env, seed, fill_receiver_gpu=False):
     assert_bytes_equal(np.frombuffer(receiver.call("get", "dst"), np.uint8), shuffled_blocks(seed, blocks, bs, order))
 
 
+@pytest.mark.gpu_alone
 def test_scattered_blocks_land_when_the_gpu_has_no_room_for_scratch(children):
     """Kernel-mode staging copies through a device scratch buffer; a GPU with no memory left for one (a
     serving engine took it) sends the ring's copies direct instead, and nothing is lost."""
