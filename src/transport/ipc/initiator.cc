@@ -218,10 +218,6 @@ OneSided one_sided(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
   return OneSided::kMoved;
 }
 
-bool same_descriptor(const wire::Fragment& a, const wire::Fragment& b) {
-  return a.region_id == b.region_id && a.key == b.key && a.desc_offset == b.desc_offset && a.desc_length == b.desc_length;
-}
-
 // The triples of a GPU batch whose fragments all lie in the granted descriptor `g`, mapped at `mp`
 // (our pieces on its GPU); false when a fragment falls outside (the target's answer says what is wrong).
 bool batch_triples(const ChunkOp& op, const Grant& g, const Mapping& mp, bool read, uint64_t* t) {

@@ -154,6 +154,10 @@ void fail_peer(Link& p, Code c, const std::string& why);
 bool protocol_error(Link& p, const std::string& why);  // fails the peer; false
 // Whether a batch message of `n` entries and `nrefs` CudaRefs is `bytes` long, within the limits.
 bool batch_fits(uint32_t n, uint64_t nrefs, size_t bytes);
+// Whether two fragments name one descriptor (a run of a batch: one registry lookup, one grant).
+inline bool same_descriptor(const wire::Fragment& a, const wire::Fragment& b) {
+  return a.region_id == b.region_id && a.key == b.key && a.desc_offset == b.desc_offset && a.desc_length == b.desc_length;
+}
 BatchEntry batch_entry(const uint8_t* msg, uint32_t i);         // entry i, after the Frame
 CudaRef batch_ref(const uint8_t* msg, uint32_t n, uint64_t k);  // CudaRef k, after n entries
 // Where `r` is among a batch message's `*nrefs` CudaRefs, added if new (VMM spans may share a base).

@@ -221,8 +221,7 @@ Place write_grant(Lane& l, const Frame& f, const Target& t, CudaRef* ref) {
 // the rest of the run by its bounds only (a lookup, a keyed hash and a shared pin per fragment cost
 // more than the copy of a small fragment). On kOk the fragment's region is l.pins[*pinned - 1].
 Code pin_fragment(Lane& l, const wire::Fragment& fr, bool write, uint32_t* pinned, wire::Fragment* run) {
-  if (*pinned > 0 && fr.region_id == run->region_id && fr.key == run->key && fr.desc_offset == run->desc_offset &&
-      fr.desc_length == run->desc_length)
+  if (*pinned > 0 && same_descriptor(fr, *run))
     return fr.offset < fr.desc_offset || !core::in_bounds(fr.offset - fr.desc_offset, fr.length, fr.desc_length)
                ? Code::kOutOfRange
                : Code::kOk;
