@@ -203,7 +203,10 @@ def test_one_sided_gpu_ops_in_flight_together(pair):
     for o in offs:
         assert_bytes_equal(got[o:o + block], expect[o:o + block], f"GPU read at {o}")
     if tether._tether.Config.from_env().busy_poll_us > 0:
-        assert local.ep.stats()["ipc_one_sided_chunks"] - s0 == 2 * n
+        # A peer has 16 one-sided copies in flight at most (one_sided.h kHazards); an op that finds them
+        # all taken goes as a request. So the first 16 of each direction go one-sided, the rest may.
+        moved = local.ep.stats()["ipc_one_sided_chunks"] - s0
+        assert 2 * 16 <= moved <= 2 * n, f"{moved} of {2 * n} ops went one-sided"
 
 
 @pytest.mark.parametrize("lk,rk", ONE_SIDED_PAIRS, ids=["-".join(p) for p in ONE_SIDED_PAIRS])
