@@ -196,7 +196,7 @@ struct NicStats {
   std::string name;   // interface; "other" for lanes on no known interface
   LinkStats link;
 };
-struct LaneStats {    // one channel (lane) of a live peer
+struct LaneStats {    // one lane of a live peer
   uint64_t peer_id = 0;
   std::string peer_name;
   uint32_t lane = 0;

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil.data import MiB, POISON, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_until
+from tether_testutil.data import MiB, POISON, assert_bytes_equal, assert_poison, cancel_and_wait, poisoned, rand_bytes, wait_until
 from tether_testutil.gpu import gpu_env, linked, read_checked, send_checked, shuffled_blocks, writev_readv_shuffled
 from tether_testutil.sockets import raw_peer, recv_exact, recv_until_closed
 from tether_testutil.wire import FRAME, KACK, KWRITE, KWRITE_BATCH, fragment, frame
@@ -84,11 +84,7 @@ def test_a_large_staged_read_is_pushed_by_the_target(pair, lk, rk):
     assert_bytes_equal(got[100:], rand_bytes(44, n))
     assert c.call("stats")["reads_pushed"] == before + 1
     t = peer.read(dst, desc, local_offset=100)
-    t.cancel()
-    try:
-        t.wait(T)
-    except tether.TetherError as e:
-        assert "cancelled" in str(e), e
+    cancel_and_wait(t, T)
     m = local.mem["bigdst"]
     m[:] = POISON
     if not isinstance(m, np.ndarray):

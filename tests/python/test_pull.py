@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import tether
-from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, poisoned, rand_bytes, wait_until
+from tether_testutil.data import MiB, assert_bytes_equal, assert_poison, cancel_and_wait, poisoned, rand_bytes, wait_until
 from tether_testutil.sockets import assert_drops_only_that_peer, raw_peer, recv_exact
 from tether_testutil.wire import (
     CLIENT_HELLO_SIZE, CLIENT_PROOF_SIZE, DESC_KIND, FRAME, KACK, KPULL, descriptor, parse_client_hello,
@@ -283,11 +283,7 @@ def test_a_read_of_gpu_memory_goes_as_one_pull(endpoints):
     # pushed by the target, not answered requests (its counter moves once sendmsg returns: maybe after our wait)
     assert wait_until(lambda: server.stats()["chunks_sent"] >= n // (64 << 10), 5), server.stats()["chunks_sent"]
     t = peer.read(region, desc, local_offset=100)
-    t.cancel()
-    try:
-        t.wait(T)
-    except tether.TetherError as e:
-        assert "cancelled" in str(e), e
+    cancel_and_wait(t, T)
     dst[:] = 0xEE
     peer.read(region, desc, local_offset=100).wait(T)
     assert_bytes_equal(dst[100:], src)

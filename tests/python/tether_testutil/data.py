@@ -71,6 +71,15 @@ def immediate_error(transfer, exc) -> BaseException:
     return e
 
 
+def cancel_and_wait(transfer, timeout: float = 10.0) -> None:
+    """Cancels a transfer that may already have finished: it ends either done or failed as cancelled."""
+    transfer.cancel()
+    try:
+        transfer.wait(timeout)
+    except Exception as e:  # noqa: BLE001
+        assert "cancelled" in str(e), e
+
+
 def poisoned_target(initiator, target, size: int, seed: int) -> tuple:
     """(a poisoned buffer of `size` bytes registered at `target`, its descriptor, `size` random bytes
     from `seed` registered at `initiator`)."""
