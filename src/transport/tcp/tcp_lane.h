@@ -42,6 +42,9 @@ constexpr uint32_t kStagingNapUs = 8;
 constexpr uint64_t kSpinAfterBytes = 64 << 10;  // a progress loop that moved less is "small traffic"
 constexpr uint64_t kLaneQueueChunks = 2;        // chunks a lane's socket may hold (ours + the kernel's)
 constexpr uint64_t kSmallCopy = 256 << 10;      // staged copies up to this extend the busy window (run())
+// A copy this small ends within microseconds of its start: a thread waiting on it polls instead of
+// napping, as a nap and its wake-up would take longer than the copy (a lone small GPU op's latency).
+constexpr uint64_t kTinyCopy = 64 << 10;
 
 // Chunks' bytes a kWriteBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each batch costs
 // a gather and an unpack kernel, so fewer, larger batches move scattered blocks faster. Both sides must
@@ -173,7 +176,7 @@ struct LaneStaging {
   uint32_t gpu_rx_head = 0, gpu_rx_count = 0;
   std::atomic<uint32_t> inflight{0};   // staged copies in flight: the progress thread polls them (or naps)
   std::atomic<uint64_t> steps{0};      // staged copies started + finished: a turn that moved it did work
-  std::atomic<bool> small_copy{false}; // the latest staged copy moved at most kSmallCopy bytes
+  std::atomic<uint64_t> latest_copy{0}; // bytes the latest staged copy moved
   int device = -1;                     // the GPU of the latest copy out of one
   int starving_on = -1;                // the GPU whose g_starving counts this lane, or -1
 };
@@ -222,7 +225,7 @@ struct Lane {
   void copy_started(uint64_t bytes) {
     stage.inflight.fetch_add(1, std::memory_order_relaxed);
     stage.steps.fetch_add(1, std::memory_order_relaxed);
-    stage.small_copy.store(bytes <= kSmallCopy, std::memory_order_relaxed);
+    stage.latest_copy.store(bytes, std::memory_order_relaxed);
   }
   void copy_finished() {
     stage.inflight.fetch_sub(1, std::memory_order_relaxed);

@@ -80,7 +80,7 @@ class ProgressThread {
   void run();
   void on_events(const epoll_event* events, int n);
   void prepare_wanted_gpus();
-  bool serve_lanes(bool* small_staging);
+  bool serve_lanes(uint64_t* smallest_copy);
   void retire_dead();
   void take_incoming();
   void update_lowat(Lane& l);
@@ -193,6 +193,7 @@ void ProgressThread::run() {
   auto last_event = Clock::now() - busy;
   // Staged GPU copies keep the thread polling, but a turn that did nothing (no socket event, no byte
   // moved, no copy started or finished) is followed by a short nap: spinning cost CPU and gained nothing.
+  // Not while a tiny copy (kTinyCopy) is in flight: it ends sooner than a nap would.
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us slack would stretch a nap
   bool copies = false;  // the last turn left staged GPU copies in flight: the next one polls them
   bool napping = false;  // ... and did nothing else: the next wait is a nap, not a spin
@@ -210,15 +211,15 @@ void ProgressThread::run() {
     on_events(events, n);
     prepare_wanted_gpus();
     napping = false;
-    bool small_staging = false;  // the staged GPU copies in flight are of at most kSmallCopy bytes
-    const bool staging = serve_lanes(&small_staging);  // a lane has staged GPU copies in flight
+    uint64_t smallest = UINT64_MAX;  // the smallest latest copy of a lane with staged GPU copies in flight
+    const bool staging = serve_lanes(&smallest);
     copies = staging;
     if (staging) {
       // Each chunk's next step follows its copy within microseconds, so copies in flight keep the thread
       // polling; only small copies (up to kSmallCopy) also keep it spinning for busy_poll_us after them,
       // as spinning at the end of every large transfer cost CPU for no gain.
-      if (small_staging) last_event = Clock::now();
-      if (n == 0 && moved() == moved_before && copy_steps() == steps_before) napping = true;
+      if (smallest <= kSmallCopy) last_event = Clock::now();
+      if (smallest > kTinyCopy && n == 0 && moved() == moved_before && copy_steps() == steps_before) napping = true;
     } else if (n > 0 && busy.count() > 0) {
       // Otherwise only small traffic spins: a bulk flow's next event comes from its own socket
       // (data in, or EPOLLOUT for unsent bytes).
@@ -261,9 +262,9 @@ void ProgressThread::prepare_wanted_gpus() {
 }
 
 // Sends what each live lane has, polls its GPU copies, resumes what backpressure held back and updates
-// what epoll watches for it. Returns whether a lane has staged GPU copies in flight (*small_staging: one
-// of them moved at most kSmallCopy bytes).
-bool ProgressThread::serve_lanes(bool* small_staging) {
+// what epoll watches for it. Returns whether a lane has staged GPU copies in flight (*smallest_copy: the
+// fewest bytes the latest copy of such a lane moved).
+bool ProgressThread::serve_lanes(uint64_t* smallest_copy) {
   bool staging = false;
   for (auto& l : lanes_) {
     if (l->dead.load(std::memory_order_relaxed)) continue;
@@ -274,7 +275,7 @@ bool ProgressThread::serve_lanes(bool* small_staging) {
     do_tx(*l);
     if (l->stage.inflight.load(std::memory_order_relaxed) > 0) {  // GPU copies in flight: poll them
       staging = true;
-      *small_staging |= l->stage.small_copy.load(std::memory_order_relaxed);
+      *smallest_copy = std::min(*smallest_copy, l->stage.latest_copy.load(std::memory_order_relaxed));
       if (l->try_own_rx()) {
         if (l->stage.gpu_rx_count > 0) complete_gpu_rx(*l, host_);
         l->disown_rx();
