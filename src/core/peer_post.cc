@@ -41,6 +41,21 @@ Status check_two_sided(OpKind op, const Region& local, uint64_t offset, uint64_t
   return Status::ok();
 }
 
+// A send's or recv's transfer over [offset, +length) of `local`, which it pins. A send knows its bytes
+// (its segment's desc_length bounds its chunks); a recv learns them when a send matches it.
+std::shared_ptr<TransferState> two_sided(OpKind op, const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
+  const auto& l = local.state();
+  auto t = std::make_shared<TransferState>();
+  t->op = op;
+  t->tag = tag;
+  const uint64_t known = op == OpKind::kSend ? length : 0;
+  t->bytes = known;
+  t->segments.push_back(Segment{l->base + offset, length, 0, 0, 0, known, 0, l.get(), nullptr});
+  t->local_pins.push_back(l);
+  l->pins.fetch_add(1);
+  return t;
+}
+
 }  // namespace
 
 Transfer PeerState::start(std::shared_ptr<TransferState> t) {
@@ -124,14 +139,7 @@ Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, cons
 Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
   if (failed()) return invalid(self(), OpKind::kSend, error());
   if (Status s = check_two_sided(OpKind::kSend, local, offset, length); !s.is_ok()) return invalid(self(), OpKind::kSend, s);
-  const auto& l = local.state();
-  auto t = std::make_shared<TransferState>();
-  t->op = OpKind::kSend;
-  t->tag = tag;
-  t->bytes = length;
-  t->segments.push_back(Segment{l->base + offset, length, 0, 0, 0, length, 0, l.get(), nullptr});
-  t->local_pins.push_back(l);
-  l->pins.fetch_add(1);
+  auto t = two_sided(OpKind::kSend, local, offset, length, tag);
   Transfer handle = start(t);
   wire::RtsBody rts{};
   {
@@ -155,13 +163,7 @@ Transfer PeerState::post_send(const Region& local, uint64_t offset, uint64_t len
 Transfer PeerState::post_recv(const Region& local, uint64_t offset, uint64_t length, uint64_t tag) {
   if (failed()) return invalid(self(), OpKind::kRecv, error());
   if (Status s = check_two_sided(OpKind::kRecv, local, offset, length); !s.is_ok()) return invalid(self(), OpKind::kRecv, s);
-  const auto& l = local.state();
-  auto t = std::make_shared<TransferState>();
-  t->op = OpKind::kRecv;
-  t->tag = tag;
-  t->segments.push_back(Segment{l->base + offset, length, 0, 0, 0, 0, 0, l.get(), nullptr});
-  t->local_pins.push_back(l);
-  l->pins.fetch_add(1);
+  auto t = two_sided(OpKind::kRecv, local, offset, length, tag);
   Transfer handle = start(t);
   wire::CtsBody cts{};
   bool matched = false;
