@@ -43,8 +43,11 @@ constexpr uint64_t kSpinAfterBytes = 64 << 10;  // a progress loop that moved le
 constexpr uint64_t kLaneQueueChunks = 2;        // chunks a lane's socket may hold (ours + the kernel's)
 constexpr uint64_t kSmallCopy = 256 << 10;      // staged copies up to this extend the busy window (run())
 // A copy this small ends within microseconds of its start: a thread waiting on it polls instead of
-// napping, as a nap and its wake-up would take longer than the copy (a lone small GPU op's latency).
+// napping, as a nap and its wake-up would take longer than the copy (a lone small GPU op's latency);
+// for kTinyCopyPollUs after the last copy started or finished at most (a copy queued behind other
+// work on the GPU does not hold a core).
 constexpr uint64_t kTinyCopy = 64 << 10;
+constexpr uint32_t kTinyCopyPollUs = 50;
 
 // Chunks' bytes a kWriteBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each batch costs
 // a gather and an unpack kernel, so fewer, larger batches move scattered blocks faster. Both sides must

@@ -194,6 +194,9 @@ void ProgressThread::run() {
   // Staged GPU copies keep the thread polling, but a turn that did nothing (no socket event, no byte
   // moved, no copy started or finished) is followed by a short nap: spinning cost CPU and gained nothing.
   // Not while a tiny copy (kTinyCopy) is in flight: it ends sooner than a nap would.
+  const auto tiny_poll = std::chrono::microseconds(kTinyCopyPollUs);
+  auto last_step = Clock::now();  // when a staged copy last started or finished (by any thread)
+  uint64_t seen_steps = 0;
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us slack would stretch a nap
   bool copies = false;  // the last turn left staged GPU copies in flight: the next one polls them
   bool napping = false;  // ... and did nothing else: the next wait is a nap, not a spin
@@ -218,8 +221,13 @@ void ProgressThread::run() {
       // Each chunk's next step follows its copy within microseconds, so copies in flight keep the thread
       // polling; only small copies (up to kSmallCopy) also keep it spinning for busy_poll_us after them,
       // as spinning at the end of every large transfer cost CPU for no gain.
-      if (smallest <= kSmallCopy) last_event = Clock::now();
-      if (smallest > kTinyCopy && n == 0 && moved() == moved_before && copy_steps() == steps_before) napping = true;
+      const auto now = Clock::now();
+      if (smallest <= kSmallCopy) last_event = now;
+      const uint64_t steps = copy_steps();
+      if (steps != seen_steps) last_step = now;
+      seen_steps = steps;
+      const bool tiny = smallest <= kTinyCopy && now - last_step < tiny_poll;
+      if (!tiny && n == 0 && moved() == moved_before && steps == steps_before) napping = true;
     } else if (n > 0 && busy.count() > 0) {
       // Otherwise only small traffic spins: a bulk flow's next event comes from its own socket
       // (data in, or EPOLLOUT for unsent bytes).
