@@ -73,8 +73,7 @@ def print_gaps(procs, side, ms: float) -> int:
     return 0
 
 
-def main() -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # piped into head: stop quietly
+def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prefix", help="the TETHER_TRACE prefix the run used")
     ap.add_argument("--skip", type=float, default=0.0, help="ignore chunks in the first SKIP seconds (warm-up)")
@@ -108,26 +107,12 @@ def main() -> int:
                     help="instead: the transfer at quantile Q of the transfers' times (0.5: the median), every "
                          "event of both sides lane by lane, µs after its post (it shows, e.g., a read's "
                          "first copies out of the GPU finishing in two waves)")
-    a = ap.parse_args()
-    procs = load(a.prefix)
-    if not procs:
-        print(f"no {a.prefix}.*.tsv files", file=sys.stderr)
-        return 1
-    # The initiator waits for its transfers; a pushed read's target also posts (the push it answers with).
-    mark = "waited" if any(r[1] == "waited" for rows in procs.values() for r in rows) else "post"
-    side = {p: ("I" if any(r[1] == mark for r in rows) else "T") for p, rows in procs.items()}
-    if a.gaps:
-        return print_gaps(procs, side, a.gaps)
-    if a.phases:
-        return print_phases(procs, side, a.skip)
-    if a.sender_time:
-        return print_sender_time(procs, side, a.skip)
-    if a.reader_time:
-        return print_reader_time(procs, side, a.skip)
-    if a.outliers:
-        return print_outliers(procs, side, a.skip, a.outliers)
-    if a.timeline is not None:
-        return print_timeline(procs, side, a.skip, a.timeline)
+    return ap
+
+
+def print_chunk_steps(procs, side, a) -> int:
+    """The default report: each step between two consecutive events of a chunk (percentiles over the
+    chunks), what lies outside them for ops posted one at a time, wake-ups, and the slowest chunks."""
     t0 = min(r[0] for rows in procs.values() for r in rows)
     posts = sorted(r[0] for rows in procs.values() for r in rows if r[1] == "post")
     since = posts[-a.last] if a.last and len(posts) >= a.last else 0
@@ -190,6 +175,32 @@ def main() -> int:
         for ns, e, lane in evs:
             print(f"   {(ns - evs[0][0]) / 1e3:10.1f} µs  {e:24} lane {lane}")
     return 0
+
+
+def main() -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # piped into head: stop quietly
+    ap = make_parser()
+    a = ap.parse_args()
+    procs = load(a.prefix)
+    if not procs:
+        print(f"no {a.prefix}.*.tsv files", file=sys.stderr)
+        return 1
+    # The initiator waits for its transfers; a pushed read's target also posts (the push it answers with).
+    mark = "waited" if any(r[1] == "waited" for rows in procs.values() for r in rows) else "post"
+    side = {p: ("I" if any(r[1] == mark for r in rows) else "T") for p, rows in procs.items()}
+    if a.gaps:
+        return print_gaps(procs, side, a.gaps)
+    if a.phases:
+        return print_phases(procs, side, a.skip)
+    if a.sender_time:
+        return print_sender_time(procs, side, a.skip)
+    if a.reader_time:
+        return print_reader_time(procs, side, a.skip)
+    if a.outliers:
+        return print_outliers(procs, side, a.skip, a.outliers)
+    if a.timeline is not None:
+        return print_timeline(procs, side, a.skip, a.timeline)
+    return print_chunk_steps(procs, side, a)
 
 
 def transfers(procs, side, skip: float):
