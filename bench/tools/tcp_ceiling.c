@@ -271,7 +271,8 @@ static void sender(struct sockaddr_in addr, int ctl, int res) {
   _exit(0);
 }
 
-int main(int argc, char** argv) {
+/* The options into the globals: -1 to go on, else the exit code. */
+static int parse_args(int argc, char** argv) {
   static struct option opts[] = {{"cuda", no_argument, 0, 'C'}, {"blocking", no_argument, 0, 'K'},
                                  {"json", no_argument, 0, 'J'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
   int o;
@@ -295,17 +296,62 @@ int main(int argc, char** argv) {
     fprintf(stderr, "tcp_ceiling: need 1 <= STREAMS <= %d, SECONDS > 0, 1 <= CHUNK <= BUFFER\n", kMaxStreams);
     return 2;
   }
-  signal(SIGPIPE, SIG_IGN);
+  return -1;
+}
 
+/* A listening socket on a free loopback port, its address in *addr. */
+static int listen_loopback(struct sockaddr_in* addr) {
   int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   int one = 1;
   setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   size_buffers(ls); /* accepted sockets inherit them */
-  struct sockaddr_in addr = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t len = sizeof addr;
-  if (bind(ls, (struct sockaddr*)&addr, sizeof addr) || listen(ls, streams) ||
-      getsockname(ls, (struct sockaddr*)&addr, &len))
+  *addr = (struct sockaddr_in){.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof *addr;
+  if (bind(ls, (struct sockaddr*)addr, sizeof *addr) || listen(ls, streams) ||
+      getsockname(ls, (struct sockaddr*)addr, &len))
     die("listen");
+  return ls;
+}
+
+/* The measured window's rate and CPU, as one line or one JSON object. */
+static void report(double el, const uint64_t* b0, const uint64_t* b1, double rx_cpu, double tx_cpu,
+                   const char* sender_pinned) {
+  double total = 0, lo = 1e300, hi = 0, per[kMaxStreams];
+  for (int i = 0; i < streams; ++i) {
+    per[i] = (double)(b1[i] - b0[i]) / el / 1e9;
+    total += (double)(b1[i] - b0[i]);
+    lo = per[i] < lo ? per[i] : lo;
+    hi = per[i] > hi ? per[i] : hi;
+  }
+  double gb = total / 1e9, gbps = gb / el;
+  if (json) {
+    printf("{\"tool\": \"tcp_ceiling\", \"streams\": %d, \"seconds\": %.3f, \"chunk_bytes\": %llu, "
+           "\"buffer_bytes\": %llu, \"socket_buffer\": %llu, \"blocking\": %s, \"gbps\": %.4f, "
+           "\"per_stream_gbps\": [",
+           streams, el, (unsigned long long)chunk, (unsigned long long)buffer_bytes,
+           (unsigned long long)sockbuf, blocking ? "true" : "false", gbps);
+    for (int i = 0; i < streams; ++i) printf("%s%.4f", i ? ", " : "", per[i]);
+    printf("], \"cpu_s\": {\"sender\": %.4f, \"receiver\": %.4f}, "
+           "\"cpu_s_per_gb\": {\"sender\": %.5f, \"receiver\": %.5f, \"both\": %.5f}, "
+           "\"pinned\": {\"sender\": \"%s\", \"receiver\": \"%s\"}}\n",
+           tx_cpu, rx_cpu, tx_cpu / gb, rx_cpu / gb, (tx_cpu + rx_cpu) / gb, sender_pinned, pinned_how);
+  } else {
+    char c[32], b[32], k[32];
+    printf("tcp_ceiling: %d stream%s over loopback, %s sends, %s sockets (buffers %s), %.1f s; %s each side, %s\n",
+           streams, streams == 1 ? "" : "s", human(chunk, c, sizeof c), blocking ? "blocking" : "non-blocking",
+           sockbuf ? human(sockbuf, k, sizeof k) : "kernel default", el, human(buffer_bytes, b, sizeof b),
+           pinned_how);
+    printf("  %.2f GB/s (per stream %.2f-%.2f)   CPU-s per GB: sender %.3f, receiver %.3f, both %.3f\n", gbps, lo,
+           hi, tx_cpu / gb, rx_cpu / gb, (tx_cpu + rx_cpu) / gb);
+  }
+}
+
+int main(int argc, char** argv) {
+  int rc = parse_args(argc, argv);
+  if (rc >= 0) return rc;
+  signal(SIGPIPE, SIG_IGN);
+  struct sockaddr_in addr;
+  int ls = listen_loopback(&addr);
   int ctl[2], res[2];
   if (pipe(ctl) || pipe(res)) die("pipe");
   pid_t pid = fork();
@@ -349,33 +395,6 @@ int main(int argc, char** argv) {
   int status = 0;
   waitpid(pid, &status, 0);
 
-  double el = t1 - t0, total = 0, lo = 1e300, hi = 0, per[kMaxStreams];
-  for (int i = 0; i < streams; ++i) {
-    per[i] = (double)(b1[i] - b0[i]) / el / 1e9;
-    total += (double)(b1[i] - b0[i]);
-    lo = per[i] < lo ? per[i] : lo;
-    hi = per[i] > hi ? per[i] : hi;
-  }
-  double gb = total / 1e9, gbps = gb / el, rx_cpu = c1 - c0, tx_cpu = sender_cpu[0];
-  if (json) {
-    printf("{\"tool\": \"tcp_ceiling\", \"streams\": %d, \"seconds\": %.3f, \"chunk_bytes\": %llu, "
-           "\"buffer_bytes\": %llu, \"socket_buffer\": %llu, \"blocking\": %s, \"gbps\": %.4f, "
-           "\"per_stream_gbps\": [",
-           streams, el, (unsigned long long)chunk, (unsigned long long)buffer_bytes,
-           (unsigned long long)sockbuf, blocking ? "true" : "false", gbps);
-    for (int i = 0; i < streams; ++i) printf("%s%.4f", i ? ", " : "", per[i]);
-    printf("], \"cpu_s\": {\"sender\": %.4f, \"receiver\": %.4f}, "
-           "\"cpu_s_per_gb\": {\"sender\": %.5f, \"receiver\": %.5f, \"both\": %.5f}, "
-           "\"pinned\": {\"sender\": \"%s\", \"receiver\": \"%s\"}}\n",
-           tx_cpu, rx_cpu, tx_cpu / gb, rx_cpu / gb, (tx_cpu + rx_cpu) / gb, sender_pinned, pinned_how);
-  } else {
-    char c[32], b[32], k[32];
-    printf("tcp_ceiling: %d stream%s over loopback, %s sends, %s sockets (buffers %s), %.1f s; %s each side, %s\n",
-           streams, streams == 1 ? "" : "s", human(chunk, c, sizeof c), blocking ? "blocking" : "non-blocking",
-           sockbuf ? human(sockbuf, k, sizeof k) : "kernel default", el, human(buffer_bytes, b, sizeof b),
-           pinned_how);
-    printf("  %.2f GB/s (per stream %.2f-%.2f)   CPU-s per GB: sender %.3f, receiver %.3f, both %.3f\n", gbps, lo,
-           hi, tx_cpu / gb, rx_cpu / gb, (tx_cpu + rx_cpu) / gb);
-  }
+  report(t1 - t0, b0, b1, c1 - c0, sender_cpu[0], sender_pinned);
   return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
 }
