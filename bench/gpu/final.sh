@@ -29,10 +29,12 @@ t() {  # name seconds command...: runs it, appends its verdict (and errors) to t
   timeout -k 10 "$secs" "$@" > "$L/$name.log" 2>&1; local rc=$?  # -k: a process that outlives TERM is killed
   { echo "== $name rc=$rc $((SECONDS - t0))s $(grep -aE '[0-9]+ (passed|failed)' "$L/$name.log" | tail -1)"
     grep -aE "^E |Error:|FAILED|ERROR SUMMARY|^=========.*(Invalid|error)" "$L/$name.log" | head -6
-    grep -aE "GB/s|MET|ratio|│ (write|read)" "$L/$name.log" | head -12
+    grep -aE "GB/s|MET|ratio|│ +(write|read)" "$L/$name.log" | head -12
     grep -aE "^(pull|push|one process|two processes|write |fabric:|peer transport:|env:|pull|push|bytes|kernel|d2d|contiguous|256 MiB|4096x16K)|NCCL" "$L/$name.log" | head -40
     grep -aE "^(FAIL|HANG|ok  ) |^    " "$L/$name.log" | head -80
-    grep -aE "^\| |^GPU0 ->" "$L/$name.log" | head -20; } >> "$S"
+    grep -aE "^\| |^GPU0 ->" "$L/$name.log" | head -20
+    grep -aE "^(milestone|[IT] (first|last|lane|op)|earliest|latest|waited|the transfer|[0-9]+ transfers)" "$L/$name.log" | head -40
+    } >> "$S"
   cat "$L/$name.log" >> "$OUT/all.log"
 }
 two() {  # as t, where two GPUs are needed: else one line saying so
@@ -85,6 +87,22 @@ t lat_tcp_gpu 40 tether bench --transport tcp --device gpu --local-gpu-idx 0 --r
 # Thread wake-up cost: busy polling off (beside ipc_gpu_tuned).
 TETHER_BUSY_POLL_US=0 t ipc_busy0 50 python3 bench/gpu/compare_ipc_gpu.py --channels 16
 for c in 32 64 128 256 1024; do t ipc_chunk_${c}M 40 python3 bench/gpu/compare_ipc_gpu.py --channels 16 --gpu-chunk $((c << 20)); done
+# The serving paths' rows (docs/PERFORMANCE.md, "Two GPUs on one host"): scattered KV over ipc one at a
+# time and two in flight, 256 MiB, and tcp beside its ceiling at the same stream count; then traces of
+# one scattered ipc write and one 16 MiB tcp read (bench/tools/trace_report.py: where an op's time goes).
+KV="--device gpu --local-gpu-idx 0 --remote-gpu-idx $R --check --quiet --mode write,read"
+t kv_ipc 60 tether bench --transport ipc $KV --sizes 16K --num-iovs 4096
+t kv_ipc_depth2 60 tether bench --transport ipc $KV --sizes 16K --num-iovs 4096 --async-api --depth 2
+t ipc256 60 tether bench --transport ipc $KV --sizes 256M
+t tcp_rows 150 bash -c "tether bench --transport tcp $KV --sizes 16M,256M --ceiling &&
+  tether bench --transport tcp $KV --sizes 16K --num-iovs 4096 --ceiling"
+TR="--device gpu --local-gpu-idx 0 --remote-gpu-idx $R --quiet --iters 30 --warmup 5"
+t trace_kv_ipc 120 bash -c "rm -f /tmp/tr_kv.*; TETHER_TRACE=/tmp/tr_kv tether bench --transport ipc $TR --sizes 16K \
+  --num-iovs 4096 --mode write && python3 bench/tools/trace_report.py /tmp/tr_kv --phases &&
+  python3 bench/tools/trace_report.py /tmp/tr_kv --timeline 0.5 | head -80"
+t trace_tcp16_read 120 bash -c "rm -f /tmp/tr_t16.*; TETHER_TRACE=/tmp/tr_t16 tether bench --transport tcp $TR --sizes 16M \
+  --mode read && python3 bench/tools/trace_report.py /tmp/tr_t16 --phases &&
+  python3 bench/tools/trace_report.py /tmp/tr_t16 --reader-time && python3 bench/tools/trace_report.py /tmp/tr_t16 --sender-time"
 t test_gpu_rest 240 $PT tests/python/test_gpu.py -k "not vectored"
 t ipc_gpu_quick 90 $PT tests/python/test_ipc_gpu.py -k "vectored or cache or deregistered or two_endpoints or child or send_recv"
 t tcp256 60 tether bench --transport tcp $G --sizes 256M --iters 10

@@ -28,6 +28,9 @@ t nixl_gpu 300 $PT tests/python/test_nixl_gpu.py
 t nixl_dram 300 $PT tests/python/test_nixl.py -x
 t peers_gpu 420 python3 bench/peers/run.py --device gpu --only tether nixl-tether-tcp nixl-tcp tether-ipc nixl-tether nixl-default --json "$OUT/peers_gpu.json"
 t peers_cpu 420 python3 bench/peers/run.py --only tether nixl-tether-tcp nixl-tcp tether-ipc nixl-tether nixl-default --json "$OUT/peers_cpu.json"
+# The serving rows beside UCX, two rounds (docs/PERFORMANCE.md, "Two GPUs on one host").
+t peers_serving 300 python3 bench/peers/run.py --device gpu --rounds 2 --only nixl-tether nixl-default nixl-tether-tcp nixl-tcp \
+  --workloads "4096 x 16 KiB readv (KV pull);64 KiB write;8 B write" --json "$OUT/peers_serving.json"
 # Why NIXL/UCX with UCX_TLS=tcp does not start here: the driver alone, UCX's own log at info level.
 t ucx_tcp_diag 90 env UCX_LOG_LEVEL=info python3 bench/peers/nixl_driver.py tcp
 # The disaggregated-prefill example, its test (Llama on cuda:0 for all three paths) and a record.
