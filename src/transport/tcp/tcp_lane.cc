@@ -337,6 +337,8 @@ bool on_header(Lane& l, Host* host) {
     l.rx.paused.store(true, std::memory_order_relaxed);  // resumes once a GPU copy has finished
     return false;
   }
+  if ((type == FrameType::kWrite || type == FrameType::kReadReq) && h.length <= kTinyRequest)
+    l.small_requests.fetch_add(1, std::memory_order_relaxed);
   switch (type) {
     case FrameType::kWrite:
     case FrameType::kSendData: return on_write(l, host);

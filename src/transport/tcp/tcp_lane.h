@@ -40,6 +40,8 @@ constexpr int kStagedLowat = 256 << 10;         // SO_RCVLOWAT while a staged pa
 // a copy, yet it leaves the core to the kernel's TCP work.
 constexpr uint32_t kStagingNapUs = 8;
 constexpr uint64_t kSpinAfterBytes = 64 << 10;  // a progress loop that moved less is "small traffic"
+constexpr uint64_t kTinyRequest = 4 << 10;      // a write or read request this small: its next comes soon
+constexpr uint32_t kRequestSpinUs = 50;         // ... so its thread polls this long after it (run())
 constexpr uint64_t kLaneQueueChunks = 2;        // chunks a lane's socket may hold (ours + the kernel's)
 constexpr uint64_t kSmallCopy = 256 << 10;      // staged copies up to this extend the busy window (run())
 // A copy this small ends within microseconds of its start: a thread waiting on it polls instead of
@@ -196,6 +198,7 @@ struct Lane {
   core::LinkCounters* nic_ctr = nullptr;  // its NIC's (owned by the endpoint)
   std::atomic<bool> dead{false};
   std::atomic<uint64_t> io_bytes{0};      // bytes through its socket, both ways (busy polling's "bulk")
+  std::atomic<uint64_t> small_requests{0};  // writes and read requests of <= kTinyRequest bytes it served
   uint32_t epoll_events = 0;              // progress thread only
   AnswerRing answers;                     // produced by rx, sent by tx
   LaneTx tx;

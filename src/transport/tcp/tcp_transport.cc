@@ -89,6 +89,8 @@ class ProgressThread {
   void do_tx(Lane& l);
   void retire(Lane& l);
   uint64_t moved() const;  // bytes through this thread's lanes' sockets so far
+  uint64_t small_requests() const;  // small requests this thread's lanes served so far
+  bool nothing_under_way() const;
   uint64_t copy_steps() const;  // staged GPU copies of this thread's lanes started + finished so far
   int nap(epoll_event* events, int max, uint32_t us);
 
@@ -111,6 +113,21 @@ uint64_t ProgressThread::moved() const {
   uint64_t b = 0;
   for (auto& l : lanes_) b += l->io_bytes.load(std::memory_order_relaxed);
   return b;
+}
+
+uint64_t ProgressThread::small_requests() const {
+  uint64_t n = 0;
+  for (auto& l : lanes_) n += l->small_requests.load(std::memory_order_relaxed);
+  return n;
+}
+
+// No lane of this thread has bytes to send, copies in flight or chunks of its own unanswered.
+bool ProgressThread::nothing_under_way() const {
+  for (auto& l : lanes_)
+    if (l->tx.backlog.load(std::memory_order_relaxed) || l->stage.inflight.load(std::memory_order_relaxed) > 0 ||
+        l->peer->has_work() || l->peer->unanswered_bytes() > 0)
+      return false;
+  return true;
 }
 
 uint64_t ProgressThread::copy_steps() const {
@@ -200,16 +217,23 @@ void ProgressThread::run() {
   ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: the default 50 us slack would stretch a nap
   bool copies = false;  // the last turn left staged GPU copies in flight: the next one polls them
   bool napping = false;  // ... and did nothing else: the next wait is a nap, not a spin
+  // Without busy polling, a thread that served a small request (and has nothing else under way) still
+  // polls kRequestSpinUs for the next: its wake-up would cost more than the request (the waiter on the
+  // other side spins kSpinUs for the answer alike).
+  const auto request_spin = std::chrono::microseconds(busy.count() == 0 ? kRequestSpinUs : 0);
+  auto last_request = Clock::now() - request_spin;
   while (!stop_.load(std::memory_order_acquire)) {
     sleeping_.store(true, std::memory_order_seq_cst);
     const bool hinted = work_hint_.exchange(false, std::memory_order_seq_cst);
-    const bool spinning = busy.count() > 0 && Clock::now() - last_event < busy;
+    const auto turn = Clock::now();
+    const bool spinning = (busy.count() > 0 && turn - last_event < busy) || turn - last_request < request_spin;
     const bool nap_now = napping && !hinted;
     int n = nap_now ? nap(events, 64, kStagingNapUs) : ::epoll_wait(epfd_, events, 64, hinted || spinning || copies ? 0 : 1000);
     sleeping_.store(false, std::memory_order_relaxed);
     if (n > 0 && !hinted && !spinning && !copies) trace::mark(trace::Event::kWake, index_, 0, uint32_t(n));
     const uint64_t moved_before = moved();
     const uint64_t steps_before = copy_steps();
+    const uint64_t served_before = small_requests();
     if (n == 0 && spinning && !hinted && !copies) sched_yield();  // copies yield below
     on_events(events, n);
     prepare_wanted_gpus();
@@ -234,6 +258,8 @@ void ProgressThread::run() {
       bool backlog = false;
       for (auto& l : lanes_) backlog |= l->tx.backlog.load(std::memory_order_relaxed);
       if (moved() - moved_before < kSpinAfterBytes && !backlog) last_event = Clock::now();
+    } else if (n > 0 && request_spin.count() > 0 && small_requests() != served_before && nothing_under_way()) {
+      last_request = Clock::now();
     }
     retire_dead();
   }
