@@ -207,7 +207,7 @@ void ProgressThread::run() {
   // instead of sleeping: an answer usually follows soon, and a wake-up costs more than a small transfer.
   using Clock = std::chrono::steady_clock;
   const auto busy = std::chrono::microseconds(host_->config().busy_poll_us);
-  auto last_event = Clock::now() - busy;
+  auto spin_until = Clock::now();  // the thread polls until then (busy polling, or the request spin)
   // Staged GPU copies keep the thread polling, but a turn that did nothing (no socket event, no byte
   // moved, no copy started or finished) is followed by a short nap: spinning cost CPU and gained nothing.
   // Not while a tiny copy (kTinyCopy) is in flight: it ends sooner than a nap would.
@@ -221,19 +221,17 @@ void ProgressThread::run() {
   // polls kRequestSpinUs for the next: its wake-up would cost more than the request (the waiter on the
   // other side spins kSpinUs for the answer alike).
   const auto request_spin = std::chrono::microseconds(busy.count() == 0 ? kRequestSpinUs : 0);
-  auto last_request = Clock::now() - request_spin;
   while (!stop_.load(std::memory_order_acquire)) {
     sleeping_.store(true, std::memory_order_seq_cst);
     const bool hinted = work_hint_.exchange(false, std::memory_order_seq_cst);
-    const auto turn = Clock::now();
-    const bool spinning = (busy.count() > 0 && turn - last_event < busy) || turn - last_request < request_spin;
+    const bool spinning = Clock::now() < spin_until;
     const bool nap_now = napping && !hinted;
     int n = nap_now ? nap(events, 64, kStagingNapUs) : ::epoll_wait(epfd_, events, 64, hinted || spinning || copies ? 0 : 1000);
     sleeping_.store(false, std::memory_order_relaxed);
     if (n > 0 && !hinted && !spinning && !copies) trace::mark(trace::Event::kWake, index_, 0, uint32_t(n));
     const uint64_t moved_before = moved();
     const uint64_t steps_before = copy_steps();
-    const uint64_t served_before = small_requests();
+    const uint64_t served_before = request_spin.count() > 0 ? small_requests() : 0;
     if (n == 0 && spinning && !hinted && !copies) sched_yield();  // copies yield below
     on_events(events, n);
     prepare_wanted_gpus();
@@ -246,7 +244,7 @@ void ProgressThread::run() {
       // polling; only small copies (up to kSmallCopy) also keep it spinning for busy_poll_us after them,
       // as spinning at the end of every large transfer cost CPU for no gain.
       const auto now = Clock::now();
-      if (smallest <= kSmallCopy) last_event = now;
+      if (smallest <= kSmallCopy) spin_until = now + busy;
       const uint64_t steps = copy_steps();
       if (steps != seen_steps) last_step = now;
       seen_steps = steps;
@@ -257,9 +255,9 @@ void ProgressThread::run() {
       // (data in, or EPOLLOUT for unsent bytes).
       bool backlog = false;
       for (auto& l : lanes_) backlog |= l->tx.backlog.load(std::memory_order_relaxed);
-      if (moved() - moved_before < kSpinAfterBytes && !backlog) last_event = Clock::now();
+      if (moved() - moved_before < kSpinAfterBytes && !backlog) spin_until = Clock::now() + busy;
     } else if (n > 0 && request_spin.count() > 0 && small_requests() != served_before && nothing_under_way()) {
-      last_request = Clock::now();
+      spin_until = Clock::now() + request_spin;
     }
     retire_dead();
   }
