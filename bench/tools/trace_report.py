@@ -119,7 +119,7 @@ def print_chunk_steps(procs, side, a) -> int:
     chunks = collections.defaultdict(list)
     for p, rows in procs.items():
         for ns, event, lane, typ, slot, gen, _cpu in rows:
-            if event in ("post", "wake", "waited"):
+            if event in ("called", "post", "wake", "waited"):
                 continue
             if ns - t0 < a.skip * 1e9 or ns < since:
                 continue
@@ -239,7 +239,7 @@ def print_outliers(procs, side, skip: float, n: int) -> int:
         t0, t1, window = xs[i]
         lanes = collections.defaultdict(list)
         for (ns, event, lane, _typ, _slot, _gen, cpu), who in window:
-            if event not in ("post", "waited"):  # a wake-up names its progress thread, not a lane
+            if event not in ("called", "post", "waited"):  # a wake-up names its progress thread, not a lane
                 lanes[(who, "thread" if event == "wake" else "lane", lane)].append((ns, event, cpu))
         print(f"-- {tag} transfer: {(t1 - t0) / 1e3:.0f} µs")
         for (who, what, lane), evs in sorted(lanes.items()):
@@ -256,18 +256,24 @@ def print_phases(procs, side, skip: float) -> int:
     """Where a transfer's wall time goes: start (before the target's first send), body, tail (after
     the target's last send). Milestones are µs after the post; a lane's last send is per lane, so
     "earliest lane done" against "latest lane done" is the lanes' imbalance."""
-    names = ["T post (a pushed read)", "I first sent", "T first header", "T first staged", "T first sent", "earliest lane's T last sent",
+    names = ["I called (posting cost)", "T post (a pushed read)", "I first sent", "T first header", "T first staged",
+             "T first sent", "earliest lane's T last sent",
              "latest lane's T last sent", "I last landed", "I last unpacked", "I last answered", "waited"]
     got = collections.defaultdict(list)
+    # A write or read entering the core comes before its post (negative µs: what checking and queueing cost).
+    called = sorted(r[0] for p, rows in procs.items() if side[p] == "I" for r in rows if r[1] == "called")
     for t0, t1, window in transfers(procs, side, skip):
         first, last, lane_last = {}, {}, {}
+        k = bisect.bisect_right(called, t0)
+        first["I called"] = called[k - 1] if k else None
         for (ns, event, lane, *_), who in window:
             key = f"{who} {event}"
             first.setdefault(key, ns)
             last[key] = ns
             if key == "T sent":
                 lane_last[lane] = ns
-        mark = {"T post (a pushed read)": first.get("T post"), "I first sent": first.get("I sent"), "T first header": first.get("T header"),
+        mark = {"I called (posting cost)": first.get("I called"), "T post (a pushed read)": first.get("T post"),
+                "I first sent": first.get("I sent"), "T first header": first.get("T header"),
                 "T first staged": first.get("T staged"), "T first sent": first.get("T sent"),
                 "earliest lane's T last sent": min(lane_last.values()) if lane_last else None,
                 "latest lane's T last sent": max(lane_last.values()) if lane_last else None,
@@ -298,7 +304,7 @@ def print_timeline(procs, side, skip: float, q: float) -> int:
     rows = collections.defaultdict(list)
     for (ns, event, lane, typ, slot, gen, _cpu), who in window:
         at = f"@{(ns - t0) / 1e3:.0f}"
-        if event in ("post", "waited"):
+        if event in ("called", "post", "waited"):
             rows[(who, "op", 0)].append(f"{event} {at}")
         elif event == "wake":
             rows[(who, "thread", lane)].append(f"wake {at}")
@@ -428,7 +434,7 @@ def lane_balance(procs, side, n: int) -> None:
         cpus, users = {}, collections.defaultdict(set)
         for who, evs in (("I", rows), ("T", target)):
             for ns, event, lane, *_, cpu in evs:
-                if not (t0 <= ns <= t1) or cpu < 0 or event == "post":
+                if not (t0 <= ns <= t1) or cpu < 0 or event in ("called", "post"):
                     continue
                 if event == "waited":
                     users[cpu].add((who, "waiter"))

@@ -20,12 +20,12 @@ uint64_t pipelined_chunk(uint64_t chunk, uint64_t total, uint32_t lanes) {
   return std::min(chunk, std::max(want, kFloor));
 }
 
-// The remote range a frame names: `length` bytes of `g`'s descriptor, `skip` bytes into the segment.
-void name_range(const Segment& g, uint64_t skip, uint64_t length, wire::FrameHeader* h) {
-  h->region_id = g.region_id;  // a send's segment holds its recv token there (kSendData's recv_token)
-  h->key = g.key;
-  h->desc_offset = g.desc_offset;
-  h->desc_length = g.desc_length;
+// The remote range a frame names: `length` bytes of `g`'s descriptor (its run's), `skip` bytes into the segment.
+void name_range(const Run& r, const Segment& g, uint64_t skip, uint64_t length, wire::FrameHeader* h) {
+  h->region_id = r.region_id;  // a send's run holds its recv token there (kSendData's recv_token)
+  h->key = r.key;
+  h->desc_offset = r.desc_offset;
+  h->desc_length = r.desc_length;
   h->offset = g.remote_offset + skip;
   h->length = length;
 }
@@ -38,8 +38,10 @@ void pull_frame(const TransferState& t, bool resent, ChunkOp* op) {
   h.type = static_cast<uint8_t>(wire::FrameType::kPull);
   h.flags = resent ? wire::kFlagResent : 0;
   h.pull_token = uint32_t(t.msg_id);
-  name_range(g, 0, g.length, &h);
-  op->segment = &g;
+  const Run& r = t.run_of(g);
+  name_range(r, g, 0, g.length, &h);
+  op->local_region = r.local_region;
+  op->remote = r.remote;
 }
 
 }  // namespace
@@ -56,13 +58,18 @@ uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk, uint64
   const Segment& first = segs[t->cur_segment];
   const uint64_t rest = first.length - t->cur_offset;
   if (rest >= chunk || t->cur_segment + 1 >= segs.size()) return 0;
-  const int32_t dev = device_of(first);
+  const Run& run = t->run_of(first);
+  const int32_t dev = device_of(run);
   size_t end = t->cur_segment + 1;
   uint64_t total = rest;
   // A read batch keeps to one kind of remote memory: the chunk size was chosen for the first one's.
   const bool read = t->op == OpKind::kRead;
-  while (end < segs.size() && end - t->cur_segment < batch_max_ && total + segs[end].length <= limit &&
-         device_of(segs[end]) == dev && (!read || remote_gpu(segs[end]) == remote_gpu(first)))
+  auto alike = [&](const Segment& g) {
+    if (g.run == first.run) return true;
+    const Run& r = t->run_of(g);
+    return device_of(r) == dev && (!read || remote_gpu(r) == remote_gpu(run));
+  };
+  while (end < segs.size() && end - t->cur_segment < batch_max_ && total + segs[end].length <= limit && alike(segs[end]))
     total += segs[end++].length;
   const uint32_t n = uint32_t(end - t->cur_segment);
   if (n < 2) return 0;
@@ -72,9 +79,10 @@ uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk, uint64
   }
   for (uint32_t i = 0; i < n; ++i) {
     const Segment& g = segs[t->cur_segment + i];
+    const Run& r = t->run_of(g);
     const uint64_t skip = i == 0 ? t->cur_offset : 0;
-    s.frags[i] = wire::Fragment{g.region_id, 0, g.key, g.desc_offset, g.desc_length, g.remote_offset + skip, g.length - skip};
-    s.pieces[i] = Piece{g.local + skip, g.length - skip, g.local_region};
+    s.frags[i] = wire::Fragment{r.region_id, 0, r.key, r.desc_offset, r.desc_length, g.remote_offset + skip, g.length - skip};
+    s.pieces[i] = Piece{g.local + skip, g.length - skip, r.local_region};
   }
   t->cur_segment = end;
   t->cur_offset = 0;
@@ -178,8 +186,9 @@ void PeerState::pop_queue_head(TransferState* t) {
 
 uint64_t PeerState::chunk_bytes_for(const TransferState& t, const Segment& seg) const {
   // GPU to GPU (writes, reads): the transport may want bigger chunks (ipc: copy engines over NVLink).
-  const bool gpu_both = gpu_chunk_ && device_of(seg) >= 0 && remote_gpu(seg);
-  return read_chunk_bytes(t, device_of(seg), seg.remote, gpu_both ? gpu_chunk_ : info_.chunk_bytes);
+  const Run& r = t.run_of(seg);
+  const bool gpu_both = gpu_chunk_ && device_of(r) >= 0 && remote_gpu(r);
+  return read_chunk_bytes(t, device_of(r), r.remote, gpu_both ? gpu_chunk_ : info_.chunk_bytes);
 }
 
 // A read request costs its lane nothing to send: unbounded, the first lanes to run took whole windows
@@ -216,15 +225,17 @@ PeerState::Slot& PeerState::claim_slot(TransferState* t, uint32_t lane, const Se
   s.used = true;
   s.transfer = t;
   s.lane = lane;
+  const Run& r = t->run_of(seg);
   s.local = seg.local + t->cur_offset;
-  s.device = device_of(seg);
+  s.device = device_of(r);
   ++lane_inflight_[lane];
   t->pending.fetch_add(1, std::memory_order_relaxed);
   t->lane_hint.store(lane, std::memory_order_relaxed);
   op->hdr = {};
   op->hdr.slot = idx;
   op->hdr.gen = s.gen;
-  op->segment = &seg;
+  op->local_region = r.local_region;
+  op->remote = r.remote;
   op->pin = pinned;
   op->device = s.device;
   op->local = s.local;
@@ -238,7 +249,8 @@ bool PeerState::cut_batch(TransferState* t, Slot& s, const Segment& seg, uint64_
   const bool batches = write || (t->op == OpKind::kRead && batch_reads_);
   if (!batches || batch_max_ < 2) return false;
   // A write batch staged through GPU memory may carry more: each costs a kernel launch (Caps::gpu_batch_chunks).
-  const bool gpu_batch = write && (device_of(seg) >= 0 || remote_gpu(seg));
+  const Run& r = t->run_of(seg);
+  const bool gpu_batch = write && (device_of(r) >= 0 || remote_gpu(r));
   const uint32_t n = pack_batch(t, s, chunk, gpu_batch ? chunk * gpu_batch_chunks_ : chunk);
   if (n < 2) return false;
   wire::FrameHeader& h = op->hdr;
@@ -261,7 +273,7 @@ void PeerState::cut_chunk(TransferState* t, Slot& s, const Segment& seg, uint64_
   h.type = static_cast<uint8_t>(t->op == OpKind::kWrite  ? wire::FrameType::kWrite
                                 : t->op == OpKind::kRead ? wire::FrameType::kReadReq
                                                          : wire::FrameType::kSendData);
-  name_range(seg, t->cur_offset, len, &h);
+  name_range(t->run_of(seg), seg, t->cur_offset, len, &h);
   const bool has_payload = t->op != OpKind::kRead;
   op->payload = has_payload ? s.local : nullptr;
   op->length = has_payload ? len : 0;

@@ -50,7 +50,8 @@ std::shared_ptr<TransferState> two_sided(OpKind op, const Region& local, uint64_
   t->tag = tag;
   const uint64_t known = op == OpKind::kSend ? length : 0;
   t->bytes = known;
-  t->segments.push_back(Segment{l->base + offset, length, 0, 0, 0, known, 0, l.get(), nullptr});
+  t->runs.push_back(Run{0, 0, 0, known, l.get(), nullptr});
+  t->segments.push_back(Segment{l->base + offset, length, 0, 0});
   t->local_pins.push_back(l);
   l->pins.fetch_add(1);
   return t;
@@ -72,6 +73,7 @@ Status PeerState::notify_too_large(size_t bytes) const {
 }
 
 Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, const char* noun, std::string notify) {
+  trace::mark(trace::Event::kCalled, 0);
   const bool write = op == OpKind::kWrite;
   // A closed endpoint (or a dead link) says so, before its cleared regions could answer for it.
   if (failed()) return invalid(self(), op, error());
@@ -87,7 +89,8 @@ Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, cons
   t->op = op;
   t->notify = std::move(notify);
   t->segments.reserve(total);
-  t->remotes.reserve(nruns);  // segments point into it: it must never reallocate
+  t->runs.reserve(nruns);
+  t->remotes.reserve(nruns);  // runs point into it: it must never reallocate
   uint64_t bytes = 0;
   size_t first = 0;  // index of the run's first block over all runs
   for (size_t r = 0; r < nruns; first += runs[r].n, ++r) {
@@ -104,22 +107,14 @@ Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, cons
     // One copy per distinct descriptor: consecutive runs naming the same one share it.
     if (t->remotes.empty() || !(t->remotes.back() == rr)) t->remotes.push_back(rr);
     if (t->local_pins.empty() || t->local_pins.back() != l) t->local_pins.push_back(l);
-    Segment proto;
-    proto.region_id = rr.region_id;
-    proto.key = rr.key;
-    proto.desc_offset = rr.offset;
-    proto.desc_length = rr.length;
-    proto.local_region = l.get();
-    proto.remote = &t->remotes.back();
+    const uint32_t index = uint32_t(t->runs.size());
+    t->runs.push_back(Run{rr.region_id, rr.key, rr.offset, rr.length, l.get(), &t->remotes.back()});
     for (size_t j = 0; j < run.n; ++j) {  // every block's bounds, before any byte moves
       const Block& b = run.blocks[j];
       if (!in_bounds(b.local_offset, b.length, l->size) || !in_bounds(b.remote_offset, b.length, rr.length))
         return refuse(first + j, Code::kOutOfRange, out_of_range(b, l->size, rr.length));
       if (b.length == 0) continue;
-      Segment& s = t->segments.emplace_back(proto);
-      s.local = l->base + b.local_offset;
-      s.length = b.length;
-      s.remote_offset = rr.offset + b.remote_offset;
+      t->segments.push_back(Segment{l->base + b.local_offset, b.length, rr.offset + b.remote_offset, index});
       bytes += b.length;
     }
   }
@@ -199,9 +194,9 @@ Transfer PeerState::post_notify(std::string data) {
 void PeerState::enqueue(TransferState* t) {
   // Where the local bytes live (the first segment's region: a transfer's blocks share one local
   // region in the common case), so a transport can wake the lanes on the NICs nearest them.
-  const RegionState* first = t->segments.empty() ? nullptr : t->segments.front().local_region;
-  const int device = first && first->kind == MemoryKind::kCuda ? first->device : -1;
-  const RemoteRegion* remote = t->segments.empty() ? nullptr : t->segments.front().remote;
+  const Run* first = t->segments.empty() ? nullptr : &t->run_of(t->segments.front());
+  const int device = first ? device_of(*first) : -1;
+  const RemoteRegion* remote = first ? first->remote : nullptr;
   // As next_chunk() will cut it (roughly: for how many lanes to wake).
   const uint64_t chunk = read_chunk_bytes(*t, device, remote, info_.chunk_bytes);
   uint64_t chunks = 0;

@@ -14,14 +14,14 @@ bool PeerState::pulls(const TransferState& t) const {
   // chunk, the target's lanes sat idle while each chunk was copied into this side's GPU; pushed, they
   // take chunks as their sockets drain (docs/PERFORMANCE.md, "Defaults and why").
   if (!pull_reads_ || t.op != OpKind::kRead || t.segments.size() != 1) return false;
-  const Segment& g = t.segments[0];
+  const Run& g = t.runs[0];
   const bool gpu = device_of(g) >= 0 || remote_gpu(g);
   return gpu && t.bytes.load(std::memory_order_relaxed) >= uint64_t(2) * lanes_ * info_.chunk_bytes;
 }
 
 void PeerState::pull(TransferState* t) {
   const Segment& g = t->segments[0];
-  const int device = device_of(g);
+  const int device = device_of(t->run_of(g));
   {
     std::lock_guard lock(mu_);
     if (failed_.load()) {
@@ -60,7 +60,8 @@ bool PeerState::on_pull(const wire::FrameHeader& h) {
     t->pushed = true;
     t->msg_id = token;
     t->bytes = h.length;
-    t->segments.push_back(Segment{region->base + h.offset, h.length, token, 0, 0, 0, 0, region.get(), nullptr});
+    t->runs.push_back(Run{token, 0, 0, 0, region.get(), nullptr});
+    t->segments.push_back(Segment{region->base + h.offset, h.length, 0, 0});
     t->source = region;  // kept, not pinned: each chunk pins it (next_chunk)
     std::lock_guard lock(mu_);
     if (failed_.load()) {
@@ -131,7 +132,7 @@ Code PeerState::resolve_send_data(uint32_t token, uint64_t offset, uint64_t leng
   r->pending.fetch_add(1, std::memory_order_relaxed);
   *dest = r->segments[0].local + offset;
   *recv = r;
-  const RegionState* l = r->segments[0].local_region;
+  const RegionState* l = r->runs[0].local_region;
   *device = l && l->kind == MemoryKind::kCuda ? l->device : -1;
   return Code::kOk;
 }
@@ -260,7 +261,7 @@ bool PeerState::on_cts(const uint8_t* body, uint32_t length) {
   } else if (t->bytes.load() == 0) {
     t->release();
   } else {
-    t->segments[0].region_id = cts.token;
+    t->runs[0].region_id = cts.token;
     enqueue(t);
   }
   return true;

@@ -40,7 +40,7 @@ struct Buffer {
   }
 };
 
-const char* const kNames[] = {"post", "wake", "taken", "staged", "sent", "header", "landed", "unpacked", "answered", "waited"};
+const char* const kNames[] = {"post", "wake", "taken", "staged", "sent", "header", "landed", "unpacked", "answered", "waited", "called"};
 
 }  // namespace
 

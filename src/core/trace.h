@@ -18,6 +18,7 @@ enum class Event : uint8_t {
   kUnpacked,  // its copy into the GPU was seen finished
   kAnswered,  // the initiator took the answer (ack or read response)
   kWaited,    // a wait() returned on its finished transfer (the application has it back)
+  kCalled,    // an application's write or read entered the core (kPost follows once it is checked and queued)
 };
 
 extern bool g_on;  // set once, before any endpoint exists

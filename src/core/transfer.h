@@ -18,23 +18,30 @@ class PeerState;
 
 enum class OpKind : uint8_t { kWrite, kRead, kSend, kRecv, kNotify };
 
-// One contiguous piece of a transfer: local bytes <-> a remote range.
-struct Segment {
-  uint8_t* local = nullptr;
-  uint64_t length = 0;
-  uint32_t region_id = 0;      // remote region (or recv token for send)
+// What the blocks of one run share: the remote descriptor they name and the local region they lie in.
+struct Run {
+  uint32_t region_id = 0;  // remote region (a send's: the recv token)
   uint64_t key = 0, desc_offset = 0, desc_length = 0;
-  uint64_t remote_offset = 0;  // absolute offset in the remote region / message
-  const RegionState* local_region = nullptr;  // memory kind and device of `local`
+  const RegionState* local_region = nullptr;  // memory kind and device of the run's local bytes
   // The remote descriptor (memory kind, transports' extensions) in TransferState::remotes; null for send/recv.
   const RemoteRegion* remote = nullptr;
 };
 
-// GPU of a segment's local bytes, -1 for host memory; whether its remote bytes are GPU memory.
-inline int32_t device_of(const Segment& g) {
-  return g.local_region && g.local_region->kind == MemoryKind::kCuda ? g.local_region->device : -1;
+// One contiguous piece of a transfer: local bytes <-> a range of its run's descriptor. Small, because
+// a post writes one per block and a KV pull posts thousands: what blocks share lives in their Run.
+struct Segment {
+  uint8_t* local = nullptr;
+  uint64_t length = 0;
+  uint64_t remote_offset = 0;  // absolute offset in the remote region / message
+  uint32_t run = 0;            // index into TransferState::runs
+};
+static_assert(sizeof(Segment) == 32);
+
+// GPU of a run's local bytes, -1 for host memory; whether its remote bytes are GPU memory.
+inline int32_t device_of(const Run& r) {
+  return r.local_region && r.local_region->kind == MemoryKind::kCuda ? r.local_region->device : -1;
 }
-inline bool remote_gpu(const Segment& g) { return g.remote && g.remote->kind == MemoryKind::kCuda; }
+inline bool remote_gpu(const Run& r) { return r.remote && r.remote->kind == MemoryKind::kCuda; }
 
 const char* op_name(OpKind op);  // "write", "read", ... (error messages)
 
@@ -43,6 +50,8 @@ struct TransferState {
   // Payload bytes; for a recv, set by the control thread when a message matches (so atomic).
   std::atomic<uint64_t> bytes{0};
   std::vector<Segment> segments;
+  std::vector<Run> runs;  // what segments share, by Segment::run
+  const Run& run_of(const Segment& g) const { return runs[g.run]; }
   // write/read: the distinct descriptors segments point to, one copy each however many blocks use it
   // (reserved before the first segment, never resized once posted).
   std::vector<RemoteRegion> remotes;

@@ -15,7 +15,6 @@
 
 namespace tether::core {
 struct RegionState;
-struct Segment;
 struct TransferState;
 }  // namespace tether::core
 
@@ -40,7 +39,8 @@ struct ChunkOp {
   const uint8_t* payload = nullptr;
   uint64_t length = 0;
   uint8_t* local = nullptr;                // the chunk's local bytes (a read's destination)
-  const core::Segment* segment = nullptr;  // local region, remote descriptor (transport extensions)
+  const core::RegionState* local_region = nullptr;  // where the local bytes lie (memory kind, device)
+  const RemoteRegion* remote = nullptr;             // the remote descriptor (transport extensions); null for sends
   uint32_t fragments = 0;                  // kWriteBatch and kReadBatch only
   const wire::Fragment* frags = nullptr;
   const Piece* pieces = nullptr;

@@ -230,8 +230,7 @@ ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
   c.gen = h.gen;
   c.stage = -1;
   c.phase = Phase::kIdle;
-  const core::Segment* seg = op.segment;
-  const RegionState* region = seg ? seg->local_region : nullptr;
+  const RegionState* region = op.local_region;
   void* desc = region ? owner_->local_desc(region, l.rail) : nullptr;
   const FrameType type = FrameType(h.type);
   const bool read = type == FrameType::kReadReq;
@@ -240,7 +239,7 @@ ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
   // A read from a two-sided target needs none: its bytes arrive in a bounce buffer and are copied
   // from there (bounce_arrived).
   const bool staged = region && n > 0 && !desc && !owner_->local_registered(region) &&
-                      !(read && seg->remote && ext_two_sided(seg->remote->ext_for("fabric")));
+                      !(read && op.remote && ext_two_sided(op.remote->ext_for("fabric")));
   if (!staged) return transmit(l, c, op, op.payload, op.local, desc);
   if (!l.stage) {
     l.stage = std::make_unique<StageMem>();
@@ -278,12 +277,11 @@ ssize_t RailThread::post(Lane& l, OpCtx& c, const ChunkOp& op) {
 // Posts a chunk whose local bytes are `payload` (writes, sends) or `local` (reads), registered as `desc`.
 ssize_t RailThread::transmit(Lane& l, OpCtx& c, const ChunkOp& op, const uint8_t* payload, uint8_t* local, void* desc) {
   const wire::FrameHeader& h = op.hdr;
-  const core::Segment* seg = op.segment;
   switch (FrameType(h.type)) {
     case FrameType::kWrite:
     case FrameType::kReadReq: {
       const bool write = FrameType(h.type) == FrameType::kWrite;
-      const std::string_view ext = seg && seg->remote ? seg->remote->ext_for("fabric") : std::string_view();
+      const std::string_view ext = op.remote ? op.remote->ext_for("fabric") : std::string_view();
       uint64_t key = 0, base = 0;
       if (ext_rail(ext, l.rail, &key, &base)) {  // one-sided: the target's NIC checks key and bounds
         c.kind = write ? OpKind::kWrite : OpKind::kRead;

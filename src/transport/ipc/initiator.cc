@@ -263,7 +263,9 @@ OneSided one_sided_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op)
   if (!c->cuda) c->cuda = std::make_unique<CudaLane>();
   const int dev = map.value()->device;
   bool handed = false;
-  ok = c->cuda->start_many(dev, c->triples.get(), op.fragments).is_ok() && hand_over(ip, p, lane, op, c, dev, read, &handed);
+  ok = c->cuda->start_many(dev, c->triples.get(), op.fragments).is_ok();
+  if (ok) trace::mark(trace::Event::kSent, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);  // the copy kernel is launched
+  ok = ok && hand_over(ip, p, lane, op, c, dev, read, &handed);
   if (handed) return OneSided::kMoved;
   ip.os->leave(c);
   // Started and failed, or waited for: either way no request may follow (the bytes may have moved).
@@ -294,7 +296,7 @@ Sent send_chunk(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
   const void* msg = &f;  // what goes: the frame, or (inline) the frame and the bytes
   size_t bytes = sizeof f;
   if (op.device >= 0 && !read) {  // our GPU bytes: the target opens our allocation and copies
-    if (!gpu_place(op.segment ? op.segment->local_region : nullptr, op.payload, op.length, &f.cuda, &f.addr))
+    if (!gpu_place(op.local_region, op.payload, op.length, &f.cuda, &f.addr))
       return refuse(p, lane, op, Code::kUnavailable);
     f.where = uint8_t(Where::kCuda);
   } else if (!read && op.length <= kInlineMax) {  // small: the bytes travel in the message
