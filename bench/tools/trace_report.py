@@ -342,7 +342,7 @@ def print_sender_time(procs, side, skip: float) -> int:
     n = 0
     for t0, _, window in transfers(procs, side, skip):
         n += 1
-        per = lane_chunks(window, ("header", "taken", "staged", "sent"), ("readresp", "write", "batch"))
+        per = lane_chunks(window, ("header", "taken", "staged", "sent"), ("readresp", "write", "batch", "senddata"))
         for chunks in per.values():
             done = sorted((c for c in chunks.values() if "sent" in c and "staged" in c), key=lambda c: c["sent"])
             if not done:
