@@ -123,7 +123,7 @@ bool PeerState::take_chunk(uint32_t lane, ChunkOp* op, TransferState** drained, 
   }
   const Segment& seg = t->segments[t->cur_segment];
   const uint64_t chunk = chunk_bytes_for(*t, seg);
-  if (read_depth_reached(*t, lane, chunk)) return false;
+  if (read_depth_reached(*t, seg, lane, chunk)) return false;
   Slot& s = claim_slot(t, lane, seg, pinned, op);
   if (!cut_batch(t, s, seg, chunk, op)) cut_chunk(t, s, seg, chunk, op);
   lane_bytes_[lane].fetch_add(s.length, std::memory_order_relaxed);
@@ -191,11 +191,21 @@ uint64_t PeerState::chunk_bytes_for(const TransferState& t, const Segment& seg) 
   return read_chunk_bytes(t, device_of(r), r.remote, gpu_both ? gpu_chunk_ : info_.chunk_bytes);
 }
 
+// Whether the chunk at the cursor (`seg`'s) is a batch of small blocks to or from GPU memory, which may
+// carry gpu_batch_chunks_ chunks' bytes.
+bool PeerState::gpu_batched(const TransferState& t, const Segment& seg, uint64_t chunk) const {
+  if (gpu_batch_chunks_ < 2 || seg.length - t.cur_offset >= chunk) return false;
+  const Run& r = t.run_of(seg);
+  return device_of(r) >= 0 || remote_gpu(r);
+}
+
 // A read request costs its lane nothing to send: unbounded, the first lanes to run took whole windows
 // of large chunks (Caps::read_depth; in bytes, so small reads, a round trip each, still fill the window).
-bool PeerState::read_depth_reached(const TransferState& t, uint32_t lane, uint64_t chunk) const {
+bool PeerState::read_depth_reached(const TransferState& t, const Segment& seg, uint32_t lane, uint64_t chunk) const {
   if (!read_depth_ || t.op != OpKind::kRead) return false;
   uint64_t depth = uint64_t(read_depth_) * info_.chunk_bytes;
+  // Larger GPU read batches: as many of them in flight as there would be chunks.
+  if (gpu_batched(t, seg, chunk)) depth *= gpu_batch_chunks_;
   // Small pipelined chunks: few per lane, so less is left on each lane when the last is handed out.
   if (staged_gpu_ && chunk * 4 <= info_.chunk_bytes) depth = std::min(depth, kStagedReadChunks * chunk);
   return lane_bytes_[lane].load(std::memory_order_relaxed) >= depth;
@@ -248,9 +258,9 @@ bool PeerState::cut_batch(TransferState* t, Slot& s, const Segment& seg, uint64_
   const bool write = t->op == OpKind::kWrite;
   const bool batches = write || (t->op == OpKind::kRead && batch_reads_);
   if (!batches || batch_max_ < 2) return false;
-  // A write batch staged through GPU memory may carry more: each costs a kernel launch (Caps::gpu_batch_chunks).
-  const Run& r = t->run_of(seg);
-  const bool gpu_batch = write && (device_of(r) >= 0 || remote_gpu(r));
+  // A batch staged through GPU memory may carry more: each costs a gather and an unpack kernel
+  // (Caps::gpu_batch_chunks).
+  const bool gpu_batch = gpu_batched(*t, seg, chunk);
   const uint32_t n = pack_batch(t, s, chunk, gpu_batch ? chunk * gpu_batch_chunks_ : chunk);
   if (n < 2) return false;
   wire::FrameHeader& h = op->hdr;

@@ -153,7 +153,8 @@ class PeerState final : public transport::Link {
   RegionState* pin_source(const TransferState& t);
   void pop_queue_head(TransferState* t);
   uint64_t chunk_bytes_for(const TransferState& t, const Segment& seg) const;
-  bool read_depth_reached(const TransferState& t, uint32_t lane, uint64_t chunk) const;
+  bool gpu_batched(const TransferState& t, const Segment& seg, uint64_t chunk) const;
+  bool read_depth_reached(const TransferState& t, const Segment& seg, uint32_t lane, uint64_t chunk) const;
   TransferState* free_slot(uint32_t idx);  // back to the free list; its gen moves on, so late answers miss
   uint32_t new_token();                     // a recv token, never 0
   Slot& claim_slot(TransferState* t, uint32_t lane, const Segment& seg, RegionState* pinned, ChunkOp* op);

@@ -16,7 +16,7 @@
 namespace tether::wire {
 
 constexpr uint32_t kMagic = 0x52485454;  // "TTHR"
-constexpr uint16_t kVersion = 8;  // raised with every change peers must agree on (the history is in git)
+constexpr uint16_t kVersion = 9;  // raised with every change peers must agree on (the history is in git)
 
 // ---- handshake (every socket, control or data) ----
 // A transport's bit in ClientHello::transports (0 for a name not listed).

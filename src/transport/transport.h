@@ -34,7 +34,7 @@ struct Caps {
   bool attach_before_answer = false;
   uint32_t batch_fragments = 0; // most small writes in one kWriteBatch chunk (one answer); 0: no batches
   bool batch_reads = false;     // small reads are batched too, as kReadBatch chunks
-  uint32_t gpu_batch_chunks = 1;  // chunks' bytes a kWriteBatch from or to GPU memory may carry
+  uint32_t gpu_batch_chunks = 1;  // chunks' bytes a kWriteBatch or kReadBatch from or to GPU memory may carry
   uint64_t gpu_chunk_bytes = 0; // chunk size when both ends of a write/read are GPU memory (0: the peer's chunk_bytes)
   uint32_t read_depth = 0;      // reads one lane keeps requested at once, in chunk_bytes (0: its whole window)
   bool staged_gpu = false;      // GPU memory is staged through pinned host buffers on each side: a GPU

@@ -109,8 +109,8 @@ def test_vectored_write_and_read(pair, lk, rk):
 @pytest.mark.parametrize("lk,rk", PAIRS, ids=["-".join(p) for p in PAIRS])
 def test_small_gpu_blocks_travel_two_chunks_per_batch(pair, lk, rk):
     """Where GPU memory is on either side, 256 blocks of 16 KiB go as two kWriteBatch frames of 128 blocks
-    (2 MiB: two chunks, Caps::gpu_batch_chunks; each batch is a kernel launch on each side), not four;
-    every byte lands in its place."""
+    (2 MiB: two chunks, Caps::gpu_batch_chunks; each batch is a kernel launch on each side), not four,
+    and are read back as two kReadBatch requests; every byte lands in its place both ways."""
     local, peer, c = pair
     blocks, bs = 256, 16 * 1024
     n = blocks * bs
@@ -121,6 +121,11 @@ def test_small_gpu_blocks_travel_two_chunks_per_batch(pair, lk, rk):
     peer.writev([(src, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
     assert local.ep.stats()["chunks_sent"] - before == 2
     assert_bytes_equal(np.frombuffer(c.call("get", "dst"), np.uint8), shuffled_blocks(44, blocks, bs, order))
+    back = local.region("back", lk, n)  # poisoned
+    before = c.call("stats")["chunks_sent"]  # the target's answers, each carrying one batch's blocks
+    peer.readv([(back, int(i) * bs, desc, int(j) * bs, bs) for i, j in enumerate(order)]).wait(T)
+    assert c.call("stats")["chunks_sent"] - before == 2
+    assert_bytes_equal(local.get("back"), rand_bytes(44, n))
 
 
 def _two_batch_write(children, env, seed, fill_receiver_gpu=False):

@@ -104,7 +104,8 @@ bool on_batch(Lane& l, Host* host) {
 // staging slot by the tx owner). A refused batch's answer carries only its status.
 bool on_read_batch(Lane& l, Host* host) {
   const FrameHeader& h = l.rx.hdr;
-  if (h.length > host->config().chunk_bytes) return protocol_error(l, "sent a read batch longer than the agreed chunk size");
+  if (h.length > host->config().chunk_bytes * kGpuBatchChunks)
+    return protocol_error(l, "sent a read batch longer than the agreed chunk size");
   ReadAnswer* a = take_read_answer(l);
   if (!a) {
     l.rx.paused.store(true, std::memory_order_relaxed);  // resumes once answers have gone out

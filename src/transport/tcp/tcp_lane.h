@@ -51,9 +51,9 @@ constexpr uint64_t kSmallCopy = 256 << 10;      // staged copies up to this exte
 constexpr uint64_t kTinyCopy = 64 << 10;
 constexpr uint32_t kTinyCopyPollUs = 50;
 
-// Chunks' bytes a kWriteBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each batch costs
-// a gather and an unpack kernel, so fewer, larger batches move scattered blocks faster. Both sides must
-// agree (wire version 6): a receiver kills the lane on a longer batch.
+// Chunks' bytes a kWriteBatch or kReadBatch from or to GPU memory may carry (Caps::gpu_batch_chunks): each
+// batch costs a gather and an unpack kernel, so fewer, larger batches move scattered blocks faster. Both
+// sides must agree (wire::kVersion): a receiver kills the lane on a longer batch.
 constexpr uint32_t kGpuBatchChunks = 2;
 
 constexpr uint64_t kTableBytes = uint64_t(wire::kMaxFragments) * sizeof(wire::Fragment);

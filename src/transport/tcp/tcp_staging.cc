@@ -140,7 +140,9 @@ bool gpu_rx_room(const Lane& l, uint64_t length) {
 }
 
 bool land_in_bounce(Lane& l, Host* host, int device, uint8_t* final) {
-  const bool batch = static_cast<FrameType>(l.rx.hdr.type) == FrameType::kWriteBatch;
+  // A batch (or a read batch's answer, its pieces listed) may carry kGpuBatchChunks chunks.
+  const auto type = static_cast<FrameType>(l.rx.hdr.type);
+  const bool batch = type == FrameType::kWriteBatch || (type == FrameType::kReadResp && l.rx.nfrags > 0);
   if (l.rx.hdr.length > host->config().chunk_bytes * (batch ? kGpuBatchChunks : 1))
     return protocol_error(l, "sent a frame longer than the agreed chunk size");
   gpu::StagingRing& ring = rx_ring(l, host);

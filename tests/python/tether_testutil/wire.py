@@ -9,7 +9,7 @@ from typing import Optional
 
 # Layouts from src/core/wire.h.
 WIRE_MAGIC = 0x52485454            # "TTHR", little-endian u32
-WIRE_VERSION = 8                   # wire::kVersion
+WIRE_VERSION = 9                   # wire::kVersion
 CLIENT_HELLO_SIZE = 169
 SERVER_HELLO_SIZE = 188  # then offers_length bytes of transport offers (control sockets)
 CLIENT_PROOF_SIZE = 56
