@@ -18,8 +18,9 @@ export TETHER_TEST_NET_PLUGIN=$PWD/build/testnet-gpu/libtether_testnet.so
 (cd /tmp && PYTHONPATH=/tmp/nixl/nixl-site tether nixl install) > "$OUT/nixl_install.log" 2>&1
 PYTHONPATH=/tmp/nixl/nixl-site timeout "$SECS" python3 -m pytest -q -p no:cacheprovider tests/python/test_nixl_gpu.py \
   > "$OUT/nixl_gpu.log" 2>&1 &
+NIXL_PID=$!
 timeout $((SECS + 60)) bash bench/gpu/par_tests.sh "$SECS" > "$OUT/par.txt" 2>&1; rc=$?
-wait %1; nrc=$?
+wait "$NIXL_PID"; nrc=$?
 cp "${TMPDIR:-/tmp}"/tether-par/*.log "$OUT/" 2>/dev/null
 cat "$OUT/par.txt"
 echo "$([ $nrc = 0 ] && echo "ok  " || echo FAIL) test_nixl_gpu: $(tail -1 "$OUT/nixl_gpu.log")"
