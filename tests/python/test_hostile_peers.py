@@ -222,6 +222,35 @@ def test_read_batch_on_a_raw_data_socket_is_checked(endpoints):
     _still_serves(server, lambda: endpoints())
 
 
+def test_read_batch_of_two_chunks_is_answered_and_a_longer_one_drops_the_peer(endpoints):
+    """A kReadBatch may carry two chunks' bytes (GPU batches do; the target cannot tell the initiator's
+    memory kind): 2 x 64 KiB with chunk_bytes 64 KiB is answered in table order; one byte more drops that
+    peer only, before any byte of it is read."""
+    chunk = 64 << 10
+    server = endpoints(name="server", chunk_bytes=chunk)
+    src = rand_bytes(84, 4 * chunk)
+    desc = server.register(src).descriptor()
+    socks = raw_peer(server.address, lanes=1)
+    try:
+        assert wait_until(lambda: len(server.peers()) == 1, 5)
+        data = socks[1]
+        h, got = _ask(data, 3, [fragment(desc, 2 * chunk, chunk), fragment(desc, 5, chunk)], 2 * chunk)
+        assert (h[0], h[1], h[3], h[10]) == (KREAD_RESP, 0, 3, 2 * chunk), h
+        assert_bytes_equal(np.frombuffer(got, np.uint8), np.concatenate([src[2 * chunk:3 * chunk], src[5:5 + chunk]]))
+        data.sendall(frame(KREAD_BATCH, 4, region_id=2, length=2 * chunk + 1) + fragment(desc, 0, chunk)
+                     + fragment(desc, chunk, chunk + 1))
+        for s in socks:
+            try:
+                recv_until_closed(s, timeout=5)
+            except socket.timeout:
+                pytest.fail("server kept the peer whose read batch was longer than two chunks")
+        assert wait_until(lambda: server.peers() == [], 5), server.peers()
+    finally:
+        for s in socks:
+            s.close()
+    _still_serves(server, lambda: endpoints())
+
+
 # --------------------------------------------------------------------------- authentication
 
 
