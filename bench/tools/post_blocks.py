@@ -2,8 +2,8 @@
 at the target), by path: a list of tuples (`writev`) and one (n, 3) array (`writev_blocks`), with a
 contiguous write of the same bytes for reference. Post = until the call returns (wall clock, and the
 posting thread's CPU time), which includes the transport's first sends (ipc: the poster sends the
-first window of requests itself); total = post to done. Last, the same posts to a closed peer: parse,
-checks and segments only.
+first window of requests itself); total = post to done. Last, the same posts with their last block out of
+range: parse, checks and segments, then refused.
 
     PYTHONPATH=python python3 bench/tools/post_blocks.py [--blocks 4096] [--size 16K] [--iters 20]
     # GPU0 -> GPU1 (two GPUs, torch), the options of bench/gpu/compare_ipc_gpu.py, plus the bench's
@@ -71,17 +71,23 @@ def main():
             med, best, cpu, total = measure(post, a.iters)
             print(f"{tr:4} {name:10} post median {med:6.0f} us (min {best:5.0f}, CPU {cpu:5.0f})   "
                   f"total median {total:6.0f} us")
-        # On a closed peer a post does everything up to handing chunks to the transport (parse,
-        # checks, segments), then fails at once: the posting cost without the transport's first sends.
-        peer.close()
-        for name, post in paths.items():
+        # A post whose last block lies past the remote range is checked and stored block by block, then
+        # refused: the posting cost without the queueing and the transport's first sends.
+        bad_ro = ro.copy()
+        bad_ro[-1] = np.uint64(n * size)
+        refused = {"tuples": lambda: peer.writev(entries[:-1] + [(local, int(lo[-1]), remote, n * size, size)]),
+                   "blocks": lambda: peer.writev_blocks(local, remote, lo, bad_ro, size)}
+        for name, post in refused.items():
+            if name == "blocks" and not hasattr(peer, "writev_blocks"):
+                continue
             times = []
             for _ in range(a.iters * 5):
                 t0 = time.perf_counter()
                 t = post()
                 times.append((time.perf_counter() - t0) * 1e6)
+                assert t.status == "error", t
                 del t
-            print(f"{tr:4} {name:10} post to a closed peer: median {statistics.median(times):6.0f} us")
+            print(f"{tr:4} {name:10} post refused at its last block: median {statistics.median(times):6.0f} us")
         pair.close()
 
 
