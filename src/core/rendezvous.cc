@@ -14,8 +14,8 @@ bool PeerState::pulls(const TransferState& t) const {
   // chunk, the target's lanes sat idle while each chunk was copied into this side's GPU; pushed, they
   // take chunks as their sockets drain (docs/PERFORMANCE.md, "Defaults and why").
   if (!pull_reads_ || t.op != OpKind::kRead || t.segments.size() != 1) return false;
-  const Run& g = t.runs[0];
-  const bool gpu = device_of(g) >= 0 || remote_gpu(g);
+  const Run& r = t.runs[0];
+  const bool gpu = device_of(r) >= 0 || remote_gpu(r);
   return gpu && t.bytes.load(std::memory_order_relaxed) >= uint64_t(2) * lanes_ * info_.chunk_bytes;
 }
 
@@ -132,8 +132,7 @@ Code PeerState::resolve_send_data(uint32_t token, uint64_t offset, uint64_t leng
   r->pending.fetch_add(1, std::memory_order_relaxed);
   *dest = r->segments[0].local + offset;
   *recv = r;
-  const RegionState* l = r->runs[0].local_region;
-  *device = l && l->kind == MemoryKind::kCuda ? l->device : -1;
+  *device = device_of(r->runs[0]);
   return Code::kOk;
 }
 

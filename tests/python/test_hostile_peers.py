@@ -19,7 +19,8 @@ import tether
 from tether_testutil.data import MiB, assert_bytes_equal, poisoned, rand_bytes, wait_until
 from tether_testutil.proc import cpu_seconds, fd_count, rss_bytes
 from tether_testutil.sockets import (
-    assert_drops_only_that_peer, raw_connect, raw_peer, read_server_hello, recv_exact, recv_until_closed,
+    assert_dropped, assert_drops_only_that_peer, raw_connect, raw_peer, read_server_hello, recv_exact,
+    recv_until_closed,
 )
 from tether_testutil.wire import (
     CLIENT_HELLO_SIZE, FRAME, HELLO_AUTH_FAILED, HELLO_BAD_REQUEST, HELLO_NOT_SAME_HOST,
@@ -210,12 +211,7 @@ def test_read_batch_on_a_raw_data_socket_is_checked(endpoints):
         h, got = _ask(data, 5, [fragment(desc, 0, 10), fragment(desc, 10, 0)], 10)
         assert (h[0], h[1], h[3], got) == (KREAD_RESP, 1, 5, b""), h  # Code::kInvalidArgument
         data.sendall(frame(KREAD_BATCH, 6, region_id=2, length=99) + fragment(desc, 0, 10) + fragment(desc, 10, 10))
-        for s in socks:
-            try:
-                recv_until_closed(s, timeout=5)
-            except socket.timeout:
-                pytest.fail("server kept the peer whose read batch did not add up")
-        assert wait_until(lambda: server.peers() == [], 5), server.peers()
+        assert_dropped(server, socks, "a read batch that does not add up")
     finally:
         for s in socks:
             s.close()
@@ -239,12 +235,7 @@ def test_read_batch_of_two_chunks_is_answered_and_a_longer_one_drops_the_peer(en
         assert_bytes_equal(np.frombuffer(got, np.uint8), np.concatenate([src[2 * chunk:3 * chunk], src[5:5 + chunk]]))
         data.sendall(frame(KREAD_BATCH, 4, region_id=2, length=2 * chunk + 1) + fragment(desc, 0, chunk)
                      + fragment(desc, chunk, chunk + 1))
-        for s in socks:
-            try:
-                recv_until_closed(s, timeout=5)
-            except socket.timeout:
-                pytest.fail("server kept the peer whose read batch was longer than two chunks")
-        assert wait_until(lambda: server.peers() == [], 5), server.peers()
+        assert_dropped(server, socks, "a read batch longer than two chunks")
     finally:
         for s in socks:
             s.close()

@@ -73,6 +73,16 @@ def raw_peer(address: str, lanes: int = 1) -> list:
     return socks
 
 
+def assert_dropped(server, socks, what: str, left=()) -> None:
+    """The server closes both sockets of the hand-made peer that sent `what`; its peers are then `left` (names)."""
+    for s in socks:
+        try:
+            recv_until_closed(s, timeout=5)
+        except socket.timeout:
+            raise AssertionError(f"server kept the peer that sent {what}") from None
+    assert wait_until(lambda: [p.name for p in server.peers()] == list(left), 5), server.peers()
+
+
 def assert_drops_only_that_peer(endpoints, send, what: str, seed: int, timeout: float = 20.0) -> None:
     """A hand-made peer (tcp, one lane) beside a legitimate one does `send([control, data])`: the server
     must close both of that peer's sockets, keep serving the other, and still land its write byte for byte."""
@@ -83,12 +93,7 @@ def assert_drops_only_that_peer(endpoints, send, what: str, seed: int, timeout: 
     try:
         assert wait_until(lambda: len(server.peers()) == 2, 5)
         send(socks)
-        for s in socks:
-            try:
-                recv_until_closed(s, timeout=5)
-            except socket.timeout:
-                raise AssertionError(f"server kept the peer that sent {what}") from None
-        assert wait_until(lambda: [p.name for p in server.peers()] == ["good"], 5), server.peers()
+        assert_dropped(server, socks, what, left=["good"])
     finally:
         for s in socks:
             s.close()
