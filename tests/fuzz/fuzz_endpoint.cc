@@ -8,8 +8,8 @@
 //   4 listener   the reply of a hostile listener to the target's own connect() (ServerHello, offers,
 //                ServerDone, NIC list): the connector's side of the handshake
 //   5 ipc        messages ({u16 length, bytes} each) on the lane of an ipc peer this harness set up
-//                as a same-host process does (lane to the target's socket, challenge, segment)
-//   6 ring       that peer's message ring (in our segment, src/transport/ipc/ring.h), then a doorbell:
+//                as a same-host process does (lane to the target's socket, challenge, bounce area)
+//   6 ring       that peer's message ring (in our bounce area, src/transport/ipc/ring.h), then a doorbell:
 //                after a 0 byte, {u16 length, bytes} messages as well-formed records; after any other,
 //                a head index (8 bytes) and raw bytes over the ring, what a hostile process can write
 // Markers in the input stand for what the fuzzer cannot know: "tthr-KEY" (8 bytes) becomes the
@@ -70,7 +70,7 @@ struct Harness {
   int fake_listener = -1;               // mode 4: where the target connects
   uint16_t fake_port = 0;
   std::vector<uint8_t> ipc_src;         // mode 5: bytes the target may copy from (marker tthr-ADR)
-  int segment = -1;                     // modes 5, 6: our bounce segment (a sealed memfd), our ring at its end
+  int bounce_area = -1;                     // modes 5, 6: our bounce area (a sealed memfd), our ring at its end
   uint8_t* ring = nullptr;              // mode 6: that ring, mapped here
   uint64_t cookie = 0x5eed5eed5eed5eedull;  // mode 5: what the target's cross-memory attach probe reads
   int base_fds = 0;
@@ -329,7 +329,7 @@ bool try_ipc_peer(int fds[2], std::string* why) {
   const std::string name = offer.substr(18);
   std::memcpy(a.sun_path + 1, name.data(), std::min(name.size(), sizeof a.sun_path - 2));
   const socklen_t alen = socklen_t(offsetof(sockaddr_un, sun_path) + 1 + std::min(name.size(), sizeof a.sun_path - 2));
-  if (::connect(fds[1], reinterpret_cast<sockaddr*>(&a), alen) != 0 || !transport::ipc::send_msg(fds[1], &m, sizeof m, h->segment))
+  if (::connect(fds[1], reinterpret_cast<sockaddr*>(&a), alen) != 0 || !transport::ipc::send_msg(fds[1], &m, sizeof m, h->bounce_area))
     return *why = errno_text("lane to the ipc socket"), false;
   // The proof, our offer (session and challenge) and the rest of the handshake.
   const std::string p = proof_for("ipc", offer.substr(0, 18));
@@ -352,7 +352,7 @@ bool try_ipc_peer(int fds[2], std::string* why) {
   for (cmsghdr* c = CMSG_FIRSTHDR(&r); n > 0 && c; c = CMSG_NXTHDR(&r, c)) {
     int got;
     std::memcpy(&got, CMSG_DATA(c), sizeof got);
-    ::close(got);  // its segment: we never describe chunks by it
+    ::close(got);  // its bounce area: we never describe chunks by it
   }
   if (n != ssize_t(sizeof two) || two.stage != 2) return *why = errno_text("ipc stage 2"), false;
   IpcHello three = m;
@@ -472,14 +472,14 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   h->legit_peer = p.take();
   h->ipc_src.resize(kRegionBytes);
   for (size_t i = 0; i < kRegionBytes; ++i) h->ipc_src[i] = uint8_t(i * 13 + 5);
-  h->segment = ::memfd_create("fuzz-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  // A bounce segment: slots, the one-sided pages, then one lane's ring.
+  h->bounce_area = ::memfd_create("fuzz-bounce-area", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  // A bounce area: slots, the one-sided pages, then one lane's ring.
   constexpr uint64_t kSlots = 256 << 10, kBytes = kSlots + transport::ipc::kOneSidedBytes + transport::ipc::kRingBytes;
-  if (h->segment < 0 || ::ftruncate(h->segment, kBytes) != 0 ||
-      ::fcntl(h->segment, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0)
+  if (h->bounce_area < 0 || ::ftruncate(h->bounce_area, kBytes) != 0 ||
+      ::fcntl(h->bounce_area, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0)
     finding("memfd");
-  void* seg = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, h->segment, 0);
-  if (seg == MAP_FAILED) finding("mmap of the segment");
+  void* seg = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, h->bounce_area, 0);
+  if (seg == MAP_FAILED) finding("mmap of the bounce area");
   h->ring = static_cast<uint8_t*>(seg) + kSlots + transport::ipc::kOneSidedBytes;
   h->fake_listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in a{};

@@ -33,7 +33,7 @@ def fragment(offset: int, length: int) -> bytes:
 
 def ipc_frame(kind: int, length: int, where: int, addr: bytes, region=RID, offset=0, slot=0) -> bytes:
     """An ipc lane message (src/transport/ipc/lane.h, Frame): the frame header, where the
-    initiator's bytes are (1 cma: an address in it; 2 shm: an offset in its segment) and a CudaRef."""
+    initiator's bytes are (1 cma: an address in it; 2 shm: an offset in its bounce area) and a CudaRef."""
     body = frame(kind, length, region=region, offset=offset, slot=slot) + bytes([where]) + b"\0" * 7 + addr + bytes(88)
     assert len(body) == 160
     return body

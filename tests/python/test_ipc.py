@@ -1,5 +1,5 @@
 """The ipc transport: two processes on one host move host memory without sockets carrying bytes.
-Cross-memory attach where the kernel allows it, a shared-memory bounce segment where it does not
+Cross-memory attach where the kernel allows it, a shared-memory bounce area where it does not
 (forced with TETHER_IPC_HOST=shm, or automatic when attach is refused), tcp when ipc is disabled.
 Bad input, deregistration and dead peers are covered for both transports in test_access_checks.py and test_peer_failure.py.
 """
@@ -99,13 +99,13 @@ def test_every_operation_between_two_processes_over_ipc(endpoints, children, sha
     _every_operation(me, peer, c, seed=11)
     s1 = c.call("stats")
     # every operation by cross-memory attach: writes and sends read by the target, reads by the
-    # initiator out of the target's region (one copy); nothing through a bounce segment
+    # initiator out of the target's region (one copy); nothing through a bounce area
     assert s1["ipc_cma_chunks"] > s0["ipc_cma_chunks"] and s1["ipc_shm_chunks"] == s0["ipc_shm_chunks"]
     assert me.stats()["ipc_cma_chunks"] > 0 and me.stats()["ipc_shm_chunks"] == 0  # the child sent/wrote only
 
 
 def test_forced_shared_memory_path(endpoints, children):
-    """TETHER_IPC_HOST=shm on both sides: every operation goes through the bounce segments."""
+    """TETHER_IPC_HOST=shm on both sides: every operation goes through the bounce areas."""
     me = endpoints(name="me", ipc_host="shm", chunk_bytes=256 << 10)
     c, info = _connected_child(me, children, env={"TETHER_IPC_HOST": "shm"})
     peer = me.connect(info["metadata"], timeout=5)
@@ -132,7 +132,7 @@ def test_automatic_fallback_when_cross_memory_attach_is_refused(children):
     assert a.call("transport") == "ipc" and b.call("transport", accepted=True) == "ipc"
     a0, b0 = a.call("stats"), b.call("stats")
     size = 3 * MiB + 7
-    # A -> B: write (B may not attach to A: through A's segment), then read back (A may attach to B:
+    # A -> B: write (B may not attach to A: through A's bounce area), then read back (A may attach to B:
     # A reads B's region itself)
     db = b.call("register", "dst", size)
     a.call("register", "src", size, fill=("seed", 31))
@@ -151,7 +151,7 @@ def test_automatic_fallback_when_cross_memory_attach_is_refused(children):
     # 3 MiB + 7 is three full chunks and 7 bytes, which travel in their request message (inline)
     assert d["ipc_shm_chunks"][1] >= 3 and d["ipc_cma_chunks"][1] >= 4 and d["ipc_inline_chunks"][1] >= 1, d
     assert d["ipc_cma_chunks"][0] >= 3 and d["ipc_shm_chunks"][0] == 0 and d["ipc_inline_chunks"][0] >= 1, d
-    # a read by B: B may not attach to A, so A pushes into B's segment
+    # a read by B: B may not attach to A, so A pushes into B's bounce area
     b.call("register", "rb", size)
     assert b.call("read", "rb", da, accepted=True) == ("ok", size)
     assert_bytes_equal(_get(b, "rb"), rand_bytes(32, size), "B's read from A")

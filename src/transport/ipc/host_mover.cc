@@ -59,12 +59,12 @@ int CmaMover::probe(uint64_t addr, uint64_t expect) {
   return push(reinterpret_cast<const uint8_t*>(&got), addr, sizeof got);
 }
 
-Segment::~Segment() {
+BounceArea::~BounceArea() {
   if (base_) ::munmap(base_, size_);
   if (fd_ >= 0) ::close(fd_);
 }
 
-int Segment::create(uint64_t bytes) {
+int BounceArea::create(uint64_t bytes) {
   fd_ = ::memfd_create("tether-ipc", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd_ < 0) return errno;
   if (::ftruncate(fd_, off_t(bytes)) != 0) return errno;
@@ -76,7 +76,7 @@ int Segment::create(uint64_t bytes) {
   return 0;
 }
 
-int Segment::map(int fd) {
+int BounceArea::map(int fd) {
   fd_ = fd;
   const int seals = ::fcntl(fd, F_GET_SEALS);
   if (seals < 0) return errno;
@@ -98,14 +98,14 @@ int InlineMover::pull(uint64_t remote, uint8_t* dst, uint64_t len) {
 }
 
 int ShmMover::pull(uint64_t remote, uint8_t* dst, uint64_t len) {
-  if (remote > seg_.size() || len > seg_.size() - remote) return ERANGE;
-  std::memcpy(dst, seg_.base() + remote, len);
+  if (remote > area_.size() || len > area_.size() - remote) return ERANGE;
+  std::memcpy(dst, area_.base() + remote, len);
   return 0;
 }
 
 int ShmMover::push(const uint8_t* src, uint64_t remote, uint64_t len) {
-  if (remote > seg_.size() || len > seg_.size() - remote) return ERANGE;
-  std::memcpy(seg_.base() + remote, src, len);
+  if (remote > area_.size() || len > area_.size() - remote) return ERANGE;
+  std::memcpy(area_.base() + remote, src, len);
   return 0;
 }
 

@@ -3,8 +3,8 @@
 // request against its own registry first, then moves the bytes with the mover for that place.
 // Host memory has two: cross-memory attach (process_vm_readv: the target reads the initiator's
 // writes and sends, the initiator reads what it asked to read out of the target's region) and a
-// shared-memory bounce segment (the initiator stages through it). Where attach is refused in one
-// direction, that direction's bytes go through the segment. GPU memory is moved by CUDA
+// shared-memory bounce area (the initiator stages through it). Where attach is refused in one
+// direction, that direction's bytes go through the area. GPU memory is moved by CUDA
 // (cuda_mover.h, Where::kCuda).
 #pragma once
 #include <sys/types.h>
@@ -18,7 +18,7 @@ namespace tether::transport::ipc {
 enum class Where : uint8_t {
   kNone = 0,  // answers
   kCma = 1,   // addr: a virtual address in the initiator (a read's answer: in the target; its request: 0)
-  kShm = 2,   // addr: a byte offset in the initiator's bounce segment
+  kShm = 2,   // addr: a byte offset in the initiator's bounce area
   kCuda = 3,  // addr: a byte offset in the GPU allocation the frame's CudaRef names (cuda_mover.h)
   kInline = 4,  // a small write's bytes follow the frame in its message; addr: 0
 };
@@ -30,7 +30,7 @@ class Mover {
   virtual ~Mover() = default;
   // `remote` is the other process's addr for this mover. 0 on success, else an errno.
   virtual int pull(uint64_t remote, uint8_t* dst, uint64_t len) = 0;        // the other process -> dst
-  // src -> initiator. Only into the initiator's bounce segment for now: a push into its own memory
+  // src -> initiator. Only into the initiator's bounce area for now: a push into its own memory
   // could land after it gave up on the chunk and reused that memory (see ARCHITECTURE.md).
   virtual int push(const uint8_t* src, uint64_t remote, uint64_t len) = 0;
 };
@@ -64,12 +64,12 @@ class InlineMover final : public Mover {
 };
 
 // A sealed memfd mapped shared: this side's bounce slots, or the other side's mapped here.
-class Segment {
+class BounceArea {
  public:
-  Segment() = default;
-  Segment(const Segment&) = delete;
-  Segment& operator=(const Segment&) = delete;
-  ~Segment();
+  BounceArea() = default;
+  BounceArea(const BounceArea&) = delete;
+  BounceArea& operator=(const BounceArea&) = delete;
+  ~BounceArea();
   // Creates one of `bytes` (pages are allocated only when touched), sealed against resizing.
   int create(uint64_t bytes);
   // Maps one received from the other side; refuses one that could shrink under us (SIGBUS).
@@ -84,15 +84,15 @@ class Segment {
   uint64_t size_ = 0;
 };
 
-// The other side's bounce segment, mapped here: offsets are bounds-checked against its size.
+// The other side's bounce area, mapped here: offsets are bounds-checked against its size.
 class ShmMover final : public Mover {
  public:
-  explicit ShmMover(const Segment& theirs) : seg_(theirs) {}
+  explicit ShmMover(const BounceArea& theirs) : area_(theirs) {}
   int pull(uint64_t remote, uint8_t* dst, uint64_t len) override;
   int push(const uint8_t* src, uint64_t remote, uint64_t len) override;
 
  private:
-  const Segment& seg_;
+  const BounceArea& area_;
 };
 
 }  // namespace tether::transport::ipc

@@ -1,5 +1,5 @@
 // The initiator side of an ipc peer: each chunk the core hands a lane (Link::next_chunk) is described
-// to the target — where its bytes are, staged in our bounce segment when the target cannot reach
+// to the target — where its bytes are, staged in our bounce area when the target cannot reach
 // them by address — and sent on the lane, or, for a small chunk of a descriptor the target granted
 // us, moved by us and answered here (one_sided.h).
 #include <algorithm>
@@ -32,7 +32,7 @@ Sent send(IpcPeer& ip, Link& p, uint32_t lane, const void* msg, size_t len) {
 }
 
 // A kWriteBatch: the fragments and where each piece is, in one message; host pieces
-// are staged in the slot's part of the bounce segment when the target cannot reach us by address.
+// are staged in the slot's part of the bounce area when the target cannot reach us by address.
 Sent send_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op, uint8_t grant) {
   const uint32_t n = op.fragments;
   uint8_t* msg = message_buffer();
@@ -289,7 +289,7 @@ Sent send_chunk(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
   f.hdr = op.hdr;
   f.grant = os == OneSided::kAsk ? kWantGrant : 0;
   // Reads are copied by us — out of the target's memory by attach where we may attach to it, out of
-  // its GPU allocation, or out of our segment where it pushed them: no target ever writes into our
+  // its GPU allocation, or out of our area where it pushed them: no target ever writes into our
   // memory, so a peer we gave up on (its answer never came) cannot scribble over memory we have
   // handed back.
   const bool read = op.hdr.type == uint8_t(FrameType::kReadReq);

@@ -47,7 +47,7 @@ struct Frame {
   uint8_t where;    // Where (requests); kNone in answers, but those granting one-sided access
   uint8_t grant;    // kWantGrant (requests), kGranted | kGrantReadOnly (answers): one_sided.h
   uint8_t pad[6];
-  uint64_t addr;    // kCma: address in the initiator; kShm: offset in its bounce segment; kCuda: offset in `cuda`
+  uint64_t addr;    // kCma: address in the initiator; kShm: offset in its bounce area; kCuda: offset in `cuda`
                     // (a kWriteBatch of GPU pieces: the number of CudaRefs at the end of the message)
   CudaRef cuda;     // kCuda: the allocation; in a kReadResp, the TARGET's (the initiator copies, then kReadDone)
 };
@@ -59,7 +59,7 @@ struct BatchEntry {
   uint32_t pad;
 };
 // Lane setup. Stage 1: connector -> listener on every lane, sent before the connector answers the
-// TCP handshake (segment fd on lane 0). Stage 2: listener -> connector on lane 0 (its segment fd, its
+// TCP handshake (area fd on lane 0). Stage 2: listener -> connector on lane 0 (its area fd, its
 // verdict). Stage 3: connector -> listener on lane 0 (its verdict).
 struct Hello {
   uint32_t magic;
@@ -83,7 +83,7 @@ constexpr uint8_t kReadDone = 0x40;
 constexpr uint8_t kRelease = 0x41;
 // target -> initiator: the answer to a kReadBatch. Frame (status; fragments = n, addr = CudaRefs), then
 // on success n BatchEntry (the fragment as asked, `addr` and `ref` where it lies, `pad` its Where:
-// kCuda, kCma = an address in the target, kShm = an offset in the initiator's segment), then the CudaRefs.
+// kCuda, kCma = an address in the target, kShm = an offset in the initiator's area), then the CudaRefs.
 constexpr uint8_t kReadBatchAnswer = 0x42;
 
 struct IpcPeer {
@@ -92,8 +92,8 @@ struct IpcPeer {
   std::vector<int> fds;              // lane sockets (owned by Link::lane_fds)
   std::vector<std::weak_ptr<Lane>> lanes;
   uint64_t cookie = 0;               // the other side probes this
-  Segment own;                       // our chunks' bounce slots (used when !out_cma)
-  Segment theirs;                    // the other side's, mapped (their kShm chunks)
+  BounceArea own;                       // our chunks' bounce slots (used when !out_cma)
+  BounceArea theirs;                    // the other side's, mapped (their kShm chunks)
   std::unique_ptr<CmaMover> cma;     // set when our probe of the other side worked
   std::unique_ptr<ShmMover> shm;
   // Our chunks are described by address. Set by the listener's lane 0 from the connector's verdict

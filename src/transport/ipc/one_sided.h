@@ -9,7 +9,7 @@
 // its answer grants the descriptor as a single chunk's does.
 //
 // What keeps a one-sided copy from landing in memory the target has let go of is a hazard
-// protocol over shared memory (both pages below live in each side's bounce segment):
+// protocol over shared memory (both pages below live in each side's bounce area):
 //   initiator: hazard := region id; then read `closed` and live[id % kLiveSlots]; copy only if the
 //              region is still marked there; hazard := 0.
 //   target:    (deregister) live slot := 0, or (peer ends) closed := 1; then wait until no hazard of

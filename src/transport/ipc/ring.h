@@ -1,5 +1,5 @@
 // A lane's small messages in shared memory, one direction. The sender writes records into a ring in
-// its own bounce segment; the receiver, which maps that segment, copies them out. A polling receiver
+// its own bounce area; the receiver, which maps that area, copies them out. A polling receiver
 // costs the sender no system call; one asleep in recv() on the lane socket is woken by a one-byte
 // message there (a doorbell). Messages too large for a record, or that find the ring full, go over
 // the socket: the protocol needs no order between two messages of a lane.

@@ -1,8 +1,8 @@
 // Connecting an ipc peer. The listener's offer names its rendezvous socket (an abstract unix socket,
 // reachable only from this host's network namespace) and a challenge for the session; the connector
-// opens its lanes there and introduces each (Hello stage 1, its bounce segment on lane 0) before it
+// opens its lanes there and introduces each (Hello stage 1, its bounce area on lane 0) before it
 // answers the handshake, so the listener's attach finds them parked: the proof that both are on one
-// host and one user. Then each side maps the other's segment and probes whether it may reach the other
+// host and one user. Then each side maps the other's area and probes whether it may reach the other
 // by cross-memory attach (stages 2 and 3 carry the verdicts), and the lanes' threads start.
 #include <fcntl.h>
 #include <sys/un.h>
@@ -51,39 +51,39 @@ bool peer_cred(int fd, ucred* out) {
 struct Parked {
   int fd;
   Hello hello;
-  int seg_fd;
+  int area_fd;
   ucred cred;
   int64_t at_ms;
 };
 
 void close_parked(Parked& m) {
   ::close(m.fd);
-  if (m.seg_fd >= 0) ::close(m.seg_fd);
+  if (m.area_fd >= 0) ::close(m.area_fd);
 }
 
-// A bounce segment: the slots, the one-sided pages (one_sided.h), then a message ring per lane
+// A bounce area: the slots, the one-sided pages (one_sided.h), then a message ring per lane
 // (page-aligned, at the end).
-uint64_t segment_bytes(uint64_t slots_bytes, uint32_t lanes) {
+uint64_t area_bytes(uint64_t slots_bytes, uint32_t lanes) {
   return ((slots_bytes + 4095) & ~uint64_t(4095)) + kOneSidedBytes + lanes * kRingBytes;
 }
 
-// Our side of a peer: a fresh cookie and our bounce segment of `slots` chunks and `lanes` rings.
+// Our side of a peer: a fresh cookie and our bounce area of `slots` chunks and `lanes` rings.
 std::shared_ptr<IpcPeer> new_peer(uint64_t session, uint64_t chunk_bytes, uint64_t slots, uint32_t lanes, Status* s) {
   auto ip = std::make_shared<IpcPeer>();
   ip->session = session;
   ip->cookie = crypto::random_u64() | 1;
   ip->slot_bytes = chunk_bytes;
-  if (int e = ip->own.create(segment_bytes(slots * chunk_bytes, lanes)))
-    *s = Status(Code::kUnavailable, std::string("bounce segment: ") + std::strerror(e));
+  if (int e = ip->own.create(area_bytes(slots * chunk_bytes, lanes)))
+    *s = Status(Code::kUnavailable, std::string("bounce area: ") + std::strerror(e));
   return ip;
 }
 
-// Our rings and one-sided pages at the end of our segment, theirs at the end of theirs (mapped);
+// Our rings and one-sided pages at the end of our area, theirs at the end of theirs (mapped);
 // false when theirs has no room.
 bool make_rings(IpcPeer& ip, uint32_t lanes, std::string* why) {
   const uint64_t need = uint64_t(lanes) * kRingBytes + kOneSidedBytes;
   if (ip.theirs.size() < need || (ip.theirs.size() - need) % 4096 != 0 || ip.own.size() < need) {
-    *why = "the peer's bounce segment has no room for its message rings";
+    *why = "the peer's bounce area has no room for its message rings";
     return false;
   }
   ip.os_own = reinterpret_cast<OneSidedPage*>(ip.own.base() + (ip.own.size() - need));
@@ -114,11 +114,11 @@ bool probe_other(IpcPeer& ip, const Hello& theirs, int host_mode, std::string* w
   return true;
 }
 
-// The other side's bounce segment (`seg_fd`, ours now) mapped, the rings in both, our probe of it;
+// The other side's bounce area (`area_fd`, ours now) mapped, the rings in both, our probe of it;
 // false (and *why) when any of it fails.
-bool map_theirs(IpcPeer& ip, int seg_fd, uint32_t lanes, const Hello& theirs, int host_mode, std::string* why) {
-  if (int e = ip.theirs.map(seg_fd)) {
-    *why = std::string("cannot map the peer's bounce segment: ") + std::strerror(e);
+bool map_theirs(IpcPeer& ip, int area_fd, uint32_t lanes, const Hello& theirs, int host_mode, std::string* why) {
+  if (int e = ip.theirs.map(area_fd)) {
+    *why = std::string("cannot map the peer's bounce area: ") + std::strerror(e);
     return false;
   }
   ip.shm = std::make_unique<ShmMover>(ip.theirs);
@@ -173,7 +173,7 @@ bool parse_offer(std::string_view o, uint64_t* session, uint64_t* challenge, std
 }
 
 // Connector: opens `lanes` lanes to the listener's socket `name` and introduces each (stage 1, our
-// segment on lane 0); ip.fds gets them, ip.pid the listener's process.
+// area on lane 0); ip.fds gets them, ip.pid the listener's process.
 Status open_lanes(IpcPeer& ip, const std::string& name, uint32_t lanes, uint64_t challenge) {
   sockaddr_un a;
   const socklen_t alen = abstract_addr(name, &a);
@@ -231,7 +231,7 @@ struct Rendezvous {
     }
     for (size_t i = 0; i < fresh.size();) {  // the introduction follows the connect at once
       Parked& m = fresh[i];
-      const ssize_t n = recv_msg(m.fd, &m.hello, sizeof m.hello, &m.seg_fd, -1, MSG_DONTWAIT);
+      const ssize_t n = recv_msg(m.fd, &m.hello, sizeof m.hello, &m.area_fd, -1, MSG_DONTWAIT);
       if (n < 0 && errno == EAGAIN && now - m.at_ms <= expiry_ms) {
         ++i;
         continue;
@@ -258,7 +258,7 @@ struct Rendezvous {
   }
 
   // Listener: the `lanes` lanes parked for `session`, taken out (*mine) and checked: from one process
-  // of our user, each lane once, with `challenge`; fds[i] is lane i, *zero the one with the segment.
+  // of our user, each lane once, with `challenge`; fds[i] is lane i, *zero the one with the area.
   Status claim(uint64_t session, uint64_t challenge, uint32_t lanes, std::vector<Parked>* mine, std::vector<int>* fds,
                const Parked** zero) {
     if (auto it = parked.find(session); it != parked.end()) {
@@ -273,7 +273,7 @@ struct Rendezvous {
     for (auto& m : *mine) {
       const Hello& h = m.hello;
       if (h.lanes != lanes || h.lane >= lanes || (*fds)[h.lane] >= 0 || h.challenge != challenge ||
-          m.cred.pid != (*mine)[0].cred.pid || (h.lane == 0) != (m.seg_fd >= 0))
+          m.cred.pid != (*mine)[0].cred.pid || (h.lane == 0) != (m.area_fd >= 0))
         return Status(Code::kProtocolError, "malformed ipc lanes from the peer");
       (*fds)[h.lane] = m.fd;
       if (h.lane == 0) *zero = &m;
@@ -323,7 +323,7 @@ IpcTransport::IpcTransport(Host* host) : host_(host) {
     unavailable_ = "disabled (disable_ipc / TETHER_DISABLE_IPC=1)";
     return;
   }
-  Segment probe;
+  BounceArea probe;
   if (int e = probe.create(4096)) {
     unavailable_ = std::string("memfd_create refused: ") + std::strerror(e);
     return;
@@ -433,10 +433,10 @@ Status IpcTransport::attach_listener(const std::shared_ptr<Link>& peer, std::str
   ip->pid = zero->cred.pid;
   ip->fds = fds;
   ip->setup_deadline_ms = deadline;
-  const int seg_fd = zero->seg_fd;
-  for (auto& m : mine) m.seg_fd = -1;  // the segment takes it
+  const int area_fd = zero->area_fd;
+  for (auto& m : mine) m.area_fd = -1;  // the area takes it
   std::string why;
-  if (!map_theirs(*ip, seg_fd, lanes, zero->hello, host_mode_, &why)) { cleanup(); return Status(Code::kUnavailable, why); }
+  if (!map_theirs(*ip, area_fd, lanes, zero->hello, host_mode_, &why)) { cleanup(); return Status(Code::kUnavailable, why); }
   for (int fd : fds) {
     ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);  // the lane thread blocks in recv()
     ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
@@ -471,17 +471,17 @@ Status IpcTransport::attach_connector(const std::shared_ptr<Link>& peer, std::st
     return Status(Code::kInternal, "ipc lanes opened for another shape of peer");
   }
   Hello m2{};
-  int seg_fd = -1;
-  const ssize_t got = recv_msg(ip->fds[0], &m2, sizeof m2, &seg_fd, deadline);
-  if (got != ssize_t(sizeof m2) || !valid_hello(m2, 2, session) || seg_fd < 0) {
+  int area_fd = -1;
+  const ssize_t got = recv_msg(ip->fds[0], &m2, sizeof m2, &area_fd, deadline);
+  if (got != ssize_t(sizeof m2) || !valid_hello(m2, 2, session) || area_fd < 0) {
     const bool late = got < 0 && errno == ETIMEDOUT;  // alive but silent (stopped, overloaded)
-    if (seg_fd >= 0) ::close(seg_fd);
+    if (area_fd >= 0) ::close(area_fd);
     close_fds(*ip);
     return late ? Status(Code::kTimeout, "ipc setup: the peer did not finish it in time")
                 : Status(Code::kConnectionLost, "ipc setup: the peer refused our lanes (see its error)");
   }
   std::string why;
-  if (!map_theirs(*ip, seg_fd, lanes, m2, host_mode_, &why) || !take_verdict(*ip, m2.verdict, host_mode_, &why)) {
+  if (!map_theirs(*ip, area_fd, lanes, m2, host_mode_, &why) || !take_verdict(*ip, m2.verdict, host_mode_, &why)) {
     close_fds(*ip);
     return Status(Code::kUnavailable, why);
   }
