@@ -103,6 +103,18 @@ t trace_kv_ipc 120 bash -c "rm -f /tmp/tr_kv.*; TETHER_TRACE=/tmp/tr_kv tether b
 t trace_tcp16_read 120 bash -c "rm -f /tmp/tr_t16.*; TETHER_TRACE=/tmp/tr_t16 tether bench --transport tcp $TR --sizes 16M \
   --mode read && python3 bench/tools/trace_report.py /tmp/tr_t16 --phases &&
   python3 bench/tools/trace_report.py /tmp/tr_t16 --reader-time && python3 bench/tools/trace_report.py /tmp/tr_t16 --sender-time"
+t trace_tcp16_write 120 bash -c "rm -f /tmp/tr_w16.*; TETHER_TRACE=/tmp/tr_w16 tether bench --transport tcp $TR --sizes 16M \
+  --mode write && python3 bench/tools/trace_report.py /tmp/tr_w16 --phases &&
+  python3 bench/tools/trace_report.py /tmp/tr_w16 --sender-time && python3 bench/tools/trace_report.py /tmp/tr_w16 --reader-time"
+# Scattered KV over tcp beside a contiguous transfer of the same 64 MiB: what the gathers cost over the
+# pipeline's fill and drain, which any staged transfer of a few chunks per lane pays.
+t kv_tcp_contig 150 bash -c "tether bench --transport tcp $KV --sizes 16K --num-iovs 4096 --ceiling &&
+  tether bench --transport tcp $KV --sizes 64M --ceiling"
+for m in write read; do
+  t trace_kv_tcp_$m 120 bash -c "rm -f /tmp/tr_kt.*; TETHER_TRACE=/tmp/tr_kt tether bench --transport tcp $TR --sizes 16K \
+    --num-iovs 4096 --mode $m && python3 bench/tools/trace_report.py /tmp/tr_kt --phases &&
+    python3 bench/tools/trace_report.py /tmp/tr_kt --sender-time && python3 bench/tools/trace_report.py /tmp/tr_kt --reader-time"
+done
 t test_gpu_rest 240 $PT tests/python/test_gpu.py -k "not vectored"
 t ipc_gpu_quick 90 $PT tests/python/test_ipc_gpu.py -k "vectored or cache or deregistered or two_endpoints or child or send_recv"
 t tcp256 60 tether bench --transport tcp $G --sizes 256M --iters 10

@@ -259,8 +259,9 @@ bool PeerState::cut_batch(TransferState* t, Slot& s, const Segment& seg, uint64_
   const bool batches = write || (t->op == OpKind::kRead && batch_reads_);
   if (!batches || batch_max_ < 2) return false;
   // A batch staged through GPU memory may carry more: each costs a gather and an unpack kernel
-  // (Caps::gpu_batch_chunks).
-  const bool gpu_batch = gpu_batched(*t, seg, chunk);
+  // (Caps::gpu_batch_chunks). Not on an idle lane: there the gather is the wait before the lane's first
+  // byte is on the wire, while behind a batch in flight a larger one's gather hides under its send.
+  const bool gpu_batch = gpu_batched(*t, seg, chunk) && lane_bytes_[s.lane].load(std::memory_order_relaxed) > 0;
   const uint32_t n = pack_batch(t, s, chunk, gpu_batch ? chunk * gpu_batch_chunks_ : chunk);
   if (n < 2) return false;
   wire::FrameHeader& h = op->hdr;
