@@ -97,7 +97,7 @@ bool take_read(Lane& l, const Frame& f, uint8_t* status) {
     return done_reading(l, h, "the peer let go of the region while we read it");
   }
   if (f.where != uint8_t(Where::kNone)) return protocol_error(p, "a malformed read answer");
-  // Reads of host regions come via our area.
+  // Reads of host regions come via our bounce area.
   if (h.length > ip.slot_bytes) return protocol_error(p, "read data longer than a chunk");
   const uint8_t* from = ip.own.base() + uint64_t(h.slot) * ip.slot_bytes;
   if (device < 0) std::memcpy(dest, from, h.length);

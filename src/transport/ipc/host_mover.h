@@ -4,7 +4,7 @@
 // Host memory has two: cross-memory attach (process_vm_readv: the target reads the initiator's
 // writes and sends, the initiator reads what it asked to read out of the target's region) and a
 // shared-memory bounce area (the initiator stages through it). Where attach is refused in one
-// direction, that direction's bytes go through the area. GPU memory is moved by CUDA
+// direction, that direction's bytes go through the bounce area. GPU memory is moved by CUDA
 // (cuda_mover.h, Where::kCuda).
 #pragma once
 #include <sys/types.h>

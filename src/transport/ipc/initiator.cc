@@ -289,7 +289,7 @@ Sent send_chunk(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
   f.hdr = op.hdr;
   f.grant = os == OneSided::kAsk ? kWantGrant : 0;
   // Reads are copied by us — out of the target's memory by attach where we may attach to it, out of
-  // its GPU allocation, or out of our area where it pushed them: no target ever writes into our
+  // its GPU allocation, or out of our bounce area where it pushed them: no target ever writes into our
   // memory, so a peer we gave up on (its answer never came) cannot scribble over memory we have
   // handed back.
   const bool read = op.hdr.type == uint8_t(FrameType::kReadReq);

@@ -263,7 +263,7 @@ void retire_lane(Lane* l) {
   }
   l->cuda.reset();  // waits for its streams
   p.release_lane(l->index, Code::kConnectionLost);  // after fail(): nothing new can be pulled
-  // Let go at once, so a dead peer's sockets and areas go with it even while the application keeps
+  // Let go at once, so a dead peer's sockets and bounce areas go with it even while the application keeps
   // a Peer handle; the thread is joined within a tick. Never the endpoint's last reference.
   std::shared_ptr<Link> peer;
   std::shared_ptr<IpcPeer> held_ip;

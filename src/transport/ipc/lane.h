@@ -59,7 +59,7 @@ struct BatchEntry {
   uint32_t pad;
 };
 // Lane setup. Stage 1: connector -> listener on every lane, sent before the connector answers the
-// TCP handshake (area fd on lane 0). Stage 2: listener -> connector on lane 0 (its area fd, its
+// TCP handshake (bounce area fd on lane 0). Stage 2: listener -> connector on lane 0 (its bounce area fd, its
 // verdict). Stage 3: connector -> listener on lane 0 (its verdict).
 struct Hello {
   uint32_t magic;
@@ -83,7 +83,7 @@ constexpr uint8_t kReadDone = 0x40;
 constexpr uint8_t kRelease = 0x41;
 // target -> initiator: the answer to a kReadBatch. Frame (status; fragments = n, addr = CudaRefs), then
 // on success n BatchEntry (the fragment as asked, `addr` and `ref` where it lies, `pad` its Where:
-// kCuda, kCma = an address in the target, kShm = an offset in the initiator's area), then the CudaRefs.
+// kCuda, kCma = an address in the target, kShm = an offset in the initiator's bounce area), then the CudaRefs.
 constexpr uint8_t kReadBatchAnswer = 0x42;
 
 struct IpcPeer {
@@ -92,8 +92,8 @@ struct IpcPeer {
   std::vector<int> fds;              // lane sockets (owned by Link::lane_fds)
   std::vector<std::weak_ptr<Lane>> lanes;
   uint64_t cookie = 0;               // the other side probes this
-  BounceArea own;                       // our chunks' bounce slots (used when !out_cma)
-  BounceArea theirs;                    // the other side's, mapped (their kShm chunks)
+  BounceArea own;                    // our chunks' bounce slots (used when !out_cma)
+  BounceArea theirs;                 // the other side's, mapped (their kShm chunks)
   std::unique_ptr<CmaMover> cma;     // set when our probe of the other side worked
   std::unique_ptr<ShmMover> shm;
   // Our chunks are described by address. Set by the listener's lane 0 from the connector's verdict

@@ -2,7 +2,7 @@
 // reachable only from this host's network namespace) and a challenge for the session; the connector
 // opens its lanes there and introduces each (Hello stage 1, its bounce area on lane 0) before it
 // answers the handshake, so the listener's attach finds them parked: the proof that both are on one
-// host and one user. Then each side maps the other's area and probes whether it may reach the other
+// host and one user. Then each side maps the other's bounce area and probes whether it may reach the other
 // by cross-memory attach (stages 2 and 3 carry the verdicts), and the lanes' threads start.
 #include <fcntl.h>
 #include <sys/un.h>
@@ -78,7 +78,7 @@ std::shared_ptr<IpcPeer> new_peer(uint64_t session, uint64_t chunk_bytes, uint64
   return ip;
 }
 
-// Our rings and one-sided pages at the end of our area, theirs at the end of theirs (mapped);
+// Our rings and one-sided pages at the end of our bounce area, theirs at the end of theirs (mapped);
 // false when theirs has no room.
 bool make_rings(IpcPeer& ip, uint32_t lanes, std::string* why) {
   const uint64_t need = uint64_t(lanes) * kRingBytes + kOneSidedBytes;
@@ -258,7 +258,7 @@ struct Rendezvous {
   }
 
   // Listener: the `lanes` lanes parked for `session`, taken out (*mine) and checked: from one process
-  // of our user, each lane once, with `challenge`; fds[i] is lane i, *zero the one with the area.
+  // of our user, each lane once, with `challenge`; fds[i] is lane i, *zero the one with the bounce area.
   Status claim(uint64_t session, uint64_t challenge, uint32_t lanes, std::vector<Parked>* mine, std::vector<int>* fds,
                const Parked** zero) {
     if (auto it = parked.find(session); it != parked.end()) {
@@ -434,7 +434,7 @@ Status IpcTransport::attach_listener(const std::shared_ptr<Link>& peer, std::str
   ip->fds = fds;
   ip->setup_deadline_ms = deadline;
   const int area_fd = zero->area_fd;
-  for (auto& m : mine) m.area_fd = -1;  // the area takes it
+  for (auto& m : mine) m.area_fd = -1;  // the bounce area takes it
   std::string why;
   if (!map_theirs(*ip, area_fd, lanes, zero->hello, host_mode_, &why)) { cleanup(); return Status(Code::kUnavailable, why); }
   for (int fd : fds) {

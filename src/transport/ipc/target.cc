@@ -189,7 +189,7 @@ bool lend(Lane& l, const Frame& f, const Target& t) {
   return answer_frame(l, h, Code::kOk, at);
 }
 
-// Moves a request's bytes: a read's host bytes into the initiator's area, a write's (or send's)
+// Moves a request's bytes: a read's host bytes into the initiator's bounce area, a write's (or send's)
 // from wherever the initiator said into ours.
 Moved move(Lane& l, const Frame& f, FrameType type, const Target& t) {
   const FrameHeader& h = f.hdr;
