@@ -2,9 +2,8 @@
 """Is the unpack fast enough to stay off the netplugin's critical path? The unpack kernel on 4 MiB chunks of scattered 4 KiB fragments must
 reach >= 70% of the device-to-device copy bandwidth measured in the same run.
 
-Rows: `kernel` (what the netplugin unpacker runs), `kernel-wide` (64-bit triples), `kernel-meta` (an
-experiment: the kernel reads plugin-style metadata from mapped pinned memory, nothing copied on the
-host), `d2d`, `contiguous`.
+Rows: `kernel` (what the netplugin unpacker runs), `kernel-wide` (64-bit triples), `kernel-table` (the
+kernel reads the triples from mapped pinned memory, nothing copied on the host: the ipc batches' form), `d2d`, `contiguous`.
 Runs tether's own kernel (the fatbin embedded in the module, launched by src/gpu/copy_kernel.cc
 exactly as the netplugin unpacker does: one launch per chunk, its descriptors carried in the
 launch parameters) against one
@@ -48,7 +47,7 @@ def main() -> int:
         base = by["contiguous"][f"{kind}_gbps"]
         ratios[f"kernel/contiguous ({kind})"] = by["kernel"][f"{kind}_gbps"] / base
         ratios[f"kernel-wide/contiguous ({kind})"] = by["kernel-wide"][f"{kind}_gbps"] / base
-        ratios[f"kernel-meta/contiguous ({kind})"] = by["kernel-meta"][f"{kind}_gbps"] / base
+        ratios[f"kernel-table/contiguous ({kind})"] = by["kernel-table"][f"{kind}_gbps"] / base
         ratios[f"d2d/contiguous ({kind})"] = by["d2d"][f"{kind}_gbps"] / base
     for k, v in ratios.items():
         print(f"{k:<28}{v:>8.2f}")

@@ -38,7 +38,7 @@ struct KernelModule {
   std::once_flag once;
   CUfunction wide[kWide.size()] = {};
   CUfunction compact[kCompact.size()] = {};
-  CUfunction meta = nullptr;
+  CUfunction table = nullptr;
   std::string why;
 };
 
@@ -141,12 +141,12 @@ Status copy_kernel(int device) {
       if (!get("tether_copy_frags_" + std::to_string(kWide[i]), &m.wide[i])) return;
     for (size_t i = 0; i < kCompact.size(); ++i)
       if (!get("tether_copy_pieces_" + std::to_string(kCompact[i]), &m.compact[i])) return;
-    if (!get("tether_unpack_meta", &m.meta)) return;
+    if (!get("tether_copy_table", &m.table)) return;
 #else
     m.why = "this build has no GPU kernels (nvcc was not found at build time; see TETHER_CUDA in CMakeLists.txt)";
 #endif
   });
-  if (!m.meta) return Status(Code::kUnavailable, m.why);
+  if (!m.table) return Status(Code::kUnavailable, m.why);
   return Status::ok();
 }
 
@@ -182,17 +182,16 @@ Status launch_copy_pieces(int device, CUstream stream, uint64_t src_base, uint64
   return Status::ok();
 }
 
-Status launch_unpack_meta(int device, CUstream stream, CUdeviceptr meta, uint32_t n, uint64_t src_base, uint64_t dst_base,
-                          uint64_t longest) {
+Status launch_copy_table(int device, CUstream stream, CUdeviceptr table, uint32_t n, uint64_t longest) {
   if (n == 0) return Status::ok();
   if (Status s = copy_kernel(device); !s.is_ok()) return s;
-  CUdeviceptr meta_arg = meta;
-  uint64_t n_arg = n, src_arg = src_base, dst_arg = dst_base;
-  void* args[] = {&meta_arg, &n_arg, &src_arg, &dst_arg};
+  CUdeviceptr table_arg = table;
+  uint64_t n_arg = n;
+  void* args[] = {&table_arg, &n_arg};
   const unsigned gy = std::min<uint32_t>(n, 65535);  // the kernel walks the rest
-  if (CUresult r = cuda()->cuLaunchKernel(module(device).meta, grid_x(longest), gy, 1, kThreads, 1, 1, 0, stream, args, nullptr);
+  if (CUresult r = cuda()->cuLaunchKernel(module(device).table, grid_x(longest), gy, 1, kThreads, 1, 1, 0, stream, args, nullptr);
       r != kCudaSuccess)
-    return Status(Code::kInternal, cuda_error("cuLaunchKernel(tether_unpack_meta)", r));
+    return Status(Code::kInternal, cuda_error("cuLaunchKernel(tether_copy_table)", r));
   return Status::ok();
 }
 

@@ -35,12 +35,10 @@ struct CopyPiece {
 Status launch_copy_pieces(int device, CUstream stream, uint64_t src_base, uint64_t dst_base, const CopyPiece* pieces,
                           uint32_t n);
 
-// The same, the kernel reading `n` entries laid out as netplugin's UnpackEntry {u32 src_off, u32 len,
-// u64 dst_off} at `meta`, memory the device can read (mapped pinned host memory, or its own); each
-// fragment at most `longest` bytes. Nothing is copied on the host: an experiment against the
-// parameter form above (bench/gpu/unpack_bench.py row "kernel-meta": half the host cost per launch,
-// slightly slower per operation; docs/PERFORMANCE.md, "Tried and lost"), not used by a transport.
-Status launch_unpack_meta(int device, CUstream stream, CUdeviceptr meta, uint32_t n, uint64_t src_base, uint64_t dst_base,
-                          uint64_t longest);
+// The same for `n` (src, dst, len) triples the kernel reads itself from `table` (memory the device can
+// read: mapped pinned host memory, or its own), each at most `longest` bytes. The launch carries a
+// pointer, not the triples: it costs the host what a small launch costs, and `table` must stay as it is
+// until the copy has finished. The ipc transport's one-sided batches go this way.
+Status launch_copy_table(int device, CUstream stream, CUdeviceptr table, uint32_t n, uint64_t longest);
 
 }  // namespace tether::gpu

@@ -69,22 +69,17 @@ __device__ __forceinline__ void copy_all(const Pieces<K>& p) {
   }
 }
 
-// Descriptors read where the GPU can reach them (a net plugin's mapped unpack metadata, laid out as
-// netplugin's UnpackEntry): the launch carries a pointer only, so it costs the host what a small
-// launch costs; each block fetches its entry once (over PCIe when the metadata is in host memory).
-struct MetaEntry {
-  unsigned src_off, len;
-  unsigned long long dst_off;
-};
-
-extern "C" __global__ void __launch_bounds__(256) tether_unpack_meta(const MetaEntry* __restrict__ meta, unsigned long long n,
-                                                                    unsigned long long src_base, unsigned long long dst_base) {
-  __shared__ MetaEntry e;
+// Triples read where the GPU can reach them (mapped pinned host memory the launcher wrote): the launch
+// carries a pointer and a count, not the triples, so it costs the host what a small launch costs and
+// nothing is converted first; each block fetches its triple once (over PCIe from host memory).
+extern "C" __global__ void __launch_bounds__(256) tether_copy_table(const Frag* __restrict__ table, unsigned long long n) {
+  __shared__ Frag e;
   for (unsigned long long f = blockIdx.y; f < n; f += gridDim.y) {
-    if (threadIdx.x == 0) e = meta[f];
+    if (threadIdx.x == 0) e = table[f];
     __syncthreads();
-    copy_frag(Frag{src_base + e.src_off, dst_base + e.dst_off, e.len});
+    const Frag fr = e;
     __syncthreads();  // every thread has read `e` before thread 0 overwrites it
+    copy_frag(fr);
   }
 }
 

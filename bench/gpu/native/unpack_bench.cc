@@ -17,8 +17,7 @@ struct Resources {
   CUstream stream = nullptr;
   CUevent ev[2] = {nullptr, nullptr};
   CUdeviceptr bounce = 0, dest = 0;
-  uint64_t* host_table = nullptr;
-  uint64_t* meta = nullptr;  // UnpackEntry layout, mapped: what a GPU plugin publishes
+  uint64_t* host_table = nullptr;  // (src, dst, len) triples, mapped: the kernel-table row reads them itself
   ~Resources() {
     if (stream) a->cuStreamSynchronize(stream);
     for (CUevent e : ev)
@@ -27,7 +26,6 @@ struct Resources {
     for (CUdeviceptr p : {bounce, dest})
       if (p) a->cuMemFree(p);
     if (host_table) a->cuMemFreeHost(host_table);
-    if (meta) a->cuMemFreeHost(meta);
   }
 };
 
@@ -52,11 +50,8 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
   TETHER_CUDA_TRY("cuMemAlloc", a->cuMemAlloc(&r.bounce, chunk_bytes));
   TETHER_CUDA_TRY("cuMemAlloc", a->cuMemAlloc(&r.dest, chunk_bytes));
   void* ht = nullptr;
-  TETHER_CUDA_TRY("cuMemHostAlloc", a->cuMemHostAlloc(&ht, n * 3 * sizeof(uint64_t), kHostAllocPortable));
+  TETHER_CUDA_TRY("cuMemHostAlloc", a->cuMemHostAlloc(&ht, n * 3 * sizeof(uint64_t), kHostAllocPortable | kHostAllocDeviceMap));
   r.host_table = static_cast<uint64_t*>(ht);
-  void* mt = nullptr;
-  TETHER_CUDA_TRY("cuMemHostAlloc", a->cuMemHostAlloc(&mt, n * 2 * sizeof(uint64_t), kHostAllocPortable | kHostAllocDeviceMap));
-  r.meta = static_cast<uint64_t*>(mt);
 
   // Random bounce contents; fragment i of the chunk lies in bounce page perm[i] (a shuffled pool).
   std::vector<uint8_t> pattern(chunk_bytes), expect(chunk_bytes), got(chunk_bytes), poison(chunk_bytes, 0xA5);
@@ -76,16 +71,14 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
     r.host_table[3 * i + 1] = r.dest + i * frag_bytes;
     r.host_table[3 * i + 2] = frag_bytes;
     pieces[i] = CopyPiece{uint32_t(perm[i] * frag_bytes), uint32_t(i * frag_bytes), uint32_t(frag_bytes)};
-    r.meta[2 * i] = (uint64_t(frag_bytes) << 32) | uint32_t(perm[i] * frag_bytes);  // {u32 src_off, u32 len}
-    r.meta[2 * i + 1] = i * frag_bytes;                                                // u64 dst_off
   }
   TETHER_CUDA_TRY("cuMemcpy(bounce)", a->cuMemcpy(r.bounce, reinterpret_cast<CUdeviceptr>(pattern.data()), chunk_bytes));
 
   auto op = [&](const std::string& method) -> Status {
     if (method == "kernel")  // what the netplugin unpacker does per receive
       return launch_copy_pieces(device, r.stream, r.bounce, r.dest, pieces.data(), uint32_t(n));
-    if (method == "kernel-meta")  // the kernel reads the mapped metadata itself (unified address)
-      return launch_unpack_meta(device, r.stream, reinterpret_cast<CUdeviceptr>(r.meta), uint32_t(n), r.bounce, r.dest, frag_bytes);
+    if (method == "kernel-table")  // the kernel reads the mapped triples itself (unified address): the ipc batches' form
+      return launch_copy_table(device, r.stream, reinterpret_cast<CUdeviceptr>(r.host_table), uint32_t(n), frag_bytes);
     if (method == "kernel-wide")  // full 64-bit triples (other callers' form when offsets do not fit)
       return launch_copy(device, r.stream, r.host_table, uint32_t(n), CopyForm::kWide);
     if (method == "d2d") {
@@ -103,7 +96,7 @@ Result<std::vector<UnpackBenchRow>> bench_unpack(int device, uint64_t chunk_byte
   };
 
   std::vector<UnpackBenchRow> rows;
-  for (const char* method : {"kernel", "kernel-wide", "kernel-meta", "d2d", "contiguous"}) {
+  for (const char* method : {"kernel", "kernel-wide", "kernel-table", "d2d", "contiguous"}) {
     UnpackBenchRow row;
     row.method = method;
     TETHER_CUDA_TRY("cuMemcpy(poison)", a->cuMemcpy(r.dest, reinterpret_cast<CUdeviceptr>(poison.data()), chunk_bytes));

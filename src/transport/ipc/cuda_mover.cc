@@ -172,6 +172,7 @@ CudaLane::~CudaLane() {
     a->cuStreamDestroy(v.stream);
   }
   if (bounce_) a->cuMemFreeHost(bounce_);
+  if (table_) a->cuMemFreeHost(table_);
 }
 
 Result<CudaLane::Dev*> CudaLane::ready(int device) {
@@ -239,11 +240,26 @@ Status CudaLane::copy_many(int device, const uint64_t* triples, uint32_t n, bool
   return finish(d, "ipc batch copy");
 }
 
-Status CudaLane::start_many(int device, const uint64_t* triples, uint32_t n) {
+Result<uint64_t*> CudaLane::table() {
+  if (table_) return table_;
+  std::string why;
+  const CudaApi* a = gpu::cuda(&why);
+  if (!a) return Status(Code::kUnavailable, why);
+  if (Status s = gpu::use_device(0); !s.is_ok()) return s;  // pinned allocations need a context; portable to all
+  void* p = nullptr;
+  TETHER_CUDA_TRY("cuMemHostAlloc", a->cuMemHostAlloc(&p, 3 * sizeof(uint64_t) * kMaxBatch, gpu::kHostAllocPortable | gpu::kHostAllocDeviceMap));
+  table_ = static_cast<uint64_t*>(p);
+  return table_;
+}
+
+Status CudaLane::start_table(int device, uint32_t n, uint64_t longest) {
   if (n > kMaxBatch) return Status(Code::kInternal, "ipc: too many fragments for one copy");
+  if (!table_) return Status(Code::kInternal, "ipc: a batch launched before its table was made");
   auto d = ready(device);
   if (!d.is_ok()) return d.status();
-  if (Status s = gpu::launch_copy(device, d.value()->stream, triples, n); !s.is_ok()) return s;
+  // A unified address: the device reads the mapped table where the host wrote it.
+  const auto at = reinterpret_cast<CUdeviceptr>(table_);
+  if (Status s = gpu::launch_copy_table(device, d.value()->stream, at, n, longest); !s.is_ok()) return s;
   TETHER_CUDA_TRY("cuEventRecord", gpu::cuda()->cuEventRecord(d.value()->event, d.value()->stream));
   return Status::ok();
 }

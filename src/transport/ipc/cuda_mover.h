@@ -107,8 +107,12 @@ class CudaLane {
   Status wait(int device);
   // `n` (src, dst, len) triples: one kernel launch when `kernel`, else one async copy each; waits.
   Status copy_many(int device, const uint64_t* triples, uint32_t n, bool kernel);
-  // `n` triples in one kernel launch, not waited for (done() and wait() as for start()).
-  Status start_many(int device, const uint64_t* triples, uint32_t n);
+  // Pinned host memory for kMaxBatch (src, dst, len) triples that the GPUs read themselves, made on
+  // first use: write it only while none of this lane's copies is in flight.
+  Result<uint64_t*> table();
+  // The first `n` triples of table(), each at most `longest` bytes, in one kernel launch that reads them
+  // (gpu::launch_copy_table), not waited for (done() and wait() as for start()).
+  Status start_table(int device, uint32_t n, uint64_t longest);
   // Pinned host memory of at least `bytes` (allocated on first use, grown rarely).
   Result<uint8_t*> bounce(uint64_t bytes);
 
@@ -123,6 +127,7 @@ class CudaLane {
   std::vector<Dev> devs_;
   uint8_t* bounce_ = nullptr;
   uint64_t bounce_size_ = 0;
+  uint64_t* table_ = nullptr;
 };
 
 // Fragments in one ipc kWriteBatch, copied by one kernel launch: 4,096 blocks of 16 KiB go as four

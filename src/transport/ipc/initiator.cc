@@ -219,8 +219,10 @@ OneSided one_sided(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op) {
 }
 
 // The triples of a GPU batch whose fragments all lie in the granted descriptor `g`, mapped at `mp`
-// (our pieces on its GPU); false when a fragment falls outside (the target's answer says what is wrong).
-bool batch_triples(const ChunkOp& op, const Grant& g, const Mapping& mp, bool read, uint64_t* t) {
+// (our pieces on its GPU), and the longest; false when a fragment falls outside (the target's answer
+// says what is wrong).
+bool batch_triples(const ChunkOp& op, const Grant& g, const Mapping& mp, bool read, uint64_t* t, uint64_t* longest) {
+  *longest = 0;
   for (uint32_t i = 0; i < op.fragments; ++i) {
     const wire::Fragment& fr = op.frags[i];
     const uint64_t at = g.base + fr.offset;
@@ -232,6 +234,7 @@ bool batch_triples(const ChunkOp& op, const Grant& g, const Mapping& mp, bool re
     t[3 * i] = read ? there : local;
     t[3 * i + 1] = read ? local : there;
     t[3 * i + 2] = fr.length;
+    *longest = std::max<uint64_t>(*longest, fr.length);
   }
   return true;
 }
@@ -254,16 +257,18 @@ OneSided one_sided_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op)
     return OneSided::kAsk;
   }
   auto map = ip.imports->get(g.ref, op.device);
-  if (!c->triples) c->triples = std::make_unique<uint64_t[]>(3 * kMaxBatch);  // once per context
-  bool ok = map.is_ok() && op.fragments <= kMaxBatch && batch_triples(op, g, *map.value(), read, c->triples.get());
+  if (!c->cuda) c->cuda = std::make_unique<CudaLane>();
+  auto table = c->cuda->table();  // ours: the context's last copy has ended
+  uint64_t longest = 0;
+  bool ok = map.is_ok() && table.is_ok() && op.fragments <= kMaxBatch &&
+            batch_triples(op, g, *map.value(), read, table.value(), &longest);
   if (!ok) {
     ip.os->leave(c);
     return OneSided::kNo;
   }
-  if (!c->cuda) c->cuda = std::make_unique<CudaLane>();
   const int dev = map.value()->device;
   bool handed = false;
-  ok = c->cuda->start_many(dev, c->triples.get(), op.fragments).is_ok();
+  ok = c->cuda->start_table(dev, op.fragments, longest).is_ok();
   if (ok) trace::mark(trace::Event::kSent, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);  // the copy kernel is launched
   ok = ok && hand_over(ip, p, lane, op, c, dev, read, &handed);
   if (handed) return OneSided::kMoved;

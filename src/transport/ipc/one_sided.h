@@ -106,12 +106,12 @@ class OneSidedInitiator {
   void remember(const Grant& g);
   void forget(uint32_t region);
 
-  // A claimed hazard slot, its CUDA streams and a GPU batch's (src, dst, len) triples: one thread at a time.
+  // A claimed hazard slot and its CUDA streams (with the table a GPU batch's triples are written to):
+  // one thread at a time, until its copy has ended.
   struct Context {
     std::atomic<bool> busy{false};
     uint32_t index = 0;
     std::unique_ptr<CudaLane> cuda;
-    std::unique_ptr<uint64_t[]> triples;  // 3 * kMaxBatch, on the first batch
   };
   // A free context with its hazard naming `region` (a host read's: `read`), if the region is still
   // live for us; nullptr when none is free or the grant is gone (`*gone` then says which).
