@@ -175,6 +175,20 @@ void complete_sent(Lane& l, Host* host, uint64_t sent) {
   }
 }
 
+// Cuts the iovecs after `cap` bytes; returns how many are left.
+size_t cap_iov(iovec* iov, size_t n, uint64_t cap) {
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (total >= cap) return i;
+    if (total + iov[i].iov_len > cap) {
+      iov[i].iov_len = cap - total;
+      return i + 1;
+    }
+    total += iov[i].iov_len;
+  }
+  return n;
+}
+
 }  // namespace
 
 bool drive_tx(Lane& l, Host* host, Status* error) {
@@ -195,6 +209,10 @@ bool drive_tx(Lane& l, Host* host, Status* error) {
     }
     // A copy just finished: start the next one before this sendmsg, so that copy and send overlap.
     if (staged_now) continue;
+    // While this lane may not start its next copy (first copies first), a whole chunk in one sendmsg
+    // would hold it there long after the other lanes' first copies are done: a piece at a time, it
+    // comes back to take_chunks and starts that copy while the rest of this chunk goes.
+    if (l.yield_copies()) niov = cap_iov(iov, niov, kYieldingSendBytes);
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = niov;

@@ -31,6 +31,7 @@ constexpr size_t kAnswerRing = 512;          // answers produced by rx, waiting 
 constexpr size_t kMaxIov = 1024;             // IOV_MAX: a batched chunk is a header, a table and its pieces
 constexpr uint64_t kRxBudget = 16ull << 20;  // bytes per lane per turn, for fairness
 constexpr uint64_t kTxBudget = 16ull << 20;
+constexpr uint64_t kYieldingSendBytes = 256 << 10;  // one sendmsg of a lane yielding its copies (drive_tx)
 constexpr uint64_t kPollBudget = 256 << 10;  // a waiting thread reads little: it wants its answer
 constexpr uint32_t kStageSlots = 8;          // pinned bounce slots per lane and direction (GPU memory)
 
