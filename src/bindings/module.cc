@@ -427,11 +427,13 @@ NB_MODULE(_tether, m) {
   m.attr("WIRE_VERSION") = tether::wire::kVersion;
   // GPU index of a raw pointer (-1: host memory, or no CUDA here).
   m.def("pointer_device", [](uintptr_t ptr) {
+    tether::gpu::KeepContext keep;
     auto info = tether::gpu::pointer_info(reinterpret_cast<void*>(ptr));
     return info.is_ok() && info.value().is_device ? info.value().device : -1;
   });
   // (usable, why not) for GPU memory and for the unpack kernels.
   m.def("gpu_status", [] {
+    tether::gpu::KeepContext keep;
     std::string why, kwhy;
     const bool cuda = tether::gpu::cuda(&why) != nullptr;
     const bool kernels = tether::gpu::kernels_available(&kwhy);

@@ -127,6 +127,7 @@ void EndpointImpl::untrack_connecting(const std::vector<int>& fds) {
 
 Result<Peer> EndpointImpl::connect(std::string_view target, int64_t timeout_ms) {
   if (closing_.load()) return Status(Code::kCancelled, "endpoint closed");
+  gpu::KeepContext keep;
   Connecting c(this, sys::now_ms() + (timeout_ms < 0 ? int64_t(config_.connect_timeout_ms) : timeout_ms));
   if (Status s = resolve_target(target, c); !s.is_ok()) return s;
   c.hello = client_hello();

@@ -80,6 +80,7 @@ EndpointImpl::~EndpointImpl() { close(); }
 
 void EndpointImpl::close() {
   if (closing_.exchange(true)) return;
+  gpu::KeepContext keep;
   {
     std::lock_guard lock(connecting_mu_);  // listed sockets are open: untracked before they are closed
     for (int fd : connecting_fds_) ::shutdown(fd, SHUT_RDWR);
@@ -246,6 +247,7 @@ std::vector<std::pair<std::string, std::string>> EndpointImpl::transport_status(
 
 Result<Region> EndpointImpl::register_memory(void* ptr, uint64_t size, MemoryKind kind, int device, bool readonly) {
   if (closing_.load()) return Status(Code::kCancelled, "endpoint closed");
+  gpu::KeepContext keep;
   if (ptr && size > 0) {
     // Ask CUDA what the memory is: a GPU range must lie in one allocation of the GPU it claims.
     auto info = gpu::pointer_info(ptr);
@@ -287,6 +289,7 @@ Result<Region> EndpointImpl::register_memory(void* ptr, uint64_t size, MemoryKin
 }
 
 Status EndpointImpl::deregister(const Region& region) {
+  gpu::KeepContext keep;
   Status s = registry_.unpublish(region);
   if (!s.is_ok()) return s;
   std::vector<std::shared_ptr<PeerState>> all;

@@ -54,6 +54,7 @@ class EndpointImpl final : public std::enable_shared_from_this<EndpointImpl>, pu
 
   // `device`: GPU of the chunks' local bytes, -1 host memory (transports rank their NICs by it).
   void wake_lanes(PeerState* peer, uint64_t chunks, int device = -1) {
+    gpu::KeepContext keep;  // the poster may send (and copy) here, on the application's thread
     trace::mark(trace::Event::kPost, 0, 0, uint32_t(chunks));
     if (PeerState::Hold h{peer}) peer->transport->wake(peer, chunks, device);  // its lanes may be gone
   }

@@ -54,13 +54,16 @@ uint32_t PeerState::quietest_lane() const {
   return best;
 }
 
+// Both run on a waiting application's thread: whatever context the transport makes current is undone.
 void PeerState::progress_lane(uint32_t lane) {
   if (failed()) return;
+  gpu::KeepContext keep;
   if (Hold h{this}) transport->progress_lane(this, lane);
 }
 
 void PeerState::finish_here() {
   if (failed()) return;
+  gpu::KeepContext keep;
   if (Hold h{this}) transport->finish_here(this);
 }
 

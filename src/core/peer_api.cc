@@ -70,6 +70,7 @@ EndpointId Peer::endpoint_id() const { return state_->info().endpoint; }
 bool Peer::connected() const { return !state_->failed(); }
 Status Peer::error() const { return state_->error(); }
 void Peer::close() {
+  gpu::KeepContext keep;  // the last hold let go here tears the transport's state down (CUDA streams)
   state_->fail(Status(Code::kCancelled, "peer '" + state_->info().name + "' was closed locally"));
   // Bounded: the control thread lets go within a wake-up, lanes once they answered what they held.
   (void)state_->wait_released(2000);

@@ -50,6 +50,7 @@ Loaded& loaded() {
     bind(lib, "cuDeviceGetPCIBusId", a.cuDeviceGetPCIBusId, &w);
     bind(lib, "cuDevicePrimaryCtxRetain", a.cuDevicePrimaryCtxRetain, &w);
     bind(lib, "cuCtxSetCurrent", a.cuCtxSetCurrent, &w);
+    bind(lib, "cuCtxGetCurrent", a.cuCtxGetCurrent, &w);
     bind(lib, "cuPointerGetAttribute", a.cuPointerGetAttribute, &w);
     bind(lib, "cuMemGetAddressRange_v2", a.cuMemGetAddressRange, &w);
     bind(lib, "cuMemHostAlloc", a.cuMemHostAlloc, &w);
@@ -134,6 +135,13 @@ std::string cuda_error(const char* call, CUresult r) {
   return std::string(call) + ": " + (s ? s : "CUDA error") + " (" + std::to_string(r) + ")";
 }
 
+namespace {
+// The calling thread's KeepContext scopes, and the context it had before tether's first switch in them.
+thread_local int t_keep_depth = 0;
+thread_local bool t_switched = false;
+thread_local CUcontext t_before = nullptr;
+}  // namespace
+
 Status use_device(int device) {
   // Set every time: the application (torch) may have switched this thread's context meanwhile.
   const CudaApi* a = cuda();
@@ -142,9 +150,24 @@ Status use_device(int device) {
   if (device < 0 || device >= l.devices)
     return Status(Code::kInvalidArgument, "GPU " + std::to_string(device) + " does not exist (" +
                                               std::to_string(l.devices) + " visible)");
+  if (t_keep_depth > 0 && !t_switched) {  // an application's thread: remember what to hand back
+    if (CUresult r = a->cuCtxGetCurrent(&t_before); r != kCudaSuccess)
+      return Status(Code::kInternal, cuda_error("cuCtxGetCurrent", r));
+    t_switched = true;
+  }
   if (CUresult r = a->cuCtxSetCurrent(l.contexts[size_t(device)]); r != kCudaSuccess)
     return Status(Code::kInternal, cuda_error("cuCtxSetCurrent", r));
   return Status::ok();
+}
+
+KeepContext::KeepContext() { ++t_keep_depth; }
+
+KeepContext::~KeepContext() {
+  if (--t_keep_depth > 0 || !t_switched) return;
+  t_switched = false;
+  // Only use_device set t_switched, so CUDA is loaded; a failure leaves tether's context current,
+  // which is all that could be done anyway.
+  (void)loaded().api.cuCtxSetCurrent(t_before);
 }
 
 std::string pci_bus_id(int device) {

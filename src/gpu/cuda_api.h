@@ -42,6 +42,7 @@ struct CudaApi {
   CUresult (*cuDeviceGetPCIBusId)(char*, int, CUdevice);
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*cuCtxSetCurrent)(CUcontext);
+  CUresult (*cuCtxGetCurrent)(CUcontext*);
   CUresult (*cuPointerGetAttribute)(void*, int, CUdeviceptr);
   CUresult (*cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
   CUresult (*cuMemHostAlloc)(void**, size_t, unsigned);
@@ -99,6 +100,19 @@ inline Status cuda_check(const char* call, CUresult r) {
   } while (0)
 // Makes device `device`'s primary context current on the calling thread.
 Status use_device(int device);
+
+// Hands the calling thread back the CUDA context it had when the scope began, if tether made another
+// current meanwhile (use_device). The CUDA runtime (torch, cupy) runs on whatever context is current:
+// without this, an application working on GPU 1 that writes from GPU 0 memory would find GPU 0 current
+// afterwards, and its next allocation there. Every entry point an application thread calls opens
+// one; costs nothing unless tether switched contexts. Scopes nest; the outermost restores.
+class KeepContext {
+ public:
+  KeepContext();
+  ~KeepContext();
+  KeepContext(const KeepContext&) = delete;
+  KeepContext& operator=(const KeepContext&) = delete;
+};
 // GPU `device`'s PCI address as sysfs names it ("0000:18:00.0"), or "" when CUDA cannot say.
 std::string pci_bus_id(int device);
 

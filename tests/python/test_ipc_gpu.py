@@ -5,6 +5,7 @@ destinations, every byte; the handle cache (no reopen; a freed and reallocated a
 a deregistered region is refused. Needs CUDA and torch with a GPU; skipped otherwise, saying why.
 With one GPU the GPU0<->GPU1 pairings run GPU0->GPU0 between two processes (CUDA IPC on one device;
 GpuEnv.pairs)."""
+import ctypes
 import os
 import signal
 import threading
@@ -207,6 +208,48 @@ def test_one_sided_gpu_ops_in_flight_together(pair):
         # all taken goes as a request. So the first 16 of each direction go one-sided, the rest may.
         moved = local.ep.stats()["ipc_one_sided_chunks"] - s0
         assert 2 * 16 <= moved <= 2 * n, f"{moved} of {2 * n} ops went one-sided"
+
+
+def test_the_callers_cuda_context_is_handed_back(pair):
+    """tether makes a GPU's primary context current for its own CUDA calls on the caller's thread (what
+    registered memory is, a one-sided copy or batch the poster starts, a waiter finishing it), and the
+    CUDA runtime (torch) runs on whatever context is current: each call hands back the context the thread
+    had. Here one of the test's own, so the primary context left behind shows (as GPU 0 found current
+    by an application working on GPU 1 would)."""
+    local, peer, c = pair
+    size = 4 * MiB
+    desc = c.call("register", "dst", size, device=GPU.other)
+    data = rand_bytes(53, size)
+    local.region("src", "gpu0", size, seed=53)  # made by torch, which makes contexts current: before
+    tensor = local.mem["src"]
+    cu = ctypes.CDLL("libcuda.so.1")
+
+    def current():
+        ctx = ctypes.c_void_p()
+        assert cu.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
+        return ctx.value
+
+    had = current()
+    dev, mine = ctypes.c_int(), ctypes.c_void_p()
+    assert cu.cuDeviceGet(ctypes.byref(dev), tensor.device.index) == 0
+    assert cu.cuCtxCreate_v2(ctypes.byref(mine), 0, dev) == 0  # and makes it current
+    try:
+        assert current() == mine.value
+        src = local.ep.register((tensor.data_ptr(), size))  # CUDA says what it is
+        assert current() == mine.value, "register"
+        peer.write(src, desc, length=8).wait(T)  # its answer grants the descriptor
+        for n in (8, 64 * 1024, size):  # one-sided where small: copied by this thread or a waiter
+            peer.write(src, desc, length=n).wait(T)
+            assert current() == mine.value, f"a write of {n} bytes"
+        bs = 16 * 1024
+        peer.writev([(src, i * bs, desc, i * bs, bs) for i in range(size // bs)]).wait(T)  # one-sided batches
+        assert current() == mine.value, "a writev of 16 KiB blocks"
+        local.ep.deregister(src)
+        assert current() == mine.value, "deregister"
+    finally:
+        cu.cuCtxSetCurrent(ctypes.c_void_p(had))
+        cu.cuCtxDestroy_v2(mine)
+    assert_bytes_equal(child_bytes(c, "dst"), data, "the written bytes")
 
 
 @pytest.mark.parametrize("lk,rk", ONE_SIDED_PAIRS, ids=["-".join(p) for p in ONE_SIDED_PAIRS])
