@@ -10,6 +10,8 @@
 # (ab_table.py), with both processes' CPU-seconds per GB where the table shows CPU%.
 # AB_ENV="NAME=VALUE ..." instead of a patch: one build, and "new" is the same build run with that
 # environment (an option or an experiment's knob, judged the same way).
+# AB_OLD=.device/old.tar instead of a patch: "old" is that tree (`git archive -o .device/old.tar COMMIT`),
+# for a build further back than a patch reverses cleanly (across renames and moved files).
 set -u
 ROUNDS=${1:-2}; CMD=$2; AB_ENV=${AB_ENV:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,11 +23,15 @@ if [ -n "${AB_BUILT:-}" ]; then
 elif [ -n "$AB_ENV" ]; then
   python3 -m pip install --no-build-isolation -q . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 else
-  [ -s .device/ab.patch ] || { echo "no .device/ab.patch: git diff BASE -- src include python > .device/ab.patch"; exit 1; }
   rm -rf /tmp/ab-old /tmp/ab-oldsite && mkdir /tmp/ab-old
-  tar --exclude=./.device --exclude=./build -cf - . | tar -xf - -C /tmp/ab-old
-  (cd /tmp/ab-old && patch -s -R -p1 < "$OLDPWD/.device/ab.patch" &&
-   python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/ab-oldsite . > "$OUT/build_old.log" 2>&1) &
+  if [ -n "${AB_OLD:-}" ]; then
+    tar -xf "$AB_OLD" -C /tmp/ab-old || { echo "AB_OLD=$AB_OLD: not a tar of a tree"; exit 1; }
+  else
+    [ -s .device/ab.patch ] || { echo "no .device/ab.patch: git diff BASE -- src include python > .device/ab.patch"; exit 1; }
+    tar --exclude=./.device --exclude=./build -cf - . | tar -xf - -C /tmp/ab-old
+    (cd /tmp/ab-old && patch -s -R -p1 < "$OLDPWD/.device/ab.patch") || { echo ".device/ab.patch does not reverse here"; exit 1; }
+  fi
+  (cd /tmp/ab-old && python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/ab-oldsite . > "$OUT/build_old.log" 2>&1) &
   rm -rf /tmp/ab-newsite
   python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/ab-newsite . > "$OUT/build.log" 2>&1 ||
     { tail -20 "$OUT/build.log"; exit 1; }
