@@ -260,13 +260,17 @@ class Peer:
     error = property(lambda self: self._p.error)
 
     def _rma(self, call, local: Region, remote: Remote, local_offset, remote_offset, length, notify) -> Transfer:
+        # A lone small op costs little more than this: no closure, no keyword dict on the way in.
         if isinstance(remote, str):
             remote = _remote(remote)
         if length is None:
             length = _rest(local, local_offset)
-        notify = _notify_arg(notify)
-        return Transfer(_u64_args(lambda: call(local._r, local_offset, remote, remote_offset, length, notify),
-                                  local_offset=local_offset, remote_offset=remote_offset, length=length))
+        try:
+            return Transfer(call(local._r, local_offset, remote, remote_offset, length,
+                                 b"" if notify is None else _notify_arg(notify)))
+        except TypeError:
+            _check_u64(local_offset=local_offset, remote_offset=remote_offset, length=length)
+            raise
 
     def write(self, local: Region, remote: Remote, *, local_offset: int = 0, remote_offset: int = 0,
               length: Optional[int] = None, notify: Optional[bytes] = None) -> Transfer:
