@@ -7,7 +7,9 @@
 // CUDA 12.1 on Volta and later): no descriptor upload precedes the copy and no thread copies the list.
 // The launch ships the whole parameter block whatever the count, so there are several sizes, and a
 // compact form (32-bit offsets from two bases, 12 bytes a fragment instead of 24) for the common case
-// of fragments within 4 GiB windows (a bounce buffer and a destination region).
+// of fragments within 4 GiB windows (a bounce buffer and a destination region). Where the host's cost
+// per launch matters more (ipc's one-sided batches, several launched back to back by one thread),
+// tether_copy_table reads the triples from mapped memory instead.
 #include <cstdint>
 
 struct Frag {

@@ -28,6 +28,17 @@ int home_device(pid_t pid, int their_device, int prefer) {
   return homes.try_emplace({pid, their_device}, prefer).first->second;
 }
 
+// Pinned host memory of `bytes`, portable to every GPU (allocating it needs a context: GPU 0's).
+Result<void*> pinned(uint64_t bytes, unsigned flags) {
+  std::string why;
+  const CudaApi* a = gpu::cuda(&why);
+  if (!a) return Status(Code::kUnavailable, why);
+  if (Status s = gpu::use_device(0); !s.is_ok()) return s;
+  void* p = nullptr;
+  TETHER_CUDA_TRY("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, flags));
+  return p;
+}
+
 }  // namespace
 
 Status export_region(core::RegionState& region) {
@@ -242,13 +253,9 @@ Status CudaLane::copy_many(int device, const uint64_t* triples, uint32_t n, bool
 
 Result<uint64_t*> CudaLane::table() {
   if (table_) return table_;
-  std::string why;
-  const CudaApi* a = gpu::cuda(&why);
-  if (!a) return Status(Code::kUnavailable, why);
-  if (Status s = gpu::use_device(0); !s.is_ok()) return s;  // pinned allocations need a context; portable to all
-  void* p = nullptr;
-  TETHER_CUDA_TRY("cuMemHostAlloc", a->cuMemHostAlloc(&p, 3 * sizeof(uint64_t) * kMaxBatch, gpu::kHostAllocPortable | gpu::kHostAllocDeviceMap));
-  table_ = static_cast<uint64_t*>(p);
+  auto p = pinned(3 * sizeof(uint64_t) * kMaxBatch, gpu::kHostAllocPortable | gpu::kHostAllocDeviceMap);
+  if (!p.is_ok()) return p.status();
+  table_ = static_cast<uint64_t*>(p.value());
   return table_;
 }
 
@@ -266,16 +273,10 @@ Status CudaLane::start_table(int device, uint32_t n, uint64_t longest) {
 
 Result<uint8_t*> CudaLane::bounce(uint64_t bytes) {
   if (bounce_size_ >= bytes) return bounce_;
-  std::string why;
-  const CudaApi* a = gpu::cuda(&why);
-  if (!a) return Status(Code::kUnavailable, why);
-  if (Status s = gpu::use_device(0); !s.is_ok()) return s;  // pinned allocations need a context; portable to all
-  if (bounce_) a->cuMemFreeHost(bounce_);  // every copy through it has completed (each call waits)
-  bounce_ = nullptr;
-  bounce_size_ = 0;
-  void* p = nullptr;
-  TETHER_CUDA_TRY("cuMemHostAlloc", a->cuMemHostAlloc(&p, bytes, gpu::kHostAllocPortable));
-  bounce_ = static_cast<uint8_t*>(p);
+  auto p = pinned(bytes, gpu::kHostAllocPortable);  // GPU 0's context current from here
+  if (!p.is_ok()) return p.status();
+  if (bounce_) gpu::cuda()->cuMemFreeHost(bounce_);  // every copy through it has completed (each call waits)
+  bounce_ = static_cast<uint8_t*>(p.value());
   bounce_size_ = bytes;
   return bounce_;
 }
