@@ -117,6 +117,15 @@ void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
   p.let_go();
 }
 
+// A write batch's further chunks, taken on the completer's thread (GpuCompleter::Pending::more) while
+// the poster takes others: cutting and launching a batch is per-fragment work on one core.
+void take_more(void* peer) {
+  auto& p = *static_cast<Link*>(peer);
+  const Link::Hold hold(&p);
+  if (!hold) return;  // ending
+  pump_all(*static_cast<IpcPeer*>(p.transport_state.get()), p, /*one_round=*/true);
+}
+
 // Brings every page of `src` in before a one-sided write claims its hazard (one_sided.h): a fault of
 // the source (swap-in, userfaultfd, a slow file mapping) then stalls the writer, not a copy the
 // target's deregister() waits for. One load per page.
@@ -138,6 +147,9 @@ bool hand_over(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op, OneSidedI
   q.ctx = c;
   q.device = device;
   q.finish = finish_one_sided;
+  // Write batches only: with two reads in flight a second launching thread lost (docs/PERFORMANCE.md,
+  // "Same host: ipc, GPU memory").
+  if (op.fragments > 0 && !read) q.more = take_more;
   q.peer = p.shared_from_this();
   q.lane = lane;
   q.slot = op.hdr.slot;

@@ -163,11 +163,19 @@ void GpuCompleter::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void GpuCompleter::poll_once() {
+void GpuCompleter::poll_once(bool own) {
   if (polling_.exchange(true, std::memory_order_acquire)) return;
+  std::shared_ptr<void> pump_peer;  // a newly taken batch's peer: its queued chunks are taken below
+  void (*more)(void*) = nullptr;
   if (queued_hint_.load(std::memory_order_acquire) > 0) {
     std::lock_guard lock(mu_);
-    for (uint32_t i = 0; i < queued_; ++i) flight_[flying_++] = std::move(queue_[i]);
+    for (uint32_t i = 0; i < queued_; ++i) {
+      if (own && !more && queue_[i].more) {
+        more = queue_[i].more;
+        pump_peer = queue_[i].peer;
+      }
+      flight_[flying_++] = std::move(queue_[i]);
+    }
     queued_ = 0;
     queued_hint_.store(0, std::memory_order_relaxed);
   }
@@ -185,6 +193,7 @@ void GpuCompleter::poll_once() {
     outstanding_.fetch_sub(1, std::memory_order_release);
   }
   polling_.store(false, std::memory_order_release);
+  if (more) more(pump_peer.get());  // others poll the copies meanwhile
 }
 
 namespace {
@@ -199,7 +208,7 @@ void GpuCompleter::finish_here() {
   // "Tried and lost").
   if (outstanding_.load(std::memory_order_acquire) != 1) return;
   helped_ns_.store(core::mono_ns(), std::memory_order_relaxed);
-  poll_once();
+  poll_once(false);
 }
 
 void GpuCompleter::run() {
@@ -215,7 +224,7 @@ void GpuCompleter::run() {
       idle_since = core::mono_ns();
       continue;
     }
-    poll_once();
+    poll_once(true);
     if (outstanding_.load(std::memory_order_acquire) > 0) {
       idle_since = now;
     } else if (!stopping && now - idle_since >= busy_ns) {
