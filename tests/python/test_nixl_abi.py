@@ -59,7 +59,6 @@ def _build_abi_test(build: Path, nixl_src: str, objects: bool = False) -> str:
 
 
 @pytest.mark.budget(600)
-@pytest.mark.timeout(600)
 @needs_build_tools
 def test_a_plain_build_uses_tethers_declarations(tmp_path):
     """No NIXL tree named: the plugin builds from src/nixl/abi, even with a NIXL tree beside the clone
@@ -70,7 +69,6 @@ def test_a_plain_build_uses_tethers_declarations(tmp_path):
 
 
 @pytest.mark.budget(600)
-@pytest.mark.timeout(600)
 @needs_build_tools
 def test_the_declarations_agree_with_a_nixl_tree(tmp_path):
     """The same checks compiled against NIXL's own headers: the numbers in checks.h and the slots in
