@@ -117,9 +117,9 @@ void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
   p.let_go();
 }
 
-// A write batch's further chunks, taken on the completer's thread (GpuCompleter::Pending::more) while
-// the poster takes others: cutting and launching a batch is per-fragment work on one core.
-void take_more(void* peer) {
+// A write batch's further chunks, taken on the completer's thread (GpuCompleter::Pending::take_queued)
+// while the poster takes others: cutting and launching a batch is per-fragment work on one core.
+void take_queued_chunks(void* peer) {
   auto& p = *static_cast<Link*>(peer);
   const Link::Hold hold(&p);
   if (!hold) return;  // ending
@@ -149,7 +149,7 @@ bool hand_over(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op, OneSidedI
   q.finish = finish_one_sided;
   // Write batches only: with two reads in flight a second launching thread lost (docs/PERFORMANCE.md,
   // "Same host: ipc, GPU memory").
-  if (op.fragments > 0 && !read) q.more = take_more;
+  if (op.fragments > 0 && !read) q.take_queued = take_queued_chunks;
   q.peer = p.shared_from_this();
   q.lane = lane;
   q.slot = op.hdr.slot;

@@ -166,12 +166,12 @@ void GpuCompleter::stop() {
 void GpuCompleter::poll_once(bool own) {
   if (polling_.exchange(true, std::memory_order_acquire)) return;
   std::shared_ptr<void> pump_peer;  // a newly taken batch's peer: its queued chunks are taken below
-  void (*more)(void*) = nullptr;
+  void (*take_queued)(void*) = nullptr;
   if (queued_hint_.load(std::memory_order_acquire) > 0) {
     std::lock_guard lock(mu_);
     for (uint32_t i = 0; i < queued_; ++i) {
-      if (own && !more && queue_[i].more) {
-        more = queue_[i].more;
+      if (own && !take_queued && queue_[i].take_queued) {
+        take_queued = queue_[i].take_queued;
         pump_peer = queue_[i].peer;
       }
       flight_[flying_++] = std::move(queue_[i]);
@@ -193,7 +193,7 @@ void GpuCompleter::poll_once(bool own) {
     outstanding_.fetch_sub(1, std::memory_order_release);
   }
   polling_.store(false, std::memory_order_release);
-  if (more) more(pump_peer.get());  // others poll the copies meanwhile
+  if (take_queued) take_queued(pump_peer.get());  // others poll the copies meanwhile
 }
 
 namespace {

@@ -144,7 +144,7 @@ class GpuCompleter {
     void (*finish)(Pending&, bool ok) = nullptr;  // answers the chunk, on the thread that saw it end
     // Set for a write batch: takes the peer's further queued chunks, called by the completer's own
     // thread once it has taken this one, so an op's next batch is cut and launched beside the poster's.
-    void (*more)(void* peer) = nullptr;
+    void (*take_queued)(void* peer) = nullptr;
     uint32_t lane = 0, slot = 0, gen = 0;
     uint64_t length = 0;
     bool read = false;
@@ -165,7 +165,7 @@ class GpuCompleter {
   static constexpr uint32_t kMax = 256;
   void run();
   // Takes what was pushed and polls every copy in flight once; returns at once when another thread is at it.
-  // `own`: on the completer's thread, which then runs the `more` of one newly taken batch.
+  // `own`: on the completer's thread, which then runs the `take_queued` of one newly taken batch.
   void poll_once(bool own);
   const uint32_t busy_us_;
   std::mutex mu_;  // the queue; held for a push or a take, never across a CUDA call
