@@ -89,11 +89,22 @@ static_assert(sizeof(Block) == 3 * sizeof(uint64_t));
 
 // Blocks between one local region and one remote range: one run of a transfer that spans several
 // regions (a KV cache laid out as one region per layer, say). Pointers are read during the call only.
+// The n blocks are `blocks`, or where that is null three columns read in place (numpy arrays posted
+// without building a table first): local_offsets[i], remote_offsets[i] and lengths[i], or `length`
+// for every block where `lengths` is null.
 struct BlockRun {
   const Region* local = nullptr;
   const RemoteRegion* remote = nullptr;
   const Block* blocks = nullptr;
   size_t n = 0;
+  const uint64_t* local_offsets = nullptr;
+  const uint64_t* remote_offsets = nullptr;
+  const uint64_t* lengths = nullptr;
+  uint64_t length = 0;
+
+  Block at(size_t i) const {
+    return blocks ? blocks[i] : Block{local_offsets[i], remote_offsets[i], lengths ? lengths[i] : length};
+  }
 };
 
 // What metadata bytes (Endpoint::metadata()) say about the endpoint that made them.

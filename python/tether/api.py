@@ -211,38 +211,35 @@ Offsets = Union[Sequence[int], np.ndarray]
 
 
 def _column(values: Offsets, name: str) -> np.ndarray:
-    """One column of a block table: a 1-D array of non-negative integers (no copy if already uint64)."""
+    """One column of blocks as the core reads it: a 1-D C-contiguous uint64 array of non-negative
+    integers (no copy if it already is one)."""
     a = np.asarray(values)
     if a.ndim != 1:
         raise _tether.InvalidArgument(f"{name} must be one-dimensional, got shape {a.shape}")
-    if a.size == 0:
-        return a.astype(np.uint64)
-    if a.dtype.kind not in "iu":
+    if a.dtype == np.uint64 and a.flags.c_contiguous:
+        return a
+    if a.size and a.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
-    if a.dtype.kind == "i" and a.min() < 0:
+    if a.size and a.dtype.kind == "i" and a.min() < 0:
         raise _tether.InvalidArgument(f"{name} must not be negative (block {int(np.argmax(a < 0))})")
-    return a
+    return np.ascontiguousarray(a, dtype=np.uint64)
 
 
-def _blocks(local_offsets: Offsets, remote_offsets: Offsets, lengths: Union[int, Offsets]) -> np.ndarray:
-    """The (n, 3) C-contiguous uint64 table of (local offset, remote offset, length) the core reads."""
+def _columns(local_offsets: Offsets, remote_offsets: Offsets, lengths: Union[int, Offsets]):
+    """(local offsets, remote offsets, lengths) as the core reads them in place: two uint64 columns, and
+    one int for every block or a third column."""
     lo = _column(local_offsets, "local_offsets")
     ro = _column(remote_offsets, "remote_offsets")
     if lo.size != ro.size:
         raise _tether.InvalidArgument(f"local_offsets has {lo.size} blocks but remote_offsets has {ro.size}")
-    table = np.empty((lo.size, 3), dtype=np.uint64)
-    table[:, 0] = lo
-    table[:, 1] = ro
     if isinstance(lengths, (int, np.integer)) and not isinstance(lengths, (bool, np.bool_)):
         if lengths < 0 or lengths >= 1 << 64:
             raise _tether.InvalidArgument(f"lengths must be in [0, 2**64), got {lengths}")
-        table[:, 2] = lengths
-    else:
-        n = _column(lengths, "lengths")
-        if n.size != lo.size:
-            raise _tether.InvalidArgument(f"lengths has {n.size} entries for {lo.size} blocks")
-        table[:, 2] = n
-    return table
+        return lo, ro, int(lengths)
+    n = _column(lengths, "lengths")
+    if n.size != lo.size:
+        raise _tether.InvalidArgument(f"lengths has {n.size} entries for {lo.size} blocks")
+    return lo, ro, n
 
 
 class Peer:
@@ -309,14 +306,14 @@ class Peer:
         allowed. Checked like `writev` before any byte moves; errors name the block ("(block 17)").
         Much cheaper to post than `writev` with a tuple per block."""
         return Transfer(self._p.writev_blocks(local._r, _remote(remote) if isinstance(remote, str) else remote,
-                                              _blocks(local_offsets, remote_offsets, lengths), _notify_arg(notify)))
+                                              *_columns(local_offsets, remote_offsets, lengths), _notify_arg(notify)))
 
     def readv_blocks(self, local: Region, remote: Remote, local_offsets: Offsets, remote_offsets: Offsets,
                      lengths: Union[int, Offsets], notify: Optional[bytes] = None) -> Transfer:
         """Block i: remote [remote_offsets[i], +lengths[i]) -> local [local_offsets[i], +lengths[i]);
         arguments as for `writev_blocks`."""
         return Transfer(self._p.readv_blocks(local._r, _remote(remote) if isinstance(remote, str) else remote,
-                                             _blocks(local_offsets, remote_offsets, lengths), _notify_arg(notify)))
+                                             *_columns(local_offsets, remote_offsets, lengths), _notify_arg(notify)))
 
     def send(self, local: Region, *, offset: int = 0, length: Optional[int] = None, tag: int = 0) -> Transfer:
         """Two-sided: matched by the peer's recv with the same tag, in posting order."""

@@ -177,23 +177,39 @@ Transfer post_entries(Peer& p, core::OpKind op, nb::handle entries, std::string 
   return p.state()->post_rma(op, e.runs.data(), e.runs.size(), "entry", std::move(notify));
 }
 
-// writev_blocks/readv_blocks: `blocks` must be an (n, 3) C-contiguous uint64 array on the CPU, whose
-// rows are (local offset, remote offset, length); it is read in place as n Blocks.
-Transfer post_blocks(Peer& p, core::OpKind op, const Region& local, nb::handle remote, nb::handle blocks,
-                     std::string notify) {
+// One column of writev_blocks/readv_blocks: a 1-D C-contiguous uint64 array in host memory (api.py
+// makes one of any integer sequence), read in place.
+const uint64_t* column(nb::handle h, const char* name, size_t* n) {
   nb::ndarray<nb::ro> a;
-  if (!nb::try_cast(blocks, a))
-    throw nb::type_error("blocks must be an (n, 3) uint64 array of (local offset, remote offset, length)");
-  if (a.device_type() != nb::device::cpu::value) throw nb::type_error("blocks must be in host memory");
-  if (a.dtype() != nb::dtype<uint64_t>()) throw nb::type_error("blocks must have dtype uint64");
-  if (a.ndim() != 2 || a.shape(1) != 3)
-    throw nb::value_error("blocks must have shape (n, 3): rows of (local offset, remote offset, length)");
-  if (a.shape(0) > 0 && (a.stride(1) != 1 || (a.shape(0) > 1 && a.stride(0) != 3)))
-    throw nb::value_error("blocks must be C-contiguous");
+  const std::string what(name);
+  if (!nb::try_cast(h, a, false)) throw nb::type_error((what + " must be a uint64 array").c_str());
+  if (a.device_type() != nb::device::cpu::value) throw nb::type_error((what + " must be in host memory").c_str());
+  if (a.dtype() != nb::dtype<uint64_t>()) throw nb::type_error((what + " must have dtype uint64").c_str());
+  if (a.ndim() != 1) throw nb::value_error((what + " must be one-dimensional").c_str());
+  if (a.shape(0) > 1 && a.stride(0) != 1) throw nb::value_error((what + " must be contiguous").c_str());
+  *n = a.shape(0);
+  return static_cast<const uint64_t*>(a.data());
+}
+
+// writev_blocks/readv_blocks: block i is (local_offsets[i], remote_offsets[i], lengths[i]), or `lengths`
+// for every block where it is an int; the columns are read in place (no table is built).
+Transfer post_blocks(Peer& p, core::OpKind op, const Region& local, nb::handle remote, nb::handle local_offsets,
+                     nb::handle remote_offsets, nb::handle lengths, std::string notify) {
+  BlockRun run{&local, nullptr, nullptr, 0};
+  size_t n_remote = 0, n_lengths = 0;
+  run.local_offsets = column(local_offsets, "local_offsets", &run.n);
+  run.remote_offsets = column(remote_offsets, "remote_offsets", &n_remote);
+  if (n_remote != run.n)
+    throw nb::value_error(("local_offsets has " + std::to_string(run.n) + " blocks but remote_offsets has " +
+                           std::to_string(n_remote)).c_str());
+  if (PyLong_Check(lengths.ptr())) {
+    run.length = as_u64(lengths.ptr());
+  } else if (run.lengths = column(lengths, "lengths", &n_lengths); n_lengths != run.n) {
+    throw nb::value_error(("lengths has " + std::to_string(n_lengths) + " entries for " + std::to_string(run.n) +
+                           " blocks").c_str());
+  }
   std::deque<RemoteRegion> parsed;
-  const RemoteRegion* r = remote_of(remote, parsed);
-  const auto* b = static_cast<const Block*>(a.data());
-  const BlockRun run{&local, r, b, a.shape(0)};
+  run.remote = remote_of(remote, parsed);
   return p.state()->post_rma(op, &run, 1, "block", std::move(notify));
 }
 
@@ -329,11 +345,13 @@ NB_MODULE(_tether, m) {
       .def("readv", [](Peer& p, nb::handle entries, nb::bytes notify) {
             return post_entries(p, core::OpKind::kRead, entries, as_string(notify));
           })
-      .def("writev_blocks", [](Peer& p, const Region& l, nb::handle r, nb::handle blocks, nb::bytes notify) {
-            return post_blocks(p, core::OpKind::kWrite, l, r, blocks, as_string(notify));
+      .def("writev_blocks", [](Peer& p, const Region& l, nb::handle r, nb::handle lo, nb::handle ro, nb::handle len,
+                               nb::bytes notify) {
+            return post_blocks(p, core::OpKind::kWrite, l, r, lo, ro, len, as_string(notify));
           })
-      .def("readv_blocks", [](Peer& p, const Region& l, nb::handle r, nb::handle blocks, nb::bytes notify) {
-            return post_blocks(p, core::OpKind::kRead, l, r, blocks, as_string(notify));
+      .def("readv_blocks", [](Peer& p, const Region& l, nb::handle r, nb::handle lo, nb::handle ro, nb::handle len,
+                              nb::bytes notify) {
+            return post_blocks(p, core::OpKind::kRead, l, r, lo, ro, len, as_string(notify));
           })
       .def("send", &Peer::send)
       .def("recv", &Peer::recv)

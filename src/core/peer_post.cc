@@ -57,6 +57,31 @@ std::shared_ptr<TransferState> two_sided(OpKind op, const Region& local, uint64_
   return t;
 }
 
+// Checks each block of `run` against both ranges and stores it as a segment (zero-length blocks are
+// skipped); `at(j)` reads block j. Returns the index of the first block out of range, else run.n.
+template <typename At>
+size_t store_blocks(const At& at, const BlockRun& run, const RegionState& l, uint32_t index, std::vector<Segment>& segs,
+                    uint64_t* bytes) {
+  const RemoteRegion& rr = *run.remote;
+  for (size_t j = 0; j < run.n; ++j) {
+    const Block b = at(j);
+    if (!in_bounds(b.local_offset, b.length, l.size) || !in_bounds(b.remote_offset, b.length, rr.length)) return j;
+    if (b.length == 0) continue;
+    segs.push_back(Segment{l.base + b.local_offset, b.length, rr.offset + b.remote_offset, index});
+    *bytes += b.length;
+  }
+  return run.n;
+}
+
+// store_blocks over whichever form the run's blocks take (a table, or columns: BlockRun).
+size_t store_run(const BlockRun& run, const RegionState& l, uint32_t index, std::vector<Segment>& segs, uint64_t* bytes) {
+  if (run.blocks) return store_blocks([&](size_t j) { return run.blocks[j]; }, run, l, index, segs, bytes);
+  const uint64_t *lo = run.local_offsets, *ro = run.remote_offsets;
+  if (run.lengths)
+    return store_blocks([&](size_t j) { return Block{lo[j], ro[j], run.lengths[j]}; }, run, l, index, segs, bytes);
+  return store_blocks([&](size_t j) { return Block{lo[j], ro[j], run.length}; }, run, l, index, segs, bytes);
+}
+
 }  // namespace
 
 Transfer PeerState::start(std::shared_ptr<TransferState> t) {
@@ -109,14 +134,9 @@ Transfer PeerState::post_rma(OpKind op, const BlockRun* runs, size_t nruns, cons
     if (t->local_pins.empty() || t->local_pins.back() != l) t->local_pins.push_back(l);
     const uint32_t index = uint32_t(t->runs.size());
     t->runs.push_back(Run{rr.region_id, rr.key, rr.offset, rr.length, l.get(), &t->remotes.back()});
-    for (size_t j = 0; j < run.n; ++j) {  // every block's bounds, before any byte moves
-      const Block& b = run.blocks[j];
-      if (!in_bounds(b.local_offset, b.length, l->size) || !in_bounds(b.remote_offset, b.length, rr.length))
-        return refuse(first + j, Code::kOutOfRange, out_of_range(b, l->size, rr.length));
-      if (b.length == 0) continue;
-      t->segments.push_back(Segment{l->base + b.local_offset, b.length, rr.offset + b.remote_offset, index});
-      bytes += b.length;
-    }
+    // Every block's bounds, before any byte moves.
+    if (const size_t j = store_run(run, *l, index, t->segments, &bytes); j < run.n)
+      return refuse(first + j, Code::kOutOfRange, out_of_range(run.at(j), l->size, rr.length));
   }
   t->bytes.store(bytes, std::memory_order_relaxed);
   for (auto& r : t->local_pins) r->pins.fetch_add(1, std::memory_order_acquire);

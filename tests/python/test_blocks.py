@@ -78,8 +78,8 @@ def test_writev_readv_blocks_every_byte(pair, n, hi):
 
 
 def test_kv_cache_pattern_one_length(pair):
-    """4,096 fixed-size blocks landing in a shuffled order; `lengths` one int; offsets as lists,
-    int64 arrays and uint64 arrays alike."""
+    """4,096 fixed-size blocks landing in a shuffled order; `lengths` one int; offsets as lists, int64,
+    uint32 and uint64 arrays, and strided uint64 views alike (the core reads contiguous uint64 columns)."""
     a, b, peer = pair
     n, size = 4096, 1 * KiB
     rng = np.random.default_rng(4096)
@@ -89,8 +89,10 @@ def test_kv_cache_pattern_one_length(pair):
     rs, rd = a.register(src), b.register(dst)
     lo = np.arange(n, dtype=np.int64) * size
     ro = order * size
+    wide = np.repeat(np.stack([lo, ro]).astype(np.uint64), 2, axis=1)  # every offset twice: [::2] is a view
     for local_offsets, remote_offsets in ((lo, ro), (lo.astype(np.uint64), ro.astype(np.uint64)),
-                                          (lo.tolist(), ro.tolist())):
+                                          (lo.tolist(), ro.tolist()), (lo.astype(np.uint32), ro.astype(np.uint32)),
+                                          (wide[0, ::2], wide[1, ::2])):
         dst.fill(POISON)
         peer.writev_blocks(rs, rd.descriptor(), local_offsets, remote_offsets, size, notify=b"kv").wait(T)
         got = dst.reshape(n, size)
@@ -175,26 +177,30 @@ def test_bad_block_arrays_are_refused_clearly(duo):
         peer.writev_blocks(rs, d, [0, -8], [0, 8], 8)
     with pytest.raises(ValueError):
         peer.writev_blocks(rs, d, [0, 8], [0, 8], -1)
-    # The binding: only an (n, 3) C-contiguous uint64 array in host memory.
-    good = np.array([[0, 0, 8], [8, 8, 8]], dtype=np.uint64)
-    with pytest.raises(TypeError, match="uint64"):
-        peer._p.writev_blocks(rs._r, d, good.astype(np.int64), b"")
-    with pytest.raises(TypeError, match="uint64"):
-        peer._p.readv_blocks(rs._r, d, good.astype(np.uint32), b"")
-    with pytest.raises(ValueError, match=r"\(n, 3\)"):
-        peer._p.writev_blocks(rs._r, d, good[:, :2].copy(), b"")
-    with pytest.raises(ValueError, match=r"\(n, 3\)"):
-        peer._p.writev_blocks(rs._r, d, good.reshape(-1), b"")
-    with pytest.raises(ValueError, match="contiguous"):
-        peer._p.writev_blocks(rs._r, d, np.asfortranarray(good), b"")
-    with pytest.raises(ValueError, match="contiguous"):
-        peer._p.writev_blocks(rs._r, d, np.repeat(good, 2, axis=0)[::2], b"")
-    with pytest.raises(TypeError):
-        peer._p.writev_blocks(rs._r, d, [[0, 0, 8]], b"")
+    # The binding: C-contiguous 1-D uint64 columns in host memory, read in place; lengths an int or a column.
+    good = np.array([0, 8], dtype=np.uint64)
+    with pytest.raises(TypeError, match="local_offsets must have dtype uint64"):
+        peer._p.writev_blocks(rs._r, d, good.astype(np.int64), good, 8, b"")
+    with pytest.raises(TypeError, match="remote_offsets must have dtype uint64"):
+        peer._p.readv_blocks(rs._r, d, good, good.astype(np.uint32), 8, b"")
+    with pytest.raises(ValueError, match="lengths must be one-dimensional"):
+        peer._p.writev_blocks(rs._r, d, good, good, np.full((2, 1), 8, dtype=np.uint64), b"")
+    with pytest.raises(ValueError, match="local_offsets must be contiguous"):
+        peer._p.writev_blocks(rs._r, d, np.repeat(good, 2)[::2], good, 8, b"")
+    with pytest.raises(ValueError, match="2 blocks but remote_offsets has 1"):
+        peer._p.writev_blocks(rs._r, d, good, good[:1].copy(), 8, b"")
+    with pytest.raises(ValueError, match="lengths has 3 entries for 2 blocks"):
+        peer._p.writev_blocks(rs._r, d, good, good, np.full(3, 8, dtype=np.uint64), b"")
+    with pytest.raises(TypeError, match="local_offsets must be a uint64 array"):
+        peer._p.writev_blocks(rs._r, d, [0, 8], good, 8, b"")
+    with pytest.raises(OverflowError):
+        peer._p.writev_blocks(rs._r, d, good, good, -8, b"")
     assert_poison(dst)
-    # A read-only table is fine (the core only reads it).
+    # Read-only columns are fine (the core only reads them), and so is a column of lengths.
     good.flags.writeable = False
-    peer._p.writev_blocks(rs._r, d, good, b"")._wait(T)
+    lengths = np.full(2, 8, dtype=np.uint64)
+    lengths.flags.writeable = False
+    peer._p.writev_blocks(rs._r, d, good, good, lengths, b"")._wait(T)
     assert_bytes_equal(dst[:16], rand_bytes(14, 1000)[:16])
 
 
