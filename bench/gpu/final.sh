@@ -97,9 +97,12 @@ t ipc256 60 tether bench --transport ipc $KV --sizes 256M
 t tcp_rows 150 bash -c "tether bench --transport tcp $KV --sizes 16M,256M --ceiling &&
   tether bench --transport tcp $KV --sizes 16K --num-iovs 4096 --ceiling"
 TR="--device gpu --local-gpu-idx 0 --remote-gpu-idx $R --quiet --iters 30 --warmup 5"
-t trace_kv_ipc 120 bash -c "rm -f /tmp/tr_kv.*; TETHER_TRACE=/tmp/tr_kv tether bench --transport ipc $TR --sizes 16K \
-  --num-iovs 4096 --mode write && python3 bench/tools/trace_report.py /tmp/tr_kv --phases &&
-  python3 bench/tools/trace_report.py /tmp/tr_kv --timeline 0.5 | head -80"
+for m in write read; do  # steps trace_kv_ipc (the write) and trace_kv_ipc_read
+  n=trace_kv_ipc; [ $m = read ] && n=trace_kv_ipc_read
+  t $n 120 bash -c "rm -f /tmp/tr_kv.*; TETHER_TRACE=/tmp/tr_kv tether bench --transport ipc $TR \
+    --sizes 16K --num-iovs 4096 --mode $m && python3 bench/tools/trace_report.py /tmp/tr_kv --phases &&
+    python3 bench/tools/trace_report.py /tmp/tr_kv --timeline 0.5 | head -80"
+done
 t trace_tcp16_read 120 bash -c "rm -f /tmp/tr_t16.*; TETHER_TRACE=/tmp/tr_t16 tether bench --transport tcp $TR --sizes 16M \
   --mode read && python3 bench/tools/trace_report.py /tmp/tr_t16 --phases &&
   python3 bench/tools/trace_report.py /tmp/tr_t16 --reader-time && python3 bench/tools/trace_report.py /tmp/tr_t16 --sender-time"
