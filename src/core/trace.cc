@@ -40,7 +40,9 @@ struct Buffer {
   }
 };
 
-const char* const kNames[] = {"post", "wake", "taken", "staged", "sent", "header", "landed", "unpacked", "answered", "waited", "called"};
+const char* const kNames[] = {"post",     "wake",   "taken",  "staged",   "sent",  "header", "landed",
+                               "unpacked", "answered", "waited", "called", "resolved", "handed"};
+static_assert(sizeof(kNames) / sizeof(kNames[0]) == size_t(Event::kHanded) + 1, "a name for every Event");
 
 }  // namespace
 

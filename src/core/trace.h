@@ -19,6 +19,8 @@ enum class Event : uint8_t {
   kAnswered,  // the initiator took the answer (ack or read response)
   kWaited,    // a wait() returned on its finished transfer (the application has it back)
   kCalled,    // an application's write or read entered the core (kPost follows once it is checked and queued)
+  kResolved,  // a batch the initiator copies itself has its copy list written (ipc: before the launch)
+  kHanded,    // a copy the initiator started went to the thread that answers it (ipc: the GPU completer)
 };
 
 extern bool g_on;  // set once, before any endpoint exists

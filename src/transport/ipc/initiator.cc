@@ -279,11 +279,15 @@ OneSided one_sided_batch(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op)
     return OneSided::kNo;
   }
   const int dev = map.value()->device;
+  trace::mark(trace::Event::kResolved, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
   bool handed = false;
   ok = c->cuda->start_table(dev, op.fragments, longest).is_ok();
   if (ok) trace::mark(trace::Event::kSent, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);  // the copy kernel is launched
   ok = ok && hand_over(ip, p, lane, op, c, dev, read, &handed);
-  if (handed) return OneSided::kMoved;
+  if (handed) {
+    trace::mark(trace::Event::kHanded, lane, op.hdr.type, op.hdr.slot, op.hdr.gen);
+    return OneSided::kMoved;
+  }
   ip.os->leave(c);
   // Started and failed, or waited for: either way no request may follow (the bytes may have moved).
   answer_one_sided(ip, p, lane, op.hdr.slot, op.hdr.gen, read, op.hdr.length, ok);
