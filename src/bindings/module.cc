@@ -181,12 +181,12 @@ Transfer post_entries(Peer& p, core::OpKind op, nb::handle entries, std::string 
 // makes one of any integer sequence), read in place.
 const uint64_t* column(nb::handle h, const char* name, size_t* n) {
   nb::ndarray<nb::ro> a;
-  const std::string what(name);
-  if (!nb::try_cast(h, a, false)) throw nb::type_error((what + " must be a uint64 array").c_str());
-  if (a.device_type() != nb::device::cpu::value) throw nb::type_error((what + " must be in host memory").c_str());
-  if (a.dtype() != nb::dtype<uint64_t>()) throw nb::type_error((what + " must have dtype uint64").c_str());
-  if (a.ndim() != 1) throw nb::value_error((what + " must be one-dimensional").c_str());
-  if (a.shape(0) > 1 && a.stride(0) != 1) throw nb::value_error((what + " must be contiguous").c_str());
+  auto says = [&](const char* what) { return std::string(name) + what; };  // built only on the way out
+  if (!nb::try_cast(h, a, false)) throw nb::type_error(says(" must be a uint64 array").c_str());
+  if (a.device_type() != nb::device::cpu::value) throw nb::type_error(says(" must be in host memory").c_str());
+  if (a.dtype() != nb::dtype<uint64_t>()) throw nb::type_error(says(" must have dtype uint64").c_str());
+  if (a.ndim() != 1) throw nb::value_error(says(" must be one-dimensional").c_str());
+  if (a.shape(0) > 1 && a.stride(0) != 1) throw nb::value_error(says(" must be contiguous").c_str());
   *n = a.shape(0);
   return static_cast<const uint64_t*>(a.data());
 }
