@@ -443,7 +443,7 @@ def _run_pair(args, plan: _Plan, combo: dict, last: bool, progress, task) -> tup
                 else B.RemotePair(opts, plan.capacity, plan.target, **plan.gpu_kw))
         for case in plan.cases:
             progress.update(task, description=f"{case.mode} {B.human(case.size)} x{case.num_iovs} {combo or ''}")
-            r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda: progress.advance(task))
+            r = B.run_case(pair, case, transport=pair.peer.transport, progress=lambda k=1: progress.advance(task, k))
             r.config = dict(combo, connect_ms=round(pair.connect_ms, 2))
             rows.append(r)
         if args.stats:

@@ -112,6 +112,21 @@ def test_check_catches_planted_corruption(num_iovs):
     assert good.check is True
 
 
+@pytest.mark.parametrize("depth", [0, 4])
+def test_timed_pass_reports_progress_seldom_and_completely(depth):
+    # A progress bar's update costs a few µs of Python: called per op it was part of every small op's
+    # time. The timed pass reports at most every 0.1 s and still accounts for every op.
+    calls = []
+    pair = B.LocalPair({}, 1 << 20)
+    try:
+        r = B.run_case(pair, B.Case("write", 8, 1, 400, 0, depth, False), progress=lambda k=1: calls.append(k))
+    finally:
+        pair.close()
+    timed_s = r.iters * 8 / (r.gbps * 1e9)
+    assert sum(calls) == 400
+    assert len(calls) <= timed_s / 0.1 + 2, (len(calls), timed_s)
+
+
 def test_failed_check_exits_nonzero(monkeypatch, capsys):
     monkeypatch.setattr(B, "LocalPair", CorruptingPair)
     rc = cli.main(["bench", "--quiet", "--sizes", "4K", "--iters", "2", "--check"])
