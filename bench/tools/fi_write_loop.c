@@ -118,6 +118,78 @@ static int reap(int want_all, int outstanding, int block) {
   return done;
 }
 
+/* The target: publishes the buffer's key and address, then progresses until the initiator hangs up
+   (the tcp provider moves target data only while the target reads its completion queue). */
+static int serve(char *buf, size_t ring, struct sockaddr_in sa) {
+  register_buffer(buf, ring, FI_REMOTE_WRITE | FI_REMOTE_READ);
+  struct wire w = {.key = fi_mr_key(mr), .size = ring, .addrlen = sizeof w.addr};
+  w.base = (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)buf : 0;
+  size_t len = sizeof w.addr;
+  CHECK(fi_getname(&ep->fid, w.addr, &len));
+  w.addrlen = (uint32_t)len;
+  int lfd = tcp_socket();
+  sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 1)) { perror("listen"); return 1; }
+  printf("ready\n");
+  fflush(stdout);
+  int fd = accept(lfd, NULL, NULL);
+  full(fd, &w, sizeof w, 1);
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+  for (unsigned long spin = 0;; ++spin) {
+    reap(0, 0, 1);
+    if ((busy_poll ? (spin & 1023) == 0 : 1) && poll(&p, 1, 0) > 0) break;
+  }
+  close(fd);
+  close(lfd);
+  return 0;
+}
+
+/* The initiator: `window` writes of `size` in flight over the target's buffer for `seconds`, then
+   prints "size GB/s writes". */
+static int drive(char *buf, size_t ring, size_t size, struct sockaddr_in sa, const char *host, int window, int dc,
+                 double seconds) {
+  register_buffer(buf, ring, FI_WRITE | FI_READ);
+  void *desc = fi_mr_desc(mr);
+  int fd = tcp_socket();
+  inet_pton(AF_INET, host, &sa.sin_addr);
+  for (int tries = 0; connect(fd, (struct sockaddr *)&sa, sizeof sa); ++tries) {
+    if (tries > 200) { perror("connect"); return 1; }
+    usleep(20000);
+  }
+  struct wire w;
+  full(fd, &w, sizeof w, 0);
+  if (w.size < ring) { fprintf(stderr, "target buffer is %lu bytes\n", (unsigned long)w.size); return 1; }
+  fi_addr_t peer;
+  if (fi_av_insert(av, w.addr, 1, &peer, 0, NULL) != 1) { fprintf(stderr, "fi_av_insert failed\n"); return 1; }
+  struct fi_context2 ctx[256];
+  if (window > 256) window = 256;
+  const size_t slots = ring / size;
+  uint64_t flags = FI_COMPLETION | (dc ? FI_DELIVERY_COMPLETE : 0);
+  unsigned long writes = 0;
+  int outstanding = 0;
+  double t0 = now(), t1 = t0;
+  while ((t1 = now()) - t0 < seconds) {
+    while (outstanding < window) {
+      const size_t at = (writes % slots) * size;
+      struct iovec iov = {.iov_base = buf + at, .iov_len = size};
+      struct fi_rma_iov rma = {.addr = w.base + at, .len = size, .key = w.key};
+      struct fi_msg_rma msg = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = peer,
+                               .rma_iov = &rma, .rma_iov_count = 1, .context = &ctx[writes % 256]};
+      ssize_t rc = fi_writemsg(ep, &msg, flags);
+      if (rc == -FI_EAGAIN) break;   /* progress, then retry */
+      if (rc) { fprintf(stderr, "fi_writemsg: %s\n", fi_strerror((int)-rc)); return 1; }
+      ++outstanding;
+      ++writes;
+    }
+    outstanding -= reap(0, outstanding, outstanding >= window);
+  }
+  reap(1, outstanding, 1);
+  t1 = now();
+  printf("%lu %.3f %lu\n", (unsigned long)size, (double)size * writes / (t1 - t0) / 1e9, writes);
+  close(fd);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   const char *prov = "tcp", *bind_addr = "127.0.0.1", *host = NULL;
   int server = 0, port = 5399, window = 16, dc = 0;
@@ -146,71 +218,8 @@ int main(int argc, char **argv) {
   char *buf = aligned_alloc(4096, (ring + 4095) / 4096 * 4096);
   memset(buf, server ? 0 : 0xab, ring);
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-
-  if (server) {
-    register_buffer(buf, ring, FI_REMOTE_WRITE | FI_REMOTE_READ);
-    struct wire w = {.key = fi_mr_key(mr), .size = ring, .addrlen = sizeof w.addr};
-    w.base = (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)buf : 0;
-    size_t len = sizeof w.addr;
-    CHECK(fi_getname(&ep->fid, w.addr, &len));
-    w.addrlen = (uint32_t)len;
-    int lfd = tcp_socket();
-    sa.sin_addr.s_addr = htonl(INADDR_ANY);
-    if (bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 1)) { perror("listen"); return 1; }
-    printf("ready\n");
-    fflush(stdout);
-    int fd = accept(lfd, NULL, NULL);
-    full(fd, &w, sizeof w, 1);
-    /* Progress until the initiator hangs up (the tcp provider moves target data from here). */
-    struct pollfd p = {.fd = fd, .events = POLLIN};
-    for (unsigned long spin = 0;; ++spin) {
-      reap(0, 0, 1);
-      if ((busy_poll ? (spin & 1023) == 0 : 1) && poll(&p, 1, 0) > 0) break;
-    }
-    close(fd);
-    close(lfd);
-  } else {
-    register_buffer(buf, ring, FI_WRITE | FI_READ);
-    void *desc = fi_mr_desc(mr);
-    int fd = tcp_socket();
-    inet_pton(AF_INET, host, &sa.sin_addr);
-    for (int tries = 0; connect(fd, (struct sockaddr *)&sa, sizeof sa); ++tries) {
-      if (tries > 200) { perror("connect"); return 1; }
-      usleep(20000);
-    }
-    struct wire w;
-    full(fd, &w, sizeof w, 0);
-    if (w.size < ring) { fprintf(stderr, "target buffer is %lu bytes\n", (unsigned long)w.size); return 1; }
-    fi_addr_t peer;
-    if (fi_av_insert(av, w.addr, 1, &peer, 0, NULL) != 1) { fprintf(stderr, "fi_av_insert failed\n"); return 1; }
-    struct fi_context2 ctx[256];
-    if (window > 256) window = 256;
-    const size_t slots = ring / size;
-    uint64_t flags = FI_COMPLETION | (dc ? FI_DELIVERY_COMPLETE : 0);
-    unsigned long writes = 0;
-    int outstanding = 0;
-    double t0 = now(), t1 = t0;
-    while ((t1 = now()) - t0 < seconds) {
-      while (outstanding < window) {
-        const size_t at = (writes % slots) * size;
-        struct iovec iov = {.iov_base = buf + at, .iov_len = size};
-        struct fi_rma_iov rma = {.addr = w.base + at, .len = size, .key = w.key};
-        struct fi_msg_rma msg = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = peer,
-                                 .rma_iov = &rma, .rma_iov_count = 1, .context = &ctx[writes % 256]};
-        ssize_t rc = fi_writemsg(ep, &msg, flags);
-        if (rc == -FI_EAGAIN) break;   /* progress, then retry */
-        if (rc) { fprintf(stderr, "fi_writemsg: %s\n", fi_strerror((int)-rc)); return 1; }
-        ++outstanding;
-        ++writes;
-      }
-      outstanding -= reap(0, outstanding, outstanding >= window);
-    }
-    reap(1, outstanding, 1);
-    t1 = now();
-    unsigned long done = writes;
-    printf("%lu %.3f %lu\n", (unsigned long)size, (double)size * done / (t1 - t0) / 1e9, done);
-    close(fd);
-  }
+  const int rc = server ? serve(buf, ring, sa) : drive(buf, ring, size, sa, host, window, dc, seconds);
+  if (rc) return rc;
   fi_close(&mr->fid);
   fi_close(&ep->fid);
   fi_close(&cq->fid);

@@ -179,6 +179,93 @@ bool progress_send(Comm* c) {
   return true;
 }
 
+// What one read of a staged (unpack) receive did.
+enum PageRead { kRead, kWait, kFailed };
+
+// One readv of the next pages (the partly filled one first) for `r`, with a fragment recorded for
+// each piece that arrived; pages not reached go back on the free list.
+PageRead recv_pages(Comm* c, Request* r, size_t want) {
+  iovec iov[kMaxIov];
+  uint32_t iov_page[kMaxIov], iov_off[kMaxIov];
+  int n = 0;
+  size_t left = want - r->got;
+  uint32_t page = c->cur_page, fill = c->cur_fill;
+  std::vector<uint32_t> taken;  // pages popped for this read (returned if unused)
+  while (left > 0 && n < kMaxIov) {
+    if (page == UINT32_MAX || fill == kUnpackPage) {
+      if (c->free_pages.empty()) break;
+      page = c->free_pages.back();
+      c->free_pages.pop_back();
+      taken.push_back(page);
+      // Every fourth page starts mid-page: fragments are not all page-aligned, as with real NICs.
+      fill = (c->pages_taken++ % 4 == 3) ? 100 : 0;
+    }
+    const size_t len = std::min<size_t>(left, kUnpackPage - fill);
+    uint8_t* dst = c->bounce->direct() ? c->bounce->base() + size_t(page) * kUnpackPage + fill : nullptr;
+    iov[n] = {dst, len};
+    iov_page[n] = page, iov_off[n] = fill;
+    ++n;
+    left -= len;
+    fill += uint32_t(len);
+  }
+  if (n == 0) return kWait;  // no free page: wait until the consumer gives some back
+  ssize_t s;
+  if (c->bounce->direct()) {
+    s = ::readv(c->fd, iov, n);
+  } else {
+    size_t total = 0;
+    for (int i = 0; i < n; ++i) total += iov[i].iov_len;
+    total = std::min(total, c->staging.size());
+    s = ::recv(c->fd, c->staging.data(), total, MSG_DONTWAIT);
+  }
+  if (s <= 0) {
+    for (auto it = taken.rbegin(); it != taken.rend(); ++it) c->free_pages.push_back(*it), --c->pages_taken;
+    if (s == 0) { c->failed = true; return kFailed; }  // the peer closed: normal at teardown, no warning
+    if (errno == EAGAIN || errno == EINTR) return kWait;
+    fail(c, "recv");
+    return kFailed;
+  }
+  // Record fragments for what arrived; pages not reached go back on the free list.
+  size_t k = size_t(s), staged = 0;
+  size_t used_taken = 0;
+  for (int i = 0; i < n && k > 0; ++i) {
+    const size_t len = std::min(k, iov[i].iov_len);
+    if (!c->bounce->direct() &&
+        !c->bounce->copy_in(size_t(iov_page[i]) * kUnpackPage + iov_off[i], c->staging.data() + staged, len)) {
+      errno = 0;
+      fail(c, "copy into the GPU bounce buffer failed");
+      return kFailed;
+    }
+    staged += len;
+    const bool same_page = iov_page[i] == c->cur_page;
+    if (!same_page) {
+      ++used_taken;
+      r->pages.push_back(iov_page[i]);
+    }
+    uint64_t& cnt = c->meta->cnt[r->slot];
+    UnpackEntry* e = c->meta->mem[r->slot];
+    const uint32_t src = uint32_t(size_t(iov_page[i]) * kUnpackPage + iov_off[i]);
+    if (same_page && cnt > 0 && e[cnt - 1].src_off + e[cnt - 1].len == src &&
+        e[cnt - 1].dst_off + e[cnt - 1].len == r->got) {
+      e[cnt - 1].len += uint32_t(len);  // the same page, continued by this read
+    } else {
+      if (cnt == kUnpackMaxEntries) {
+        errno = 0;
+        fail(c, "too many fragments");
+        return kFailed;
+      }
+      e[cnt] = UnpackEntry{src, uint32_t(len), r->got};
+      ++cnt;
+    }
+    r->got += len;
+    k -= len;
+    c->cur_page = iov_page[i];
+    c->cur_fill = iov_off[i] + uint32_t(len);
+  }
+  for (size_t i = taken.size(); i > used_taken; --i) c->free_pages.push_back(taken[i - 1]), --c->pages_taken;
+  return kRead;
+}
+
 // Fills the head receive's pages from the socket. False on a socket or protocol error.
 bool progress_recv(Comm* c) {
   while (c->head < c->queue.size()) {
@@ -204,80 +291,11 @@ bool progress_recv(Comm* c) {
         r->got += size_t(s);
         continue;
       }
-      // Gather the next pages (the partly filled one first) into one readv.
-      iovec iov[kMaxIov];
-      uint32_t iov_page[kMaxIov], iov_off[kMaxIov];
-      int n = 0;
-      size_t left = want - r->got;
-      uint32_t page = c->cur_page, fill = c->cur_fill;
-      std::vector<uint32_t> taken;  // pages popped for this read (returned if unused)
-      while (left > 0 && n < kMaxIov) {
-        if (page == UINT32_MAX || fill == kUnpackPage) {
-          if (c->free_pages.empty()) break;
-          page = c->free_pages.back();
-          c->free_pages.pop_back();
-          taken.push_back(page);
-          // Every fourth page starts mid-page: fragments are not all page-aligned, as with real NICs.
-          fill = (c->pages_taken++ % 4 == 3) ? 100 : 0;
-        }
-        const size_t len = std::min<size_t>(left, kUnpackPage - fill);
-        uint8_t* dst = c->bounce->direct() ? c->bounce->base() + size_t(page) * kUnpackPage + fill : nullptr;
-        iov[n] = {dst, len};
-        iov_page[n] = page, iov_off[n] = fill;
-        ++n;
-        left -= len;
-        fill += uint32_t(len);
+      switch (recv_pages(c, r, want)) {
+        case kRead: break;
+        case kWait: return true;
+        case kFailed: return false;
       }
-      if (n == 0) {  // no free page: wait until the consumer gives some back
-        return true;
-      }
-      ssize_t s;
-      if (c->bounce->direct()) {
-        s = ::readv(c->fd, iov, n);
-      } else {
-        size_t total = 0;
-        for (int i = 0; i < n; ++i) total += iov[i].iov_len;
-        total = std::min(total, c->staging.size());
-        s = ::recv(c->fd, c->staging.data(), total, MSG_DONTWAIT);
-      }
-      if (s <= 0) {
-        for (auto it = taken.rbegin(); it != taken.rend(); ++it) c->free_pages.push_back(*it), --c->pages_taken;
-        if (s == 0) { c->failed = true; return false; }  // the peer closed: normal at teardown, no warning
-        return errno == EAGAIN || errno == EINTR ? true : fail(c, "recv");
-      }
-      // Record fragments for what arrived; pages not reached go back on the free list.
-      size_t k = size_t(s), staged = 0;
-      size_t used_taken = 0;
-      for (int i = 0; i < n && k > 0; ++i) {
-        const size_t len = std::min(k, iov[i].iov_len);
-        if (!c->bounce->direct() &&
-            !c->bounce->copy_in(size_t(iov_page[i]) * kUnpackPage + iov_off[i], c->staging.data() + staged, len)) {
-          errno = 0;
-          return fail(c, "copy into the GPU bounce buffer failed");
-        }
-        staged += len;
-        const bool same_page = iov_page[i] == c->cur_page;
-        if (!same_page) {
-          ++used_taken;
-          r->pages.push_back(iov_page[i]);
-        }
-        uint64_t& cnt = c->meta->cnt[r->slot];
-        UnpackEntry* e = c->meta->mem[r->slot];
-        const uint32_t src = uint32_t(size_t(iov_page[i]) * kUnpackPage + iov_off[i]);
-        if (same_page && cnt > 0 && e[cnt - 1].src_off + e[cnt - 1].len == src &&
-            e[cnt - 1].dst_off + e[cnt - 1].len == r->got) {
-          e[cnt - 1].len += uint32_t(len);  // the same page, continued by this read
-        } else {
-          if (cnt == kUnpackMaxEntries) { errno = 0; return fail(c, "too many fragments"); }
-          e[cnt] = UnpackEntry{src, uint32_t(len), r->got};
-          ++cnt;
-        }
-        r->got += len;
-        k -= len;
-        c->cur_page = iov_page[i];
-        c->cur_fill = iov_off[i] + uint32_t(len);
-      }
-      for (size_t i = taken.size(); i > used_taken; --i) c->free_pages.push_back(taken[i - 1]), --c->pages_taken;
     }
     r->done = true;
     // The next message starts on a fresh page: pages belong to one receive only.
