@@ -253,6 +253,32 @@ class Case:
     async_depth: int   # 0: one op at a time; N: up to N ops in flight
     check: bool
     check_iters: int = 0  # checked operations before the timed pass (0: iters)
+    # > 0: the timed pass takes more than `iters` ops where needed to last about this long (not sends:
+    # the server counts their receives), its pace found by untimed ops first.
+    min_seconds: float = 0.0
+
+
+# The default timed pass (no --iters): a fixed count of a few large ops over NVLink lasts ~2 ms, and
+# its figure is the warm-up's.
+TIMED_PASS_S = 0.25
+MAX_TIMED_ITERS = 200_000
+
+
+def _timed_iters(case: Case, post: Callable) -> int:
+    """How many ops the timed pass takes: case.iters, or as many as fill case.min_seconds at the pace
+    of untimed ops run in doubling batches until one batch takes 20 ms (more warm-up, as well)."""
+    if case.min_seconds <= 0 or case.mode == "send":
+        return case.iters
+    k = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            post().wait(120)
+        took = time.perf_counter() - t0
+        if took >= 0.02 or k >= 4096:
+            break
+        k *= 2
+    return max(case.iters, min(MAX_TIMED_ITERS, int(case.min_seconds * k / took)))
 
 
 @dataclass
@@ -593,9 +619,10 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
         pair.ask("recv", total, case.warmup + case.iters)
     for _ in range(case.warmup):
         post().wait(120)
+    iters = _timed_iters(case, post)
     if before_timing:
         before_timing()
-    lat = np.empty(case.iters)
+    lat = np.empty(iters)
     cpu_c0, cpu_s0 = cpu_seconds(), pair.ask("cpu") if case.mode != "send" else None
     stolen0 = stolen_seconds()
     # The timed pass reports progress at most every 0.1 s: a progress bar's update costs a few µs of
@@ -603,7 +630,7 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
     shown, last = 0, time.perf_counter()
     t0 = last
     if case.async_depth <= 0:
-        for i in range(case.iters):
+        for i in range(iters):
             s = time.perf_counter()
             post().wait(120)
             lat[i] = time.perf_counter() - s
@@ -612,7 +639,7 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
                 shown, last = i + 1, s
     else:
         inflight: list[tuple[tether.Transfer, float]] = []
-        for i in range(case.iters):
+        for i in range(iters):
             if len(inflight) >= case.async_depth:
                 t, s = inflight.pop(0)
                 t.wait(120)
@@ -625,10 +652,10 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
                 shown, last = i + 1, s
         for j, (t, s) in enumerate(inflight):
             t.wait(120)
-            lat[case.iters - len(inflight) + j] = time.perf_counter() - s
+            lat[iters - len(inflight) + j] = time.perf_counter() - s
     elapsed = time.perf_counter() - t0
-    if progress and shown < case.iters:
-        progress(case.iters - shown)
+    if progress and shown < iters:
+        progress(iters - shown)
     steal = steal_share(stolen0, elapsed)
     cpu_c = cpu_seconds() - cpu_c0
     if case.mode == "send":
@@ -641,7 +668,7 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
         mode=case.mode, transport=transport or pair.peer.transport,
         device=f"{where(pair.device)}>{where(pair.remote_device)}" if pair.device is not None or pair.remote_device is not None else "cpu",
         size=case.size, num_iovs=case.num_iovs,
-        iters=case.iters, gbps=total * case.iters / elapsed / 1e9,
+        iters=iters, gbps=total * iters / elapsed / 1e9,
         lat_p50_us=float(np.percentile(lat, 50) * 1e6), lat_p99_us=float(np.percentile(lat, 99) * 1e6),
         cpu_client=100.0 * cpu_c / elapsed, cpu_server=100.0 * cpu_s / elapsed, check=check_ok,
         steal_pct=steal)

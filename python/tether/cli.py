@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"bytes per block, comma list with binary suffixes K, M, G (default {DEFAULT_SIZES})")
     b.add_argument("--num-iovs", metavar="LIST", type=_csv(_count(), "count"), default=[1],
                    help="blocks per vectored op, comma list; crossed with --sizes (default 1)")
-    b.add_argument("--iters", metavar="N", type=_count(), default=None, help="measured ops per case (default: by size)")
+    b.add_argument("--iters", metavar="N", type=_count(), default=None, help="measured ops per case (default: by size, and as many more as fill 0.25 s)")
     b.add_argument("--warmup", metavar="N", type=_count(0), default=None, help="unmeasured ops first (default: 10%% of iters, at least 1)")
     b.add_argument("--mode", metavar="LIST", type=_csv(_choice("mode", *MODES), "mode"), default=["write"],
                    help="operations to measure, comma list of write, read, send (default: write)")
@@ -404,7 +404,7 @@ def _plan_cases(args, plan: _Plan) -> None:
         B.Case(mode=m, size=s, num_iovs=n, iters=args.iters or B.auto_iters(s, n),
                warmup=args.warmup if args.warmup is not None else max(1, (args.iters or B.auto_iters(s, n)) // 10),
                async_depth=args.depth if args.async_api else 0, check=args.check,
-               check_iters=args.check_iters)
+               check_iters=args.check_iters, min_seconds=0.0 if args.iters or args.full_mesh else B.TIMED_PASS_S)
         for m in args.mode for n in args.num_iovs for s in plan.sizes if not (m == "send" and n != 1)
     ]
     if not plan.cases:  # --mode send --num-iovs 4: nothing would run, and an empty table says nothing

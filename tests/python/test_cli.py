@@ -127,6 +127,22 @@ def test_timed_pass_reports_progress_seldom_and_completely(depth):
     assert len(calls) <= timed_s / 0.1 + 2, (len(calls), timed_s)
 
 
+def test_default_timed_pass_lasts_long_enough():
+    # Eight 64 MiB ops over NVLink took 2 ms: the figure was the warm-up's. Without --iters the timed
+    # pass takes as many ops as fill TIMED_PASS_S; a fixed count and sends (the server counts their
+    # receives) keep theirs.
+    pair = B.LocalPair({}, 1 << 20)
+    try:
+        timed = B.run_case(pair, B.Case("write", 8, 1, 5, 1, 0, False, min_seconds=0.1))
+        fixed = B.run_case(pair, B.Case("write", 8, 1, 5, 1, 0, False))
+        sends = B.run_case(pair, B.Case("send", 8, 1, 5, 1, 0, False, min_seconds=0.1))
+    finally:
+        pair.close()
+    assert timed.iters > 5 and timed.iters * 8 / (timed.gbps * 1e9) >= 0.05, timed
+    assert fixed.iters == 5 and sends.iters == 5
+    assert "fill 0.25 s" in run_cli("bench", "--help").stdout
+
+
 def test_failed_check_exits_nonzero(monkeypatch, capsys):
     monkeypatch.setattr(B, "LocalPair", CorruptingPair)
     rc = cli.main(["bench", "--quiet", "--sizes", "4K", "--iters", "2", "--check"])
