@@ -54,7 +54,7 @@ uint64_t PeerState::read_chunk_bytes(const TransferState& t, int local_device, c
 
 // Pieces under `chunk` each, `limit` bytes in all.
 uint32_t PeerState::pack_batch(TransferState* t, Slot& s, uint64_t chunk, uint64_t limit) {
-  const std::vector<Segment>& segs = t->segments;
+  const Segments& segs = t->segments;
   const Segment& first = segs[t->cur_segment];
   const uint64_t rest = first.length - t->cur_offset;
   if (rest >= chunk || t->cur_segment + 1 >= segs.size()) return 0;

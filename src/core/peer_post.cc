@@ -57,29 +57,53 @@ std::shared_ptr<TransferState> two_sided(OpKind op, const Region& local, uint64_
   return t;
 }
 
+// Both ends of block `b` inside their ranges. Without branches: the store loop checks every block and
+// looks for the first bad one only when some block was out of range.
+inline bool fits(const Block& b, uint64_t local_size, uint64_t remote_length) {
+  return (b.local_offset <= local_size) & (b.length <= local_size - b.local_offset) &
+         (b.remote_offset <= remote_length) & (b.length <= remote_length - b.remote_offset);
+}
+
 // Checks each block of `run` against both ranges and stores it as a segment (zero-length blocks are
-// skipped); `at(j)` reads block j. Returns the index of the first block out of range, else run.n.
+// skipped); `at(j)` reads block j. Returns the index of the first block out of range, else run.n. One
+// pass writing through a pointer into room made once (no zeroing: Segments): push_back per block
+// re-read the vector's end after every store. Not inlined: inside post_rma its values were spilled.
 template <typename At>
-size_t store_blocks(const At& at, const BlockRun& run, const RegionState& l, uint32_t index, std::vector<Segment>& segs,
-                    uint64_t* bytes) {
+[[gnu::noinline]] size_t store_blocks(const At& at, const BlockRun& run, const RegionState& l, uint32_t index,
+                                      Segments& segs, uint64_t* bytes) {
   const RemoteRegion& rr = *run.remote;
+  const uint64_t lsize = l.size, rlen = rr.length, roff = rr.offset;
+  uint8_t* const base = l.base;
+  const size_t before = segs.size();
+  segs.resize(before + run.n);
+  Segment* out = segs.data() + before;
+  uint64_t sum = 0;
+  bool ok = true;
   for (size_t j = 0; j < run.n; ++j) {
     const Block b = at(j);
-    if (!in_bounds(b.local_offset, b.length, l.size) || !in_bounds(b.remote_offset, b.length, rr.length)) return j;
-    if (b.length == 0) continue;
-    segs.push_back(Segment{l.base + b.local_offset, b.length, rr.offset + b.remote_offset, index});
-    *bytes += b.length;
+    ok &= fits(b, lsize, rlen);
+    *out = Segment{base + b.local_offset, b.length, roff + b.remote_offset, index};
+    out += b.length != 0;
+    sum += b.length;
   }
+  segs.resize(size_t(out - segs.data()));
+  if (!ok) {
+    size_t j = 0;
+    while (fits(at(j), lsize, rlen)) ++j;
+    return j;
+  }
+  *bytes += sum;
   return run.n;
 }
 
 // store_blocks over whichever form the run's blocks take (a table, or columns: BlockRun).
-size_t store_run(const BlockRun& run, const RegionState& l, uint32_t index, std::vector<Segment>& segs, uint64_t* bytes) {
+size_t store_run(const BlockRun& run, const RegionState& l, uint32_t index, Segments& segs, uint64_t* bytes) {
   if (run.blocks) return store_blocks([&](size_t j) { return run.blocks[j]; }, run, l, index, segs, bytes);
   const uint64_t *lo = run.local_offsets, *ro = run.remote_offsets;
   if (run.lengths)
     return store_blocks([&](size_t j) { return Block{lo[j], ro[j], run.lengths[j]}; }, run, l, index, segs, bytes);
-  return store_blocks([&](size_t j) { return Block{lo[j], ro[j], run.length}; }, run, l, index, segs, bytes);
+  const uint64_t len = run.length;
+  return store_blocks([&](size_t j) { return Block{lo[j], ro[j], len}; }, run, l, index, segs, bytes);
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/region.h"
@@ -29,13 +31,37 @@ struct Run {
 
 // One contiguous piece of a transfer: local bytes <-> a range of its run's descriptor. Small, because
 // a post writes one per block and a KV pull posts thousands: what blocks share lives in their Run.
+// Built with all four fields always (no member initialisers): Segments makes room for thousands of them
+// without zeroing what the post then writes.
 struct Segment {
-  uint8_t* local = nullptr;
-  uint64_t length = 0;
-  uint64_t remote_offset = 0;  // absolute offset in the remote region / message
-  uint32_t run = 0;            // index into TransferState::runs
+  uint8_t* local;
+  uint64_t length;
+  uint64_t remote_offset;  // absolute offset in the remote region / message
+  uint32_t run;            // index into TransferState::runs
 };
-static_assert(sizeof(Segment) == 32);
+static_assert(sizeof(Segment) == 32 && std::is_trivial_v<Segment>);
+
+// An allocator whose value-initialisation default-initialises: resize() leaves trivial elements as
+// they are, for a writer that fills them at once.
+template <typename T>
+struct NoZeroing : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = NoZeroing<U>;
+  };
+  NoZeroing() = default;
+  template <typename U>
+  NoZeroing(const NoZeroing<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+using Segments = std::vector<Segment, NoZeroing<Segment>>;
 
 // GPU of a run's local bytes, -1 for host memory; whether its remote bytes are GPU memory.
 inline int32_t device_of(const Run& r) {
@@ -49,7 +75,7 @@ struct TransferState {
   OpKind op = OpKind::kWrite;
   // Payload bytes; for a recv, set by the control thread when a message matches (so atomic).
   std::atomic<uint64_t> bytes{0};
-  std::vector<Segment> segments;
+  Segments segments;
   std::vector<Run> runs;  // what segments share, by Segment::run
   const Run& run_of(const Segment& g) const { return runs[g.run]; }
   // write/read: the distinct descriptors segments point to, one copy each however many blocks use it

@@ -129,6 +129,8 @@ def test_out_of_range_block_names_it_and_writes_nothing(duo):
     assert "(block 17)" in str(e) and "local range" in str(e), str(e)
     e = immediate_error(peer.writev_blocks(rs, d, lo, bad_remote, size), tether.OutOfRange)
     assert "(block 41)" in str(e) and "remote range" in str(e), str(e)
+    e = immediate_error(peer.writev_blocks(rs, d, bad_local, bad_remote, size), tether.OutOfRange)
+    assert "(block 17)" in str(e), "the first block out of range is the one named: " + str(e)
     huge = lo.copy()
     huge[5] = (1 << 64) - 1  # offset + length wraps around 2**64
     e = immediate_error(peer.writev_blocks(rs, d, lo, huge, size), tether.OutOfRange)
