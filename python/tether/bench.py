@@ -278,7 +278,7 @@ def _timed_iters(case: Case, post: Callable) -> int:
         if took >= 0.02 or k >= 4096:
             break
         k *= 2
-    return max(case.iters, min(MAX_TIMED_ITERS, int(case.min_seconds * k / took)))
+    return max(case.iters, min(MAX_TIMED_ITERS, int(case.min_seconds * k / max(took, 1e-9))))
 
 
 @dataclass

@@ -57,11 +57,10 @@ std::shared_ptr<TransferState> two_sided(OpKind op, const Region& local, uint64_
   return t;
 }
 
-// Both ends of block `b` inside their ranges. Without branches: the store loop checks every block and
+// Both ends of block `b` inside their ranges, without a branch: the store loop checks every block and
 // looks for the first bad one only when some block was out of range.
 inline bool fits(const Block& b, uint64_t local_size, uint64_t remote_length) {
-  return (b.local_offset <= local_size) & (b.length <= local_size - b.local_offset) &
-         (b.remote_offset <= remote_length) & (b.length <= remote_length - b.remote_offset);
+  return in_bounds(b.local_offset, b.length, local_size) & in_bounds(b.remote_offset, b.length, remote_length);
 }
 
 // Checks each block of `run` against both ranges and stores it as a segment (zero-length blocks are

@@ -70,9 +70,10 @@ class RegionRegistry {
   std::unordered_map<uint32_t, std::shared_ptr<RegionState>> regions_;
 };
 
-// Local-side bounds check shared by every operation: [offset, offset+length) within size.
+// Bounds check shared by every operation: [offset, offset+length) within size. Without a branch (the
+// difference wraps when offset > size, and the first test fails then): a post checks thousands of blocks.
 inline bool in_bounds(uint64_t offset, uint64_t length, uint64_t size) {
-  return offset <= size && length <= size - offset;
+  return (offset <= size) & (length <= size - offset);
 }
 
 }  // namespace tether::core
