@@ -135,7 +135,7 @@ def main() -> int:
 
 def sweep(a, configs, runs, p50s, ceilings, steal, start: float, durations: list[float]) -> None:
     """Runs the rounds, appending to runs, p50s, ceilings, steal and (per whole round) durations."""
-    from tether.bench import steal_share, stolen_seconds  # here, as in ceiling_gbps: the tables alone need no tether
+    from tether.bench import cpu_ticks, steal_share  # here, as in ceiling_gbps: the tables alone need no tether
     for r in range(a.rounds):
         if not should_start(time.monotonic() - start, durations, a.deadline):
             print(f"deadline: {r} rounds run", flush=True)
@@ -148,10 +148,10 @@ def sweep(a, configs, runs, p50s, ceilings, steal, start: float, durations: list
         steal.append(0.0)
         for name, env in order:
             log = f"{a.out}/{name}_{r + 1}.log"
-            stolen0, t0 = stolen_seconds(), time.monotonic()
+            ticks0 = cpu_ticks()
             with open(log, "w") as f:
                 rc = run_group(a.command, env, f, a.timeout)
-            share = steal_share(stolen0, time.monotonic() - t0)
+            share = steal_share(ticks0)
             steal[-1] = max(steal[-1], share)
             parsed = list(table_rows(log))
             rows = [(k, g, c) for k, _, g, c in parsed]

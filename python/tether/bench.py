@@ -119,20 +119,24 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def stolen_seconds() -> float:
-    """CPU-seconds the hypervisor has held this machine's CPUs back so far (/proc/stat's steal; 0 where
-    there is none): a figure taken while it grew measures the host as much as tether."""
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, all) clock ticks this machine's CPUs have spent so far, from /proc/stat's first line; (0, 0)
+    where there is none. Steal is the time the hypervisor held the CPUs back: a figure taken while it grew
+    measures the host as much as tether."""
     try:
         with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        return ticks[7], sum(ticks)
     except (OSError, ValueError, IndexError):
-        return 0.0
+        return 0, 0
 
 
-def steal_share(stolen0: float, elapsed: float) -> float:
-    """% of this machine's CPU time the hypervisor took since stolen_seconds() read `stolen0`, `elapsed` s ago."""
-    return 100.0 * (stolen_seconds() - stolen0) / (max(elapsed, 1e-9) * (os.cpu_count() or 1))
+def steal_share(before: tuple[int, int], after: Optional[tuple[int, int]] = None) -> float:
+    """% of this machine's CPU time the hypervisor took between two cpu_ticks() readings (`after` defaults
+    to now). Both counts tick alike, so a pass shorter than a tick reads 0-100 %, never more."""
+    steal1, all1 = after if after is not None else cpu_ticks()
+    ticks = all1 - before[1]
+    return 100.0 * (steal1 - before[0]) / ticks if ticks > 0 else 0.0
 
 
 def parse_size(text: str) -> int:
@@ -297,7 +301,7 @@ class Result:
     check: Optional[bool]
     config: dict = field(default_factory=dict)
     ceiling_gbps: Optional[float] = None  # --ceiling: tcp_ceiling's GB/s with as many streams as lanes
-    steal_pct: float = 0.0  # % of this machine's CPU time the hypervisor took during the timed pass (stolen_seconds)
+    steal_pct: float = 0.0  # % of this machine's CPU time the hypervisor took during the timed pass (steal_share)
 
 
 # ---------------------------------------------------------------- command channels
@@ -624,7 +628,7 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
         before_timing()
     lat = np.empty(iters)
     cpu_c0, cpu_s0 = cpu_seconds(), pair.ask("cpu") if case.mode != "send" else None
-    stolen0 = stolen_seconds()
+    ticks0 = cpu_ticks()
     # The timed pass reports progress at most every 0.1 s: a progress bar's update costs a few µs of
     # Python, as much as a small op itself.
     shown, last = 0, time.perf_counter()
@@ -656,7 +660,7 @@ def run_case(pair: Pair, case: Case, transport: Optional[str] = None, progress: 
     elapsed = time.perf_counter() - t0
     if progress and shown < iters:
         progress(iters - shown)
-    steal = steal_share(stolen0, elapsed)
+    steal = steal_share(ticks0)
     cpu_c = cpu_seconds() - cpu_c0
     if case.mode == "send":
         pair.channel.recv()  # the server's receives are all done

@@ -589,7 +589,7 @@ STEAL_FLAG_PCT = 1.0  # rows during which the hypervisor took at least this % of
 
 
 def steal_line(results) -> Optional[str]:
-    """The rows during which the hypervisor held this machine's CPUs back (bench.stolen_seconds), for the
+    """The rows during which the hypervisor held this machine's CPUs back (bench.steal_share), for the
     caption; None when none was."""
     from tether import bench as B
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -91,7 +92,7 @@ def test_doctor_piped_at_80_columns():
 
 def test_rows_the_hypervisor_took_cpu_time_from_are_named_under_the_table():
     """A row during whose timed pass the hypervisor took >= 1 % of the machine's CPU time (/proc/stat's
-    steal, bench.stolen_seconds) is named in the caption with its share; on the GPU host the rows that ran
+    steal, bench.steal_share) is named in the caption with its share; on the GPU host the rows that ran
     at half their rate came with it. Rows below the mark, and tables without any, say nothing."""
     def row(mode, size, steal):
         return B.Result(mode=mode, transport="tcp", device="cpu", size=size, num_iovs=1, iters=5, gbps=20.0,
@@ -104,8 +105,19 @@ def test_rows_the_hypervisor_took_cpu_time_from_are_named_under_the_table():
     assert "256 MiB" not in line
     table, _width = cli.results_table(quiet + [row("write", 16 << 20, 3.25)], False, False, 1.0, 300)
     assert "stolen by the hypervisor" in str(table.caption)
-    first = B.stolen_seconds()
-    assert 0.0 <= first <= B.stolen_seconds()  # a counter: never goes back (0 where /proc/stat has no steal)
+
+
+def test_steal_share_is_a_share_of_the_ticks_that_passed_never_of_wall_time():
+    """The hypervisor's share is steal ticks over all ticks of the same interval: a pass shorter than one
+    tick that saw a steal tick land reads 100 %, not the thousands of % that dividing by its wall time gave."""
+    assert B.steal_share((10, 1000), (13, 1100)) == 3.0
+    assert B.steal_share((10, 1000), (11, 1001)) == 100.0
+    assert B.steal_share((10, 1000), (10, 1000)) == 0.0  # no tick passed: nothing to share
+    steal0, all0 = B.cpu_ticks()
+    time.sleep(0.05)
+    steal1, all1 = B.cpu_ticks()
+    assert 0 <= steal0 <= steal1 and 0 <= all0 <= all1  # counters: never go back ((0, 0) without /proc/stat)
+    assert 0.0 <= B.steal_share((steal0, all0)) <= 100.0
 
 
 def test_every_option_has_help():

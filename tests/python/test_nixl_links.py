@@ -31,9 +31,9 @@ def test_add_write_remove_churn_leaves_nothing_behind(spawn, transport):
     a.call("churn", md, dst, "src", 0, warm, block, timeout=60)
     b_before = b.call("usage")
     r = a.call("churn", md, dst, "src", warm, rounds, block, timeout=120)
+    (fds0, threads0, rss0), (fds1, threads1, rss1) = r["before"], _settled(a, r["before"][1])
     time.sleep(0.5)  # the target lets go of each link as it sees it closed
     b_after = b.call("usage")
-    (fds0, threads0, rss0), (fds1, threads1, rss1) = r["before"], r["after"]
     print(f"\n{transport}: {rounds} rounds in {r['seconds']:.1f} s ({rounds / r['seconds']:.0f}/s); initiator fds "
           f"{fds0} -> {fds1}, threads {threads0} -> {threads1}, RSS {rss0 / MiB:.1f} -> {rss1 / MiB:.1f} MiB; "
           f"target fds {b_before[0]} -> {b_after[0]}, threads {b_before[1]} -> {b_after[1]}, "
@@ -45,6 +45,15 @@ def test_add_write_remove_churn_leaves_nothing_behind(spawn, transport):
     assert b_after[1] <= b_before[1] + 1, f"target threads {b_before[1]} -> {b_after[1]} over {rounds} rounds"
     assert r["seconds"] < 60
     assert _bytes(b, "dst").tobytes() == rand_bytes(21, size).tobytes()
+
+
+def _settled(agent, threads: int, bound: float = 5.0) -> tuple:
+    """The agent's (fds, threads, RSS) once its thread count is back to `threads`, or after `bound` s:
+    a removed link's threads end as its sockets close, a moment after remove_remote_agent returns."""
+    deadline = time.monotonic() + bound
+    while (now := agent.call("usage"))[1] > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
 
 
 def _attempt(a, key: str, timeout: float) -> str:
