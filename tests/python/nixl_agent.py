@@ -150,7 +150,7 @@ class _Side:
     def cmd_churn(self, metadata: bytes, remote: tuple, src: str, first: int, count: int, block: int) -> dict:
         """`count` rounds of add_remote_agent / one WRITE of block i of `src` to block i of `remote`
         (addr, len, dev) / remove_remote_agent, i from `first`, as an engine adding and dropping peers
-        does: this process's (fds, threads, RSS) before and after, and the seconds the rounds took."""
+        does: this process's (fds, threads, RSS) before them, and the seconds they took."""
         mem, addr, size, dev = self._mem(src)
         raddr, _, rdev = remote
         n = size // block
@@ -175,7 +175,7 @@ class _Side:
             self.agent.remove_remote_agent(name)
         took = time.monotonic() - t0
         self.agent.release_dlist_handle(local)
-        return {"before": before, "after": _usage(), "seconds": took}
+        return {"before": before, "seconds": took}
 
     # -- notifications
     def cmd_send_notif(self, agent: str, msg: bytes):

@@ -12,7 +12,7 @@ import pytest
 
 from nixl_agent import AgentError
 from test_nixl import NO_NIXL, SITES, _bytes, _register, _whole, agents, linked, nixl_site, spawn  # noqa: F401  (fixtures)
-from tether_testutil.data import MiB, rand_bytes
+from tether_testutil.data import MiB, rand_bytes, wait_until
 
 pytestmark = pytest.mark.skipif(not SITES, reason=NO_NIXL)
 
@@ -31,7 +31,10 @@ def test_add_write_remove_churn_leaves_nothing_behind(spawn, transport):
     a.call("churn", md, dst, "src", 0, warm, block, timeout=60)
     b_before = b.call("usage")
     r = a.call("churn", md, dst, "src", warm, rounds, block, timeout=120)
-    (fds0, threads0, rss0), (fds1, threads1, rss1) = r["before"], _settled(a, r["before"][1])
+    fds0, threads0, rss0 = r["before"]
+    # a removed link's threads end as its sockets close, a moment after remove_remote_agent returns
+    wait_until(lambda: a.call("usage")[1] <= threads0, 5)
+    fds1, threads1, rss1 = a.call("usage")
     time.sleep(0.5)  # the target lets go of each link as it sees it closed
     b_after = b.call("usage")
     print(f"\n{transport}: {rounds} rounds in {r['seconds']:.1f} s ({rounds / r['seconds']:.0f}/s); initiator fds "
@@ -45,15 +48,6 @@ def test_add_write_remove_churn_leaves_nothing_behind(spawn, transport):
     assert b_after[1] <= b_before[1] + 1, f"target threads {b_before[1]} -> {b_after[1]} over {rounds} rounds"
     assert r["seconds"] < 60
     assert _bytes(b, "dst").tobytes() == rand_bytes(21, size).tobytes()
-
-
-def _settled(agent, threads: int, bound: float = 5.0) -> tuple:
-    """The agent's (fds, threads, RSS) once its thread count is back to `threads`, or after `bound` s:
-    a removed link's threads end as its sockets close, a moment after remove_remote_agent returns."""
-    deadline = time.monotonic() + bound
-    while (now := agent.call("usage"))[1] > threads and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return now
 
 
 def _attempt(a, key: str, timeout: float) -> str:
