@@ -110,6 +110,7 @@ void answer_one_sided(IpcPeer& ip, Link& p, uint32_t lane, uint32_t slot, uint32
 // Its answer frees a window slot that a queued chunk may be waiting for, and no lane thread hears
 // of it (no message came): the chunks it lets go are taken here.
 void finish_one_sided(GpuCompleter::Pending& q, bool ok) {
+  q.os->leave(q.ctx);  // the copy touches the target's memory no more
   auto& p = *static_cast<Link*>(q.peer.get());
   auto& ip = *static_cast<IpcPeer*>(p.transport_state.get());  // kept by the hold one_sided() took
   answer_one_sided(ip, p, q.lane, q.slot, q.gen, q.read, q.length, ok);
@@ -146,6 +147,7 @@ bool hand_over(IpcPeer& ip, Link& p, uint32_t lane, const ChunkOp& op, OneSidedI
   q.os = ip.os.get();
   q.ctx = c;
   q.device = device;
+  q.done = [](GpuCompleter::Pending& x) { return x.ctx->cuda->done(x.device); };
   q.finish = finish_one_sided;
   // Write batches only: with two reads in flight a second launching thread lost (docs/PERFORMANCE.md,
   // "Same host: ipc, GPU memory").

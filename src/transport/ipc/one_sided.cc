@@ -181,12 +181,11 @@ void GpuCompleter::poll_once(bool own) {
   }
   for (uint32_t i = 0; i < flying_;) {
     Pending& p = flight_[i];
-    auto done = p.ctx->cuda->done(p.device);
+    auto done = p.done(p);
     if (done.is_ok() && !done.value()) {
       ++i;
       continue;
     }
-    p.os->leave(p.ctx);  // the copy touches the target's memory no more
     p.finish(p, done.is_ok());
     if (i != flying_ - 1) p = std::move(flight_[flying_ - 1]);
     flight_[--flying_] = Pending{};
@@ -229,8 +228,12 @@ void GpuCompleter::run() {
       idle_since = now;
     } else if (!stopping && now - idle_since >= busy_ns) {
       std::unique_lock lock(mu_);
+      // Asleep only while nothing is outstanding: a waiter's finish_here() may have taken what was
+      // pushed (queued_ back to 0) and then stopped polling it, and only this thread is left to.
       sleeping_ = true;
-      cv_.wait(lock, [&] { return queued_ > 0 || stopping_.load(std::memory_order_relaxed); });
+      cv_.wait(lock, [&] {
+        return queued_ > 0 || outstanding_.load(std::memory_order_relaxed) > 0 || stopping_.load(std::memory_order_relaxed);
+      });
       sleeping_ = false;
       idle_since = core::mono_ns();
       continue;

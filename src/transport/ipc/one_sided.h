@@ -141,7 +141,10 @@ class GpuCompleter {
     OneSidedInitiator* os = nullptr;
     OneSidedInitiator::Context* ctx = nullptr;
     int device = -1;
-    void (*finish)(Pending&, bool ok) = nullptr;  // answers the chunk, on the thread that saw it end
+    // Whether the copy has ended (an error: it failed); polled by whichever thread polls.
+    Result<bool> (*done)(Pending&) = nullptr;
+    // Lets go of the hazard and answers the chunk, on the thread that saw the copy end.
+    void (*finish)(Pending&, bool ok) = nullptr;
     // Set for a write batch: takes the peer's further queued chunks, called by the completer's own
     // thread once it has taken this one, so an op's next batch is cut and launched beside the poster's.
     void (*take_queued)(void* peer) = nullptr;
