@@ -50,7 +50,8 @@ bool finished_within(const FakeCopy& c, int ms) {
 
 // A waiter's finish_here() takes a copy pushed while the completer slept, before the completer wakes,
 // and stops polling while the copy still runs (it went to sleep on its transfer): the completer must
-// poll it to the end. It once went back to sleep seeing nothing queued, and the transfer hung.
+// poll it to the end: a completer that sleeps while nothing is queued leaves it unpolled, and its
+// transfer hangs.
 TEST(GpuCompleter, FinishesACopyAWaiterTookAndLeft) {
   GpuCompleter completer(0);  // sleeps as soon as nothing is outstanding
   for (int round = 0; round < 200; ++round) {
